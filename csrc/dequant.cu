@@ -1,0 +1,102 @@
+// Dequantize packed weights to a dense [N, K] matrix for the prefill path
+// (M > 16 tokens), where a tensor-core GEMM on the dense weight beats any
+// GEMV.  w = (q - zero) * scale is computed in fp32 and rounded once.
+#include "qgemv_common.cuh"
+
+namespace qgemv {
+namespace {
+
+template <typename OutT>
+__device__ __forceinline__ OutT cvt(float v);
+template <>
+__device__ __forceinline__ __half cvt<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 cvt<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ float cvt<float>(float v) { return v; }
+
+// One thread per logical int4 word (8 consecutive k of one row).
+template <typename OutT>
+__global__ void dequant_int4_kernel(const GemvParams p, OutT* __restrict__ out) {
+  const int words = p.K / 8;
+  const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= p.N * words) return;
+  const int row = idx / words, lw = idx % words;
+  // Undo the word swizzle: within a block of 4c words (c = 4 except in the
+  // tail) logical word 4j + t is stored at position t*c + j.
+  const int nfull = p.Kp / 128;
+  const int block = lw / 16, j = (lw % 16) / 4, t = lw % 4;
+  const int c = block < nfull ? 4 : (p.Kp % 128) / 32;
+  const uint32_t* q = static_cast<const uint32_t*>(p.qweight) + static_cast<size_t>(row) * (p.Kp / 8);
+  const uint32_t w = q[block * 16 + t * c + j];
+  const __half* scales = static_cast<const __half*>(p.scales);
+  float scale, zero = 8.f;
+  if (p.group_size > 0) {
+    const int ng = p.K / p.group_size, gi = lw * 8 / p.group_size;
+    scale = __half2float(scales[row * ng + gi]);
+    if (p.zeros != nullptr) zero = p.zeros[row * ng + gi];
+  } else {
+    scale = __half2float(scales[row]);
+  }
+  // Nibble position i holds logical element kOrder[i] = {0,2,4,6,1,3,5,7}.
+  OutT v[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int e = (i < 4) ? 2 * i : 2 * (i - 4) + 1;
+    v[e] = cvt<OutT>((static_cast<float>((w >> (4 * i)) & 0xf) - zero) * scale);
+  }
+  OutT* o = out + static_cast<size_t>(row) * p.K + lw * 8;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) o[e] = v[e];
+}
+
+// One thread per 8 consecutive int8 weights of one row.
+template <typename OutT>
+__global__ void dequant_int8_kernel(const GemvParams p, OutT* __restrict__ out) {
+  const int chunks = p.K / 8;
+  const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= p.N * chunks) return;
+  const int row = idx / chunks, ch = idx % chunks;
+  const int8_t* q = static_cast<const int8_t*>(p.qweight) + static_cast<size_t>(row) * p.Kp + ch * 8;
+  const float scale = __half2float(static_cast<const __half*>(p.scales)[row]);
+  OutT* o = out + static_cast<size_t>(row) * p.K + ch * 8;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) o[e] = cvt<OutT>(static_cast<float>(q[e]) * scale);
+}
+
+template <typename OutT>
+Status run_int4(const GemvParams& p, void* out, cudaStream_t stream) {
+  const int total = p.N * (p.K / 8);
+  dequant_int4_kernel<OutT><<<(total + 255) / 256, 256, 0, stream>>>(p, static_cast<OutT*>(out));
+  return cudaGetLastError() == cudaSuccess ? Status::kOk : Status::kLaunchFailed;
+}
+
+template <typename OutT>
+Status run_int8(const GemvParams& p, void* out, cudaStream_t stream) {
+  const int total = p.N * (p.K / 8);
+  dequant_int8_kernel<OutT><<<(total + 255) / 256, 256, 0, stream>>>(p, static_cast<OutT*>(out));
+  return cudaGetLastError() == cudaSuccess ? Status::kOk : Status::kLaunchFailed;
+}
+
+}  // namespace
+
+// The output type follows p.act.
+Status dequant_int4(const GemvParams& p, void* w_out, cudaStream_t stream) {
+  switch (p.act) {
+    case ActType::kHalf: return run_int4<__half>(p, w_out, stream);
+    case ActType::kBFloat16: return run_int4<__nv_bfloat16>(p, w_out, stream);
+    case ActType::kFloat32: return run_int4<float>(p, w_out, stream);
+  }
+  return Status::kNoKernel;
+}
+
+Status dequant_int8(const GemvParams& p, void* w_out, cudaStream_t stream) {
+  switch (p.act) {
+    case ActType::kHalf: return run_int8<__half>(p, w_out, stream);
+    case ActType::kBFloat16: return run_int8<__nv_bfloat16>(p, w_out, stream);
+    case ActType::kFloat32: return run_int8<float>(p, w_out, stream);
+  }
+  return Status::kNoKernel;
+}
+
+}  // namespace qgemv

@@ -1,0 +1,65 @@
+// qgemv pointer-level API.
+//
+// The kernels know nothing about torch: they take raw device pointers, one
+// parameter struct, and a stream, and report failures as a Status code that
+// the torch glue (torch_bindings.cpp) turns into a readable error.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace qgemv {
+
+enum class Status : int {
+  kOk = 0,
+  kBadShape,          // a size is outside what any kernel instance supports
+  kBadGroupSize,      // group_size not in {32, 64, 128}
+  kNoKernel,          // no instantiation for this configuration
+  kLaunchFailed,      // cudaGetLastError() after the launch was not cudaSuccess
+};
+
+const char* status_string(Status s);
+
+// kFloat32 is accepted by the dequantize kernels only (fp32 activations take
+// the dequantize + GEMM path).
+enum class ActType : int { kHalf = 0, kBFloat16 = 1, kFloat32 = 2 };
+
+// Parameters of one weight-only GEMV / small-GEMM, y[M, N] = x[M, K] @ W^T.
+struct GemvParams {
+  const void* x;          // [M, K] activations (fp16 or bf16), row stride ldx elements,
+                          // 16-byte aligned rows (K % 8 == 0 and ldx % 8 == 0).
+  const void* qweight;    // packed weights, layout in qgemv/formats.py:
+                          //   int8: int8  [N, Kp],   Kp = round_up(K, 16)
+                          //   int4: int32 [N, Kp/8], Kp = round_up(K, 32), swizzled
+  const void* scales;     // fp16 [N] (per channel) or [N, K / group_size]
+  const uint8_t* zeros;   // uint8 [N, K / group_size] zero points, or nullptr
+                          // (symmetric: implicit zero 8 for int4)
+  void* y;                // [M, N] output in the activation type, row stride ldy
+  int M, N, K;            // logical sizes (tokens, output channels, input channels)
+  int Kp;                 // padded K of the packed weight rows
+  int ldx, ldy;           // row strides of x and y, in elements
+  int group_size;         // 0 = one scale per output channel
+  ActType act;
+  int warps_per_block;    // 0 = let the launcher choose (see choose_warps)
+};
+
+// Largest number of tokens the GEMV kernels take in one launch; above it the
+// caller must chunk or use the dequantize + GEMM path (see dispatch in
+// torch_bindings.cpp).
+constexpr int kMaxGemvTokens = 16;
+
+Status gemv_int4(const GemvParams& p, int num_sms, cudaStream_t stream);
+Status gemv_int8(const GemvParams& p, int num_sms, cudaStream_t stream);
+
+// Dequantize the packed weight of p into w_out[N, K] (activation type),
+// w = (q - zero) * scale rounded once.  Used for the prefill (M > 16) path.
+Status dequant_int4(const GemvParams& p, void* w_out, cudaStream_t stream);
+Status dequant_int8(const GemvParams& p, void* w_out, cudaStream_t stream);
+
+// The seed's fp32 SGEMV family: y[N] = A[N, K] @ x[K], all fp32, contiguous.
+enum class SgemvKernel : int { kAuto = 0, kK32 = 1, kK128 = 2, kK16 = 3 };
+SgemvKernel sgemv_choose(int N, int K, const float* A, const float* x);
+Status sgemv_f32(const float* A, const float* x, float* y, int N, int K, SgemvKernel which,
+                 cudaStream_t stream);
+
+}  // namespace qgemv

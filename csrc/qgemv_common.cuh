@@ -1,0 +1,198 @@
+// Shared device helpers for the qgemv kernels.
+//
+// Everything here is header-only and pointer-level: no torch types, so the
+// kernels can be read (and disassembled) without the torch headers in mind.
+#pragma once
+
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "qgemv.h"
+
+namespace qgemv {
+
+constexpr int kWarpSize = 32;
+
+// ---------------------------------------------------------------------------
+// Loads.
+//
+// Weights are read exactly once per launch, so they must not displace the
+// activations (which every block re-reads) from L1 or L2: the weight loads
+// carry L1::no_allocate and an L2 evict-first policy.  Activations use the
+// ordinary read-only path so that they stay cached across blocks of an SM.
+// ---------------------------------------------------------------------------
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+__device__ __forceinline__ uint4 ld_stream_v4(const void* ptr, uint64_t policy) {
+  uint4 r;
+  asm volatile(
+      "ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(ptr), "l"(policy));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t ld_stream_u32(const void* ptr, uint64_t policy) {
+  uint32_t r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.u32 %0, [%1], %2;"
+               : "=r"(r)
+               : "l"(ptr), "l"(policy));
+  return r;
+}
+
+__device__ __forceinline__ float4 ld_stream_f4(const float* ptr, uint64_t policy) {
+  float4 r;
+  asm volatile(
+      "ld.global.nc.L1::no_allocate.L2::cache_hint.v4.f32 {%0, %1, %2, %3}, [%4], %5;"
+      : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w)
+      : "l"(ptr), "l"(policy));
+  return r;
+}
+
+__device__ __forceinline__ float ld_stream_f1(const float* ptr, uint64_t policy) {
+  float r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.f32 %0, [%1], %2;"
+               : "=f"(r)
+               : "l"(ptr), "l"(policy));
+  return r;
+}
+
+// Read-only, cached load of 8 activations (16 bytes).
+__device__ __forceinline__ uint4 ld_act_v4(const void* ptr) {
+  return __ldg(reinterpret_cast<const uint4*>(ptr));
+}
+
+template <int kWidth = kWarpSize>
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = kWidth / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+// ---------------------------------------------------------------------------
+// Activation-type traits.  T is __half or __nv_bfloat16; the MMA takes two
+// elements per 32-bit register, so everything below moves uint32_t pairs.
+// ---------------------------------------------------------------------------
+template <typename T>
+struct ActTraits;
+
+template <>
+struct ActTraits<__half> {
+  // 0x6400 is 1024.0 in fp16; its mantissa LSB is worth exactly 1, so OR-ing a
+  // 4-bit or 8-bit integer u into the low mantissa bits yields 1024 + u.
+  static constexpr uint32_t kMagic = 0x64006400u;
+  static constexpr float kMagicValue = 1024.f;
+  __device__ __forceinline__ static uint32_t splat(float v) {
+    __half2 h = __float2half2_rn(v);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  __device__ __forceinline__ static uint32_t sub2(uint32_t a, uint32_t b) {
+    __half2 r = __hsub2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
+    return *reinterpret_cast<uint32_t*>(&r);
+  }
+  __device__ __forceinline__ static void store(__half* p, float v) { *p = __float2half_rn(v); }
+  __device__ __forceinline__ static void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+template <>
+struct ActTraits<__nv_bfloat16> {
+  // 0x4300 is 128.0 in bf16 (7 mantissa bits): OR-ing a 4-bit integer into
+  // the mantissa gives 128 + u exactly.  8-bit integers do not fit, so the
+  // int8 path goes through fp32 instead (see dequant_int8_word).
+  static constexpr uint32_t kMagic = 0x43004300u;
+  static constexpr float kMagicValue = 128.f;
+  __device__ __forceinline__ static uint32_t splat(float v) {
+    __nv_bfloat162 h = __float2bfloat162_rn(v);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  __device__ __forceinline__ static uint32_t sub2(uint32_t a, uint32_t b) {
+    __nv_bfloat162 r =
+        __hsub2(*reinterpret_cast<__nv_bfloat162*>(&a), *reinterpret_cast<__nv_bfloat162*>(&b));
+    return *reinterpret_cast<uint32_t*>(&r);
+  }
+  __device__ __forceinline__ static void store(__nv_bfloat16* p, float v) {
+    *p = __float2bfloat16_rn(v);
+  }
+  __device__ __forceinline__ static void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+template <int kImmLut>
+__device__ __forceinline__ uint32_t lop3(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, %4;" : "=r"(d) : "r"(a), "r"(b), "r"(c), "n"(kImmLut));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// One packed int4 word -> four pairs (k0,k1) (k2,k3) (k4,k5) (k6,k7) of
+// (q - zero) in T, exact.  The word's nibbles hold logical elements in the
+// order [0,2,4,6,1,3,5,7] from the low bits up (see qgemv/formats.py), so a
+// single mask 0x000f000f picks a consecutive pair at every shift by 4.
+// `zero2` is the pair (magic + zero, magic + zero) in T.
+template <typename T>
+__device__ __forceinline__ void dequant_int4_word(uint32_t w, uint32_t zero2, uint32_t (&out)[4]) {
+  constexpr uint32_t kMask = 0x000f000fu;
+  constexpr uint32_t kMagic = ActTraits<T>::kMagic;
+  constexpr int kAndOr = (0xf0 & 0xcc) | 0xaa;  // (a & b) | c
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[i] = ActTraits<T>::sub2(lop3<kAndOr>(w >> (4 * i), kMask, kMagic), zero2);
+  }
+}
+
+// One int8 word (4 consecutive k, little-endian bytes) -> pairs (k0,k1) (k2,k3).
+template <typename T>
+__device__ __forceinline__ void dequant_int8_word(uint32_t w, uint32_t (&out)[2]);
+
+template <>
+__device__ __forceinline__ void dequant_int8_word<__half>(uint32_t w, uint32_t (&out)[2]) {
+  // Flip the sign bit: u = q + 128 in [0, 255].  Then (0x64 << 8 | u) is the
+  // fp16 value 1024 + u, and subtracting 1152 leaves q exactly.
+  const uint32_t u = w ^ 0x80808080u;
+  const uint32_t bias = 0x64806480u;  // fp16 pair (1152, 1152)
+  out[0] = ActTraits<__half>::sub2(prmt(u, 0x64646464u, 0x4140u), bias);
+  out[1] = ActTraits<__half>::sub2(prmt(u, 0x64646464u, 0x4342u), bias);
+}
+
+template <>
+__device__ __forceinline__ void dequant_int8_word<__nv_bfloat16>(uint32_t w, uint32_t (&out)[2]) {
+  // bf16 has too few mantissa bits for the 8-bit trick, so build fp32
+  // 2^23 + u with a byte permute, subtract, and pack pairs (exact: |q| <= 128).
+  const uint32_t u = w ^ 0x80808080u;
+  float f[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[i] = __uint_as_float(prmt(u, 0x4B000000u, 0x7440u + i)) - 8388736.f;  // 2^23 + 128
+  }
+  __nv_bfloat162 lo = __floats2bfloat162_rn(f[0], f[1]);
+  __nv_bfloat162 hi = __floats2bfloat162_rn(f[2], f[3]);
+  out[0] = *reinterpret_cast<uint32_t*>(&lo);
+  out[1] = *reinterpret_cast<uint32_t*>(&hi);
+}
+
+}  // namespace qgemv

@@ -1,0 +1,243 @@
+// Torch glue: checks, device guard, current stream, shape dispatch, and the
+// CUDA-key registrations for the ops whose schemas live in qgemv/ops.py.
+//
+// Every check names the tensor and the rule, so a failure reads like
+// "qgemv.linear_int4: qweight must be int32, got Float".
+// Only c10/cuda headers: ATen/cuda/CUDAContext.h pulls in cuBLAS/cuSPARSE
+// headers that a bare CUDA toolkit may lack.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <mutex>
+#include <vector>
+
+#include "qgemv.h"
+
+namespace qgemv {
+namespace {
+
+#define QG_CHECK(cond, op, ...) TORCH_CHECK(cond, "qgemv.", op, ": ", __VA_ARGS__)
+
+// Token counts above which the GEMV kernels stop paying off.  Up to
+// kMaxGemvTokens one launch serves all tokens; up to kChunkedMaxTokens the
+// GEMV runs once per 16-token chunk (re-reading the weight each time); above
+// that, dequantize to a dense weight and use cuBLAS.  See BENCHMARKS.md for
+// the measurement that set kChunkedMaxTokens.  The benchmark moves the
+// threshold through set_chunked_max_tokens() to measure both paths.
+constexpr int64_t kChunkedMaxTokens = 32;
+std::atomic<int64_t> g_chunked_max_tokens{kChunkedMaxTokens};
+
+int num_sms(int device) {
+  static std::mutex mu;
+  static std::vector<int> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  if (device >= static_cast<int>(cache.size())) cache.resize(device + 1, 0);
+  if (cache[device] == 0) {
+    int n = 0;
+    TORCH_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess,
+                "qgemv: cannot query the SM count of device ", device);
+    cache[device] = n;
+  }
+  return cache[device];
+}
+
+void check_status(Status s, const char* op) {
+  TORCH_CHECK(s == Status::kOk, "qgemv.", op, ": ", status_string(s));
+}
+
+ActType act_type(const at::Tensor& x, const char* op) {
+  if (x.scalar_type() == at::kHalf) return ActType::kHalf;
+  if (x.scalar_type() == at::kBFloat16) return ActType::kBFloat16;
+  if (x.scalar_type() == at::kFloat) return ActType::kFloat32;
+  QG_CHECK(false, op, "x must be float16, bfloat16 or float32, got ", x.scalar_type());
+  return ActType::kHalf;
+}
+
+void check_same_device(const at::Tensor& x, const at::Tensor& t, const char* name, const char* op) {
+  QG_CHECK(t.device() == x.device(), op, name, " must be on the same device as x (", x.device(),
+           "), got ", t.device());
+}
+
+// Common checks; returns the [M, K] view of x that the kernels read (a copy
+// when x is not contiguous or its rows are not 16-byte aligned).
+at::Tensor prepare_x(const at::Tensor& x, int64_t K, const char* op) {
+  QG_CHECK(x.is_cuda(), op, "x must be a CUDA tensor, got ", x.device());
+  QG_CHECK(x.dim() >= 1, op, "x must have at least 1 dimension");
+  QG_CHECK(x.size(-1) == K, op, "x.shape[-1] must equal in_features (", K, "), got ", x.size(-1));
+  at::Tensor x2 = x.reshape({-1, K});
+  if (!x2.is_contiguous()) x2 = x2.contiguous();
+  if (reinterpret_cast<uintptr_t>(x2.data_ptr()) % 16 != 0) x2 = x2.clone();
+  return x2;
+}
+
+std::vector<int64_t> out_shape(const at::Tensor& x, int64_t N) {
+  std::vector<int64_t> s(x.sizes().begin(), x.sizes().end());
+  s.back() = N;
+  return s;
+}
+
+using GemvFn = Status (*)(const GemvParams&, int, cudaStream_t);
+using DequantFn = Status (*)(const GemvParams&, void*, cudaStream_t);
+
+// The one dispatch function: by dtype and token count (see kChunkedMaxTokens).
+at::Tensor run_linear(const at::Tensor& x, GemvParams p, GemvFn gemv, DequantFn dequant,
+                      const char* op) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor x2 = prepare_x(x, p.K, op);
+  const int64_t M = x2.size(0);
+  at::Tensor y = at::empty({M, p.N}, x.options());
+  p.act = act_type(x, op);
+  if (M == 0) return y.reshape(out_shape(x, p.N));
+
+  if (p.act != ActType::kFloat32 && M <= g_chunked_max_tokens.load()) {
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxGemvTokens) {
+      GemvParams c = p;
+      c.M = static_cast<int>(std::min<int64_t>(kMaxGemvTokens, M - m0));
+      c.x = static_cast<const char*>(x2.data_ptr()) + m0 * p.K * x2.element_size();
+      c.y = static_cast<char*>(y.data_ptr()) + m0 * p.N * y.element_size();
+      c.ldx = p.K;
+      c.ldy = p.N;
+      check_status(gemv(c, num_sms(x.get_device()), stream), op);
+    }
+  } else {
+    at::Tensor w = at::empty({p.N, p.K}, x.options());
+    check_status(dequant(p, w.data_ptr(), stream), op);
+    y = at::matmul(x2, w.t());
+  }
+  return y.reshape(out_shape(x, p.N));
+}
+
+GemvParams base_params(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       int64_t N, int64_t K, int64_t Kp) {
+  GemvParams p{};
+  p.qweight = qweight.data_ptr();
+  p.scales = scales.data_ptr();
+  p.zeros = nullptr;
+  p.N = static_cast<int>(N);
+  p.K = static_cast<int>(K);
+  p.Kp = static_cast<int>(Kp);
+  p.group_size = 0;
+  p.warps_per_block = 0;
+  return p;
+}
+
+void check_scales(const at::Tensor& x, const at::Tensor& scales, int64_t N, int64_t groups,
+                  const char* op) {
+  check_same_device(x, scales, "scales", op);
+  QG_CHECK(scales.scalar_type() == at::kHalf, op, "scales must be float16, got ", scales.scalar_type());
+  QG_CHECK(scales.is_contiguous(), op, "scales must be contiguous");
+  if (groups == 0) {
+    QG_CHECK(scales.dim() == 1 && scales.size(0) == N, op, "scales must have shape [", N, "], got ",
+             scales.sizes());
+  } else {
+    QG_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == groups, op,
+             "scales must have shape [", N, ", ", groups, "], got ", scales.sizes());
+  }
+}
+
+at::Tensor linear_int8_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
+  const char* op = "linear_int8";
+  check_same_device(x, qweight, "qweight", op);
+  QG_CHECK(qweight.scalar_type() == at::kChar, op, "qweight must be int8, got ", qweight.scalar_type());
+  QG_CHECK(qweight.dim() == 2, op, "qweight must be 2-D [N, Kp], got ", qweight.dim(), "-D");
+  QG_CHECK(qweight.is_contiguous(), op, "qweight must be contiguous");
+  const int64_t N = qweight.size(0), K = x.size(-1), Kp = qweight.size(1);
+  QG_CHECK(K % 8 == 0, op, "in_features (x.shape[-1] = ", K, ") must be a multiple of 8");
+  QG_CHECK(Kp == (K + 15) / 16 * 16, op, "qweight.shape[1] must be round_up(K, 16) = ",
+           (K + 15) / 16 * 16, ", got ", Kp);
+  check_scales(x, scales, N, 0, op);
+  GemvParams p = base_params(x, qweight, scales, N, K, Kp);
+  return run_linear(x, p, gemv_int8, dequant_int8, op);
+}
+
+at::Tensor linear_int4_impl(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                            const c10::optional<at::Tensor>& zeros, int64_t group_size, const char* op) {
+  check_same_device(x, qweight, "qweight", op);
+  QG_CHECK(qweight.scalar_type() == at::kInt, op, "qweight must be int32, got ", qweight.scalar_type());
+  QG_CHECK(qweight.dim() == 2, op, "qweight must be 2-D [N, Kp/8], got ", qweight.dim(), "-D");
+  QG_CHECK(qweight.is_contiguous(), op, "qweight must be contiguous");
+  const int64_t N = qweight.size(0), K = x.size(-1), Kp = qweight.size(1) * 8;
+  QG_CHECK(K % 8 == 0, op, "in_features (x.shape[-1] = ", K, ") must be a multiple of 8");
+  QG_CHECK(Kp == (K + 31) / 32 * 32, op, "qweight.shape[1] must be round_up(K, 32) / 8 = ",
+           (K + 31) / 32 * 4, ", got ", qweight.size(1));
+  int64_t groups = 0;
+  if (group_size > 0) {
+    QG_CHECK(group_size == 32 || group_size == 64 || group_size == 128, op,
+             "group_size must be 32, 64 or 128, got ", group_size);
+    QG_CHECK(K % group_size == 0, op, "in_features (", K, ") must be divisible by group_size (",
+             group_size, ")");
+    groups = K / group_size;
+  }
+  check_scales(x, scales, N, groups, op);
+  GemvParams p = base_params(x, qweight, scales, N, K, Kp);
+  p.group_size = static_cast<int>(group_size);
+  if (zeros.has_value()) {
+    const at::Tensor& z = *zeros;
+    check_same_device(x, z, "zeros", op);
+    QG_CHECK(z.scalar_type() == at::kByte, op, "zeros must be uint8, got ", z.scalar_type());
+    QG_CHECK(z.is_contiguous(), op, "zeros must be contiguous");
+    QG_CHECK(z.dim() == 2 && z.size(0) == N && z.size(1) == groups, op, "zeros must have shape [", N,
+             ", ", groups, "], got ", z.sizes());
+    p.zeros = z.data_ptr<uint8_t>();
+  }
+  return run_linear(x, p, gemv_int4, dequant_int4, op);
+}
+
+at::Tensor linear_int4_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
+  return linear_int4_impl(x, qweight, scales, c10::nullopt, 0, "linear_int4");
+}
+
+at::Tensor linear_int4_grouped_cuda(const at::Tensor& x, const at::Tensor& qweight,
+                                    const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
+                                    int64_t group_size) {
+  return linear_int4_impl(x, qweight, scales, zeros, group_size, "linear_int4_grouped");
+}
+
+at::Tensor sgemv_cuda(const at::Tensor& A, const at::Tensor& x, int64_t kernel) {
+  const char* op = "sgemv";
+  QG_CHECK(A.is_cuda(), op, "A must be a CUDA tensor, got ", A.device());
+  check_same_device(A, x, "x", op);
+  QG_CHECK(A.scalar_type() == at::kFloat, op, "A must be float32, got ", A.scalar_type());
+  QG_CHECK(x.scalar_type() == at::kFloat, op, "x must be float32, got ", x.scalar_type());
+  QG_CHECK(A.dim() == 2, op, "A must be 2-D [N, K], got ", A.dim(), "-D");
+  QG_CHECK(x.dim() == 1 && x.size(0) == A.size(1), op, "x must have shape [", A.size(1), "], got ",
+           x.sizes());
+  QG_CHECK(kernel >= 0 && kernel <= 3, op, "kernel must be 0 (auto), 1 (k32), 2 (k128) or 3 (k16), got ",
+           kernel);
+  const c10::cuda::CUDAGuard guard(A.device());
+  const at::Tensor A2 = A.contiguous();
+  const at::Tensor x2 = x.contiguous();
+  at::Tensor y = at::empty({A.size(0)}, A.options());
+  if (A.size(0) == 0) return y;
+  if (A.size(1) == 0) return y.zero_();
+  check_status(sgemv_f32(A2.data_ptr<float>(), x2.data_ptr<float>(), y.data_ptr<float>(),
+                         static_cast<int>(A2.size(0)), static_cast<int>(A2.size(1)),
+                         static_cast<SgemvKernel>(kernel), c10::cuda::getCurrentCUDAStream()),
+               op);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(qgemv, CUDA, m) {
+  m.impl("linear_int8", &linear_int8_cuda);
+  m.impl("linear_int4", &linear_int4_cuda);
+  m.impl("linear_int4_grouped", &linear_int4_grouped_cuda);
+  m.impl("sgemv", &sgemv_cuda);
+}
+
+}  // namespace qgemv
+
+// A Python module only so that `import qgemv._C` loads the library and runs
+// the registrations above; the ops themselves are reached via torch.ops.qgemv.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("default_chunked_max_tokens") = qgemv::kChunkedMaxTokens;
+  m.def("set_chunked_max_tokens", [](int64_t v) { qgemv::g_chunked_max_tokens.store(v); },
+        "Benchmark knob: largest token count served by (chunked) GEMV launches.");
+  m.def("get_chunked_max_tokens", []() { return qgemv::g_chunked_max_tokens.load(); });
+  m.attr("max_gemv_tokens") = qgemv::kMaxGemvTokens;
+}

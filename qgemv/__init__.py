@@ -1,0 +1,33 @@
+"""qgemv: weight-only int8 / int4 GEMV kernels for LLM decode.
+
+    import qgemv
+    lin = qgemv.QuantLinear.from_linear(torch.nn.Linear(4096, 4096), bits=4, group_size=128)
+    report = qgemv.quantize_model(model, bits=8)
+
+Importing qgemv never initialises CUDA.
+"""
+
+from . import formats, ops  # noqa: F401  (ops defines the torch.library schemas)
+from . import _ext
+
+_ext.load()
+
+from .formats import FORMAT_VERSION, QuantConfig  # noqa: E402
+from .nn import QuantLinear, QuantizeReport, quantize_model  # noqa: E402
+from .ops import linear_int4, linear_int4_grouped, linear_int8, sgemv  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FORMAT_VERSION",
+    "QuantConfig",
+    "QuantLinear",
+    "QuantizeReport",
+    "quantize_model",
+    "linear_int8",
+    "linear_int4",
+    "linear_int4_grouped",
+    "sgemv",
+    "formats",
+    "ops",
+]

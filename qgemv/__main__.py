@@ -1,0 +1,49 @@
+"""``python -m qgemv info``: versions, CUDA availability, and which backend serves each op."""
+
+import argparse
+import json
+import sys
+
+
+def info() -> dict:
+    import torch
+
+    import qgemv
+    from qgemv import _ext
+
+    out = {
+        "qgemv": qgemv.__version__,
+        "format_version": qgemv.FORMAT_VERSION,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "backend": _ext.BACKEND,
+        "reason": _ext.REASON,
+        "ops": _ext.backend_info(),
+    }
+    if out["cuda_available"]:
+        out["device"] = torch.cuda.get_device_name()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m qgemv")
+    ap.add_argument("command", choices=["info"])
+    ap.add_argument("--json", action="store_true", help="print JSON instead of text")
+    args = ap.parse_args(argv)
+    d = info()
+    if args.json:
+        print(json.dumps(d, indent=2))
+        return 0
+    for k, v in d.items():
+        if k == "ops":
+            print("ops:")
+            for name, where in v.items():
+                print(f"  {name:22s} cpu: {where['cpu']:22s} cuda: {where['cuda']}")
+        else:
+            print(f"{k}: {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

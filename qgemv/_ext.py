@@ -1,0 +1,107 @@
+"""Loading the CUDA extension: AOT module, then JIT build if asked, then the reference.
+
+Order:
+1. ``qgemv._C``, built ahead of time by ``setup.py``.
+2. If ``QGEMV_JIT=1``: a ninja build of csrc/ through
+   ``torch.utils.cpp_extension.load`` (cached under torch's extension dir).
+3. Otherwise the pure-torch reference serves the CUDA key too; the first CUDA
+   call through it logs one warning that says why.
+
+Nothing here initialises CUDA: loading a shared library that links the CUDA
+runtime does not create a context.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+import torch
+
+from . import ops
+
+log = logging.getLogger("qgemv")
+
+#: "aot", "jit" or "reference"
+BACKEND = "reference"
+#: Why the backend is what it is (shown by ``python -m qgemv info``).
+REASON = ""
+_warned = False
+
+
+def _try_aot():
+    import importlib
+
+    return importlib.import_module("qgemv._C")
+
+
+def _try_jit():
+    from torch.utils import cpp_extension
+
+    from ._sources import CSRC, CXX_FLAGS, NVCC_FLAGS, extension_sources
+
+    archs = os.environ.get("QGEMV_CUDA_ARCHS")
+    if archs:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+    return cpp_extension.load(
+        name="qgemv_jit_C",
+        sources=extension_sources(),
+        extra_cflags=CXX_FLAGS,
+        extra_cuda_cflags=NVCC_FLAGS,
+        extra_include_paths=[CSRC],
+        verbose=os.environ.get("QGEMV_JIT_VERBOSE") == "1",
+    )
+
+
+def _register_reference_for_cuda():
+    def wrap(name, ref):
+        def cuda_fallback(*args):
+            global _warned
+            if not _warned:
+                _warned = True
+                warnings.warn(
+                    f"qgemv: CUDA extension not available ({REASON}); "
+                    "CUDA tensors use the slow pure-torch reference",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return ref(*args)
+
+        torch.library.impl(f"qgemv::{name}", "cuda")(cuda_fallback)
+
+    for name, ref in ops.REFERENCES.items():
+        wrap(name, ref)
+
+
+def load() -> str:
+    """Pick the backend once; returns BACKEND."""
+    global BACKEND, REASON
+    if not torch.version.cuda:
+        BACKEND, REASON = "reference", f"torch {torch.__version__} is a CPU-only build"
+    else:
+        try:
+            _try_aot()
+            BACKEND, REASON = "aot", "qgemv._C (built by setup.py)"
+        except ImportError as e:
+            REASON = f"qgemv._C not importable: {e}"
+            if os.environ.get("QGEMV_JIT") == "1":
+                try:
+                    _try_jit()
+                    BACKEND, REASON = "jit", "built from csrc/ with ninja (QGEMV_JIT=1)"
+                except Exception as e2:  # a failed compile must not break import
+                    REASON += f"; JIT build failed: {e2}"
+            else:
+                REASON += "; set QGEMV_JIT=1 to build it with ninja"
+    if BACKEND == "reference":
+        _register_reference_for_cuda()
+        log.info("qgemv: using the reference backend: %s", REASON)
+    return BACKEND
+
+
+def backend_info() -> dict:
+    """Which backend serves each op on each device, and why."""
+    cuda = "CUDA kernels" if BACKEND in ("aot", "jit") else "pure-torch reference"
+    return {
+        name: {"cpu": "pure-torch reference", "cuda": cuda} for name in ops.REFERENCES
+    }

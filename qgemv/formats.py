@@ -1,0 +1,371 @@
+"""Quantized weight formats: quantize, pack, unpack, dequantize (pure torch).
+
+Three formats, each a versioned, documented layout (``FORMAT_VERSION``):
+
+========  ======================  ==========================================
+name      codes                   tensors
+========  ======================  ==========================================
+int8      q in [-127, 127]        qweight int8 [N, round_up(K, 16)],
+          w = q * s[n]            scales fp16 [N]
+int4      q in [0, 15], zero 8    qweight int32 [N, round_up(K, 32) / 8],
+          w = (q - 8) * s[n]      scales fp16 [N]
+int4g     q in [0, 15]            qweight int32 as int4,
+          w = (q - z) * s[n, g]   scales fp16 [N, K / G], zeros uint8
+                                  [N, K / G] (asymmetric) or none
+                                  (symmetric: z = 8), G in {32, 64, 128}
+========  ======================  ==========================================
+
+N is out_features, K is in_features.  K must be a multiple of 8 (a clear
+error otherwise; rows are *not* padded to reach it).  Packed rows are padded
+with zero codes up to the alignment above so that every row starts on a
+16-byte boundary for the kernels' 128-bit loads; padding is never read as a
+weight (the kernels zero the matching activations, the reference trims it).
+
+Scales are fp16 for every activation dtype: the kernels apply them in fp32 to
+partial sums, and fp16 keeps 3 more mantissa bits than bf16.  Scales are
+clamped to at least 2**-24 (the smallest fp16 subnormal) so that they are
+never zero; an all-zero row or group gets scale 1.0 and codes that decode to
+exactly 0.
+
+int4 packing (see :func:`pack_int4` for the drawing) interleaves nibbles for
+a two-instruction int4 -> fp16x2 conversion and swizzles words so that each
+GPU lane reads its 32 k of a 128-k tile with one 128-bit load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+FORMAT_VERSION = 1
+
+#: Logical element (0..7 within a word of 8 k) stored in nibble i (bits 4i..4i+3).
+INT4_NIBBLE_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+GROUP_SIZES = (32, 64, 128)
+_MIN_SCALE = 2.0**-24
+_MAX_SCALE = 65504.0
+
+
+def _round_up(v: int, m: int) -> int:
+    return (v + m - 1) // m * m
+
+
+def check_weight(w: torch.Tensor, name: str = "weight", group_size: Optional[int] = None) -> None:
+    """Validate a float weight [N, K] before quantization.
+
+    Raises ValueError naming ``name`` and the rule: 2-D, floating point,
+    finite, K % 8 == 0, and K % group_size == 0 when grouped.
+    """
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        raise ValueError(f"{name}: weight must be a 2-D tensor [out_features, in_features]")
+    if not w.is_floating_point():
+        raise ValueError(f"{name}: weight must be floating point, got {w.dtype}")
+    n, k = w.shape
+    if n == 0 or k == 0:
+        raise ValueError(f"{name}: weight must not be empty, got shape {tuple(w.shape)}")
+    if k % 8 != 0:
+        raise ValueError(
+            f"{name}: in_features must be a multiple of 8, got {k} (the packed formats do not pad K to 8)"
+        )
+    if group_size is not None:
+        if group_size not in GROUP_SIZES:
+            raise ValueError(f"{name}: group_size must be one of {GROUP_SIZES} or None, got {group_size}")
+        if k % group_size != 0:
+            raise ValueError(
+                f"{name}: in_features ({k}) must be divisible by group_size ({group_size})"
+            )
+    if not bool(torch.isfinite(w).all()):
+        bad = int((~torch.isfinite(w)).sum())
+        raise ValueError(f"{name}: weight contains {bad} NaN or Inf value(s); cannot quantize")
+
+
+def _finish_scale(scale: torch.Tensor, name: str) -> torch.Tensor:
+    """fp32 scale -> fp16 scale with the documented clamping."""
+    if bool((scale > _MAX_SCALE).any()):
+        raise ValueError(f"{name}: a quantization scale exceeds the fp16 range (weights too large)")
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return scale.clamp(min=_MIN_SCALE).to(torch.float16)
+
+
+# --------------------------------------------------------------------------
+# int8
+# --------------------------------------------------------------------------
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] -> qweight int8 [N, round_up(K, 16)] (zero padded)."""
+    if q.dtype != torch.int8 or q.dim() != 2:
+        raise ValueError(f"pack_int8: q must be a 2-D int8 tensor, got {q.dtype} {q.dim()}-D")
+    n, k = q.shape
+    out = torch.zeros(n, _round_up(k, 16), dtype=torch.int8, device=q.device)
+    out[:, :k] = q
+    return out
+
+
+def unpack_int8(qweight: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Inverse of :func:`pack_int8`: int8 codes [N, in_features]."""
+    return qweight[:, :in_features].contiguous()
+
+
+def quantize_int8(w: torch.Tensor, name: str = "weight"):
+    """Symmetric per-output-channel int8.
+
+    Args:
+        w: float weight [N, K], K % 8 == 0.
+    Returns:
+        (qweight int8 [N, round_up(K, 16)], scales fp16 [N]); w ~= q * s[n].
+    """
+    check_weight(w, name)
+    wf = w.detach().float()
+    scales = _finish_scale(wf.abs().amax(dim=1) / 127.0, name)
+    q = torch.round(wf / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return pack_int8(q), scales
+
+
+def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, in_features: int) -> torch.Tensor:
+    """int8 format -> float32 weight [N, in_features]."""
+    return unpack_int8(qweight, in_features).float() * scales.float()[:, None]
+
+
+# --------------------------------------------------------------------------
+# int4
+# --------------------------------------------------------------------------
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int4 codes [N, K] (uint8 values 0..15, K % 8 == 0) -> int32 [N, Kp / 8].
+
+    Kp = round_up(K, 32); padding codes are 0.  Two steps:
+
+    1. Nibble interleave.  Eight consecutive k (e0..e7) share one 32-bit word,
+       stored so that masking the word with 0x000f000f after a shift by 4*i
+       yields the consecutive pair (e_2i, e_2i+1) in the two 16-bit halves::
+
+            bit 31                                              bit 0
+            | e7 | e5 | e3 | e1 | e6 | e4 | e2 | e0 |
+              n7   n6   n5   n4   n3   n2   n1   n0     (nibble index)
+
+       i.e. nibble i holds element INT4_NIBBLE_ORDER[i] = (0,2,4,6,1,3,5,7)[i].
+
+    2. Word swizzle.  A row is cut into blocks of 128 k = 16 words.  Lane t
+       (0..3) of a GPU quad needs logical words t, 4+t, 8+t, 12+t (32 k from
+       each of four 32-k sub-tiles) and should get them in one 16-byte load,
+       so logical word 4*j + t is stored at position t*4 + j::
+
+            logical:  w0  w1  w2  w3 | w4  w5  w6  w7 | w8 ... | w12 ... w15
+            stored:   w0  w4  w8  w12| w1  w5  w9  w13| w2 ... | w3  ... w15
+                      `-- lane 0 --' `-- lane 1 --'
+
+       The last block of a row may hold c = (Kp % 128) / 32 < 4 sub-tiles;
+       there logical word 4*j + t is stored at position t*c + j (the same rule
+       with 4 replaced by c).
+    """
+    if q.dim() != 2 or q.dtype not in (torch.uint8, torch.int16, torch.int32, torch.int64):
+        raise ValueError(f"pack_int4: q must be a 2-D integer tensor, got {q.dtype} {q.dim()}-D")
+    n, k = q.shape
+    if k % 8 != 0:
+        raise ValueError(f"pack_int4: in_features must be a multiple of 8, got {k}")
+    if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
+        raise ValueError("pack_int4: codes must lie in [0, 15]")
+    kp = _round_up(k, 32)
+    codes = torch.zeros(n, kp, dtype=torch.int64, device=q.device)
+    codes[:, :k] = q.to(torch.int64)
+    codes = codes.view(n, kp // 8, 8)
+    words = torch.zeros(n, kp // 8, dtype=torch.int64, device=q.device)
+    for i, e in enumerate(INT4_NIBBLE_ORDER):
+        words |= codes[:, :, e] << (4 * i)
+    words = _swizzle_words(words, kp, inverse=False)
+    words = torch.where(words >= 2**31, words - 2**32, words)
+    return words.to(torch.int32).contiguous()
+
+
+def _swizzle_words(words: torch.Tensor, kp: int, inverse: bool) -> torch.Tensor:
+    """Apply (or undo) the block word swizzle of :func:`pack_int4` on [N, Kp/8]."""
+    n = words.shape[0]
+    nfull = kp // 128
+    c = (kp % 128) // 32
+    main = words[:, : nfull * 16].reshape(n, nfull, 4, 4).transpose(-1, -2)
+    parts = [main.reshape(n, nfull * 16)]
+    if c:
+        tail = words[:, nfull * 16 :]
+        # forward: logical [j, t] -> stored [t, j]; inverse: stored [t, j] -> [j, t]
+        shape = (n, 4, c) if inverse else (n, c, 4)
+        parts.append(tail.reshape(shape).transpose(-1, -2).reshape(n, 4 * c))
+    return torch.cat(parts, dim=1)
+
+
+def unpack_int4(qweight: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: int32 [N, Kp/8] -> uint8 codes [N, in_features]."""
+    if qweight.dtype != torch.int32 or qweight.dim() != 2:
+        raise ValueError(f"unpack_int4: qweight must be 2-D int32, got {qweight.dtype} {qweight.dim()}-D")
+    n, kw = qweight.shape
+    kp = kw * 8
+    if kp != _round_up(in_features, 32):
+        raise ValueError(
+            f"unpack_int4: qweight has {kw} words per row, expected round_up({in_features}, 32) / 8"
+        )
+    words = qweight.to(torch.int64) & 0xFFFFFFFF
+    words = _swizzle_words(words, kp, inverse=True)
+    codes = torch.empty(n, kp // 8, 8, dtype=torch.uint8, device=qweight.device)
+    for i, e in enumerate(INT4_NIBBLE_ORDER):
+        codes[:, :, e] = ((words >> (4 * i)) & 0xF).to(torch.uint8)
+    return codes.view(n, kp)[:, :in_features].contiguous()
+
+
+def quantize_int4(
+    w: torch.Tensor, group_size: Optional[int] = None, symmetric: bool = True, name: str = "weight"
+):
+    """Round-to-nearest int4, per output channel or per group along K.
+
+    Args:
+        w: float weight [N, K], K % 8 == 0 (and K % group_size == 0).
+        group_size: None for one scale per output channel, else 32, 64 or 128.
+        symmetric: codes q - 8 in [-8, 7] with s = amax / 7 (zero point 8);
+            asymmetric (group-wise only) uses the [min(w, 0), max(w, 0)] range,
+            s = range / 15 and an integer zero point z in [0, 15].
+    Returns:
+        (qweight int32 [N, round_up(K, 32) / 8], scales fp16 [N] or [N, K/G],
+        zeros uint8 [N, K/G] or None).
+    """
+    check_weight(w, name, group_size)
+    if not symmetric and group_size is None:
+        raise ValueError(f"{name}: asymmetric int4 needs a group_size (32, 64 or 128)")
+    n, k = w.shape
+    g = group_size or k
+    wf = w.detach().float().reshape(n, k // g, g)
+    if symmetric:
+        scales = _finish_scale(wf.abs().amax(dim=2) / 7.0, name)
+        q = torch.round(wf / scales.float()[..., None]).clamp_(-8, 7) + 8
+        zeros = None
+    else:
+        lo = wf.amin(dim=2).clamp(max=0)
+        hi = wf.amax(dim=2).clamp(min=0)
+        scales = _finish_scale((hi - lo) / 15.0, name)
+        zf = torch.round(-lo / scales.float()).clamp_(0, 15)
+        q = (torch.round(wf / scales.float()[..., None]) + zf[..., None]).clamp_(0, 15)
+        zeros = zf.to(torch.uint8)
+    q = q.reshape(n, k).to(torch.uint8)
+    if group_size is None:
+        scales = scales.reshape(n)
+    return pack_int4(q), scales.contiguous(), zeros
+
+
+def dequantize_int4(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: Optional[torch.Tensor],
+    group_size: Optional[int],
+    in_features: int,
+) -> torch.Tensor:
+    """int4 / int4g format -> float32 weight [N, in_features]."""
+    q = unpack_int4(qweight, in_features).float()
+    n, k = q.shape
+    g = group_size or k
+    q = q.view(n, k // g, g)
+    s = scales.float().reshape(n, k // g, 1)
+    z = zeros.float().reshape(n, k // g, 1) if zeros is not None else 8.0
+    return ((q - z) * s).reshape(n, k)
+
+
+# --------------------------------------------------------------------------
+# A small description object, used by QuantLinear and checkpoints.
+# --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class QuantConfig:
+    """bits (8 or 4), group_size (None = per channel), symmetric."""
+
+    bits: int = 8
+    group_size: Optional[int] = None
+    symmetric: bool = True
+
+    def __post_init__(self):
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {self.bits}")
+        if self.bits == 8 and (self.group_size is not None or not self.symmetric):
+            raise ValueError("int8 is symmetric per output channel only (group_size=None, symmetric=True)")
+        if self.group_size is not None and self.group_size not in GROUP_SIZES:
+            raise ValueError(f"group_size must be one of {GROUP_SIZES} or None, got {self.group_size}")
+        if not self.symmetric and self.group_size is None:
+            raise ValueError("asymmetric int4 needs a group_size (32, 64 or 128)")
+
+    @property
+    def name(self) -> str:
+        if self.bits == 8:
+            return "int8"
+        if self.group_size is None:
+            return "int4"
+        return f"int4g{self.group_size}{'' if self.symmetric else 'a'}"
+
+    def bytes_per_weight(self) -> float:
+        """Weight + scale (+ zero) bytes per weight, ignoring row padding."""
+        if self.bits == 8:
+            return 1.0
+        if self.group_size is None:
+            return 0.5
+        return 0.5 + (2 + (0 if self.symmetric else 1)) / self.group_size
+
+    def packed_bytes(self, out_features: int, in_features: int) -> int:
+        if self.bits == 8:
+            return out_features * (_round_up(in_features, 16) + 2)
+        w = out_features * _round_up(in_features, 32) // 2
+        if self.group_size is None:
+            return w + 2 * out_features
+        ng = in_features // self.group_size
+        return w + out_features * ng * (2 + (0 if self.symmetric else 1))
+
+
+def quantize(w: torch.Tensor, config: QuantConfig, name: str = "weight"):
+    """Quantize w [N, K] in ``config``'s format -> (qweight, scales, zeros or None)."""
+    if config.bits == 8:
+        qw, s = quantize_int8(w, name)
+        return qw, s, None
+    return quantize_int4(w, config.group_size, config.symmetric, name)
+
+
+def dequantize(qweight, scales, zeros, config: QuantConfig, in_features: int) -> torch.Tensor:
+    """Inverse of :func:`quantize` up to rounding: float32 [N, in_features]."""
+    if config.bits == 8:
+        return dequantize_int8(qweight, scales, in_features)
+    return dequantize_int4(qweight, scales, zeros, config.group_size, in_features)
+
+
+def quantize_with_params(
+    w: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], config: QuantConfig
+) -> torch.Tensor:
+    """Integer codes of w [N, K] for given fp16 scales (and zeros) -> packed qweight.
+
+    Used by calibration (GPTQ, AWQ), which choose scales themselves.
+    """
+    n, k = w.shape
+    wf = w.detach().float()
+    if config.bits == 8:
+        q = torch.round(wf / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+        return pack_int8(q)
+    g = config.group_size or k
+    s = scales.float().reshape(n, k // g, 1)
+    z = zeros.float().reshape(n, k // g, 1) if zeros is not None else 8.0
+    q = (torch.round(wf.view(n, k // g, g) / s) + z).clamp_(0, 15)
+    return pack_int4(q.reshape(n, k).to(torch.uint8))
+
+
+def nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+__all__ = [
+    "FORMAT_VERSION",
+    "INT4_NIBBLE_ORDER",
+    "GROUP_SIZES",
+    "QuantConfig",
+    "check_weight",
+    "pack_int8",
+    "unpack_int8",
+    "quantize_int8",
+    "dequantize_int8",
+    "pack_int4",
+    "unpack_int4",
+    "quantize_int4",
+    "dequantize_int4",
+    "quantize",
+    "dequantize",
+    "quantize_with_params",
+    "nbytes",
+]

@@ -1,0 +1,227 @@
+"""QuantLinear and whole-model conversion."""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from . import formats, ops
+from .formats import QuantConfig
+
+
+class QuantLinear(nn.Module):
+    """A drop-in ``nn.Linear`` whose weight is stored int8 or int4.
+
+    Buffers (all persistent, so ``state_dict`` round-trips):
+        qweight: int8 [N, round_up(K, 16)] or int32 [N, round_up(K, 32) / 8]
+        scales:  float16 [N] (per channel) or [N, K / group_size]
+        zeros:   uint8 [N, K / group_size] (asymmetric int4 only)
+        bias:    [N] in the original linear's dtype (optional)
+
+    forward(x): x [..., K] (float16 / bfloat16 / float32) -> [..., N] in x.dtype.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bits: int = 8,
+        group_size: Optional[int] = None,
+        symmetric: bool = True,
+        bias: bool = False,
+        device=None,
+        bias_dtype: torch.dtype = torch.float16,
+    ):
+        super().__init__()
+        self.config = QuantConfig(bits, group_size, symmetric)
+        if in_features % 8 != 0:
+            raise ValueError(f"QuantLinear: in_features must be a multiple of 8, got {in_features}")
+        if group_size is not None and in_features % group_size != 0:
+            raise ValueError(
+                f"QuantLinear: in_features ({in_features}) must be divisible by group_size ({group_size})"
+            )
+        self.in_features = in_features
+        self.out_features = out_features
+        n, k = out_features, in_features
+        if bits == 8:
+            qw = torch.zeros(n, (k + 15) // 16 * 16, dtype=torch.int8, device=device)
+        else:
+            qw = torch.zeros(n, (k + 31) // 32 * 4, dtype=torch.int32, device=device)
+        ng = 0 if group_size is None else k // group_size
+        self.register_buffer("qweight", qw)
+        self.register_buffer(
+            "scales", torch.ones((n,) if ng == 0 else (n, ng), dtype=torch.float16, device=device)
+        )
+        if not symmetric:
+            self.register_buffer("zeros", torch.zeros(n, ng, dtype=torch.uint8, device=device))
+        else:
+            self.zeros = None
+        if bias:
+            self.register_buffer("bias", torch.zeros(n, dtype=bias_dtype, device=device))
+        else:
+            self.bias = None
+
+    @property
+    def bits(self) -> int:
+        return self.config.bits
+
+    @property
+    def group_size(self) -> Optional[int]:
+        return self.config.group_size
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        bits: int = 8,
+        group_size: Optional[int] = None,
+        symmetric: bool = True,
+        name: str = "weight",
+    ) -> "QuantLinear":
+        """Round-to-nearest quantization of ``linear`` (kept on its device)."""
+        cfg = QuantConfig(bits, group_size, symmetric)
+        qw, s, z = formats.quantize(linear.weight, cfg, name)
+        return cls.from_quantized(linear, cfg, qw, s, z)
+
+    @classmethod
+    def from_quantized(cls, linear: nn.Linear, cfg: QuantConfig, qweight, scales, zeros) -> "QuantLinear":
+        """Wrap already-packed tensors (from GPTQ / AWQ) with ``linear``'s bias."""
+        has_bias = linear.bias is not None
+        m = cls(
+            linear.in_features,
+            linear.out_features,
+            cfg.bits,
+            cfg.group_size,
+            cfg.symmetric,
+            bias=has_bias,
+            device="meta",
+            bias_dtype=linear.bias.dtype if has_bias else torch.float16,
+        )
+        m.qweight = qweight
+        m.scales = scales
+        if zeros is not None:
+            m.zeros = zeros
+        if has_bias:
+            m.bias = linear.bias.detach().clone()
+        return m
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K] this module multiplies by."""
+        return formats.dequantize(self.qweight, self.scales, self.zeros, self.config, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        if cfg.bits == 8:
+            y = ops.linear_int8(x, self.qweight, self.scales)
+        elif cfg.group_size is None:
+            y = ops.linear_int4(x, self.qweight, self.scales)
+        else:
+            y = ops.linear_int4_grouped(x, self.qweight, self.scales, self.zeros, cfg.group_size)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+    def extra_repr(self) -> str:
+        g = "per-channel" if self.group_size is None else f"group_size={self.group_size}"
+        sym = "symmetric" if self.config.symmetric else "asymmetric"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bits={self.bits}, {g}, {sym}, bias={self.bias is not None}"
+        )
+
+
+@dataclass
+class QuantizeReport:
+    """What :func:`quantize_model` did."""
+
+    converted: list = field(default_factory=list)  # qualified names
+    skipped: dict = field(default_factory=dict)  # name -> reason
+    bytes_before: int = 0  # weight bytes of the converted layers, before
+    bytes_after: int = 0  # packed bytes (weights, scales, zeros) after
+    seconds: float = 0.0
+
+    def table(self) -> str:
+        lines = [
+            f"converted {len(self.converted)} linear layers, skipped {len(self.skipped)}",
+            f"weight bytes {self.bytes_before / 1e6:.2f} MB -> {self.bytes_after / 1e6:.2f} MB"
+            + (f" ({self.bytes_before / max(self.bytes_after, 1):.2f}x smaller)" if self.bytes_after else ""),
+        ]
+        for name, why in self.skipped.items():
+            lines.append(f"  skipped {name}: {why}")
+        return "\n".join(lines)
+
+
+def _matches(name: str, patterns: Iterable[str]) -> Optional[str]:
+    for p in patterns:
+        if re.search(p, name):
+            return p
+    return None
+
+
+def quantize_model(
+    model: nn.Module,
+    bits: int = 8,
+    group_size: Optional[int] = None,
+    symmetric: bool = True,
+    skip: Iterable[str] = ("lm_head",),
+    overrides: Optional[dict] = None,
+    progress: bool = False,
+) -> QuantizeReport:
+    """Replace every ``nn.Linear`` in ``model`` by a RTN :class:`QuantLinear`, in place.
+
+    Args:
+        bits, group_size, symmetric: the default format (see QuantConfig).
+        skip: regular expressions searched in each module's qualified name;
+            matching layers stay nn.Linear.
+        overrides: {regex: dict(bits=..., group_size=..., symmetric=...)} for
+            per-module formats (first match wins).
+        progress: show a tqdm bar.
+    Returns:
+        A QuantizeReport (converted / skipped layers, bytes before and after).
+    """
+    t0 = time.time()
+    report = QuantizeReport()
+    default = dict(bits=bits, group_size=group_size, symmetric=symmetric)
+    QuantConfig(**default)  # validate early, before touching the model
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    it = targets
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(targets, desc="quantize", unit="layer")
+    for name, lin in it:
+        pat = _matches(name, skip)
+        if pat is not None:
+            report.skipped[name] = f"matches skip pattern {pat!r}"
+            continue
+        kw = dict(default)
+        if overrides:
+            op = _matches(name, overrides)
+            if op is not None:
+                kw.update(overrides[op])
+        cfg = QuantConfig(**kw)
+        k = lin.in_features
+        if k % 8 != 0 or (cfg.group_size and k % cfg.group_size != 0):
+            report.skipped[name] = f"in_features={k} does not fit {cfg.name}"
+            continue
+        q = QuantLinear.from_linear(lin, cfg.bits, cfg.group_size, cfg.symmetric, name=name)
+        report.bytes_before += lin.weight.numel() * lin.weight.element_size()
+        report.bytes_after += formats.nbytes(q.qweight, q.scales, q.zeros)
+        set_submodule(model, name, q)
+        report.converted.append(name)
+    report.seconds = time.time() - t0
+    return report
+
+
+def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, module)
+
+
+__all__ = ["QuantLinear", "QuantizeReport", "quantize_model", "set_submodule"]

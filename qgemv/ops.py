@@ -1,0 +1,272 @@
+"""The qgemv operators: schemas, fakes, pure-torch references, Python wrappers.
+
+Every op lives in the ``qgemv`` torch.library namespace:
+
+* ``qgemv::linear_int8(Tensor x, Tensor qweight, Tensor scales) -> Tensor``
+* ``qgemv::linear_int4(Tensor x, Tensor qweight, Tensor scales) -> Tensor``
+* ``qgemv::linear_int4_grouped(Tensor x, Tensor qweight, Tensor scales,
+  Tensor? zeros, int group_size) -> Tensor``
+* ``qgemv::sgemv(Tensor A, Tensor x, int kernel=0) -> Tensor``
+
+The reference below is registered for the CPU key and is what the tests
+compare the CUDA kernels against.  The CUDA key is served by the compiled
+extension (``qgemv._C``, registered from csrc/torch_bindings.cpp) and, when
+that is missing, by the same reference (with one warning, see ``_ext``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import formats
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+torch.library.define("qgemv::linear_int8", "(Tensor x, Tensor qweight, Tensor scales) -> Tensor")
+torch.library.define("qgemv::linear_int4", "(Tensor x, Tensor qweight, Tensor scales) -> Tensor")
+torch.library.define(
+    "qgemv::linear_int4_grouped",
+    "(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, int group_size) -> Tensor",
+)
+torch.library.define("qgemv::sgemv", "(Tensor A, Tensor x, int kernel=0) -> Tensor")
+
+
+# --------------------------------------------------------------------------
+# Checks shared by the fakes and the references.  Messages name the tensor
+# and the rule and match the CUDA side's TORCH_CHECKs.
+# --------------------------------------------------------------------------
+def _fail(op: str, msg: str):
+    raise ValueError(f"qgemv.{op}: {msg}")
+
+
+def _check_x(op: str, x: torch.Tensor, tensors: dict) -> int:
+    if x.dtype not in _FLOAT_DTYPES:
+        _fail(op, f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    if x.dim() < 1:
+        _fail(op, "x must have at least 1 dimension")
+    for name, t in tensors.items():
+        if t is not None and t.device != x.device:
+            _fail(op, f"{name} must be on the same device as x ({x.device}), got {t.device}")
+    k = x.shape[-1]
+    if k % 8 != 0:
+        _fail(op, f"in_features (x.shape[-1] = {k}) must be a multiple of 8")
+    return k
+
+
+def _check_qweight(op: str, qweight: torch.Tensor, dtype: torch.dtype, expected_cols: int, rule: str):
+    if qweight.dtype != dtype:
+        _fail(op, f"qweight must be {str(dtype).replace('torch.', '')}, got {qweight.dtype}")
+    if qweight.dim() != 2:
+        _fail(op, f"qweight must be 2-D, got {qweight.dim()}-D")
+    if not qweight.is_contiguous():
+        _fail(op, "qweight must be contiguous")
+    if qweight.shape[1] != expected_cols:
+        _fail(op, f"qweight.shape[1] must be {rule} = {expected_cols}, got {qweight.shape[1]}")
+
+
+def _check_scales(op: str, scales: torch.Tensor, n: int, groups: int):
+    if scales.dtype != torch.float16:
+        _fail(op, f"scales must be float16, got {scales.dtype}")
+    if not scales.is_contiguous():
+        _fail(op, "scales must be contiguous")
+    want = (n,) if groups == 0 else (n, groups)
+    if tuple(scales.shape) != want:
+        _fail(op, f"scales must have shape {list(want)}, got {list(scales.shape)}")
+
+
+def check_linear_int8(x, qweight, scales) -> None:
+    op = "linear_int8"
+    k = _check_x(op, x, {"qweight": qweight, "scales": scales})
+    _check_qweight(op, qweight, torch.int8, (k + 15) // 16 * 16, "round_up(K, 16)")
+    _check_scales(op, scales, qweight.shape[0], 0)
+
+
+def check_linear_int4(x, qweight, scales, zeros=None, group_size=0, op="linear_int4") -> None:
+    k = _check_x(op, x, {"qweight": qweight, "scales": scales, "zeros": zeros})
+    _check_qweight(op, qweight, torch.int32, (k + 31) // 32 * 4, "round_up(K, 32) / 8")
+    groups = 0
+    if group_size:
+        if group_size not in formats.GROUP_SIZES:
+            _fail(op, f"group_size must be 32, 64 or 128, got {group_size}")
+        if k % group_size != 0:
+            _fail(op, f"in_features ({k}) must be divisible by group_size ({group_size})")
+        groups = k // group_size
+    n = qweight.shape[0]
+    _check_scales(op, scales, n, groups)
+    if zeros is not None:
+        if zeros.dtype != torch.uint8:
+            _fail(op, f"zeros must be uint8, got {zeros.dtype}")
+        if not zeros.is_contiguous():
+            _fail(op, "zeros must be contiguous")
+        if tuple(zeros.shape) != (n, groups):
+            _fail(op, f"zeros must have shape [{n}, {groups}], got {list(zeros.shape)}")
+
+
+def check_sgemv(A, x, kernel) -> None:
+    op = "sgemv"
+    if A.dtype != torch.float32:
+        _fail(op, f"A must be float32, got {A.dtype}")
+    if x.dtype != torch.float32:
+        _fail(op, f"x must be float32, got {x.dtype}")
+    if A.dim() != 2:
+        _fail(op, f"A must be 2-D [N, K], got {A.dim()}-D")
+    if x.device != A.device:
+        _fail(op, f"x must be on the same device as A ({A.device}), got {x.device}")
+    if x.dim() != 1 or x.shape[0] != A.shape[1]:
+        _fail(op, f"x must have shape [{A.shape[1]}], got {list(x.shape)}")
+    if kernel not in (0, 1, 2, 3):
+        _fail(op, f"kernel must be 0 (auto), 1 (k32), 2 (k128) or 3 (k16), got {kernel}")
+
+
+# --------------------------------------------------------------------------
+# References: dequantize in fp32, multiply in fp32, return x's dtype.
+# --------------------------------------------------------------------------
+def _ref_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    y = x.to(torch.float32) @ w.t()
+    return y.to(x.dtype)
+
+
+def ref_linear_int8(x, qweight, scales):
+    """Reference for qgemv::linear_int8; x [..., K] -> [..., N] in x.dtype."""
+    check_linear_int8(x, qweight, scales)
+    return _ref_matmul(x, formats.dequantize_int8(qweight, scales, x.shape[-1]))
+
+
+def ref_linear_int4(x, qweight, scales):
+    """Reference for qgemv::linear_int4 (per-channel, symmetric)."""
+    check_linear_int4(x, qweight, scales)
+    return _ref_matmul(x, formats.dequantize_int4(qweight, scales, None, None, x.shape[-1]))
+
+
+def ref_linear_int4_grouped(x, qweight, scales, zeros, group_size):
+    """Reference for qgemv::linear_int4_grouped."""
+    check_linear_int4(x, qweight, scales, zeros, group_size, op="linear_int4_grouped")
+    w = formats.dequantize_int4(qweight, scales, zeros, group_size, x.shape[-1])
+    return _ref_matmul(x, w)
+
+
+def ref_sgemv(A, x, kernel=0):
+    """Reference for qgemv::sgemv: y[N] = A[N, K] @ x[K] in fp32."""
+    check_sgemv(A, x, kernel)
+    return A @ x
+
+
+for _name, _ref in (
+    ("linear_int8", ref_linear_int8),
+    ("linear_int4", ref_linear_int4),
+    ("linear_int4_grouped", ref_linear_int4_grouped),
+    ("sgemv", ref_sgemv),
+):
+    torch.library.impl(f"qgemv::{_name}", "cpu")(_ref)
+
+
+# --------------------------------------------------------------------------
+# Fakes: the same checks, then an empty result of the right shape.
+# --------------------------------------------------------------------------
+@torch.library.register_fake("qgemv::linear_int8")
+def _fake_linear_int8(x, qweight, scales):
+    check_linear_int8(x, qweight, scales)
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
+@torch.library.register_fake("qgemv::linear_int4")
+def _fake_linear_int4(x, qweight, scales):
+    check_linear_int4(x, qweight, scales)
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
+@torch.library.register_fake("qgemv::linear_int4_grouped")
+def _fake_linear_int4_grouped(x, qweight, scales, zeros, group_size):
+    check_linear_int4(x, qweight, scales, zeros, group_size, op="linear_int4_grouped")
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
+@torch.library.register_fake("qgemv::sgemv")
+def _fake_sgemv(A, x, kernel=0):
+    check_sgemv(A, x, kernel)
+    return A.new_empty((A.shape[0],))
+
+
+REFERENCES = {
+    "linear_int8": ref_linear_int8,
+    "linear_int4": ref_linear_int4,
+    "linear_int4_grouped": ref_linear_int4_grouped,
+    "sgemv": ref_sgemv,
+}
+
+
+# --------------------------------------------------------------------------
+# Python API.
+# --------------------------------------------------------------------------
+def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """y = x @ dequant(W)^T for the int8 per-channel format.
+
+    Args:
+        x: [..., K] float16, bfloat16 or float32 (K % 8 == 0).
+        qweight: int8 [N, round_up(K, 16)] from :func:`qgemv.formats.quantize_int8`.
+        scales: float16 [N].
+    Returns:
+        [..., N] in x.dtype, accumulated in fp32.
+    """
+    return torch.ops.qgemv.linear_int8(x, qweight, scales)
+
+
+def linear_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """y = x @ dequant(W)^T for the int4 per-channel symmetric format.
+
+    Args:
+        x: [..., K] float16, bfloat16 or float32 (K % 8 == 0).
+        qweight: int32 [N, round_up(K, 32) / 8] from :func:`qgemv.formats.quantize_int4`.
+        scales: float16 [N].
+    Returns:
+        [..., N] in x.dtype, accumulated in fp32.
+    """
+    return torch.ops.qgemv.linear_int4(x, qweight, scales)
+
+
+def linear_int4_grouped(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: Optional[torch.Tensor],
+    group_size: int,
+) -> torch.Tensor:
+    """y = x @ dequant(W)^T for the group-wise int4 format.
+
+    Args:
+        x: [..., K] float16, bfloat16 or float32 (K % group_size == 0).
+        qweight: int32 [N, K / 8] (K is a multiple of 32 here).
+        scales: float16 [N, K / group_size].
+        zeros: uint8 [N, K / group_size] zero points, or None for symmetric (zero 8).
+        group_size: 32, 64 or 128.
+    Returns:
+        [..., N] in x.dtype, accumulated in fp32.
+    """
+    return torch.ops.qgemv.linear_int4_grouped(x, qweight, scales, zeros, group_size)
+
+
+def sgemv(A: torch.Tensor, x: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
+    """fp32 y[N] = A[N, K] @ x[K] with the seed's warp-per-row kernels.
+
+    kernel: "auto" (by K: k16 for K <= 16, k128 when K % 4 == 0 and the data
+    are 16-byte aligned, else k32), or "k32", "k128", "k16" to force one.
+    """
+    codes = {"auto": 0, "k32": 1, "k128": 2, "k16": 3}
+    if kernel not in codes:
+        raise ValueError(f"qgemv.sgemv: kernel must be one of {sorted(codes)}, got {kernel!r}")
+    return torch.ops.qgemv.sgemv(A, x, codes[kernel])
+
+
+__all__ = [
+    "linear_int8",
+    "linear_int4",
+    "linear_int4_grouped",
+    "sgemv",
+    "REFERENCES",
+    "ref_linear_int8",
+    "ref_linear_int4",
+    "ref_linear_int4_grouped",
+    "ref_sgemv",
+]

@@ -1,0 +1,234 @@
+"""CUDA kernels vs the fp64 reference on the same quantized weights.
+
+Skipped per test without a GPU; run on the lent H200 (see BENCHMARKS.md).
+
+Tolerances (tight, same quantized weights):
+* GEMV path (M <= 32): the products (q - z) * x are exact in the MMA and the
+  sums are fp32, so |y - ref| <= n * 2^-24 * (|x| @ |W|^T) with n, the number
+  of sequential fp32 additions, bounded by K/8 + 32; plus half an ulp of the
+  output dtype (2^-11 relative for fp16, 2^-8 for bf16).
+* Dequantize + GEMM path (M > 32): the dense weight is rounded once to the
+  activation dtype, which adds at most eps_T * (|x| @ |W|^T) with eps_T the
+  same half-ulp.
+A normwise check ||y - ref|| / ||ref|| < 4 * eps_T guards against errors that
+hide under the elementwise bound at large K.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+import qgemv
+from qgemv import formats as F
+
+from conftest import requires_cuda
+
+EPS = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+CFGS = {
+    "int8": F.QuantConfig(8),
+    "int4": F.QuantConfig(4),
+    "int4g32a": F.QuantConfig(4, 32, False),
+    "int4g64": F.QuantConfig(4, 64),
+    "int4g128": F.QuantConfig(4, 128),
+    "int4g128a": F.QuantConfig(4, 128, False),
+}
+LLAMA = [(4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 4096),
+         (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672)]
+ODD_K = [8, 24, 136, 2880, 5128]
+ODD_N = [1, 7, 4097]
+MS = [1, 2, 3, 5, 8, 13, 16, 17, 64]
+CHUNKED_MAX = 32  # csrc/torch_bindings.cpp kChunkedMaxTokens
+
+
+def _fits(cfg, k):
+    return cfg.group_size is None or k % cfg.group_size == 0
+
+
+def _call(cfg, x, qw, s, z):
+    if cfg.bits == 8:
+        return qgemv.linear_int8(x, qw, s)
+    if cfg.group_size is None:
+        return qgemv.linear_int4(x, qw, s)
+    return qgemv.linear_int4_grouped(x, qw, s, z, cfg.group_size)
+
+
+def _quantized(cfg, n, k):
+    # Quantize on the GPU (pure torch) to keep the tests fast.
+    w = torch.randn(n, k, device="cuda") * 0.02
+    return F.quantize(w, cfg)
+
+
+def _poison_like(shape, dtype):
+    # Fill a block of exactly the output's size with NaN and free it, so the
+    # op's own allocation most likely reuses it: any element the kernel fails
+    # to write stays NaN.
+    t = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+    del t
+
+
+def _check(cfg, x, qw, s, z, k):
+    n = qw.shape[0]
+    m = x.numel() // k
+    _poison_like((*x.shape[:-1], n), x.dtype)
+    y = _call(cfg, x, qw, s, z)
+    torch.cuda.synchronize()
+    assert y.shape == (*x.shape[:-1], n) and y.dtype == x.dtype
+    assert not torch.isnan(y).any(), "unwritten (NaN-poisoned) outputs"
+    wd = F.dequantize(qw, s, z, cfg, k).double()
+    xd = x.double().reshape(-1, k)
+    ref = xd @ wd.t()
+    mag = xd.abs() @ wd.abs().t()
+    eps = EPS[x.dtype]
+    acc = (k / 8 + 32) * 2.0**-24
+    bound = (acc if m <= CHUNKED_MAX else acc + eps) * mag + eps * ref.abs() + 1e-6
+    err = (y.double().reshape(-1, n) - ref).abs()
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"error {worst:.2f}x the bound"
+    if ref.norm() > 0:
+        assert (err.norm() / ref.norm()).item() < 4 * eps
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", list(CFGS))
+@pytest.mark.parametrize("n,k", list(itertools.product(ODD_N, ODD_K)), ids=lambda v: str(v))
+def test_odd_shapes_all_m(n, k, name, dtype):
+    cfg = CFGS[name]
+    if not _fits(cfg, k):
+        pytest.skip(f"K={k} not divisible by group {cfg.group_size}")
+    qw, s, z = _quantized(cfg, n, k)
+    for m in MS:
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        _check(cfg, x, qw, s, z, k)
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", list(CFGS))
+@pytest.mark.parametrize("n,k", LLAMA, ids=[f"{n}x{k}" for n, k in LLAMA])
+def test_llama_shapes(n, k, name):
+    cfg = CFGS[name]
+    qw, s, z = _quantized(cfg, n, k)
+    for m, dtype in [(1, torch.float16), (1, torch.bfloat16), (4, torch.float16), (16, torch.bfloat16), (64, torch.float16)]:
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        _check(cfg, x, qw, s, z, k)
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", list(CFGS))
+def test_non_contiguous_and_batched_x(name):
+    cfg = CFGS[name]
+    k, n = 1024, 300
+    qw, s, z = _quantized(cfg, n, k)
+    x = torch.randn(3, 2 * k, device="cuda", dtype=torch.float16)[:, ::2]
+    assert not x.is_contiguous()
+    _check(cfg, x, qw, s, z, k)
+    xt = torch.randn(k, 5, device="cuda", dtype=torch.bfloat16).t()
+    _check(cfg, xt, qw, s, z, k)
+    x3 = torch.randn(2, 3, k, device="cuda", dtype=torch.float16)
+    _check(cfg, x3, qw, s, z, k)
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", ["int8", "int4", "int4g128a"])
+def test_fp32_activations_on_cuda(name):
+    cfg = CFGS[name]
+    k, n = 512, 96
+    qw, s, z = _quantized(cfg, n, k)
+    x = torch.randn(3, k, device="cuda")
+    y = _call(cfg, x, qw, s, z)
+    ref = x.double() @ F.dequantize(qw, s, z, cfg, k).double().t()
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", ["int8", "int4g128", "int4g32a"])
+def test_cuda_graph_replay(name):
+    cfg = CFGS[name]
+    k, n = 4096, 4096
+    qw, s, z = _quantized(cfg, n, k)
+    x = torch.randn(1, k, device="cuda", dtype=torch.float16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            _call(cfg, x, qw, s, z)
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = _call(cfg, x, qw, s, z)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        y.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, _call(cfg, x, qw, s, z))
+
+
+@requires_cuda
+def test_runs_on_current_stream_and_device_guard():
+    cfg = CFGS["int4g128"]
+    qw, s, z = _quantized(cfg, 512, 512)
+    x = torch.randn(2, 512, device="cuda", dtype=torch.float16)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        y = _call(cfg, x, qw, s, z)
+    side.synchronize()
+    _check(cfg, x, qw, s, z, 512)
+    assert torch.equal(y, _call(cfg, x, qw, s, z))
+
+
+@requires_cuda
+@pytest.mark.parametrize("bits,group,sym", [(8, None, True), (4, 128, True), (4, 32, False)])
+def test_torch_compile_fullgraph(bits, group, sym):
+    lin = torch.nn.Linear(256, 128, bias=True).cuda().half()
+    q = qgemv.QuantLinear.from_linear(lin, bits, group, sym)
+    f = torch.compile(q, fullgraph=True)
+    x = torch.randn(4, 256, device="cuda", dtype=torch.float16)
+    torch.testing.assert_close(f(x), q(x))
+
+
+@requires_cuda
+def test_cuda_errors_name_tensor_and_rule():
+    qw, s, z = _quantized(CFGS["int8"], 64, 128)
+    x = torch.randn(2, 128, device="cuda", dtype=torch.float16)
+    with pytest.raises((RuntimeError, ValueError), match="qweight must be on the same device as x"):
+        qgemv.linear_int8(x, qw.cpu(), s)
+    with pytest.raises((RuntimeError, ValueError), match="scales must be float16"):
+        qgemv.linear_int8(x, qw, s.float())
+
+
+SGEMV_SHAPES = [(1, 1), (7, 5), (33, 16), (65, 17), (129, 128), (4097, 130), (300, 4100), (28, 8192)]
+
+
+@requires_cuda
+@pytest.mark.parametrize("kernel", ["auto", "k32", "k128", "k16"])
+@pytest.mark.parametrize("n,k", SGEMV_SHAPES, ids=lambda v: str(v))
+def test_sgemv(n, k, kernel):
+    if kernel == "k16" and k > 16:
+        pytest.skip("k16 needs K <= 16")
+    if kernel == "k128" and k % 4 != 0:
+        pytest.skip("k128 needs K % 4 == 0")
+    A = torch.randn(n, k, device="cuda")
+    x = torch.randn(k, device="cuda")
+    _poison_like((n,), torch.float32)
+    y = qgemv.sgemv(A, x, kernel=kernel)
+    ref = A.double() @ x.double()
+    bound = (k + 32) * 2.0**-24 * (A.double().abs() @ x.double().abs()) + 1e-6
+    assert not torch.isnan(y).any()
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
+def test_extension_ops_registered_when_buildable():
+    # Holds in CI too (no GPU): with nvcc and a CUDA torch, .ci/run builds
+    # csrc/ and the CUDA key of every op must come from the extension.
+    import shutil
+
+    from qgemv import _ext
+
+    if not (shutil.which("nvcc") and torch.version.cuda):
+        pytest.skip("no nvcc or a CPU-only torch: the extension cannot be built here")
+    assert _ext.BACKEND in ("aot", "jit"), _ext.REASON
+    for name in ("linear_int8", "linear_int4", "linear_int4_grouped", "sgemv"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"qgemv::{name}", "CUDA"), name

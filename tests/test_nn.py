@@ -1,0 +1,120 @@
+"""QuantLinear and quantize_model on CPU (the reference path)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as Fn
+
+import qgemv
+from qgemv import formats as F
+
+VARIANTS = [(8, None, True), (4, None, True), (4, 128, True), (4, 32, False)]
+IDS = ["int8", "int4", "int4g128", "int4g32a"]
+
+
+@pytest.mark.parametrize("bits,group,sym", VARIANTS, ids=IDS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_quantlinear_matches_f_linear_on_dequantized_weight(bits, group, sym, bias):
+    lin = nn.Linear(256, 40, bias=bias)
+    q = qgemv.QuantLinear.from_linear(lin, bits, group, sym)
+    x = torch.randn(2, 3, 5, 256)
+    y = q(x)
+    ref = Fn.linear(x, q.dequantize(), lin.bias)
+    assert y.shape == (2, 3, 5, 40)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits,group,sym", VARIANTS, ids=IDS)
+def test_state_dict_round_trip(bits, group, sym, tmp_path):
+    lin = nn.Linear(128, 24, bias=True)
+    q = qgemv.QuantLinear.from_linear(lin, bits, group, sym)
+    torch.save(q.state_dict(), tmp_path / "q.pt")
+    q2 = qgemv.QuantLinear(128, 24, bits, group, sym, bias=True, bias_dtype=lin.bias.dtype)
+    q2.load_state_dict(torch.load(tmp_path / "q.pt"))
+    for k, v in q.state_dict().items():
+        assert torch.equal(v, q2.state_dict()[k]), k
+    x = torch.randn(4, 128)
+    assert torch.equal(q(x), q2(x))
+
+
+def test_extra_repr():
+    q = qgemv.QuantLinear.from_linear(nn.Linear(64, 8), 4, 32, False)
+    assert "bits=4, group_size=32, asymmetric, bias=True" in repr(q)
+
+
+def test_quantlinear_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="in_features must be a multiple of 8, got 12"):
+        qgemv.QuantLinear(12, 4)
+    with pytest.raises(ValueError, match=r"in_features \(96\) must be divisible by group_size \(64\)"):
+        qgemv.QuantLinear(96, 4, 4, 64)
+
+
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("bits,group,sym", VARIANTS[:3], ids=IDS[:3])
+def test_quantize_model_llama_matches_dequantized_float_model(bits, group, sym):
+    model = _tiny_llama()
+    ids = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        base = model(ids).logits
+    import copy
+
+    qmodel = copy.deepcopy(model)
+    if group == 128:
+        group = 32  # hidden 64 / intermediate 160 are not multiples of 128
+    report = qgemv.quantize_model(qmodel, bits=bits, group_size=group, symmetric=sym)
+    # 2 layers x 7 linears converted, lm_head skipped
+    assert len(report.converted) == 14 and list(report.skipped) == ["lm_head"]
+    assert report.bytes_after < report.bytes_before
+    assert isinstance(qmodel.model.layers[0].self_attn.q_proj, qgemv.QuantLinear)
+    # The same network with each QuantLinear replaced by F.linear on its dequantized weight.
+    ref_model = copy.deepcopy(qmodel)
+    for name, m in list(ref_model.named_modules()):
+        if isinstance(m, qgemv.QuantLinear):
+            lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+            lin.weight.data = m.dequantize()
+            qgemv.nn.set_submodule(ref_model, name, lin)
+    with torch.no_grad():
+        out = qmodel(ids).logits
+        ref = ref_model(ids).logits
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    # and the quantized model is still close to the float one
+    rel = ((out - base).norm() / base.norm()).item()
+    assert rel < (0.02 if bits == 8 else 0.3), rel
+
+
+def test_quantize_model_skip_and_overrides():
+    model = _tiny_llama()
+    report = qgemv.quantize_model(
+        model, bits=8, skip=("lm_head", r"layers\.1\.mlp"), overrides={r"self_attn\.o_proj": dict(bits=4, group_size=32)}
+    )
+    assert "model.layers.1.mlp.down_proj" in report.skipped
+    assert model.model.layers[0].self_attn.o_proj.bits == 4
+    assert model.model.layers[0].self_attn.q_proj.bits == 8
+    assert isinstance(model.model.layers[1].mlp.up_proj, nn.Linear)
+
+
+def test_import_does_not_initialise_cuda():
+    code = "import torch, qgemv; import sys; sys.exit(1 if torch.cuda.is_initialized() else 0)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_info_cli_reports_backends():
+    out = subprocess.run([sys.executable, "-m", "qgemv", "info"], capture_output=True, text=True, check=True).stdout
+    assert "torch:" in out and "linear_int4_grouped" in out and "backend:" in out

@@ -1,0 +1,156 @@
+"""Ops on CPU: reference vs float math, every bad-input error, opcheck."""
+
+import pytest
+import torch
+
+import qgemv
+from qgemv import formats as F
+
+# Loose tolerances: quantized weights vs the float weights they came from,
+# relative Frobenius error of y on gaussian W and x.  RTN error per weight is
+# uniform in +-s/2 (std s/sqrt(12)); with s = amax/127 (int8, amax ~ 4.3 sigma
+# for 4096-ish samples), amax/7 (int4 per channel) or the group's amax/7
+# (~2.9 sigma for 128 samples, ~2.4 for 32) the expected relative error is
+# ~0.010, ~0.18, ~0.12 and ~0.10.  Bounds are ~1.5-2x those.
+LOOSE = {"int8": 0.02, "int4": 0.3, "int4g128": 0.2, "int4g64a": 0.15, "int4g32": 0.17}
+CFGS = {
+    "int8": F.QuantConfig(8),
+    "int4": F.QuantConfig(4),
+    "int4g128": F.QuantConfig(4, 128),
+    "int4g64a": F.QuantConfig(4, 64, False),
+    "int4g32": F.QuantConfig(4, 32),
+}
+
+
+def _call(cfg, x, qw, s, z):
+    if cfg.bits == 8:
+        return qgemv.linear_int8(x, qw, s)
+    if cfg.group_size is None:
+        return qgemv.linear_int4(x, qw, s)
+    return qgemv.linear_int4_grouped(x, qw, s, z, cfg.group_size)
+
+
+@pytest.mark.parametrize("name", list(CFGS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_reference_close_to_float_weights(name, dtype):
+    cfg = CFGS[name]
+    n, k = 96, 1024
+    w = torch.randn(n, k)
+    x = torch.randn(2, 3, k)
+    qw, s, z = F.quantize(w, cfg)
+    y = _call(cfg, x.to(dtype), qw, s, z)
+    assert y.shape == (2, 3, n) and y.dtype == dtype
+    ref = x @ w.t()
+    rel = ((y.float() - ref).norm() / ref.norm()).item()
+    assert rel < LOOSE[name], rel
+
+
+@pytest.mark.parametrize("name", list(CFGS))
+def test_reference_equals_dequantized_matmul(name):
+    # Tight: same quantized weights, fp64 math; the reference works in fp32.
+    cfg = CFGS[name]
+    n, k = 13, 256
+    qw, s, z = F.quantize(torch.randn(n, k), cfg)
+    x = torch.randn(5, k)
+    wd = F.dequantize(qw, s, z, cfg, k).double()
+    ref = x.double() @ wd.t()
+    y = _call(cfg, x, qw, s, z).double()
+    bound = 1e-5 * (x.double().abs() @ wd.abs().t()) + 1e-6
+    assert ((y - ref).abs() <= bound).all()
+
+
+def _int8_args(k=64, n=8):
+    qw, s = F.quantize_int8(torch.randn(n, k))
+    return torch.randn(3, k, dtype=torch.float16), qw, s
+
+
+def _int4g_args(k=64, n=8):
+    qw, s, z = F.quantize_int4(torch.randn(n, k), 32, False)
+    return torch.randn(3, k, dtype=torch.float16), qw, s, z
+
+
+def test_errors_int8():
+    x, qw, s = _int8_args()
+    with pytest.raises(ValueError, match=r"qgemv.linear_int8: x must be float16, bfloat16 or float32, got torch.int32"):
+        qgemv.linear_int8(x.int(), qw, s)
+    with pytest.raises(ValueError, match=r"qgemv.linear_int8: qweight must be int8, got torch.int32"):
+        qgemv.linear_int8(x, qw.int(), s)
+    with pytest.raises(ValueError, match=r"qgemv.linear_int8: scales must be float16, got torch.float32"):
+        qgemv.linear_int8(x, qw, s.float())
+    with pytest.raises(ValueError, match=r"qgemv.linear_int8: qweight.shape\[1\] must be round_up\(K, 16\) = 80, got 64"):
+        qgemv.linear_int8(torch.randn(3, 72, dtype=torch.float16), qw, s)
+    with pytest.raises(ValueError, match=r"qgemv.linear_int8: in_features \(x.shape\[-1\] = 60\) must be a multiple of 8"):
+        qgemv.linear_int8(torch.randn(3, 60, dtype=torch.float16), qw, s)
+    with pytest.raises(ValueError, match=r"qgemv.linear_int8: qweight must be contiguous"):
+        qgemv.linear_int8(x, torch.cat([qw, qw], 1)[:, ::2], s)
+    with pytest.raises(ValueError, match=r"qgemv.linear_int8: scales must have shape \[8\], got \[4\]"):
+        qgemv.linear_int8(x, qw, s[:4])
+
+
+def test_errors_int4():
+    x, qw, s, z = _int4g_args()
+    op = qgemv.linear_int4_grouped
+    with pytest.raises(ValueError, match=r"linear_int4_grouped: qweight must be int32, got torch.int64"):
+        op(x, qw.long(), s, z, 32)
+    with pytest.raises(ValueError, match=r"linear_int4_grouped: group_size must be 32, 64 or 128, got 16"):
+        op(x, qw, s, z, 16)
+    with pytest.raises(ValueError, match=r"linear_int4_grouped: zeros must be uint8, got torch.int32"):
+        op(x, qw, s, z.int(), 32)
+    with pytest.raises(ValueError, match=r"linear_int4_grouped: zeros must have shape \[8, 2\], got \[8, 1\]"):
+        op(x, qw, s, z[:, :1].contiguous(), 32)
+    with pytest.raises(ValueError, match=r"linear_int4_grouped: scales must have shape \[8, 2\], got \[8, 1\]"):
+        op(x, qw, s[:, :1].contiguous(), z, 32)
+    with pytest.raises(ValueError, match=r"linear_int4_grouped: qweight must be contiguous"):
+        op(x, qw.t().contiguous().t(), s, z, 32)
+    with pytest.raises(ValueError, match=r"linear_int4_grouped: qweight.shape\[1\] must be round_up\(K, 32\) / 8 = 12"):
+        op(torch.randn(3, 96, dtype=torch.float16), qw, s, z, 32)
+    qw4, s4, _ = F.quantize_int4(torch.randn(8, 64))
+    with pytest.raises(ValueError, match=r"qgemv.linear_int4: scales must have shape \[8\], got \[8, 1\]"):
+        qgemv.linear_int4(x, qw4, s4[:, None])
+
+
+def test_errors_wrong_device():
+    x, qw, s = _int8_args()
+    with pytest.raises(ValueError, match=r"qgemv.linear_int8: qweight must be on the same device as x \(cpu\), got meta"):
+        qgemv.linear_int8(x, qw.to("meta"), s)
+
+
+def test_errors_sgemv():
+    A = torch.randn(5, 7)
+    with pytest.raises(ValueError, match=r"qgemv.sgemv: x must have shape \[7\], got \[6\]"):
+        qgemv.sgemv(A, torch.randn(6))
+    with pytest.raises(ValueError, match=r"qgemv.sgemv: A must be float32, got torch.float16"):
+        qgemv.sgemv(A.half(), torch.randn(7))
+    with pytest.raises(ValueError, match=r"qgemv.sgemv: kernel must be one of"):
+        qgemv.sgemv(A, torch.randn(7), kernel="k64")
+
+
+def test_sgemv_reference():
+    A, x = torch.randn(33, 17), torch.randn(17)
+    torch.testing.assert_close(qgemv.sgemv(A, x), A @ x)
+
+
+def _opcheck_cases():
+    torch.manual_seed(1)
+    x, qw, s = _int8_args(k=72, n=9)
+    yield "int8", torch.ops.qgemv.linear_int8.default, (x, qw, s)
+    qw4, s4, _ = F.quantize_int4(torch.randn(9, 72))
+    yield "int4", torch.ops.qgemv.linear_int4.default, (torch.randn(2, 4, 72), qw4, s4)
+    x, qw, s, z = _int4g_args()
+    yield "int4g_asym", torch.ops.qgemv.linear_int4_grouped.default, (x, qw, s, z, 32)
+    yield "int4g_sym", torch.ops.qgemv.linear_int4_grouped.default, (x.bfloat16(), qw, s, None, 32)
+    yield "sgemv", torch.ops.qgemv.sgemv.default, (torch.randn(6, 20), torch.randn(20), 0)
+
+
+@pytest.mark.parametrize("case", list(_opcheck_cases()), ids=lambda c: c[0])
+def test_opcheck(case):
+    _, op, args = case
+    torch.library.opcheck(op, args)
+
+
+def test_fake_shapes_on_meta():
+    x = torch.empty(2, 3, 128, dtype=torch.bfloat16, device="meta")
+    qw = torch.empty(40, 16, dtype=torch.int32, device="meta")
+    s = torch.empty(40, 2, dtype=torch.float16, device="meta")
+    y = torch.ops.qgemv.linear_int4_grouped(x, qw, s, None, 64)
+    assert y.shape == (2, 3, 40) and y.dtype == torch.bfloat16 and y.device.type == "meta"
