@@ -1,0 +1,305 @@
+"""Kernel benchmark: qgemv int8/int4 GEMV vs cuBLAS fp16/bf16, tinygemm and torch int8.
+
+    python eval/bench_gemv.py --out runs/bench            # full table
+    python eval/bench_gemv.py --quick                     # two shapes
+
+For every shape (N x K) and token count M it reports the median time of
+CUDA-event-timed calls with L2 flushed before each call (a 256 MB buffer is
+overwritten between calls, so no weight byte comes from the 60 MB L2), the
+effective bandwidth (weight + scale + zero bytes / time), the share of the
+read ceiling measured in the same run, and the speedup over fp16 cuBLAS.
+
+Also: 4096x4096 M=1 under CUDA-graph replay (20 calls on rotating weight
+copies per graph), the prefill sweep that sets kChunkedMaxTokens, and the
+fp32 SGEMV family vs torch.matmul.  Writes <out>.json, <out>.md and a
+roofline plot <out>_roofline.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import qgemv  # noqa: E402
+from qgemv import formats as F  # noqa: E402
+
+SHAPES = [(4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 4096),
+          (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672)]
+VARIANTS = ["fp16", "bf16", "tinygemm_g128", "torch_int8", "int8", "int4", "int4g128", "int4g128a", "int4g32a"]
+QCFG = {
+    "int8": F.QuantConfig(8),
+    "int4": F.QuantConfig(4),
+    "int4g128": F.QuantConfig(4, 128),
+    "int4g128a": F.QuantConfig(4, 128, False),
+    "int4g32a": F.QuantConfig(4, 32, False),
+}
+
+
+class Timer:
+    """Median CUDA-event time of fn() with L2 flushed before every call."""
+
+    def __init__(self, flush_mb: int = 256):
+        self.flush = torch.empty(flush_mb * 2**20 // 4, dtype=torch.float32, device="cuda")
+
+    def __call__(self, fn, iters: int = 50, warmup: int = 5) -> float:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(iters):
+            self.flush.fill_(1.0)
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            times.append((s, e))
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in times) * 1e3  # us
+
+
+def read_ceiling(timer: Timer) -> dict:
+    """Device read and copy bandwidth, measured now (GB/s)."""
+    n = 2**30  # 4 GiB of fp32
+    a = torch.ones(n, dtype=torch.float32, device="cuda")
+    t_read = timer(lambda: a.sum(), iters=10, warmup=2)
+    b = torch.empty(n // 2, dtype=torch.float32, device="cuda")
+    t_copy = timer(lambda: b.copy_(a[: n // 2]), iters=10, warmup=2)
+    del a, b
+    return {"read_GBps": 4 * n / t_read / 1e3, "copy_GBps": 2 * 2 * n / t_copy / 1e3}
+
+
+def make_variant(name, n, k):
+    """-> (fn(x) -> y, bytes read for the weight, x dtype) or None if unavailable."""
+    w = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
+    if name in ("fp16", "bf16"):
+        dt = torch.float16 if name == "fp16" else torch.bfloat16
+        wt = w.to(dt)
+        return (lambda x: torch.matmul(x, wt.t())), wt.numel() * 2, dt
+    if name == "tinygemm_g128":
+        # torch's int4 "tinygemm" path: bf16 activations, group 128, asymmetric.
+        g = 128
+        wf = w.float().view(n, k // g, g)
+        lo, hi = wf.amin(-1), wf.amax(-1)
+        scale = ((hi - lo).clamp(min=1e-6) / 15)
+        q = torch.round((wf - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
+        qu8 = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+        packed = torch._convert_weight_to_int4pack(qu8.contiguous(), 8)
+        zero = lo + 8 * scale  # tinygemm's zero is the value at code 8
+        sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        return (lambda x: torch._weight_int4pack_mm(x, packed, g, sz)), n * k // 2 + sz.numel() * 2, torch.bfloat16
+    if name == "torch_int8":
+        qw, s = F.quantize_int8(w)
+        q8 = qw[:, :k].contiguous()
+        s16 = s.to(torch.float16)
+        return (lambda x: torch._weight_int8pack_mm(x, q8, s16)), n * k + n * 2, torch.float16
+    cfg = QCFG[name]
+    qw, s, z = F.quantize(w, cfg)
+    lin = qgemv.QuantLinear.from_quantized(torch.nn.Linear(k, n, bias=False, device="meta"), cfg, qw, s, z)
+    return lin, F.nbytes(qw, s, z), torch.float16
+
+
+def bench_shapes(timer, shapes, ms, variants, ceiling):
+    rows = []
+    for n, k in shapes:
+        base = {}
+        for name in variants:
+            try:
+                made = make_variant(name, n, k)
+            except Exception as e:  # a baseline missing from this torch build
+                print(f"  {name} {n}x{k}: unavailable ({type(e).__name__}: {str(e)[:80]})")
+                continue
+            fn, nbytes, dt = made
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=dt)
+                try:
+                    us = timer(lambda: fn(x))
+                except Exception as e:
+                    print(f"  {name} {n}x{k} M={m}: failed ({type(e).__name__}: {str(e)[:80]})")
+                    continue
+                gbps = nbytes / us / 1e3
+                if name == "fp16":
+                    base[m] = us
+                rows.append(dict(variant=name, N=n, K=k, M=m, us=us, bytes=nbytes, GBps=gbps,
+                                 pct_read_ceiling=100 * gbps / ceiling["read_GBps"],
+                                 speedup_vs_fp16=base.get(m, float("nan")) / us,
+                                 tflops=2 * m * n * k / us / 1e6))
+            del made, fn
+            torch.cuda.empty_cache()
+    return rows
+
+
+def bench_graph(n=4096, k=4096, copies=20):
+    """Per-call time of M=1 under CUDA-graph replay, weights rotating through L2-busting copies."""
+    out = {}
+    for name in ["fp16", "int8", "int4", "int4g128"]:
+        fns = [make_variant(name, n, k)[0] for _ in range(copies)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.float16)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for f in fns:
+                f(x)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for f in fns:
+                f(x)
+        for _ in range(3):
+            g.replay()
+        ts = []
+        for _ in range(20):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            ts.append((a, b))
+        torch.cuda.synchronize()
+        out[name] = statistics.median(a.elapsed_time(b) for a, b in ts) * 1e3 / copies
+        del fns, g
+    return out
+
+
+def prefill_sweep(timer, shapes=((4096, 4096), (8192, 8192)), ms=(17, 24, 32, 48, 64, 128, 512)):
+    """GEMV-chunked vs dequantize+cuBLAS for M > 16, and fp16 cuBLAS for scale."""
+    from qgemv import _C
+
+    old = _C.get_chunked_max_tokens()
+    rows = []
+    for n, k in shapes:
+        fp16 = make_variant("fp16", n, k)[0]
+        for name in ["int8", "int4g128"]:
+            lin = make_variant(name, n, k)[0]
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+                _C.set_chunked_max_tokens(1 << 30)
+                t_chunk = timer(lambda: lin(x), iters=20)
+                _C.set_chunked_max_tokens(0)
+                t_deq = timer(lambda: lin(x), iters=20)
+                t_ref = timer(lambda: fp16(x), iters=20)
+                rows.append(dict(variant=name, N=n, K=k, M=m, chunked_us=t_chunk, dequant_gemm_us=t_deq,
+                                 fp16_us=t_ref))
+    _C.set_chunked_max_tokens(old)
+    return rows
+
+
+def bench_sgemv(timer, shapes=((28672, 8192), (4096, 4096), (16384, 16), (8192, 130))):
+    rows = []
+    for n, k in shapes:
+        A = torch.randn(n, k, device="cuda")
+        x = torch.randn(k, device="cuda")
+        row = dict(N=n, K=k, bytes=A.numel() * 4)
+        row["torch_us"] = timer(lambda: torch.matmul(A, x))
+        for kern in ["auto", "k32", "k128", "k16"]:
+            if (kern == "k16" and k > 16) or (kern == "k128" and k % 4):
+                continue
+            row[f"{kern}_us"] = timer(lambda: qgemv.sgemv(A, x, kernel=kern))
+        rows.append(row)
+        del A
+    return rows
+
+
+def roofline_png(rows, ceiling, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    bw = ceiling["read_GBps"] * 1e9
+    ai = [0.25, 200]
+    ax.plot(ai, [bw * a / 1e12 for a in ai], "k--", lw=1, label=f"read ceiling {ceiling['read_GBps']:.0f} GB/s")
+    markers = dict(zip(VARIANTS, "os^vDP*Xh"))
+    for name in VARIANTS:
+        pts = [r for r in rows if r["variant"] == name]
+        if not pts:
+            continue
+        ax.scatter([2 * r["M"] * r["N"] * r["K"] / r["bytes"] for r in pts], [r["tflops"] for r in pts],
+                   marker=markers[name], label=name, s=28)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / weight byte)")
+    ax.set_ylabel("achieved TFLOP/s")
+    ax.set_title(f"qgemv GEMV roofline, {torch.cuda.get_device_name()}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def markdown(result) -> str:
+    out = [f"{result['date']}, {result['gpu']}, torch {result['torch']}, command: `{result['command']}`", "",
+           f"Read ceiling measured in this run: {result['ceiling']['read_GBps']:.0f} GB/s "
+           f"(copy {result['ceiling']['copy_GBps']:.0f} GB/s).", "",
+           "| N x K | M | variant | us | GB/s | % read ceiling | vs fp16 |", "|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        out.append(f"| {r['N']}x{r['K']} | {r['M']} | {r['variant']} | {r['us']:.1f} | {r['GBps']:.0f} | "
+                   f"{r['pct_read_ceiling']:.0f}% | {r['speedup_vs_fp16']:.2f}x |")
+    if result.get("graph"):
+        out += ["", "4096x4096, M=1, per call under CUDA-graph replay (20 calls per graph, weights rotating):", ""]
+        out += [f"- {k}: {v:.2f} us" for k, v in result["graph"].items()]
+    if result.get("prefill"):
+        out += ["", "| N x K | variant | M | GEMV chunks us | dequant+cuBLAS us | fp16 cuBLAS us |", "|---|---|---|---|---|---|"]
+        for r in result["prefill"]:
+            out.append(f"| {r['N']}x{r['K']} | {r['variant']} | {r['M']} | {r['chunked_us']:.1f} | "
+                       f"{r['dequant_gemm_us']:.1f} | {r['fp16_us']:.1f} |")
+    if result.get("sgemv"):
+        out += ["", "| SGEMV N x K | torch.matmul us | auto | k32 | k128 | k16 | auto GB/s |", "|---|---|---|---|---|---|---|"]
+        for r in result["sgemv"]:
+            f = lambda key: f"{r[key]:.1f}" if key in r else "-"  # noqa: E731
+            out.append(f"| {r['N']}x{r['K']} | {f('torch_us')} | {f('auto_us')} | {f('k32_us')} | {f('k128_us')} | "
+                       f"{f('k16_us')} | {r['bytes'] / r['auto_us'] / 1e3:.0f} |")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="runs/bench_gemv")
+    ap.add_argument("--quick", action="store_true", help="two shapes, M=1 and 16 only")
+    ap.add_argument("--ms", default="1,4,16")
+    ap.add_argument("--no-extras", action="store_true", help="skip graph, prefill and sgemv sections")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_gemv: no CUDA GPU; nothing to measure")
+        return 0
+    from qgemv import _ext
+
+    if _ext.BACKEND == "reference":
+        print(f"bench_gemv: the CUDA extension is not loaded ({_ext.REASON})")
+        return 1
+    torch.backends.cuda.matmul.allow_tf32 = False
+    timer = Timer()
+    ceiling = read_ceiling(timer)
+    print(f"read ceiling {ceiling['read_GBps']:.0f} GB/s, copy {ceiling['copy_GBps']:.0f} GB/s")
+    shapes = [(4096, 4096), (28672, 8192)] if args.quick else SHAPES
+    ms = [1, 16] if args.quick else [int(v) for v in args.ms.split(",")]
+    rows = bench_shapes(timer, shapes, ms, VARIANTS, ceiling)
+    result = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                  command="python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+                  ceiling=ceiling, rows=rows)
+    if not args.no_extras:
+        result["graph"] = bench_graph()
+        result["prefill"] = prefill_sweep(timer)
+        result["sgemv"] = bench_sgemv(timer)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    md = markdown(result)
+    with open(args.out + ".md", "w") as f:
+        f.write(md + "\n")
+    try:
+        roofline_png(rows, ceiling, args.out + "_roofline.png")
+    except ImportError:
+        print("matplotlib missing: no roofline plot")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One batched run on the lent GPU: build the extension for sm_90, run the
+# tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
+#   bash eval/device_run.sh [tests|bench|sanitize|all]...
+set -o pipefail
+OUT=${OUT:-runs/device}
+mkdir -p "$OUT"
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} QGEMV_CUDA_ARCHS=9.0 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+start=$(date +%s)
+python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - start )) s"
+python3 -m qgemv info | tee "$OUT/info.txt"
+for step in "${@:-all}"; do
+  case "$step" in
+    tests|all)
+      python3 -m pytest -q -rs --maxfail=30 tests 2>&1 | tee "$OUT/tests.log" | tail -40 ;;&
+    bench|all)
+      python3 eval/bench_gemv.py --out "$OUT/bench_gemv" 2>&1 | tail -120 ;;&
+    sanitize)
+      for tool in memcheck racecheck; do
+        compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -x tests/test_cuda.py \
+          -k "test_odd_shapes_all_m and (4097 or 7) and (136 or 2880) and fp16" 2>&1 | tail -5 | tee "$OUT/sanitize_$tool.log"
+      done ;;
+  esac
+done
+echo "total: $(( $(date +%s) - start )) s"
