@@ -1,0 +1,39 @@
+"""Run one qgemv GEMV configuration a few times, for ncu / compute-sanitizer.
+
+    python eval/profile_one.py --variant int4 --n 28672 --k 8192 --m 1
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from eval.bench_gemv import QCFG  # noqa: E402
+
+import qgemv  # noqa: E402
+from qgemv import formats as F  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variant", default="int4", choices=sorted(QCFG))
+    ap.add_argument("--n", type=int, default=28672)
+    ap.add_argument("--k", type=int, default=8192)
+    ap.add_argument("--m", type=int, default=1)
+    ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
+    ap.add_argument("--iters", type=int, default=3)
+    a = ap.parse_args()
+    cfg = QCFG[a.variant]
+    qw, s, z = F.quantize(torch.randn(a.n, a.k, device="cuda") * 0.02, cfg)
+    lin = qgemv.QuantLinear.from_quantized(torch.nn.Linear(a.k, a.n, bias=False, device="meta"), cfg, qw, s, z)
+    x = torch.randn(a.m, a.k, device="cuda", dtype=torch.float16 if a.dtype == "fp16" else torch.bfloat16)
+    for _ in range(a.iters):
+        lin(x)
+    torch.cuda.synchronize()
+    print("ok", tuple(lin(x).shape))
+
+
+if __name__ == "__main__":
+    main()
