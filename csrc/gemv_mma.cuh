@@ -5,16 +5,14 @@
 //   The weight tile of 16 rows is the A operand of mma.m16n8k16; the tokens
 //   are the B operand (8 tokens per n-tile, one or two n-tiles).  Lane
 //   (g = lane/4, t = lane%4) owns rows g and g+8 of the tile and token g of
-//   each n-tile, exactly like the seed's "one warp per row" GEMV except that
-//   the warp owns 16 rows and the k-reduction across the four lanes of a quad
-//   happens inside the MMA instead of in shuffles.
+//   each n-tile, like the seed's "one warp per row" GEMV except that the warp
+//   owns 16 rows and the k-reduction across the four lanes of a quad happens
+//   inside the MMA instead of in shuffles.
 //
-//   Each lane reads 16 bytes of weights per row per tile with one 128-bit
-//   load.  The MMA sums over 16 "positions" per step and lane t holds
-//   positions {2t, 2t+1, 2t+8, 2t+9}; which real k a position stands for is
-//   ours to choose, so we choose the k that the lane already has in its
-//   registers and load the matching activations.  No shared memory, no
-//   shuffles of weights.
+//   Each lane reads 16 bytes of weights per row per tile.  The MMA sums over
+//   16 "positions" per step and lane t holds positions {2t, 2t+1, 2t+8, 2t+9};
+//   which real k a position stands for is ours to choose, so we choose the k
+//   that the lane already holds and read the matching activations.
 //
 //     int8 : a tile is 64 k per row; lane t holds k in [16t, 16t+16).
 //            Step j (0..3) uses the lane's word j (k 16t+4j .. +3).
@@ -27,13 +25,28 @@
 //
 //   Why tensor cores at M = 1: dequantising int4 costs ~1.4 instructions per
 //   weight (lop3 + sub per pair, one shift per two pairs); an fp32 FMA per
-//   weight on top of that would use most of the issue slots at 4 TB/s.  The
-//   MMA does the multiply-accumulate in fp32 for free and its cost is flat in
-//   M up to 8 (then 16) tokens.
+//   weight on top would use most of the issue slots at 4 TB/s.  The MMA does
+//   the multiply-accumulate in fp32 and its cost is flat in M up to 8 (then
+//   16) tokens.
 //
-// Split-K across the warps of the block: warp w takes tiles w, w+W, w+2W, ...
-// with 4 tiles of weight loads in flight per lane, then the warps meet in
-// shared memory and the first threads write the 16 x M outputs.
+// Memory pipeline (the part that decides the speed; see BENCHMARKS.md for the
+// ncu numbers that led here):
+//   * Weights stream through a per-warp ring of kStages tiles in shared
+//     memory filled with cp.async (L1 bypassed, L2 evict-first).  Each lane
+//     copies and later reads back only its own 2 x 16 bytes per tile, so no
+//     barrier is needed; a warp keeps kStages - 1 tiles (up to 5 KB) in flight
+//     at all times without spending registers on them.
+//   * Activations are staged once per block in shared memory when all M x K
+//     of them fit in kActSmemBytes (always for M = 1 up to K = 16384);
+//     otherwise they are read through L1 (__ldg).
+//   * Group scales and zero points for tile j+1 are loaded while tile j is
+//     computed, so their latency is hidden behind one tile of work.
+//   * Consecutive tiles of a warp accumulate into two register banks: two
+//     independent MMA dependency chains.
+//
+// Split-K across the warps of the block: warp w takes tiles w, w+W, w+2W, ...;
+// at the end the warps meet in shared memory and the first threads write the
+// 16 x M outputs.
 #pragma once
 
 #include "qgemv_common.cuh"
@@ -41,81 +54,157 @@
 namespace qgemv {
 
 constexpr int kRowsPerBlock = 16;
-constexpr int kTileBytes = 64;  // bytes of one row per tile (int8: 64 k, int4: 128 k)
-constexpr int kLoadsInFlight = 4;
+constexpr int kTileBytes = 64;      // bytes of one row per tile (int8: 64 k, int4: 128 k)
+constexpr int kStages = 8;          // weight ring depth per warp (tiles); a power of two
+constexpr int kMaxWarps = 8;        // warps per block (split-K)
+constexpr int kActSmemBytes = 32 * 1024;
 
-template <typename T, int kBits, bool kHasZeros, int kNT>
+// Group metadata of one tile for this lane's two rows: up to 4 groups (G = 32).
+struct TileMeta {
+  float s0[4], s1[4];       // scales of rows r0, r1
+  uint32_t z0[4], z1[4];    // (magic + zero) pairs in the activation type
+  uint32_t y0[4], y1[4];    // (magic / 16 + zero) pairs (fp16 dequant, see dequant_int4_word)
+};
+
+// kMode: 0 = one scale per output channel, 1 = group-wise symmetric,
+// 2 = group-wise with zero points.  A template parameter, not a runtime flag:
+// with a runtime flag the compiler emitted every MMA twice under predicates.
+enum GroupMode : int { kPerChannel = 0, kGroupSym = 1, kGroupAsym = 2 };
+
+template <typename T, int kBits, int kMode, int kNT>
 struct GemvMma {
   static constexpr int kTileK = kBits == 4 ? 128 : 64;
+  static constexpr bool kGrouped = kMode != kPerChannel;
+  static constexpr bool kHasZeros = kMode == kGroupAsym;
 
-  // Per-lane state.
   const GemvParams& p;
-  const T* x;
   int g, t;
-  int r0, r1;               // clamped rows for loads
-  float acc[kNT][4];        // fp32 accumulators (MMA C fragments)
-  float part[kNT][4];       // per-group partial sums (grouped int4 only)
+  int r0, r1;                 // clamped rows for loads
+  float acc[2][kNT][4];       // two banks of MMA C fragments (fp32)
+  // Per-lane pointers, computed once: this lane's activation row of each
+  // n-tile (staged in shared memory or in global memory), and the scale /
+  // zero-point rows of r0 and r1.
+  const T* xrow[kNT];
+  bool xvalid[kNT];
+  const __half *srow0, *srow1;
+  const uint8_t *zrow0, *zrow1;
+  int gshift = 0;             // log2(group_size), 0 = per channel
+  int ngroups = 1;
+  uint32_t sym_z, sym_y;      // symmetric zero point 8 as (magic + 8), (magic/16 + 8)
 
   __device__ __forceinline__ GemvMma(const GemvParams& params, int lane) : p(params) {
-    x = static_cast<const T*>(p.x);
     g = lane >> 2;
     t = lane & 3;
     const int row0 = blockIdx.x * kRowsPerBlock + g;
     r0 = min(row0, p.N - 1);
     r1 = min(row0 + 8, p.N - 1);
 #pragma unroll
-    for (int n = 0; n < kNT; ++n)
+    for (int b = 0; b < 2; ++b)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) acc[n][i] = part[n][i] = 0.f;
+      for (int n = 0; n < kNT; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[b][n][i] = 0.f;
+    set_x(static_cast<const T*>(p.x), p.ldx);
+    if (kGrouped) {
+      gshift = 31 - __clz(p.group_size);
+      ngroups = p.K >> gshift;
+    }
+    srow0 = static_cast<const __half*>(p.scales) + r0 * ngroups;
+    srow1 = static_cast<const __half*>(p.scales) + r1 * ngroups;
+    zrow0 = p.zeros ? p.zeros + r0 * ngroups : nullptr;
+    zrow1 = p.zeros ? p.zeros + r1 * ngroups : nullptr;
+    sym_z = ActTraits<T>::splat(ActTraits<T>::kMagicValue + 8.f);
+    sym_y = ActTraits<T>::splat(ActTraits<T>::kMagicValue / 16.f + 8.f);
   }
 
-  // 8 activations of this lane's token(s) at k, zero past M or K.
+  __device__ __forceinline__ void set_x(const T* base, int ld) {
+#pragma unroll
+    for (int n = 0; n < kNT; ++n) {
+      const int tok = n * 8 + g;
+      xvalid[n] = tok < p.M;
+      xrow[n] = base + static_cast<size_t>(xvalid[n] ? tok : 0) * ld;
+    }
+  }
+
+  // 8 activations of this lane's token of n-tile nt at k; zero past M or K.
+  // A generic load: the row lives in shared memory when the block staged the
+  // activations, in global memory otherwise.
   __device__ __forceinline__ uint4 load_x(int nt, int k) const {
-    const int tok = nt * 8 + g;
-    if (tok < p.M && k < p.K) return ld_act_v4(x + static_cast<size_t>(tok) * p.ldx + k);
-    return make_uint4(0u, 0u, 0u, 0u);
+    if (!xvalid[nt] || k >= p.K) return make_uint4(0u, 0u, 0u, 0u);
+    return *reinterpret_cast<const uint4*>(xrow[nt] + k);
   }
 
-  // One int4 sub-tile: 32 consecutive k starting at k_sub (a multiple of 32);
-  // this lane contributes k_sub + 8t .. +7 of rows r0 (word w0) and r1 (w1).
-  __device__ __forceinline__ void int4_subtile(int k_sub, uint32_t w0, uint32_t w1) {
-    const bool grouped = p.group_size > 0;
-    const int ngroups = grouped ? p.K / p.group_size : 1;
-    const int gidx = grouped ? min(k_sub / p.group_size, ngroups - 1) : 0;
-    uint32_t z0 = ActTraits<T>::kMagic | 0x00080008u;  // symmetric: magic + 8
-    uint32_t z1 = z0;
+  // Scales / zero points for the four sub-tiles of tile `tile` (grouped
+  // int4).  Entry i belongs to sub-tile i, so every index is a compile-time
+  // constant and the arrays stay in registers; sub-tiles of one group (G = 64,
+  // 128) copy the entry before them instead of loading again.
+  __device__ __forceinline__ void load_meta(int tile, TileMeta& m) const {
+    const int gsub_mask = (1 << (gshift - 5)) - 1;  // sub-tiles per group - 1
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (i == 0 || (i & gsub_mask) == 0) {
+        const int gi = min((tile * kTileK + 32 * i) >> gshift, ngroups - 1);
+        m.s0[i] = __half2float(srow0[gi]);
+        m.s1[i] = __half2float(srow1[gi]);
+        if constexpr (kHasZeros) {
+          const float za = zrow0[gi], zb = zrow1[gi];
+          m.z0[i] = ActTraits<T>::splat(ActTraits<T>::kMagicValue + za);
+          m.z1[i] = ActTraits<T>::splat(ActTraits<T>::kMagicValue + zb);
+          m.y0[i] = ActTraits<T>::splat(ActTraits<T>::kMagicValue / 16.f + za);
+          m.y1[i] = ActTraits<T>::splat(ActTraits<T>::kMagicValue / 16.f + zb);
+        }
+      } else {
+        m.s0[i] = m.s0[i - 1];
+        m.s1[i] = m.s1[i - 1];
+        if constexpr (kHasZeros) {
+          m.z0[i] = m.z0[i - 1];
+          m.z1[i] = m.z1[i - 1];
+          m.y0[i] = m.y0[i - 1];
+          m.y1[i] = m.y1[i - 1];
+        }
+      }
+    }
+  }
+
+  // One int4 sub-tile j of tile `tile`: 32 consecutive k; this lane holds
+  // k_sub + 8t .. +7 of rows r0 (word w0) and r1 (w1).
+  template <int B>
+  __device__ __forceinline__ void int4_subtile(int k_sub, int j, uint32_t w0, uint32_t w1,
+                                               const TileMeta& m, float (&part)[kNT][4]) {
+    constexpr bool grouped = kGrouped;
+    uint32_t z0 = sym_z, z1 = sym_z, y0 = sym_y, y1 = sym_y;
     if constexpr (kHasZeros) {
-      z0 = ActTraits<T>::splat(ActTraits<T>::kMagicValue + p.zeros[r0 * ngroups + gidx]);
-      z1 = ActTraits<T>::splat(ActTraits<T>::kMagicValue + p.zeros[r1 * ngroups + gidx]);
+      z0 = m.z0[j];
+      z1 = m.z1[j];
+      y0 = m.y0[j];
+      y1 = m.y1[j];
     }
     uint32_t a0[4], a1[4];
-    dequant_int4_word<T>(w0, z0, a0);
-    dequant_int4_word<T>(w1, z1, a1);
+    dequant_int4_word<T>(w0, z0, y0, a0);
+    dequant_int4_word<T>(w1, z1, y1, a1);
     const uint32_t step0[4] = {a0[0], a1[0], a0[1], a1[1]};
     const uint32_t step1[4] = {a0[2], a1[2], a0[3], a1[3]};
 #pragma unroll
     for (int n = 0; n < kNT; ++n) {
       const uint4 xv = load_x(n, k_sub + 8 * t);
-      // Two explicit branches (not a pointer select) keep both arrays in registers.
-      if (grouped) {
+      // Grouped: per-group partial sums, folded with the scale at the group end.
+      if constexpr (grouped) {
         ActTraits<T>::mma(part[n], step0, xv.x, xv.y);
         ActTraits<T>::mma(part[n], step1, xv.z, xv.w);
       } else {
-        ActTraits<T>::mma(acc[n], step0, xv.x, xv.y);
-        ActTraits<T>::mma(acc[n], step1, xv.z, xv.w);
+        ActTraits<T>::mma(acc[B][n], step0, xv.x, xv.y);
+        ActTraits<T>::mma(acc[B][n], step1, xv.z, xv.w);
       }
     }
-    if (grouped && ((k_sub + 32) % p.group_size) == 0) {
-      // End of a group: fold the partial sums in with this group's scales.
-      const __half* s = static_cast<const __half*>(p.scales);
-      const float s0 = __half2float(s[r0 * ngroups + gidx]);
-      const float s1 = __half2float(s[r1 * ngroups + gidx]);
+    if constexpr (grouped) {
+      if ((((j + 1) << 5) & ((1 << gshift) - 1)) != 0) return;  // group continues
+      // End of a group: fold the fp32 partial sums in with the group's scales.
 #pragma unroll
       for (int n = 0; n < kNT; ++n) {
-        acc[n][0] += part[n][0] * s0;
-        acc[n][1] += part[n][1] * s0;
-        acc[n][2] += part[n][2] * s1;
-        acc[n][3] += part[n][3] * s1;
+        acc[B][n][0] += part[n][0] * m.s0[j];
+        acc[B][n][1] += part[n][1] * m.s0[j];
+        acc[B][n][2] += part[n][2] * m.s1[j];
+        acc[B][n][3] += part[n][3] * m.s1[j];
 #pragma unroll
         for (int i = 0; i < 4; ++i) part[n][i] = 0.f;
       }
@@ -123,6 +212,7 @@ struct GemvMma {
   }
 
   // One int8 tile at k_tile: this lane holds k_tile + 16t .. +15 of both rows.
+  template <int B>
   __device__ __forceinline__ void int8_tile(int k_tile, const uint4& w0, const uint4& w1) {
     const uint32_t u0[4] = {w0.x, w0.y, w0.z, w0.w};
     const uint32_t u1[4] = {w1.x, w1.y, w1.z, w1.w};
@@ -138,92 +228,144 @@ struct GemvMma {
         dequant_int8_word<T>(u0[j], a0);
         dequant_int8_word<T>(u1[j], a1);
         const uint32_t a[4] = {a0[0], a1[0], a0[1], a1[1]};
-        ActTraits<T>::mma(acc[n], a, xp[2 * j], xp[2 * j + 1]);
+        ActTraits<T>::mma(acc[B][n], a, xp[2 * j], xp[2 * j + 1]);
       }
     }
   }
 
-  __device__ __forceinline__ void full_tile(int tile, const uint4& w0, const uint4& w1) {
-    const int k_tile = tile * kTileK;
+  // A tile with this lane's words in w0 (row r0) and w1 (row r1); the
+  // sub-tile count c is 4 except in the int4 tail.
+  template <int B>
+  __device__ __forceinline__ void tile(int tile_idx, const uint4& w0, const uint4& w1, const TileMeta& m,
+                                       int c = 4) {
+    const int k_tile = tile_idx * kTileK;
     if constexpr (kBits == 4) {
-      int4_subtile(k_tile + 0, w0.x, w1.x);
-      int4_subtile(k_tile + 32, w0.y, w1.y);
-      int4_subtile(k_tile + 64, w0.z, w1.z);
-      int4_subtile(k_tile + 96, w0.w, w1.w);
+      float part[kNT][4];
+#pragma unroll
+      for (int n = 0; n < kNT; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) part[n][i] = 0.f;
+      const uint32_t u0[4] = {w0.x, w0.y, w0.z, w0.w};
+      const uint32_t u1[4] = {w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (j < c) int4_subtile<B>(k_tile + 32 * j, j, u0[j], u1[j], m, part);
     } else {
-      int8_tile(k_tile, w0, w1);
-    }
-  }
-
-  // The last, partial tile (Kp % kTileK != 0).
-  __device__ __forceinline__ void tail_tile(int tile, int tail_k, const char* wr0, const char* wr1,
-                                            uint64_t pol) {
-    const int k_tile = tile * kTileK;
-    const char* b0 = wr0 + tile * kTileBytes;
-    const char* b1 = wr1 + tile * kTileBytes;
-    if constexpr (kBits == 4) {
-      // c sub-tiles of 32 k; lane t's word j sits at word t*c + j.
-      const int c = tail_k / 32;
-      for (int j = 0; j < c; ++j) {
-        const int off = (t * c + j) * 4;
-        int4_subtile(k_tile + 32 * j, ld_stream_u32(b0 + off, pol), ld_stream_u32(b1 + off, pol));
-      }
-    } else {
-      // c chunks of 16 k; lanes t >= c have nothing (their activations are 0 too).
-      const int c = tail_k / 16;
-      uint4 w0 = make_uint4(0u, 0u, 0u, 0u), w1 = w0;
-      if (t < c) {
-        w0 = ld_stream_v4(b0 + 16 * t, pol);
-        w1 = ld_stream_v4(b1 + 16 * t, pol);
-      }
-      int8_tile(k_tile, w0, w1);
+      int8_tile<B>(k_tile, w0, w1);
     }
   }
 };
 
-template <typename T, int kBits, bool kHasZeros, int kNT>
-__global__ void __launch_bounds__(512)
+template <typename T, int kBits, int kMode, int kNT>
+__global__ void __launch_bounds__(kMaxWarps * 32, 2)
     gemv_mma_kernel(const GemvParams p) {
-  using Lane = GemvMma<T, kBits, kHasZeros, kNT>;
+  using Lane = GemvMma<T, kBits, kMode, kNT>;
   constexpr int kTileK = Lane::kTileK;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int nwarps = blockDim.x >> 5;
+  constexpr bool grouped = Lane::kGrouped;
 
   Lane s(p, lane);
   const uint64_t pol = evict_first_policy();
   const size_t row_bytes = kBits == 4 ? p.Kp / 2 : p.Kp;
-  const char* wr0 = static_cast<const char*>(p.qweight) + s.r0 * row_bytes;
-  const char* wr1 = static_cast<const char*>(p.qweight) + s.r1 * row_bytes;
+  const char* wr0 = static_cast<const char*>(p.qweight) + s.r0 * row_bytes + 16 * s.t;
+  const char* wr1 = static_cast<const char*>(p.qweight) + s.r1 * row_bytes + 16 * s.t;
   const int nfull = p.Kp / kTileK;
   const int tail_k = p.Kp % kTileK;
 
-  for (int base = warp; base < nfull; base += kLoadsInFlight * nwarps) {
-    uint4 w[kLoadsInFlight][2];
+  // Shared memory: [weight ring: nwarps x kStages x 2 rows x 32 lanes x 16 B]
+  //                [activations: M x ld_xs, if staged] [reduction]
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint4* ring = reinterpret_cast<uint4*>(smem) + warp * kStages * 64 + lane;
+  unsigned char* after_ring = smem + static_cast<size_t>(nwarps) * kStages * 64 * sizeof(uint4);
+  const bool stage_x = p.chunk_k > 0;
+  const int ld_xs = p.Kp + 8;  // +16 bytes per row: tokens land in different banks
+  float* red = reinterpret_cast<float*>(
+      after_ring + (stage_x ? static_cast<size_t>(p.M) * ld_xs * sizeof(T) : 0));
+
+  // This warp's full tiles: warp, warp + W, ...
+  const int count = warp < nfull ? (nfull - warp + nwarps - 1) / nwarps : 0;
+  const int step_bytes = nwarps * kTileBytes;
+  const char* src0 = wr0 + warp * kTileBytes;
+  const char* src1 = wr1 + warp * kTileBytes;
+  int issued = 0;
+  auto issue = [&]() {
+    if (issued < count) {
+      uint4* slot = ring + (issued & (kStages - 1)) * 64;
+      cp_async_16(slot, src0, pol);
+      cp_async_16(slot + 32, src1, pol);
+      src0 += step_bytes;
+      src1 += step_bytes;
+    }
+    ++issued;
+    cp_async_commit();  // always commit: keeps the group count uniform
+  };
 #pragma unroll
-    for (int u = 0; u < kLoadsInFlight; ++u) {
-      const int tile = base + u * nwarps;
-      if (tile < nfull) {
-        const int off = tile * kTileBytes + 16 * s.t;
-        w[u][0] = ld_stream_v4(wr0 + off, pol);
-        w[u][1] = ld_stream_v4(wr1 + off, pol);
+  for (int j = 0; j < kStages - 1; ++j) issue();
+
+  TileMeta meta_cur, meta_next;
+  if (grouped && count > 0) s.load_meta(warp, meta_cur);
+  for (int j = 0; j < count; j += 2) {
+    // Even tile -> bank 0, odd tile -> bank 1 (compile-time bank indices).
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const int jj = j + b;
+      if (jj < count) {
+        cp_async_wait<kStages - 2>();
+        const uint4* slot = ring + (jj & (kStages - 1)) * 64;
+        const uint4 w0 = slot[0], w1 = slot[32];
+        issue();  // refill the slot consumed one tile ago
+        if (grouped && jj + 1 < count) s.load_meta(warp + (jj + 1) * nwarps, meta_next);
+        if (b == 0) {
+          s.template tile<0>(warp + jj * nwarps, w0, w1, meta_cur);
+        } else {
+          s.template tile<1>(warp + jj * nwarps, w0, w1, meta_cur);
+        }
+        meta_cur = meta_next;
       }
     }
+  }
+  cp_async_wait<0>();
+
+  // The last, partial tile (Kp % kTileK != 0), read directly.
+  if (tail_k != 0 && warp == nfull % nwarps) {
+    TileMeta m;
+    if (grouped) s.load_meta(nfull, m);
+    const char* b0 = wr0 - 16 * s.t + nfull * kTileBytes;
+    const char* b1 = wr1 - 16 * s.t + nfull * kTileBytes;
+    uint4 w0 = make_uint4(0u, 0u, 0u, 0u), w1 = w0;
+    if constexpr (kBits == 4) {
+      // c sub-tiles of 32 k; lane t's word j sits at word t*c + j.
+      const int c = tail_k / 32;
+      uint32_t u0[4] = {0u, 0u, 0u, 0u}, u1[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
-    for (int u = 0; u < kLoadsInFlight; ++u) {
-      const int tile = base + u * nwarps;
-      if (tile < nfull) s.full_tile(tile, w[u][0], w[u][1]);
+      for (int j = 0; j < 4; ++j) {
+        if (j < c) {
+          u0[j] = ld_stream_u32(b0 + (s.t * c + j) * 4, pol);
+          u1[j] = ld_stream_u32(b1 + (s.t * c + j) * 4, pol);
+        }
+      }
+      w0 = make_uint4(u0[0], u0[1], u0[2], u0[3]);
+      w1 = make_uint4(u1[0], u1[1], u1[2], u1[3]);
+      s.template tile<0>(nfull, w0, w1, m, c);
+    } else {
+      // c chunks of 16 k; lanes t >= c hold zeros (and read zero activations).
+      if (s.t < tail_k / 16) {
+        w0 = ld_stream_v4(b0 + 16 * s.t, pol);
+        w1 = ld_stream_v4(b1 + 16 * s.t, pol);
+      }
+      s.template tile<0>(nfull, w0, w1, m);
     }
   }
-  if (tail_k != 0 && warp == nfull % nwarps) s.tail_tile(nfull, tail_k, wr0, wr1, pol);
 
   // Split-K reduction across warps: red[warp][value][lane].
-  extern __shared__ float red[];
   constexpr int kValues = kNT * 4;
 #pragma unroll
   for (int n = 0; n < kNT; ++n)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) red[(warp * kValues + n * 4 + i) * kWarpSize + lane] = s.acc[n][i];
+    for (int i = 0; i < 4; ++i)
+      red[(warp * kValues + n * 4 + i) * kWarpSize + lane] = s.acc[0][n][i] + s.acc[1][n][i];
   __syncthreads();
 
   const __half* scales = static_cast<const __half*>(p.scales);
@@ -237,47 +379,51 @@ __global__ void __launch_bounds__(512)
     const int row = blockIdx.x * kRowsPerBlock + (ln >> 2) + (i >= 2 ? 8 : 0);
     const int tok = n * 8 + 2 * (ln & 3) + (i & 1);
     if (row < p.N && tok < p.M) {
-      if (p.group_size == 0) sum *= __half2float(scales[row]);
+      if constexpr (!grouped) sum *= __half2float(scales[row]);
       ActTraits<T>::store(y + static_cast<size_t>(tok) * p.ldy + row, sum);
     }
   }
 }
 
-// Number of warps that split K inside a block: enough blocks x warps to keep
-// ~16 warps resident per SM, never more warps than there are K tiles.
-inline int choose_warps(int N, int Kp, int tile_k, int num_sms) {
-  const int row_tiles = (N + kRowsPerBlock - 1) / kRowsPerBlock;
+// Warps per block: kMaxWarps, or fewer when K has fewer tiles.
+inline int choose_warps(int Kp, int tile_k) {
   const int k_tiles = (Kp + tile_k - 1) / tile_k;
-  const int target = num_sms * 16;
-  int w = (target + row_tiles - 1) / row_tiles;
-  w = w < 16 ? w : 16;
-  w = w < k_tiles ? w : k_tiles;
-  return w > 0 ? w : 1;
+  return k_tiles < kMaxWarps ? (k_tiles > 0 ? k_tiles : 1) : kMaxWarps;
 }
 
-template <typename T, int kBits, bool kHasZeros, int kNT>
+template <typename T, int kBits, int kMode, int kNT>
 Status launch_gemv_mma(const GemvParams& p, int num_sms, cudaStream_t stream) {
-  constexpr int kTileK = GemvMma<T, kBits, kHasZeros, kNT>::kTileK;
-  const int w = p.warps_per_block > 0 ? p.warps_per_block : choose_warps(p.N, p.Kp, kTileK, num_sms);
-  if (w > 16) return Status::kBadShape;
+  (void)num_sms;
+  constexpr int kTileK = GemvMma<T, kBits, kMode, kNT>::kTileK;
+  const int w = p.warps_per_block > 0 ? p.warps_per_block : choose_warps(p.Kp, kTileK);
+  if (w > kMaxWarps) return Status::kBadShape;
   const dim3 grid((p.N + kRowsPerBlock - 1) / kRowsPerBlock);
-  const size_t smem = static_cast<size_t>(w) * kNT * 4 * kWarpSize * sizeof(float);
-  gemv_mma_kernel<T, kBits, kHasZeros, kNT><<<grid, w * kWarpSize, smem, stream>>>(p);
+  GemvParams q = p;
+  const size_t x_bytes = static_cast<size_t>(p.M) * (p.Kp + 8) * sizeof(T);
+  q.chunk_k = x_bytes <= static_cast<size_t>(kActSmemBytes) ? p.Kp : 0;  // 0: activations via L1
+  const size_t smem = static_cast<size_t>(w) * kStages * 64 * sizeof(uint4) + (q.chunk_k ? x_bytes : 0) +
+                      static_cast<size_t>(w) * kNT * 4 * kWarpSize * sizeof(float);
+  auto kernel = gemv_mma_kernel<T, kBits, kMode, kNT>;
+  if (smem > 48 * 1024 &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) !=
+          cudaSuccess)
+    return Status::kLaunchFailed;
+  kernel<<<grid, w * kWarpSize, smem, stream>>>(q);
   return cudaGetLastError() == cudaSuccess ? Status::kOk : Status::kLaunchFailed;
 }
 
 // Runtime (activation type, zeros, token count) -> template instance.
-template <int kBits, bool kHasZeros>
+template <int kBits, int kMode>
 Status dispatch_gemv_tokens(const GemvParams& p, int num_sms, cudaStream_t stream) {
   if (p.M < 1 || p.M > kMaxGemvTokens) return Status::kBadShape;
   const bool two = p.M > 8;
   if (p.act == ActType::kHalf) {
-    return two ? launch_gemv_mma<__half, kBits, kHasZeros, 2>(p, num_sms, stream)
-               : launch_gemv_mma<__half, kBits, kHasZeros, 1>(p, num_sms, stream);
+    return two ? launch_gemv_mma<__half, kBits, kMode, 2>(p, num_sms, stream)
+               : launch_gemv_mma<__half, kBits, kMode, 1>(p, num_sms, stream);
   }
   if (p.act == ActType::kBFloat16) {
-    return two ? launch_gemv_mma<__nv_bfloat16, kBits, kHasZeros, 2>(p, num_sms, stream)
-               : launch_gemv_mma<__nv_bfloat16, kBits, kHasZeros, 1>(p, num_sms, stream);
+    return two ? launch_gemv_mma<__nv_bfloat16, kBits, kMode, 2>(p, num_sms, stream)
+               : launch_gemv_mma<__nv_bfloat16, kBits, kMode, 1>(p, num_sms, stream);
   }
   return Status::kNoKernel;
 }

@@ -41,6 +41,7 @@ struct GemvParams {
   int group_size;         // 0 = one scale per output channel
   ActType act;
   int warps_per_block;    // 0 = let the launcher choose (see choose_warps)
+  int chunk_k;            // set by the launcher: k per shared-memory activation chunk
 };
 
 // Largest number of tokens the GEMV kernels take in one launch; above it the

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -63,6 +64,20 @@ __device__ __forceinline__ float ld_stream_f1(const float* ptr, uint64_t policy)
   return r;
 }
 
+// Asynchronous 16-byte global -> shared copy that skips L1, with the
+// evict-first policy (weights only).  Completion is tracked per thread with
+// commit/wait groups; a thread that waits sees its own copies.
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, uint64_t policy) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem_src),
+               "l"(policy));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending));
+}
+
 // Read-only, cached load of 8 activations (16 bytes).
 __device__ __forceinline__ uint4 ld_act_v4(const void* ptr) {
   return __ldg(reinterpret_cast<const uint4*>(ptr));
@@ -88,9 +103,16 @@ struct ActTraits<__half> {
   // 4-bit or 8-bit integer u into the low mantissa bits yields 1024 + u.
   static constexpr uint32_t kMagic = 0x64006400u;
   static constexpr float kMagicValue = 1024.f;
+  static constexpr uint32_t kSixteenth = 0x2C002C00u;  // fp16 pair (1/16, 1/16)
   __device__ __forceinline__ static uint32_t splat(float v) {
     __half2 h = __float2half2_rn(v);
     return *reinterpret_cast<uint32_t*>(&h);
+  }
+  // a * b - c
+  __device__ __forceinline__ static uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
+    __half2 r = __hfma2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b),
+                        __hneg2(*reinterpret_cast<__half2*>(&c)));
+    return *reinterpret_cast<uint32_t*>(&r);
   }
   __device__ __forceinline__ static uint32_t sub2(uint32_t a, uint32_t b) {
     __half2 r = __hsub2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
@@ -118,6 +140,7 @@ struct ActTraits<__nv_bfloat16> {
     __nv_bfloat162 h = __float2bfloat162_rn(v);
     return *reinterpret_cast<uint32_t*>(&h);
   }
+
   __device__ __forceinline__ static uint32_t sub2(uint32_t a, uint32_t b) {
     __nv_bfloat162 r =
         __hsub2(*reinterpret_cast<__nv_bfloat162*>(&a), *reinterpret_cast<__nv_bfloat162*>(&b));
@@ -150,18 +173,35 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
 }
 
 // One packed int4 word -> four pairs (k0,k1) (k2,k3) (k4,k5) (k6,k7) of
-// (q - zero) in T, exact.  The word's nibbles hold logical elements in the
-// order [0,2,4,6,1,3,5,7] from the low bits up (see qgemv/formats.py), so a
-// single mask 0x000f000f picks a consecutive pair at every shift by 4.
-// `zero2` is the pair (magic + zero, magic + zero) in T.
+// (q - zero) in T, exact, in 9 instructions.  The word's nibbles hold logical
+// elements in the order [0,2,4,6,1,3,5,7] from the low bits up (see
+// qgemv/formats.py), so:
+//   w        & 0x000f000f -> (e0, e1)       | magic -> magic + q
+//   w        & 0x00f000f0 -> (16e2, 16e3)   | magic -> magic + 16 q
+//   (w >> 8) & 0x000f000f -> (e4, e5)
+//   (w >> 8) & 0x00f000f0 -> (16e6, 16e7)
+// The first kind needs one subtraction of (magic + zero); the second one FMA
+// by 1/16 minus (magic/16 + zero).  All values are small integers: exact.
+// `zero2` is the pair (magic + zero) in T, `zero2_16` is (magic/16 + zero).
 template <typename T>
-__device__ __forceinline__ void dequant_int4_word(uint32_t w, uint32_t zero2, uint32_t (&out)[4]) {
-  constexpr uint32_t kMask = 0x000f000fu;
+__device__ __forceinline__ void dequant_int4_word(uint32_t w, uint32_t zero2, uint32_t zero2_16,
+                                                  uint32_t (&out)[4]) {
   constexpr uint32_t kMagic = ActTraits<T>::kMagic;
   constexpr int kAndOr = (0xf0 & 0xcc) | 0xaa;  // (a & b) | c
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    out[i] = ActTraits<T>::sub2(lop3<kAndOr>(w >> (4 * i), kMask, kMagic), zero2);
+  const uint32_t w8 = w >> 8;
+  if constexpr (std::is_same_v<T, __half>) {
+    out[0] = ActTraits<T>::sub2(lop3<kAndOr>(w, 0x000f000fu, kMagic), zero2);
+    out[1] = ActTraits<T>::fma2(lop3<kAndOr>(w, 0x00f000f0u, kMagic), ActTraits<T>::kSixteenth, zero2_16);
+    out[2] = ActTraits<T>::sub2(lop3<kAndOr>(w8, 0x000f000fu, kMagic), zero2);
+    out[3] = ActTraits<T>::fma2(lop3<kAndOr>(w8, 0x00f000f0u, kMagic), ActTraits<T>::kSixteenth, zero2_16);
+  } else {
+    // bf16 has 7 mantissa bits: 16 q for q >= 8 would carry into the
+    // exponent, so every pair is shifted down to the low nibble instead.
+    (void)zero2_16;
+    out[0] = ActTraits<T>::sub2(lop3<kAndOr>(w, 0x000f000fu, kMagic), zero2);
+    out[1] = ActTraits<T>::sub2(lop3<kAndOr>(w >> 4, 0x000f000fu, kMagic), zero2);
+    out[2] = ActTraits<T>::sub2(lop3<kAndOr>(w8, 0x000f000fu, kMagic), zero2);
+    out[3] = ActTraits<T>::sub2(lop3<kAndOr>(w >> 12, 0x000f000fu, kMagic), zero2);
   }
 }
 
