@@ -15,6 +15,17 @@ __device__ __forceinline__ __nv_bfloat16 cvt<__nv_bfloat16>(float v) { return __
 template <>
 __device__ __forceinline__ float cvt<float>(float v) { return v; }
 
+// Eight consecutive outputs with 16-byte stores (rows are K % 8 == 0 long, so
+// every 8-element chunk is 16-byte aligned for 2-byte types).
+template <typename OutT>
+__device__ __forceinline__ void store8(OutT* o, const OutT (&v)[8]) {
+  static_assert(sizeof(OutT) == 2 || sizeof(OutT) == 4, "store8: 2- or 4-byte outputs");
+  const uint4* src = reinterpret_cast<const uint4*>(v);
+  uint4* dst = reinterpret_cast<uint4*>(o);
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(OutT)) / 2; ++i) dst[i] = src[i];
+}
+
 // One thread per logical int4 word (8 consecutive k of one row).
 template <typename OutT>
 __global__ void dequant_int4_kernel(const GemvParams p, OutT* __restrict__ out) {
@@ -45,9 +56,7 @@ __global__ void dequant_int4_kernel(const GemvParams p, OutT* __restrict__ out) 
     const int e = (i < 4) ? 2 * i : 2 * (i - 4) + 1;
     v[e] = cvt<OutT>((static_cast<float>((w >> (4 * i)) & 0xf) - zero) * scale);
   }
-  OutT* o = out + static_cast<size_t>(row) * p.K + lw * 8;
-#pragma unroll
-  for (int e = 0; e < 8; ++e) o[e] = v[e];
+  store8(out + static_cast<size_t>(row) * p.K + lw * 8, v);
 }
 
 // One thread per 8 consecutive int8 weights of one row.
@@ -59,9 +68,12 @@ __global__ void dequant_int8_kernel(const GemvParams p, OutT* __restrict__ out) 
   const int row = idx / chunks, ch = idx % chunks;
   const int8_t* q = static_cast<const int8_t*>(p.qweight) + static_cast<size_t>(row) * p.Kp + ch * 8;
   const float scale = __half2float(static_cast<const __half*>(p.scales)[row]);
-  OutT* o = out + static_cast<size_t>(row) * p.K + ch * 8;
+  const uint2 raw = *reinterpret_cast<const uint2*>(q);  // 8 int8, 8-byte aligned (Kp % 16 == 0)
+  const int8_t* b = reinterpret_cast<const int8_t*>(&raw);
+  OutT v[8];
 #pragma unroll
-  for (int e = 0; e < 8; ++e) o[e] = cvt<OutT>(static_cast<float>(q[e]) * scale);
+  for (int e = 0; e < 8; ++e) v[e] = cvt<OutT>(static_cast<float>(b[e]) * scale);
+  store8(out + static_cast<size_t>(row) * p.K + ch * 8, v);
 }
 
 template <typename OutT>

@@ -63,7 +63,6 @@ constexpr int kActSmemBytes = 32 * 1024;
 struct TileMeta {
   float s0[4], s1[4];       // scales of rows r0, r1
   uint32_t z0[4], z1[4];    // (magic + zero) pairs in the activation type
-  uint32_t y0[4], y1[4];    // (magic / 16 + zero) pairs (fp16 dequant, see dequant_int4_word)
 };
 
 // kMode: 0 = one scale per output channel, 1 = group-wise symmetric,
@@ -150,8 +149,6 @@ struct GemvMma {
           const float za = zrow0[gi], zb = zrow1[gi];
           m.z0[i] = ActTraits<T>::splat(ActTraits<T>::kMagicValue + za);
           m.z1[i] = ActTraits<T>::splat(ActTraits<T>::kMagicValue + zb);
-          m.y0[i] = ActTraits<T>::splat(ActTraits<T>::kMagicValue / 16.f + za);
-          m.y1[i] = ActTraits<T>::splat(ActTraits<T>::kMagicValue / 16.f + zb);
         }
       } else {
         m.s0[i] = m.s0[i - 1];
@@ -159,8 +156,6 @@ struct GemvMma {
         if constexpr (kHasZeros) {
           m.z0[i] = m.z0[i - 1];
           m.z1[i] = m.z1[i - 1];
-          m.y0[i] = m.y0[i - 1];
-          m.y1[i] = m.y1[i - 1];
         }
       }
     }
@@ -176,8 +171,11 @@ struct GemvMma {
     if constexpr (kHasZeros) {
       z0 = m.z0[j];
       z1 = m.z1[j];
-      y0 = m.y0[j];
-      y1 = m.y1[j];
+      // (magic/16 + z) = (magic + z) - 15 magic / 16: one exact subtraction
+      // instead of a second register array per group.
+      const uint32_t shift = ActTraits<T>::splat_const_15_16();
+      y0 = ActTraits<T>::sub2(z0, shift);
+      y1 = ActTraits<T>::sub2(z1, shift);
     }
     uint32_t a0[4], a1[4];
     dequant_int4_word<T>(w0, z0, y0, a0);
@@ -306,25 +304,29 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2)
 
   TileMeta meta_cur, meta_next;
   if (grouped && count > 0) s.load_meta(warp, meta_cur);
-  for (int j = 0; j < count; j += 2) {
-    // Even tile -> bank 0, odd tile -> bank 1 (compile-time bank indices).
-#pragma unroll
-    for (int b = 0; b < 2; ++b) {
-      const int jj = j + b;
-      if (jj < count) {
-        cp_async_wait<kStages - 2>();
-        const uint4* slot = ring + (jj & (kStages - 1)) * 64;
-        const uint4 w0 = slot[0], w1 = slot[32];
-        issue();  // refill the slot consumed one tile ago
-        if (grouped && jj + 1 < count) s.load_meta(warp + (jj + 1) * nwarps, meta_next);
-        if (b == 0) {
-          s.template tile<0>(warp + jj * nwarps, w0, w1, meta_cur);
-        } else {
-          s.template tile<1>(warp + jj * nwarps, w0, w1, meta_cur);
-        }
-        meta_cur = meta_next;
-      }
-    }
+  // Two tiles per iteration, without guards inside, so that the compiler can
+  // interleave the dequantisation and MMA chains of both (bank 0 and 1).
+  int j = 0;
+  for (; j + 1 < count; j += 2) {
+    cp_async_wait<kStages - 2>();
+    const uint4* slot_a = ring + (j & (kStages - 1)) * 64;
+    const uint4 wa0 = slot_a[0], wa1 = slot_a[32];
+    issue();
+    cp_async_wait<kStages - 2>();
+    const uint4* slot_b = ring + ((j + 1) & (kStages - 1)) * 64;
+    const uint4 wb0 = slot_b[0], wb1 = slot_b[32];
+    issue();
+    TileMeta meta_b;
+    if (grouped) s.load_meta(warp + (j + 1) * nwarps, meta_b);
+    if (grouped && j + 2 < count) s.load_meta(warp + (j + 2) * nwarps, meta_next);
+    s.template tile<0>(warp + j * nwarps, wa0, wa1, meta_cur);
+    s.template tile<1>(warp + (j + 1) * nwarps, wb0, wb1, meta_b);
+    meta_cur = meta_next;
+  }
+  if (j < count) {
+    cp_async_wait<kStages - 2>();
+    const uint4* slot = ring + (j & (kStages - 1)) * 64;
+    s.template tile<0>(warp + j * nwarps, slot[0], slot[32], meta_cur);
   }
   cp_async_wait<0>();
 

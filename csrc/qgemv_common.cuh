@@ -104,6 +104,8 @@ struct ActTraits<__half> {
   static constexpr uint32_t kMagic = 0x64006400u;
   static constexpr float kMagicValue = 1024.f;
   static constexpr uint32_t kSixteenth = 0x2C002C00u;  // fp16 pair (1/16, 1/16)
+  // fp16 pair (960, 960) = 15/16 of the magic 1024
+  __device__ __forceinline__ static constexpr uint32_t splat_const_15_16() { return 0x63806380u; }
   __device__ __forceinline__ static uint32_t splat(float v) {
     __half2 h = __float2half2_rn(v);
     return *reinterpret_cast<uint32_t*>(&h);
@@ -136,6 +138,8 @@ struct ActTraits<__nv_bfloat16> {
   // int8 path goes through fp32 instead (see dequant_int8_word).
   static constexpr uint32_t kMagic = 0x43004300u;
   static constexpr float kMagicValue = 128.f;
+  // 15/16 of the magic 128 = 120 (only the fp16 dequant path uses it).
+  __device__ __forceinline__ static constexpr uint32_t splat_const_15_16() { return 0x42F042F0u; }
   __device__ __forceinline__ static uint32_t splat(float v) {
     __nv_bfloat162 h = __float2bfloat162_rn(v);
     return *reinterpret_cast<uint32_t*>(&h);
