@@ -78,7 +78,19 @@ def default_model_path() -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=out.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        # save_pretrained refuses GGUF-loaded models, so write the plain float
+        # state dict and a config without the GGUF quantization block.
+        from safetensors.torch import save_file
+
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        if getattr(model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        cfg = model.config
+        for attr in ("quantization_config", "_pre_quantization_dtype"):
+            if hasattr(cfg, attr):
+                delattr(cfg, attr)
+        cfg.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         if out.exists():
             shutil.rmtree(out)
@@ -151,11 +163,13 @@ def quantization_config(model: nn.Module, algorithm: str, calibration: Optional[
     }
 
 
-def save_quantized(model: nn.Module, tokenizer, out_dir: str, qconfig: dict, overwrite: bool = False) -> Path:
+def save_quantized(model: nn.Module, tokenizer, out_dir: str, qconfig: dict, overwrite: bool = False,
+                   extra_json: Optional[dict] = None) -> Path:
     """Write config.json, model.safetensors and the tokenizer to out_dir, atomically.
 
     Everything goes to a temporary sibling directory first and is renamed into
     place at the end, so an interrupted run leaves no directory that loads.
+    ``extra_json`` ({file name: object}) adds reports to the same directory.
     """
     from safetensors.torch import save_file
 
@@ -176,6 +190,8 @@ def save_quantized(model: nn.Module, tokenizer, out_dir: str, qconfig: dict, ove
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "qgemv_format_version": str(formats.FORMAT_VERSION)})
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        for fname, obj in (extra_json or {}).items():
+            (tmp / fname).write_text(json.dumps(obj, indent=1, default=str))
         # config.json last: a directory without it is never mistaken for a checkpoint
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
         if out.exists():
@@ -267,7 +283,8 @@ def load_quantized(path: str, device: str = "cpu", dtype: torch.dtype = torch.fl
     for name, mod in list(model.named_modules()):
         if any(b.is_meta for b in mod.buffers(recurse=False)):
             if name.endswith("rotary_emb"):
-                set_submodule(model, name, type(mod)(config=config, device=device))
+                with torch.device("cpu"):  # the constructor's signature varies across versions
+                    set_submodule(model, name, type(mod)(config=config))
             else:
                 raise CheckpointError(f"{path}: module {name} still has uninitialised buffers")
     model = model.to(device).eval()

@@ -320,6 +320,37 @@ def quantize(w: torch.Tensor, config: QuantConfig, name: str = "weight"):
     return quantize_int4(w, config.group_size, config.symmetric, name)
 
 
+def choose_params(w: torch.Tensor, config: QuantConfig, name: str = "weight"):
+    """Round-to-nearest scales (and zero points) for w [N, K'] in ``config``.
+
+    K' may be a single group (calibration computes group parameters one group
+    at a time).  Returns (scales fp16 [N] or [N, K'/G], zeros uint8 or None),
+    the same values :func:`quantize` would choose.
+    """
+    n, k = w.shape
+    wf = w.detach().float()
+    if config.bits == 8:
+        return _finish_scale(wf.abs().amax(dim=1) / 127.0, name), None
+    g = config.group_size or k
+    wf = wf.reshape(n, k // g, g)
+    if config.symmetric:
+        s = _finish_scale(wf.abs().amax(dim=2) / 7.0, name)
+        z = None
+    else:
+        lo = wf.amin(dim=2).clamp(max=0)
+        hi = wf.amax(dim=2).clamp(min=0)
+        s = _finish_scale((hi - lo) / 15.0, name)
+        z = torch.round(-lo / s.float()).clamp_(0, 15).to(torch.uint8)
+    if config.group_size is None:
+        s = s.reshape(n)
+    return s, z
+
+
+def code_range(config: QuantConfig):
+    """(qmin, qmax) of the stored integer codes."""
+    return (-127, 127) if config.bits == 8 else (0, 15)
+
+
 def dequantize(qweight, scales, zeros, config: QuantConfig, in_features: int) -> torch.Tensor:
     """Inverse of :func:`quantize` up to rounding: float32 [N, in_features]."""
     if config.bits == 8:
@@ -367,5 +398,7 @@ __all__ = [
     "quantize",
     "dequantize",
     "quantize_with_params",
+    "choose_params",
+    "code_range",
     "nbytes",
 ]

@@ -171,6 +171,7 @@ def quantize_model(
     skip: Iterable[str] = ("lm_head",),
     overrides: Optional[dict] = None,
     progress: bool = False,
+    group_fallback: bool = False,
 ) -> QuantizeReport:
     """Replace every ``nn.Linear`` in ``model`` by a RTN :class:`QuantLinear`, in place.
 
@@ -181,6 +182,8 @@ def quantize_model(
         overrides: {regex: dict(bits=..., group_size=..., symmetric=...)} for
             per-module formats (first match wins).
         progress: show a tqdm bar.
+        group_fallback: when group_size does not divide a layer's in_features,
+            use the largest of 128/64/32 that does instead of skipping it.
     Returns:
         A QuantizeReport (converted / skipped layers, bytes before and after).
     """
@@ -206,6 +209,11 @@ def quantize_model(
                 kw.update(overrides[op])
         cfg = QuantConfig(**kw)
         k = lin.in_features
+        if group_fallback and cfg.group_size and k % cfg.group_size != 0:
+            for g in (128, 64, 32):
+                if g < cfg.group_size and k % g == 0:
+                    cfg = QuantConfig(cfg.bits, g, cfg.symmetric)
+                    break
         if k % 8 != 0 or (cfg.group_size and k % cfg.group_size != 0):
             report.skipped[name] = f"in_features={k} does not fit {cfg.name}"
             continue
@@ -225,3 +233,107 @@ def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
 
 
 __all__ = ["QuantLinear", "QuantizeReport", "quantize_model", "set_submodule"]
+
+
+# --------------------------------------------------------------------------
+# Fused projections: one packed weight and one launch for q/k/v (and gate/up).
+# --------------------------------------------------------------------------
+class FusedQuantLinear(nn.Module):
+    """Several linears that read the same input, packed as one QuantLinear.
+
+    ``members`` keeps the original modules' API: each member is a
+    :class:`FusedSlice` that stands where the original linear stood (q_proj,
+    k_proj, ...).  The first member called with an input runs the one fused
+    GEMV and caches the output; the others return their slice of it when they
+    see the same input tensor (and recompute otherwise, so a changed call
+    order costs speed, never correctness).
+    """
+
+    def __init__(self, fused: QuantLinear, sizes: list):
+        super().__init__()
+        self.fused = fused
+        self.sizes = list(sizes)
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        self._x = None
+        self._y = None
+
+    @classmethod
+    def from_linears(cls, linears: list, bits: int, group_size: Optional[int], symmetric: bool = True,
+                     name: str = "fused") -> "FusedQuantLinear":
+        k = linears[0].in_features
+        if any(lin.in_features != k for lin in linears):
+            raise ValueError(f"{name}: fused linears must share in_features")
+        has_bias = [lin.bias is not None for lin in linears]
+        if any(has_bias) and not all(has_bias):
+            raise ValueError(f"{name}: fused linears must all have a bias or none")
+        w = torch.cat([lin.weight.detach() for lin in linears], 0)
+        big = nn.Linear(k, w.shape[0], bias=all(has_bias), device="meta")
+        cfg = QuantConfig(bits, group_size, symmetric)
+        qw, s, z = formats.quantize(w, cfg, name)
+        q = QuantLinear.from_quantized(big, cfg, qw, s, z)
+        if all(has_bias):
+            q.bias = torch.cat([lin.bias.detach() for lin in linears], 0)
+        return cls(q, [lin.out_features for lin in linears])
+
+    def slice_output(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        if self._x is not x:
+            self._x = x
+            self._y = self.fused(x)
+        o = self.offsets[i]
+        out = self._y[..., o : o + self.sizes[i]].contiguous()
+        if i == len(self.sizes) - 1:  # last member: drop the cache
+            self._x = self._y = None
+        return out
+
+
+class FusedSlice(nn.Module):
+    """Stands in for one member linear of a FusedQuantLinear."""
+
+    def __init__(self, parent: FusedQuantLinear, index: int):
+        super().__init__()
+        # a plain attribute (not a submodule): the parent is registered once, on the owner
+        object.__setattr__(self, "_parent", parent)
+        self.index = index
+        self.in_features = parent.fused.in_features
+        self.out_features = parent.sizes[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._parent.slice_output(self.index, x)
+
+    def extra_repr(self) -> str:
+        return f"slice {self.index} of fused {self._parent.fused.out_features}, out_features={self.out_features}"
+
+
+FUSE_GROUPS = {
+    # owner module attribute -> member linears, in the order the owner calls them
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "gate_up": ("gate_proj", "up_proj"),
+}
+
+
+def fuse_llama_projections(model: nn.Module, bits: int = 8, group_size: Optional[int] = None,
+                           symmetric: bool = True) -> int:
+    """Replace q/k/v and gate/up of every Llama-style block with fused QuantLinears, in place.
+
+    The attention and MLP modules keep their attributes (q_proj, ...), now
+    FusedSlice modules over one packed weight stored as ``<owner>.qkv`` /
+    ``<owner>.gate_up``.  Returns the number of fused groups.  Run it before
+    :func:`quantize_model` (which then converts the remaining linears).
+    """
+    count = 0
+    for owner_name, owner in list(model.named_modules()):
+        for fused_name, members in FUSE_GROUPS.items():
+            if all(isinstance(getattr(owner, m, None), nn.Linear) for m in members):
+                lins = [getattr(owner, m) for m in members]
+                g = group_size
+                if g and lins[0].in_features % g != 0:
+                    g = next((c for c in (128, 64, 32) if c < g and lins[0].in_features % c == 0), None)
+                f = FusedQuantLinear.from_linears(lins, bits, g, symmetric, name=f"{owner_name}.{fused_name}")
+                setattr(owner, fused_name, f)
+                for i, m in enumerate(members):
+                    setattr(owner, m, FusedSlice(f, i))
+                count += 1
+    return count
+
+
+__all__ += ["FusedQuantLinear", "FusedSlice", "fuse_llama_projections"]

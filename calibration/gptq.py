@@ -1,0 +1,154 @@
+"""GPTQ for one linear layer, into qgemv's packed formats.
+
+The algorithm (Frantar et al., 2022): quantize W column by column; after each
+column, spread its rounding error over the columns not yet quantized, weighted
+by the inverse Hessian H^-1 of the layer's inputs (H = 2 X^T X / n).  Columns
+are processed in blocks of 128 with a lazy batch update.
+
+Choices made here:
+* Dampening: lambda * mean(diag(H)) is added to the diagonal.  If Cholesky
+  still fails the damping is raised tenfold, up to three times, then a
+  ValueError names the layer.
+* Group-wise: without act-order, each group's scale (and zero) is chosen when
+  the algorithm reaches the group, from the error-updated weights (the usual
+  GPTQ behaviour).  With act-order, groups are "static": their parameters come
+  from the original weights in the original column order, so the permutation
+  can be undone on the codes and inference needs no g_idx gather.
+* Dead inputs (diag(H) = 0) get weight 0 and a unit diagonal.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from qgemv import formats
+from qgemv.formats import QuantConfig
+
+
+class Hessian:
+    """Running H = 2/n * sum x x^T over the rows of the inputs seen so far (fp32)."""
+
+    def __init__(self, k: int, device="cpu"):
+        self.H = torch.zeros(k, k, dtype=torch.float32, device=device)
+        self.n = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).to(self.H.device, torch.float32)
+        m = x.shape[0]
+        if m == 0:
+            return
+        self.H.mul_(self.n / (self.n + m))
+        self.n += m
+        x = x * math.sqrt(2.0 / self.n)
+        self.H.addmm_(x.t(), x)
+
+
+def _inverse_cholesky(H: torch.Tensor, damp: float, name: str):
+    mean_diag = torch.mean(torch.diag(H)).item()
+    for attempt in range(4):
+        lam = damp * (10**attempt) * mean_diag
+        Hd = H.clone()
+        Hd.diagonal().add_(lam)
+        L, info = torch.linalg.cholesky_ex(Hd)
+        if info.item() == 0:
+            Hinv = torch.cholesky_inverse(L)
+            U, info2 = torch.linalg.cholesky_ex(Hinv, upper=True)
+            if info2.item() == 0:
+                return U, damp * (10**attempt)
+    raise ValueError(
+        f"{name}: the Hessian is not positive definite even with damping {damp * 1000:g} x mean(diag(H)); "
+        "use more calibration samples or a larger --damp"
+    )
+
+
+def gptq_quantize(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    cfg: QuantConfig,
+    damp: float = 0.01,
+    block: int = 128,
+    act_order: bool = False,
+    name: str = "weight",
+):
+    """GPTQ-quantize W [N, K] given its input Hessian H [K, K].
+
+    Returns (qweight, scales, zeros or None, info) in the format of
+    qgemv.formats.quantize(W, cfg); info has the damping used and the
+    Hessian-weighted error sum.
+    """
+    formats.check_weight(W, name, cfg.group_size)
+    n, k = W.shape
+    W = W.detach().to(H.device, torch.float32).clone()
+    H = H.clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    G = cfg.group_size
+    qmin, qmax = formats.code_range(cfg)
+
+    # Parameters fixed up front: per-channel always, groups only with act-order.
+    scales = torch.empty((n,) if G is None else (n, k // G), dtype=torch.float16, device=W.device)
+    zeros = None if (cfg.bits == 8 or cfg.symmetric) else torch.empty(n, k // G, dtype=torch.uint8, device=W.device)
+    static = G is None or act_order
+    if static:
+        s, z = formats.choose_params(W, cfg, name)
+        scales.copy_(s)
+        if zeros is not None:
+            zeros.copy_(z)
+
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(k, device=W.device)
+    W = W[:, perm]
+    H = H[perm][:, perm]
+    U, used_damp = _inverse_cholesky(H, damp, name)
+
+    def col_params(j_perm: int):
+        """(scale [N] fp32, zero [N] fp32) of the permuted column j_perm."""
+        orig = int(perm[j_perm])
+        if G is None:
+            s = scales.float()
+            z = torch.zeros_like(s) if cfg.bits == 8 else torch.full_like(s, 8.0)
+            return s, z
+        g = orig // G
+        s = scales[:, g].float()
+        if zeros is not None:
+            z = zeros[:, g].float()
+        else:
+            z = torch.full_like(s, 8.0)
+        return s, z
+
+    Q = torch.zeros_like(W)
+    loss = torch.zeros(n, device=W.device)
+    for i1 in range(0, k, block):
+        i2 = min(i1 + block, k)
+        W1 = W[:, i1:i2].clone()
+        Q1 = torch.zeros_like(W1)
+        E1 = torch.zeros_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            j = i1 + i
+            if not static and j % G == 0:
+                # dynamic group parameters from the error-updated weights
+                # (blocks are 128 wide and start at multiples of G, so the group lies in W1)
+                s, z = formats.choose_params(W1[:, i : i + G], cfg, name)
+                scales[:, j // G] = s.reshape(n)
+                if zeros is not None:
+                    zeros[:, j // G] = z.reshape(n)
+            s, z = col_params(j)
+            w = W1[:, i]
+            d = U1[i, i]
+            q = torch.clamp(torch.round(w / s) + z, qmin, qmax)
+            dq = (q - z) * s
+            Q1[:, i] = dq
+            err = (w - dq) / d
+            loss += (w - dq) ** 2 / d**2 / 2
+            W1[:, i:] -= err[:, None] * U1[i, i:][None, :]
+            E1[:, i] = err
+        Q[:, i1:i2] = Q1
+        W[:, i2:] -= E1 @ U[i1:i2, i2:]
+
+    inv = torch.argsort(perm)
+    Q = Q[:, inv]
+    qweight = formats.quantize_with_params(Q, scales, zeros, cfg)
+    return qweight, scales, zeros, {"damp": used_damp, "loss": float(loss.sum())}

@@ -1,0 +1,264 @@
+"""Quantize a causal LM layer by layer with RTN, GPTQ or AWQ-style scaling.
+
+Only one decoder layer's weights, its calibration activations and its
+Hessians are alive at once (the hidden states of all samples between layers
+are kept: n x L x hidden floats):
+
+1. run the embeddings once and catch the inputs of decoder layer 0;
+2. for each layer: collect what the method needs from its linears (input
+   Hessians for GPTQ, input activations for AWQ) while running the float
+   layer; quantize its linears; run the quantized layer to produce the next
+   layer's inputs, so later layers calibrate on the errors of earlier ones.
+
+Works on CPU and GPU (``device``); the model may live on the CPU and each
+layer is moved to ``device`` in turn.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from qgemv import formats
+from qgemv.checkpoint import peak_rss_mb
+from qgemv.formats import QuantConfig
+from qgemv.nn import QuantLinear, QuantizeReport, quantize_model, set_submodule
+
+from . import awq
+from .gptq import Hessian, gptq_quantize
+
+METHODS = ("rtn", "gptq", "awq")
+
+
+@dataclass
+class CalibReport(QuantizeReport):
+    method: str = "rtn"
+    layers: int = 0
+    peak_rss_mb: float = 0.0
+    per_layer: list = field(default_factory=list)  # dicts with name, seconds, info
+
+
+class _Stop(Exception):
+    pass
+
+
+def _decoder_layers(model: nn.Module):
+    for path in ("model.layers", "transformer.h", "model.decoder.layers"):
+        try:
+            return path, model.get_submodule(path)
+        except AttributeError:
+            continue
+    raise ValueError(f"{type(model).__name__}: no decoder layers found (Llama-style model.layers expected)")
+
+
+def config_for(name: str, in_features: int, default: QuantConfig, overrides: Optional[dict] = None,
+               group_fallback: bool = True) -> QuantConfig:
+    """The format of one linear: the first matching override, else the default.
+
+    With ``group_fallback``, a group size that does not divide in_features is
+    replaced by the largest of 128 / 64 / 32 that does (SmolLM2's K = 576 is
+    not a multiple of 128); the checkpoint records it per module.
+    """
+    cfg = default
+    if overrides:
+        for pat, kw in overrides.items():
+            if re.search(pat, name):
+                d = dict(bits=default.bits, group_size=default.group_size, symmetric=default.symmetric)
+                d.update(kw)
+                cfg = QuantConfig(**d)
+                break
+    if group_fallback and cfg.group_size and in_features % cfg.group_size != 0:
+        for g in (128, 64, 32):
+            if g < cfg.group_size and in_features % g == 0:
+                return QuantConfig(cfg.bits, g, cfg.symmetric)
+    return cfg
+
+
+def _skip_reason(name: str, lin: nn.Linear, cfg: QuantConfig, skip) -> Optional[str]:
+    for p in skip:
+        if re.search(p, name):
+            return f"matches skip pattern {p!r}"
+    k = lin.in_features
+    if k % 8 != 0 or (cfg.group_size and k % cfg.group_size != 0):
+        return f"in_features={k} does not fit {cfg.name}"
+    return None
+
+
+@torch.no_grad()
+def quantize_causal_lm(
+    model: nn.Module,
+    cfg: QuantConfig,
+    method: str = "gptq",
+    samples: Optional[torch.Tensor] = None,
+    skip=(r"lm_head", r"embed"),
+    overrides: Optional[dict] = None,
+    damp: float = 0.01,
+    act_order: bool = False,
+    group_fallback: bool = True,
+    batch_size: int = 8,
+    device: str = "cpu",
+    progress: bool = True,
+) -> CalibReport:
+    """Quantize ``model``'s linear layers in place; returns a CalibReport.
+
+    Args:
+        cfg: default format; ``overrides`` maps regexes to dict(bits=..., ...).
+        method: "rtn" (no calibration data), "gptq" or "awq".
+        samples: int64 [n, L] calibration tokens (gptq / awq).
+        skip: regexes of module names to leave in float (lm_head and
+            embeddings by default).
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    t0 = time.time()
+    if method == "rtn":
+        base = quantize_model(model, cfg.bits, cfg.group_size, cfg.symmetric, skip=skip,
+                              overrides=overrides, progress=progress, group_fallback=group_fallback)
+        rep = CalibReport(**vars(base))
+        rep.method, rep.peak_rss_mb = method, peak_rss_mb()
+        return rep
+    if samples is None:
+        raise ValueError(f"method {method!r} needs calibration samples")
+    rep = CalibReport(method=method)
+    layers_path, layers = _decoder_layers(model)
+    rep.layers = len(layers)
+
+    # Linears outside the decoder layers (lm_head, ...) follow the skip rules / RTN.
+    for name, m in list(model.named_modules()):
+        if isinstance(m, nn.Linear) and not name.startswith(layers_path + "."):
+            lcfg = config_for(name, m.in_features, cfg, overrides, group_fallback)
+            why = _skip_reason(name, m, lcfg, skip)
+            if why:
+                rep.skipped[name] = why
+            else:
+                q = QuantLinear.from_linear(m, lcfg.bits, lcfg.group_size, lcfg.symmetric, name=name)
+                rep.bytes_before += m.weight.numel() * m.weight.element_size()
+                rep.bytes_after += formats.nbytes(q.qweight, q.scales, q.zeros)
+                set_submodule(model, name, q)
+                rep.converted.append(name)
+
+    # 1. inputs of layer 0 for every calibration batch
+    cache = {"hidden": [], "kwargs": None}
+
+    def catch(_mod, args, kwargs):
+        cache["hidden"].append(args[0] if args else kwargs.pop("hidden_states"))
+        if cache["kwargs"] is None:
+            cache["kwargs"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        raise _Stop
+
+    handle = layers[0].register_forward_pre_hook(catch, with_kwargs=True)
+    model_device = next(model.parameters()).device
+    try:
+        for b in range(0, samples.shape[0], batch_size):
+            try:
+                model(samples[b : b + batch_size].to(model_device), use_cache=False)
+            except _Stop:
+                pass
+    finally:
+        handle.remove()
+    hidden = [h.to(device) for h in cache["hidden"]]
+    kwargs = {k: (v.to(device) if torch.is_tensor(v) else
+                  tuple(t.to(device) for t in v) if isinstance(v, tuple) and all(torch.is_tensor(t) for t in v) else v)
+              for k, v in cache["kwargs"].items()}
+
+    def run(layer, xs):
+        outs = []
+        for h in xs:
+            o = layer(h, **kwargs)
+            outs.append(o[0] if isinstance(o, tuple) else o)
+        return outs
+
+    it = range(len(layers))
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(it, desc=f"{method} {cfg.name}", unit="layer")
+        it = bar
+    for li in it:
+        tl = time.time()
+        layer = layers[li].to(device)
+        prefix = f"{layers_path}.{li}."
+        targets = {}
+        for name, m in layer.named_modules():
+            if isinstance(m, nn.Linear):
+                full = prefix + name
+                lcfg = config_for(full, m.in_features, cfg, overrides, group_fallback)
+                why = _skip_reason(full, m, lcfg, skip)
+                if why:
+                    rep.skipped[full] = why
+                else:
+                    targets[name] = (m, lcfg)
+        info = {}
+        pending = []
+        if method == "gptq":
+            hs = {n: Hessian(m.in_features, device) for n, (m, _) in targets.items()}
+            hooks = [m.register_forward_hook(lambda mod, inp, out, n=n: hs[n].add(inp[0]))
+                     for n, (m, _) in targets.items()]
+            run(layer, hidden)
+            for h in hooks:
+                h.remove()
+            for n, (m, lcfg) in targets.items():
+                qw, s, z, inf = gptq_quantize(m.weight, hs[n].H, lcfg, damp=damp, act_order=act_order,
+                                              name=prefix + n)
+                info[n] = inf
+                pending.append((n, m, lcfg, qw, s, z))
+            del hs
+        else:  # awq
+            acts = {}
+            rows_per_batch = max(1, 4096 // max(len(hidden), 1))
+
+            def keep(mod, inp, out, n):
+                x = inp[0].reshape(-1, inp[0].shape[-1])
+                idx = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(len(acts.get(n, []))))
+                acts.setdefault(n, []).append(x[idx[:rows_per_batch].to(x.device)].float())
+
+            hooks = [m.register_forward_hook(lambda mod, inp, out, n=n: keep(mod, inp, out, n))
+                     for n, (m, _) in targets.items()]
+            run(layer, hidden)
+            for h in hooks:
+                h.remove()
+            for prev_name, prev, lins in awq.llama_scale_groups(layer):
+                members = [(n, m) for n, m in lins if n in targets]
+                if len(members) != len(lins):
+                    continue  # a skipped member: leave this group unscaled
+                x = torch.cat(acts[members[0][0]])
+                s, alpha, ratio = awq.search_scales(x, [m for _, m in members], [targets[n][1] for n, _ in members])
+                awq.apply_scales(prev, [m for _, m in members], s)
+                info[prev_name] = {"alpha": alpha, "err_ratio": ratio}
+            for n, (m, lcfg) in targets.items():
+                qw, s, z = formats.quantize(m.weight, lcfg, prefix + n)
+                pending.append((n, m, lcfg, qw, s, z))
+            del acts
+        # Next layer's inputs come from the quantized layer.  It runs on the
+        # dequantized weights as dense nn.Linear (the same function as
+        # QuantLinear's reference, without unpacking on every call), then the
+        # linears are swapped for QuantLinear.
+        originals = {}
+        for n, m, lcfg, qw, s, z in pending:
+            originals[n] = m.weight.data
+            m.weight.data = formats.dequantize(qw, s, z, lcfg, m.in_features).to(m.weight.dtype)
+        hidden = run(layer, hidden)
+        for n, m, lcfg, qw, s, z in pending:
+            m.weight.data = originals[n]
+            _replace(layer, n, m, lcfg, qw, s, z, rep, prefix)
+        layers[li] = layer.to(model_device)
+        rep.per_layer.append({"layer": li, "seconds": time.time() - tl, "info": info})
+        if bar is not None:
+            bar.set_postfix(rss=f"{peak_rss_mb():.0f}MB")
+    rep.seconds = time.time() - t0
+    rep.peak_rss_mb = peak_rss_mb()
+    return rep
+
+
+def _replace(layer, name, lin, cfg, qw, s, z, rep, prefix):
+    q = QuantLinear.from_quantized(lin, cfg, qw, s, z)
+    rep.bytes_before += lin.weight.numel() * lin.weight.element_size()
+    rep.bytes_after += formats.nbytes(qw, s, z)
+    set_submodule(layer, name, q)
+    rep.converted.append(prefix + name)

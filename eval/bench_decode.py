@@ -1,0 +1,255 @@
+"""End-to-end decode benchmark: a plain-torch Llama decode step in one CUDA graph.
+
+    python eval/bench_decode.py --out runs/decode            # both models
+    python eval/bench_decode.py --models seed --batches 1    # quicker
+
+Models (random weights, fp16, on the GPU):
+  seed  : the NPU article's case study, 12 layers, hidden 4096, 32 heads
+          (head dim 128), FFN 11008, vocab 32000;
+  7b    : Llama-2-7B shapes, 32 layers, same widths.
+Variants: fp16 (nn.Linear -> cuBLAS), int8 per-channel, int4 per-channel and
+int4 g128, the quantized ones with q/k/v and gate/up fused (one launch each).
+
+The decode step (RMSNorm, projections, RoPE, a static KV cache written at a
+device-side position, SDPA over the cache, SwiGLU MLP, LM head) has static
+shapes and is captured once per batch size in a CUDA graph; the position
+tensor is advanced in place between replays.  Each run: a 128-token prompt
+(prefill, untimed) then 256 decode steps; ms/token is the median over steps.
+
+Reported per variant: ms/token, tokens/s, speedup vs fp16, the share of the
+step spent in the linear layers (a graph of the same step's linear calls
+alone, timed the same way), and the weight-bandwidth floor share (weight bytes
+per token / read ceiling measured in this run) / step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+
+import torch
+from torch import nn
+from torch.nn import functional as Fn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import qgemv  # noqa: E402
+from qgemv import formats  # noqa: E402
+
+MODELS = {
+    "seed": dict(layers=12, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000),
+    "7b": dict(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000),
+}
+VARIANTS = {"fp16": None, "int8": (8, None), "int4": (4, None), "int4g128": (4, 128)}
+
+
+class Block(nn.Module):
+    def __init__(self, c, dev):
+        super().__init__()
+        h, hd = c["hidden"], c["hidden"] // c["heads"]
+        mk = lambda i, o: nn.Linear(i, o, bias=False, device=dev, dtype=torch.float16)  # noqa: E731
+        self.q_proj, self.k_proj, self.v_proj = mk(h, h), mk(h, c["kv_heads"] * hd), mk(h, c["kv_heads"] * hd)
+        self.o_proj = mk(h, h)
+        self.gate_proj, self.up_proj, self.down_proj = mk(h, c["ffn"]), mk(h, c["ffn"]), mk(c["ffn"], h)
+        self.n1 = nn.Parameter(torch.ones(h, device=dev, dtype=torch.float16))
+        self.n2 = nn.Parameter(torch.ones(h, device=dev, dtype=torch.float16))
+        for lin in (self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(lin.weight, std=0.02)
+
+
+def rms(x, w, eps=1e-5):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def rope(x, cos, sin):
+    d = x.shape[-1] // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class Decoder(nn.Module):
+    """A Llama decoder with a static KV cache; forward(ids [B, T], pos [1] int64 on device)."""
+
+    def __init__(self, c, batch, max_ctx, dev):
+        super().__init__()
+        self.c, self.hd = c, c["hidden"] // c["heads"]
+        self.embed = nn.Embedding(c["vocab"], c["hidden"], device=dev, dtype=torch.float16)
+        self.blocks = nn.ModuleList(Block(c, dev) for _ in range(c["layers"]))
+        self.norm = nn.Parameter(torch.ones(c["hidden"], device=dev, dtype=torch.float16))
+        self.lm_head = nn.Linear(c["hidden"], c["vocab"], bias=False, device=dev, dtype=torch.float16)
+        nn.init.normal_(self.lm_head.weight, std=0.02)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        shape = (c["layers"], batch, c["kv_heads"], max_ctx, self.hd)
+        self.k_cache = torch.zeros(shape, device=dev, dtype=torch.float16)
+        self.v_cache = torch.zeros(shape, device=dev, dtype=torch.float16)
+        inv = 1.0 / (10000 ** (torch.arange(0, self.hd, 2, device=dev).float() / self.hd))
+        ang = torch.arange(max_ctx, device=dev).float()[:, None] * inv[None]
+        emb = torch.cat([ang, ang], -1)
+        self.cos, self.sin = emb.cos().half(), emb.sin().half()
+        self.max_ctx = max_ctx
+
+    def forward(self, ids, pos):
+        B, T = ids.shape
+        c, hd = self.c, self.hd
+        positions = pos + torch.arange(T, device=ids.device)
+        cos, sin = self.cos[positions][None, None], self.sin[positions][None, None]
+        # attend to cache slots <= position (a static-shape mask over max_ctx)
+        slots = torch.arange(self.max_ctx, device=ids.device)
+        mask = slots[None, :] <= positions[:, None]  # [T, max_ctx]
+        x = self.embed(ids)
+        for i, b in enumerate(self.blocks):
+            h = rms(x, b.n1)
+            q = b.q_proj(h).view(B, T, c["heads"], hd).transpose(1, 2)
+            k = b.k_proj(h).view(B, T, c["kv_heads"], hd).transpose(1, 2)
+            v = b.v_proj(h).view(B, T, c["kv_heads"], hd).transpose(1, 2)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
+            self.k_cache[i].index_copy_(2, positions, k)
+            self.v_cache[i].index_copy_(2, positions, v)
+            a = Fn.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i], attn_mask=mask[None, None])
+            x = x + b.o_proj(a.transpose(1, 2).reshape(B, T, -1))
+            h = rms(x, b.n2)
+            x = x + b.down_proj(Fn.silu(b.gate_proj(h)) * b.up_proj(h))
+        return self.lm_head(rms(x[:, -1:], self.norm))
+
+
+def linears_only(model, x1, xf):
+    """The step's linear calls alone (same shapes), for the 'share in linear layers' number."""
+    for b in model.blocks:
+        b.q_proj(x1), b.k_proj(x1), b.v_proj(x1), b.o_proj(x1)
+        b.gate_proj(x1), b.up_proj(x1), b.down_proj(xf)
+    model.lm_head(x1)
+
+
+def weight_bytes(model) -> int:
+    n = 0
+    for m in model.modules():
+        if isinstance(m, qgemv.QuantLinear):
+            n += formats.nbytes(m.qweight, m.scales, m.zeros)
+        elif isinstance(m, nn.Linear):
+            n += m.weight.numel() * 2
+    return n
+
+
+def quantize_variant(model, bits, group):
+    qgemv.nn.fuse_llama_projections(model, bits, group)
+    qgemv.quantize_model(model, bits=bits, group_size=group, skip=("lm_head",))
+
+
+def graph_time(fn, replays=256, before=None):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    ts = []
+    for _ in range(replays):
+        if before:
+            before()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        ts.append((a, b))
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in ts)
+
+
+@torch.no_grad()
+def run_model(name, cfg, batches, read_gbps, prompt=128, gen=256):
+    rows = []
+    dev = "cuda"
+    for batch in batches:
+        base_ms = None
+        for vname, q in VARIANTS.items():
+            torch.manual_seed(0)
+            model = Decoder(cfg, batch, prompt + gen, dev)
+            if q is not None:
+                quantize_variant(model, *q)
+            torch.cuda.empty_cache()
+            ids = torch.randint(0, cfg["vocab"], (batch, prompt), device=dev)
+            pos = torch.zeros(1, dtype=torch.long, device=dev)
+            model(ids, pos)  # prefill (M = 128 per sequence: the dequantize + GEMM path)
+            pos.fill_(prompt)
+            tok = torch.randint(0, cfg["vocab"], (batch, 1), device=dev)
+            out = {}
+
+            def step():
+                out["logits"] = model(tok, pos)
+
+            def advance():
+                pos.add_(1)
+
+            ms = graph_time(step, replays=gen, before=advance)
+            x1 = torch.randn(batch, cfg["hidden"], device=dev, dtype=torch.float16)
+            xf = torch.randn(batch, cfg["ffn"], device=dev, dtype=torch.float16)
+            lin_ms = graph_time(lambda: linears_only(model, x1, xf), replays=50)
+            wb = weight_bytes(model)
+            floor_ms = wb / (read_gbps * 1e9) * 1e3
+            if vname == "fp16":
+                base_ms = ms
+            rows.append(dict(model=name, batch=batch, variant=vname, ms_per_token=ms, tokens_per_s=batch * 1e3 / ms,
+                             speedup_vs_fp16=base_ms / ms, linear_share=lin_ms / ms, weight_MB=wb / 1e6,
+                             floor_share=floor_ms / ms))
+            print(f"{name:5s} b={batch} {vname:9s} {ms:7.3f} ms/token  {batch * 1e3 / ms:8.1f} tok/s  "
+                  f"x{base_ms / ms:.2f}  linear {100 * lin_ms / ms:4.1f}%  floor {100 * floor_ms / ms:4.1f}%", flush=True)
+            del model, out
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="seed,7b")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--out", default="runs/bench_decode")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_decode: no CUDA GPU; nothing to measure")
+        return 0
+    from eval.bench_gemv import Timer, read_ceiling
+
+    ceiling = read_ceiling(Timer())
+    rows = []
+    for name in args.models.split(","):
+        rows += run_model(name, MODELS[name], [int(b) for b in args.batches.split(",")], ceiling["read_GBps"])
+    result = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                  command="python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]), ceiling=ceiling, rows=rows)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        keys = sorted({(r["model"], r["batch"]) for r in rows})
+        fig, ax = plt.subplots(figsize=(8, 4))
+        wdt = 0.8 / len(VARIANTS)
+        for j, v in enumerate(VARIANTS):
+            ax.bar([i + j * wdt for i in range(len(keys))],
+                   [next(r["tokens_per_s"] for r in rows if (r["model"], r["batch"]) == k and r["variant"] == v) for k in keys],
+                   wdt, label=v)
+        ax.set_xticks([i + 0.4 - wdt / 2 for i in range(len(keys))])
+        ax.set_xticklabels([f"{m} b={b}" for m, b in keys])
+        ax.set_ylabel("tokens / s")
+        ax.set_title(f"decode, one CUDA graph per step, {torch.cuda.get_device_name()}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.out + ".png", dpi=110)
+    except ImportError:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

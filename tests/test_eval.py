@@ -1,0 +1,97 @@
+"""Evaluation: ppl against a hand computation, KL / top-1 identities, the regression check."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qgemv import checkpoint as C
+from qgemv import formats as F
+
+from calibration.quantize import quantize_causal_lm
+from eval import ppl_check
+from eval.ppl import Protocol, evaluate, make_windows
+
+from conftest import requires_smollm2
+
+
+def test_windows_follow_the_protocol():
+    ids = torch.arange(100)
+    w = make_windows(ids, Protocol(ctx=11, bos=True))  # 10 text tokens per window
+    assert len(w) == 10 and torch.equal(w[3][0], torch.arange(30, 40)) and w[3][1] == 10
+    w = make_windows(ids, Protocol(ctx=11, bos=True, stride=5))
+    assert w[0][1] == 10 and all(n == 5 for _, n in w[1:])
+    w = make_windows(ids, Protocol(ctx=11, windows=3, seed=1))
+    assert len(w) == 3
+    assert [t[0][0].item() for t in w] == [t[0][0].item() for t in make_windows(ids, Protocol(ctx=11, windows=3, seed=1))]
+    with pytest.raises(ValueError, match="fewer than one window"):
+        make_windows(torch.arange(5), Protocol(ctx=11))
+
+
+def test_ppl_matches_hand_computation(tiny_llama_dir):
+    model, tok = C.load_float_model(tiny_llama_dir)
+    text = "The quick brown fox jumps over the lazy dog. " * 40
+    proto = Protocol(ctx=33, windows=0, bos=True)
+    rep = evaluate({"m": model}, tok, proto, text=text, batch=3, progress=False)
+    ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for s in range(0, ids.numel() - 32 + 1, 32):
+            x = torch.cat([torch.tensor([tok.bos_token_id]), ids[s : s + 32]])[None]
+            lp = torch.log_softmax(model(x).logits[0, :-1].double(), -1)
+            nll -= lp.gather(-1, x[0, 1:, None]).sum().item()
+            n += 32
+    r = rep["results"][0]
+    assert r["tokens"] == n
+    assert math.isclose(r["ppl"], math.exp(nll / n), rel_tol=1e-4)
+    assert "BOS" in rep["protocol_text"]
+
+
+def test_model_against_itself_has_zero_kl_and_full_agreement(tiny_llama_dir):
+    model, tok = C.load_float_model(tiny_llama_dir)
+    rep = evaluate({"a": model, "b": model}, tok, Protocol(ctx=64, windows=4), batch=2, progress=False)
+    b = rep["results"][1]
+    assert abs(b["kl"]) < 1e-6 and b["top1_pct"] == 100.0 and abs(b["delta_ppl_pct"]) < 1e-9
+
+
+@pytest.fixture(scope="module")
+def int4_checkpoint(tiny_llama_dir, tmp_path_factory):
+    model, tok = C.load_float_model(tiny_llama_dir)
+    rep = quantize_causal_lm(model, F.QuantConfig(4), "rtn", progress=False)
+    out = tmp_path_factory.mktemp("ck") / "int4"
+    C.save_quantized(model, tok, str(out), C.quantization_config(model, "rtn", None, F.QuantConfig(4), list(rep.skipped)))
+    return str(out)
+
+
+def test_check_exit_codes(tiny_llama_dir, int4_checkpoint, capsys):
+    common = ["--reference", tiny_llama_dir, "--quantized", int4_checkpoint, "--ctx", "64", "--windows", "4"]
+    # generous thresholds pass ...
+    assert ppl_check.main(common + ["--max-ppl-increase", "1000%", "--max-kl", "100", "--min-top1", "0"]) == 0
+    # ... a negative allowed increase cannot
+    assert ppl_check.main(common + ["--max-ppl-increase", "-50%", "--max-kl", "100", "--min-top1", "0"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "ppl increase" in out and "allowed -50.000%" in out
+    assert ppl_check.main(common + ["--min-top1", "100.1%"]) == 1
+    assert ppl_check.main(["--reference", tiny_llama_dir, "--quantized", "/nonexistent/dir"]) == 2
+
+
+def test_check_bad_arguments_exit_2():
+    r = subprocess.run([sys.executable, "-m", "eval.ppl_check", "--reference", "x"], capture_output=True, text=True)
+    assert r.returncode == 2 and "required" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "eval.ppl_check", "--reference", "x", "--quantized", "y",
+                        "--max-ppl-increase", "abc"], capture_output=True, text=True)
+    assert r.returncode == 2 and "percentage" in r.stderr
+
+
+@requires_smollm2
+def test_smollm2_int8_passes_the_check(tmp_path):
+    """CI's real-model check: int8 RTN within 1% ppl of the float model on 3 windows."""
+    from calibration import cli
+
+    out = tmp_path / "int8"
+    assert cli.main(["default", "--bits", "8", "--method", "rtn", "--out", str(out)]) == 0
+    rc = ppl_check.main(["--reference", "default", "--quantized", str(out), "--windows", "3",
+                         "--max-ppl-increase", "1%", "--max-kl", "0.02", "--min-top1", "90%"])
+    assert rc == 0
