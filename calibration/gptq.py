@@ -71,8 +71,12 @@ def gptq_quantize(
     block: int = 128,
     act_order: bool = False,
     name: str = "weight",
+    clip_grid: int = 20,
 ):
     """GPTQ-quantize W [N, K] given its input Hessian H [K, K].
+
+    clip_grid: the clipping search of qgemv.formats.choose_params for every
+    row / group's scale (0 = plain min/max range).
 
     Returns (qweight, scales, zeros or None, info) in the format of
     qgemv.formats.quantize(W, cfg); info has the damping used and the
@@ -93,7 +97,7 @@ def gptq_quantize(
     zeros = None if (cfg.bits == 8 or cfg.symmetric) else torch.empty(n, k // G, dtype=torch.uint8, device=W.device)
     static = G is None or act_order
     if static:
-        s, z = formats.choose_params(W, cfg, name)
+        s, z = formats.choose_params(W, cfg, name, clip_grid)
         scales.copy_(s)
         if zeros is not None:
             zeros.copy_(z)
@@ -131,7 +135,7 @@ def gptq_quantize(
             if not static and j % G == 0:
                 # dynamic group parameters from the error-updated weights
                 # (blocks are 128 wide and start at multiples of G, so the group lies in W1)
-                s, z = formats.choose_params(W1[:, i : i + G], cfg, name)
+                s, z = formats.choose_params(W1[:, i : i + G], cfg, name, clip_grid)
                 scales[:, j // G] = s.reshape(n)
                 if zeros is not None:
                     zeros[:, j // G] = z.reshape(n)

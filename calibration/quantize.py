@@ -100,6 +100,7 @@ def quantize_causal_lm(
     damp: float = 0.01,
     act_order: bool = False,
     group_fallback: bool = True,
+    clip_grid: int = 20,
     batch_size: int = 8,
     device: str = "cpu",
     progress: bool = True,
@@ -109,6 +110,8 @@ def quantize_causal_lm(
     Args:
         cfg: default format; ``overrides`` maps regexes to dict(bits=..., ...).
         method: "rtn" (no calibration data), "gptq" or "awq".
+        clip_grid: clipping search for GPTQ / AWQ scales (formats.choose_params);
+            RTN always uses the plain min/max range.
         samples: int64 [n, L] calibration tokens (gptq / awq).
         skip: regexes of module names to leave in float (lm_head and
             embeddings by default).
@@ -205,7 +208,7 @@ def quantize_causal_lm(
                 h.remove()
             for n, (m, lcfg) in targets.items():
                 qw, s, z, inf = gptq_quantize(m.weight, hs[n].H, lcfg, damp=damp, act_order=act_order,
-                                              name=prefix + n)
+                                              name=prefix + n, clip_grid=clip_grid)
                 info[n] = inf
                 pending.append((n, m, lcfg, qw, s, z))
             del hs
@@ -232,7 +235,8 @@ def quantize_causal_lm(
                 awq.apply_scales(prev, [m for _, m in members], s)
                 info[prev_name] = {"alpha": alpha, "err_ratio": ratio}
             for n, (m, lcfg) in targets.items():
-                qw, s, z = formats.quantize(m.weight, lcfg, prefix + n)
+                s, z = formats.choose_params(m.weight, lcfg, prefix + n, clip_grid)
+                qw = formats.quantize_with_params(m.weight, s, z, lcfg)
                 pending.append((n, m, lcfg, qw, s, z))
             del acts
         # Next layer's inputs come from the quantized layer.  It runs on the

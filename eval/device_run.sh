@@ -19,9 +19,11 @@ for step in "${@:-all}"; do
       python3 eval/bench_gemv.py --out "$OUT/bench_gemv" 2>&1 | tail -120 ;;&
     sanitize)
       for tool in memcheck racecheck; do
-        compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -x tests/test_cuda.py \
-          -k "test_odd_shapes_all_m and (4097 or 7) and (136 or 2880) and fp16" 2>&1 | tail -5 | tee "$OUT/sanitize_$tool.log"
+        compute-sanitizer --tool $tool --error-exitcode 9 python3 eval/sanitize_sweep.py > "$OUT/sanitize_$tool.log" 2>&1
+        echo "compute-sanitizer --tool $tool: exit $?"; tail -3 "$OUT/sanitize_$tool.log"
       done ;;
+    decode)
+      python3 eval/bench_decode.py --out "$OUT/bench_decode" 2>&1 | tail -40 ;;
   esac
 done
 echo "total: $(( $(date +%s) - start )) s"

@@ -320,30 +320,58 @@ def quantize(w: torch.Tensor, config: QuantConfig, name: str = "weight"):
     return quantize_int4(w, config.group_size, config.symmetric, name)
 
 
-def choose_params(w: torch.Tensor, config: QuantConfig, name: str = "weight"):
-    """Round-to-nearest scales (and zero points) for w [N, K'] in ``config``.
+def _params_for_range(wf: torch.Tensor, config: QuantConfig, shrink: float, name: str):
+    """Scales / zeros of groups wf [N, ng, G] with their range shrunk by ``shrink``."""
+    if config.bits == 8:
+        return _finish_scale(wf.abs().amax(dim=2) * shrink / 127.0, name), None
+    if config.symmetric:
+        return _finish_scale(wf.abs().amax(dim=2) * shrink / 7.0, name), None
+    lo = wf.amin(dim=2).clamp(max=0) * shrink
+    hi = wf.amax(dim=2).clamp(min=0) * shrink
+    s = _finish_scale((hi - lo) / 15.0, name)
+    z = torch.round(-lo / s.float()).clamp_(0, 15).to(torch.uint8)
+    return s, z
+
+
+def _group_error(wf, s, z, config: QuantConfig) -> torch.Tensor:
+    """Squared RTN error per group of wf [N, ng, G] for scales s [N, ng]."""
+    sf = s.float()[..., None]
+    if config.bits == 8:
+        q = torch.round(wf / sf).clamp(-127, 127)
+        return ((q * sf - wf) ** 2).sum(-1)
+    zf = z.float()[..., None] if z is not None else 8.0
+    q = (torch.round(wf / sf) + zf).clamp(0, 15)
+    return (((q - zf) * sf - wf) ** 2).sum(-1)
+
+
+def choose_params(w: torch.Tensor, config: QuantConfig, name: str = "weight", clip_grid: int = 0):
+    """Scales (and zero points) for w [N, K'] in ``config``.
 
     K' may be a single group (calibration computes group parameters one group
-    at a time).  Returns (scales fp16 [N] or [N, K'/G], zeros uint8 or None),
-    the same values :func:`quantize` would choose.
+    at a time).  With ``clip_grid = 0`` these are the round-to-nearest values
+    :func:`quantize` uses (the full range of each row or group).  With
+    ``clip_grid = n`` the range of every group is also shrunk by factors
+    1 - i / (2 n), i = 1..n (down to 0.5), and the factor with the smallest
+    squared quantization error is kept per group (a clipping search).
+    Returns (scales fp16 [N] or [N, K'/G], zeros uint8 [N, K'/G] or None).
     """
     n, k = w.shape
-    wf = w.detach().float()
-    if config.bits == 8:
-        return _finish_scale(wf.abs().amax(dim=1) / 127.0, name), None
     g = config.group_size or k
-    wf = wf.reshape(n, k // g, g)
-    if config.symmetric:
-        s = _finish_scale(wf.abs().amax(dim=2) / 7.0, name)
-        z = None
-    else:
-        lo = wf.amin(dim=2).clamp(max=0)
-        hi = wf.amax(dim=2).clamp(min=0)
-        s = _finish_scale((hi - lo) / 15.0, name)
-        z = torch.round(-lo / s.float()).clamp_(0, 15).to(torch.uint8)
+    wf = w.detach().float().reshape(n, k // g, g)
+    s, z = _params_for_range(wf, config, 1.0, name)
+    if clip_grid:
+        best = _group_error(wf, s, z, config)
+        for i in range(1, clip_grid + 1):
+            s2, z2 = _params_for_range(wf, config, 1.0 - i / (2.0 * clip_grid), name)
+            err = _group_error(wf, s2, z2, config)
+            better = err < best
+            best = torch.where(better, err, best)
+            s = torch.where(better, s2, s)
+            if z is not None:
+                z = torch.where(better, z2, z)
     if config.group_size is None:
         s = s.reshape(n)
-    return s, z
+    return s.contiguous(), (z.contiguous() if z is not None else None)
 
 
 def code_range(config: QuantConfig):

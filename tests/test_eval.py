@@ -70,7 +70,7 @@ def test_check_exit_codes(tiny_llama_dir, int4_checkpoint, capsys):
     # generous thresholds pass ...
     assert ppl_check.main(common + ["--max-ppl-increase", "1000%", "--max-kl", "100", "--min-top1", "0"]) == 0
     # ... a negative allowed increase cannot
-    assert ppl_check.main(common + ["--max-ppl-increase", "-50%", "--max-kl", "100", "--min-top1", "0"]) == 1
+    assert ppl_check.main(common + ["--max-ppl-increase=-50%", "--max-kl", "100", "--min-top1", "0"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "ppl increase" in out and "allowed -50.000%" in out
     assert ppl_check.main(common + ["--min-top1", "100.1%"]) == 1

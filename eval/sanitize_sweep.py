@@ -1,0 +1,60 @@
+"""A reduced sweep of every GEMV kernel instance, for compute-sanitizer.
+
+    compute-sanitizer --tool memcheck  --error-exitcode 9 python eval/sanitize_sweep.py
+    compute-sanitizer --tool racecheck --error-exitcode 9 python eval/sanitize_sweep.py
+
+Covers int8, int4 per-channel, group-wise symmetric and with zero points
+(g32/g64/g128), fp16 and bf16, M in {1, 5, 16, 24, 40} (both n-tile counts,
+the chunked path at 24 and the dequantize + GEMM path at 40), K with
+and without tails, N not a multiple of 16, activations staged in shared
+memory and read from global memory, and the three SGEMV kernels; every result is compared with the reference too.
+"""
+
+import itertools
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import qgemv  # noqa: E402
+from qgemv import formats as F  # noqa: E402
+
+
+def main() -> int:
+    torch.manual_seed(0)
+    cfgs = [F.QuantConfig(8), F.QuantConfig(4), F.QuantConfig(4, 32, False), F.QuantConfig(4, 64),
+            F.QuantConfig(4, 128, False)]
+    shapes = [(33, 136), (7, 2880), (40, 4096), (17, 17408)]  # the last forces activations through L1 at M = 16
+    bad = 0
+    n_runs = 0
+    for cfg, (n, k), dt, m in itertools.product(cfgs, shapes, (torch.float16, torch.bfloat16), (1, 5, 16, 24, 40)):
+        if cfg.group_size and k % cfg.group_size:
+            continue
+        qw, s, z = F.quantize(torch.randn(n, k, device="cuda") * 0.02, cfg)
+        x = torch.randn(m, k, device="cuda", dtype=dt)
+        lin = qgemv.QuantLinear.from_quantized(torch.nn.Linear(k, n, bias=False, device="meta"), cfg, qw, s, z)
+        y = lin(x).double()
+        ref = x.double() @ F.dequantize(qw, s, z, cfg, k).double().t()
+        rel = ((y - ref).norm() / ref.norm()).item()
+        n_runs += 1
+        if not rel < 1e-2:
+            bad += 1
+            print(f"MISMATCH {cfg.name} {n}x{k} M={m} {dt}: rel {rel:.2e}")
+    for kern, (n, k) in itertools.product(["k32", "k128", "k16"], [(9, 12), (33, 136), (5, 1000)]):
+        if kern == "k16" and k > 16:
+            continue
+        A, x = torch.randn(n, k, device="cuda"), torch.randn(k, device="cuda")
+        y = qgemv.sgemv(A, x, kernel=kern)
+        n_runs += 1
+        if not torch.allclose(y, A @ x, rtol=1e-4, atol=1e-4):
+            bad += 1
+            print(f"MISMATCH sgemv {kern} {n}x{k}")
+    torch.cuda.synchronize()
+    print(f"sanitize_sweep: {n_runs} launches checked, {bad} mismatches")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
