@@ -171,7 +171,7 @@ def run_model(name, cfg, batches, read_gbps, prompt=128, gen=256):
         base_ms = None
         for vname, q in VARIANTS.items():
             torch.manual_seed(0)
-            model = Decoder(cfg, batch, prompt + gen, dev)
+            model = Decoder(cfg, batch, prompt + gen + 8, dev)  # graph_time advances pos once per replay
             if q is not None:
                 quantize_variant(model, *q)
             torch.cuda.empty_cache()
