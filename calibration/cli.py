@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--group-size", type=int, default=None, choices=(32, 64, 128),
                     help="int4 group size along K (default: one scale per output channel)")
     ap.add_argument("--asym", action="store_true", help="int4 group-wise with zero points")
-    ap.add_argument("--method", choices=("rtn", "gptq", "awq"), default="gptq")
+    ap.add_argument("--method", choices=("rtn", "gptq", "awq", "awq_gptq"), default="gptq",
+                    help="awq_gptq: AWQ scales folded in first, then GPTQ")
     ap.add_argument("--calib", default="default",
                     help="calibration text: 'default' (embedded Wikipedia sample), a .txt/.json file, or hub:NAME[:CONFIG[:SPLIT]]")
     ap.add_argument("--samples", type=int, default=128)
@@ -125,8 +126,8 @@ def main(argv=None) -> int:
     if args.method != "rtn":
         samples = calibration_samples(tok, args.calib, args.samples, args.seq_len, args.seed)
         calib = {"dataset": args.calib, "samples": args.samples, "seq_len": args.seq_len, "seed": args.seed,
-                 "damp": args.damp if args.method == "gptq" else None,
-                 "act_order": args.act_order if args.method == "gptq" else None,
+                 "damp": args.damp if "gptq" in args.method else None,
+                 "act_order": args.act_order if "gptq" in args.method else None,
                  "clip_grid": args.clip_grid}
     skip = args.skip if args.skip is not None else [r"lm_head", r"embed"]
     rep = quantize_causal_lm(model, cfg, args.method, samples, skip=skip, overrides=_overrides(args.override),

