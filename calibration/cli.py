@@ -97,8 +97,6 @@ def summary_table(rep, cfg, method: str, seconds: float, out: str, fp16_bytes: i
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    import torch
-
     from qgemv import checkpoint as C
     from qgemv.formats import QuantConfig
     from qgemv.nn import QuantLinear

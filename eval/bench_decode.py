@@ -28,7 +28,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -38,6 +37,7 @@ from torch.nn import functional as Fn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import qgemv  # noqa: E402
+from eval.bench_gemv import Timer, graph_time, read_ceiling  # noqa: E402
 from qgemv import formats  # noqa: E402
 
 MODELS = {
@@ -140,29 +140,6 @@ def quantize_variant(model, bits, group):
     qgemv.quantize_model(model, bits=bits, group_size=group, skip=("lm_head",))
 
 
-def graph_time(fn, replays=256, before=None):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    ts = []
-    for _ in range(replays):
-        if before:
-            before()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        ts.append((a, b))
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in ts)
-
-
 @torch.no_grad()
 def run_model(name, cfg, batches, read_gbps, prompt=128, gen=256):
     rows = []
@@ -215,8 +192,6 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("bench_decode: no CUDA GPU; nothing to measure")
         return 0
-    from eval.bench_gemv import Timer, read_ceiling
-
     ceiling = read_ceiling(Timer())
     rows = []
     for name in args.models.split(","):

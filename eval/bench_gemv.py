@@ -135,34 +135,47 @@ def bench_shapes(timer, shapes, ms, variants, ceiling):
     return rows
 
 
+def graph_time(fn, replays=20, before=None) -> float:
+    """Median ms of replaying one CUDA graph of fn() (captured after two warm-up calls).
+
+    ``before`` runs on the host before every replay (e.g. to advance a
+    device-side position tensor).
+    """
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    ts = []
+    for _ in range(replays):
+        if before:
+            before()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        ts.append((a, b))
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in ts)
+
+
 def bench_graph(n=4096, k=4096, copies=20):
     """Per-call time of M=1 under CUDA-graph replay, weights rotating through L2-busting copies."""
     out = {}
     for name in ["fp16", "int8", "int4", "int4g128"]:
         fns = [make_variant(name, n, k)[0] for _ in range(copies)]
         x = torch.randn(1, k, device="cuda", dtype=torch.float16)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
+
+        def all_calls():
             for f in fns:
                 f(x)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for f in fns:
-                f(x)
-        for _ in range(3):
-            g.replay()
-        ts = []
-        for _ in range(20):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            ts.append((a, b))
-        torch.cuda.synchronize()
-        out[name] = statistics.median(a.elapsed_time(b) for a, b in ts) * 1e3 / copies
-        del fns, g
+
+        out[name] = graph_time(all_calls, replays=20) * 1e3 / copies
+        del fns
     return out
 
 

@@ -18,6 +18,7 @@ version is refused with a clear error.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -41,6 +42,25 @@ CACHE_DIR = Path(os.environ.get("QGEMV_CACHE", Path.home() / ".cache" / "qgemv")
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt, or does not match its config."""
+
+
+@contextlib.contextmanager
+def _atomic_dir(out: Path):
+    """Yield a temporary sibling of ``out``; on success it replaces ``out``.
+
+    On any error (or interruption) the temporary directory is removed and
+    ``out`` is left as it was.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _require_transformers():
@@ -75,9 +95,7 @@ def default_model_path() -> Path:
     if (out / "config.json").exists() and any(out.glob("*.safetensors")):
         return out
     model, tok = load_float_model(str(default_gguf_file()))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=out.parent))
-    try:
+    with _atomic_dir(out) as tmp:
         # save_pretrained refuses GGUF-loaded models, so write the plain float
         # state dict and a config without the GGUF quantization block.
         from safetensors.torch import save_file
@@ -92,12 +110,6 @@ def default_model_path() -> Path:
                 delattr(cfg, attr)
         cfg.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -176,30 +188,21 @@ def save_quantized(model: nn.Module, tokenizer, out_dir: str, qconfig: dict, ove
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists (pass overwrite=True / --overwrite to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with _atomic_dir(out) as tmp:
         cfg = model.config.to_dict()
         cfg["quantization_config"] = qconfig
-        state = {}
-        for k, v in model.state_dict().items():
-            state[k] = v.detach().to("cpu").contiguous()
+        state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
         # tied weights (lm_head = embed_tokens) are stored once, as transformers does
         if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" in state:
             state.pop("lm_head.weight")
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "qgemv_format_version": str(formats.FORMAT_VERSION)})
+        save_file(state, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt", "qgemv_format_version": str(formats.FORMAT_VERSION)})
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         for fname, obj in (extra_json or {}).items():
             (tmp / fname).write_text(json.dumps(obj, indent=1, default=str))
         # config.json last: a directory without it is never mistaken for a checkpoint
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -9,7 +9,6 @@ from torch import nn
 from torch.nn import functional as Fn
 
 import qgemv
-from qgemv import formats as F
 
 VARIANTS = [(8, None, True), (4, None, True), (4, 128, True), (4, 32, False)]
 IDS = ["int8", "int4", "int4g128", "int4g32a"]
