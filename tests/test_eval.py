@@ -95,3 +95,19 @@ def test_smollm2_int8_passes_the_check(tmp_path):
     rc = ppl_check.main(["--reference", "default", "--quantized", str(out), "--windows", "3",
                          "--max-ppl-increase", "1%", "--max-kl", "0.02", "--min-top1", "90%"])
     assert rc == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_evaluation_on_gpu_matches_cpu(tiny_llama_dir, int4_checkpoint):
+    """--device cuda (qgemv kernels, fp16) scores like the CPU reference path (fp32)."""
+    from eval.ppl import load_models
+
+    proto = Protocol(ctx=64, windows=4)
+    m_cpu, tok = load_models(tiny_llama_dir, [int4_checkpoint], "cpu")
+    r_cpu = evaluate(m_cpu, tok, proto, progress=False)["results"]
+    m_gpu, _ = load_models(tiny_llama_dir, [int4_checkpoint], "cuda")
+    r_gpu = evaluate(m_gpu, tok, proto, device="cuda", progress=False)["results"]
+    for a, b in zip(r_cpu, r_gpu):
+        assert a["tokens"] == b["tokens"]
+        assert math.isclose(a["ppl"], b["ppl"], rel_tol=1e-2), (a, b)
+    assert r_gpu[1]["top1_pct"] > 90
