@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, fraction of mean(diag(H))")
     ap.add_argument("--act-order", action="store_true", help="GPTQ columns by decreasing Hessian diagonal")
     ap.add_argument("--clip-grid", type=int, default=20,
-                    help="GPTQ/AWQ: search this many shrunk ranges per row/group for the scale (0 = min/max)")
+                    help="GPTQ: search this many shrunk ranges per row/group for the scale (0 = min/max)")
     ap.add_argument("--skip", action="append", default=None,
                     help="regex of module names to keep in float (repeatable; default: lm_head, embed)")
     ap.add_argument("--override", action="append", default=None,
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
         calib = {"dataset": args.calib, "samples": args.samples, "seq_len": args.seq_len, "seed": args.seed,
                  "damp": args.damp if "gptq" in args.method else None,
                  "act_order": args.act_order if "gptq" in args.method else None,
-                 "clip_grid": args.clip_grid}
+                 "clip_grid": args.clip_grid if "gptq" in args.method else None}
     skip = args.skip if args.skip is not None else [r"lm_head", r"embed"]
     rep = quantize_causal_lm(model, cfg, args.method, samples, skip=skip, overrides=_overrides(args.override),
                              damp=args.damp, act_order=args.act_order, batch_size=args.batch_size,
