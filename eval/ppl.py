@@ -178,7 +178,7 @@ def bar_chart(report: dict, path: str) -> None:
     ax.bar(range(len(rs)), [r["ppl"] for r in rs], yerr=[r["ppl_se"] for r in rs], capsize=4,
            color=["#888"] + ["#3a7"] * (len(rs) - 1))
     for i, r in enumerate(rs):
-        ax.text(i, r["ppl"], f"{r.get('delta_ppl_pct', 0):+.1f}%", ha="center", va="bottom", fontsize=8)
+        ax.text(i, r["ppl"] + r["ppl_se"], f"{r.get('delta_ppl_pct', 0):+.1f}%", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(rs)))
     ax.set_xticklabels([r["name"] for r in rs], rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("perplexity (+- s.e.)")
