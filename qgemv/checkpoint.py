@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -304,15 +303,6 @@ def peak_rss_mb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-class Stopwatch:
-    def __enter__(self):
-        self.t0 = time.time()
-        return self
-
-    def __exit__(self, *a):
-        self.seconds = time.time() - self.t0
 
 
 __all__ = [

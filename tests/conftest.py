@@ -39,11 +39,10 @@ def tiny_llama_dir(tmp_path_factory):
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                    bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                                    tie_word_embeddings=True)
-    g = torch.manual_seed(1234)
+    torch.manual_seed(1234)
     model = transformers.LlamaForCausalLM(cfg).eval()
     model.save_pretrained(d)
     tok.save_pretrained(d)
-    del g
     return str(d)
 
 
