@@ -10,8 +10,9 @@ are kept: n x L x hidden floats):
    layer; quantize its linears; run the quantized layer to produce the next
    layer's inputs, so later layers calibrate on the errors of earlier ones.
 
-Works on CPU and GPU (``device``); the model may live on the CPU and each
-layer is moved to ``device`` in turn.
+The model may live on the CPU and each layer is moved to ``device`` in turn.
+``device="cuda"`` is implemented but so far only the CPU path has been run
+(tests and BENCHMARKS.md numbers).
 """
 
 from __future__ import annotations
