@@ -74,9 +74,9 @@ def config_for(name: str, in_features: int, default: QuantConfig, overrides: Opt
                 cfg = QuantConfig(**d)
                 break
     if group_fallback and cfg.group_size and in_features % cfg.group_size != 0:
-        for g in (128, 64, 32):
-            if g < cfg.group_size and in_features % g == 0:
-                return QuantConfig(cfg.bits, g, cfg.symmetric)
+        g = formats.fallback_group_size(in_features, cfg.group_size)
+        if g is not None:
+            return QuantConfig(cfg.bits, g, cfg.symmetric)
     return cfg
 
 

@@ -52,6 +52,19 @@ def _round_up(v: int, m: int) -> int:
     return (v + m - 1) // m * m
 
 
+def fallback_group_size(in_features: int, group_size: Optional[int]) -> Optional[int]:
+    """``group_size`` if it divides in_features, else the largest smaller one of 128/64/32 that does.
+
+    Returns None when no group size fits (or group_size is None: per channel).
+    Used by quantize_model, fused projections and calibration when asked to
+    fall back instead of skipping a layer (SmolLM2's K = 576 is not a multiple
+    of 128).
+    """
+    if group_size is None or in_features % group_size == 0:
+        return group_size
+    return next((g for g in (128, 64, 32) if g < group_size and in_features % g == 0), None)
+
+
 def check_weight(w: torch.Tensor, name: str = "weight", group_size: Optional[int] = None) -> None:
     """Validate a float weight [N, K] before quantization.
 
@@ -414,6 +427,7 @@ __all__ = [
     "INT4_NIBBLE_ORDER",
     "GROUP_SIZES",
     "QuantConfig",
+    "fallback_group_size",
     "check_weight",
     "pack_int8",
     "unpack_int8",

@@ -210,10 +210,9 @@ def quantize_model(
         cfg = QuantConfig(**kw)
         k = lin.in_features
         if group_fallback and cfg.group_size and k % cfg.group_size != 0:
-            for g in (128, 64, 32):
-                if g < cfg.group_size and k % g == 0:
-                    cfg = QuantConfig(cfg.bits, g, cfg.symmetric)
-                    break
+            g = formats.fallback_group_size(k, cfg.group_size)
+            if g is not None:
+                cfg = QuantConfig(cfg.bits, g, cfg.symmetric)
         if k % 8 != 0 or (cfg.group_size and k % cfg.group_size != 0):
             report.skipped[name] = f"in_features={k} does not fit {cfg.name}"
             continue
@@ -325,9 +324,7 @@ def fuse_llama_projections(model: nn.Module, bits: int = 8, group_size: Optional
         for fused_name, members in FUSE_GROUPS.items():
             if all(isinstance(getattr(owner, m, None), nn.Linear) for m in members):
                 lins = [getattr(owner, m) for m in members]
-                g = group_size
-                if g and lins[0].in_features % g != 0:
-                    g = next((c for c in (128, 64, 32) if c < g and lins[0].in_features % c == 0), None)
+                g = formats.fallback_group_size(lins[0].in_features, group_size)
                 f = FusedQuantLinear.from_linears(lins, bits, g, symmetric, name=f"{owner_name}.{fused_name}")
                 setattr(owner, fused_name, f)
                 for i, m in enumerate(members):
