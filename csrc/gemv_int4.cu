@@ -5,16 +5,16 @@
 
 namespace qgemv {
 
-Status gemv_int4(const GemvParams& p, int num_sms, cudaStream_t stream) {
+Status gemv_int4(const GemvParams& p, cudaStream_t stream) {
   if (p.group_size != 0 && p.group_size != 32 && p.group_size != 64 && p.group_size != 128)
     return Status::kBadGroupSize;
   if (p.Kp % 32 != 0 || p.K % 8 != 0 || p.K > p.Kp) return Status::kBadShape;
   if (p.group_size == 0) {
     if (p.zeros != nullptr) return Status::kNoKernel;  // zero points are group-wise only
-    return dispatch_gemv_tokens<4, kPerChannel>(p, num_sms, stream);
+    return dispatch_gemv_tokens<4, kPerChannel>(p, stream);
   }
-  if (p.zeros != nullptr) return dispatch_gemv_tokens<4, kGroupAsym>(p, num_sms, stream);
-  return dispatch_gemv_tokens<4, kGroupSym>(p, num_sms, stream);
+  if (p.zeros != nullptr) return dispatch_gemv_tokens<4, kGroupAsym>(p, stream);
+  return dispatch_gemv_tokens<4, kGroupSym>(p, stream);
 }
 
 }  // namespace qgemv

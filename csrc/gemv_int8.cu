@@ -3,10 +3,10 @@
 
 namespace qgemv {
 
-Status gemv_int8(const GemvParams& p, int num_sms, cudaStream_t stream) {
+Status gemv_int8(const GemvParams& p, cudaStream_t stream) {
   if (p.group_size != 0 || p.zeros != nullptr) return Status::kNoKernel;
   if (p.Kp % 16 != 0 || p.K % 8 != 0 || p.K > p.Kp) return Status::kBadShape;
-  return dispatch_gemv_tokens<8, kPerChannel>(p, num_sms, stream);
+  return dispatch_gemv_tokens<8, kPerChannel>(p, stream);
 }
 
 const char* status_string(Status s) {

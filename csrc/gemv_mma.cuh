@@ -277,7 +277,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2)
   extern __shared__ __align__(16) unsigned char smem[];
   uint4* ring = reinterpret_cast<uint4*>(smem) + warp * kStages * 64 + lane;
   unsigned char* after_ring = smem + static_cast<size_t>(nwarps) * kStages * 64 * sizeof(uint4);
-  const bool stage_x = p.chunk_k > 0;
+  const bool stage_x = p.stage_x != 0;
   const int ld_xs = p.Kp + 8;  // +16 bytes per row: tokens land in different banks
   float* red = reinterpret_cast<float*>(
       after_ring + (stage_x ? static_cast<size_t>(p.M) * ld_xs * sizeof(T) : 0));
@@ -394,16 +394,15 @@ inline int choose_warps(int Kp, int tile_k) {
 }
 
 template <typename T, int kBits, int kMode, int kNT>
-Status launch_gemv_mma(const GemvParams& p, int num_sms, cudaStream_t stream) {
-  (void)num_sms;
+Status launch_gemv_mma(const GemvParams& p, cudaStream_t stream) {
   constexpr int kTileK = GemvMma<T, kBits, kMode, kNT>::kTileK;
   const int w = p.warps_per_block > 0 ? p.warps_per_block : choose_warps(p.Kp, kTileK);
   if (w > kMaxWarps) return Status::kBadShape;
   const dim3 grid((p.N + kRowsPerBlock - 1) / kRowsPerBlock);
   GemvParams q = p;
   const size_t x_bytes = static_cast<size_t>(p.M) * (p.Kp + 8) * sizeof(T);
-  q.chunk_k = x_bytes <= static_cast<size_t>(kActSmemBytes) ? p.Kp : 0;  // 0: activations via L1
-  const size_t smem = static_cast<size_t>(w) * kStages * 64 * sizeof(uint4) + (q.chunk_k ? x_bytes : 0) +
+  q.stage_x = x_bytes <= static_cast<size_t>(kActSmemBytes) ? 1 : 0;  // 0: activations via L1
+  const size_t smem = static_cast<size_t>(w) * kStages * 64 * sizeof(uint4) + (q.stage_x ? x_bytes : 0) +
                       static_cast<size_t>(w) * kNT * 4 * kWarpSize * sizeof(float);
   auto kernel = gemv_mma_kernel<T, kBits, kMode, kNT>;
   if (smem > 48 * 1024 &&
@@ -416,16 +415,16 @@ Status launch_gemv_mma(const GemvParams& p, int num_sms, cudaStream_t stream) {
 
 // Runtime (activation type, zeros, token count) -> template instance.
 template <int kBits, int kMode>
-Status dispatch_gemv_tokens(const GemvParams& p, int num_sms, cudaStream_t stream) {
+Status dispatch_gemv_tokens(const GemvParams& p, cudaStream_t stream) {
   if (p.M < 1 || p.M > kMaxGemvTokens) return Status::kBadShape;
   const bool two = p.M > 8;
   if (p.act == ActType::kHalf) {
-    return two ? launch_gemv_mma<__half, kBits, kMode, 2>(p, num_sms, stream)
-               : launch_gemv_mma<__half, kBits, kMode, 1>(p, num_sms, stream);
+    return two ? launch_gemv_mma<__half, kBits, kMode, 2>(p, stream)
+               : launch_gemv_mma<__half, kBits, kMode, 1>(p, stream);
   }
   if (p.act == ActType::kBFloat16) {
-    return two ? launch_gemv_mma<__nv_bfloat16, kBits, kMode, 2>(p, num_sms, stream)
-               : launch_gemv_mma<__nv_bfloat16, kBits, kMode, 1>(p, num_sms, stream);
+    return two ? launch_gemv_mma<__nv_bfloat16, kBits, kMode, 2>(p, stream)
+               : launch_gemv_mma<__nv_bfloat16, kBits, kMode, 1>(p, stream);
   }
   return Status::kNoKernel;
 }

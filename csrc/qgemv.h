@@ -41,7 +41,7 @@ struct GemvParams {
   int group_size;         // 0 = one scale per output channel
   ActType act;
   int warps_per_block;    // 0 = let the launcher choose (see choose_warps)
-  int chunk_k;            // set by the launcher: k per shared-memory activation chunk
+  int stage_x;            // set by the launcher: 1 = activations staged in shared memory
 };
 
 // Largest number of tokens the GEMV kernels take in one launch; above it the
@@ -49,8 +49,8 @@ struct GemvParams {
 // torch_bindings.cpp).
 constexpr int kMaxGemvTokens = 16;
 
-Status gemv_int4(const GemvParams& p, int num_sms, cudaStream_t stream);
-Status gemv_int8(const GemvParams& p, int num_sms, cudaStream_t stream);
+Status gemv_int4(const GemvParams& p, cudaStream_t stream);
+Status gemv_int8(const GemvParams& p, cudaStream_t stream);
 
 // Dequantize the packed weight of p into w_out[N, K] (activation type),
 // w = (q - zero) * scale rounded once.  Used for the prefill (M > 16) path.

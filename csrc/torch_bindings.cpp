@@ -11,7 +11,6 @@
 #include <torch/library.h>
 
 #include <atomic>
-#include <mutex>
 #include <vector>
 
 #include "qgemv.h"
@@ -29,20 +28,6 @@ namespace {
 // threshold through set_chunked_max_tokens() to measure both paths.
 constexpr int64_t kChunkedMaxTokens = 32;
 std::atomic<int64_t> g_chunked_max_tokens{kChunkedMaxTokens};
-
-int num_sms(int device) {
-  static std::mutex mu;
-  static std::vector<int> cache;
-  std::lock_guard<std::mutex> lock(mu);
-  if (device >= static_cast<int>(cache.size())) cache.resize(device + 1, 0);
-  if (cache[device] == 0) {
-    int n = 0;
-    TORCH_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess,
-                "qgemv: cannot query the SM count of device ", device);
-    cache[device] = n;
-  }
-  return cache[device];
-}
 
 void check_status(Status s, const char* op) {
   TORCH_CHECK(s == Status::kOk, "qgemv.", op, ": ", status_string(s));
@@ -79,7 +64,7 @@ std::vector<int64_t> out_shape(const at::Tensor& x, int64_t N) {
   return s;
 }
 
-using GemvFn = Status (*)(const GemvParams&, int, cudaStream_t);
+using GemvFn = Status (*)(const GemvParams&, cudaStream_t);
 using DequantFn = Status (*)(const GemvParams&, void*, cudaStream_t);
 
 // The one dispatch function: by dtype and token count (see kChunkedMaxTokens).
@@ -101,7 +86,7 @@ at::Tensor run_linear(const at::Tensor& x, GemvParams p, GemvFn gemv, DequantFn 
       c.y = static_cast<char*>(y.data_ptr()) + m0 * p.N * y.element_size();
       c.ldx = p.K;
       c.ldy = p.N;
-      check_status(gemv(c, num_sms(x.get_device()), stream), op);
+      check_status(gemv(c, stream), op);
     }
   } else {
     at::Tensor w = at::empty({p.N, p.K}, x.options());
