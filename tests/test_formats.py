@@ -45,6 +45,23 @@ def test_int4_layout_is_the_documented_one():
             assert (w >> (4 * i)) & 0xF == ((16 + t) * 8 + e) % 16
 
 
+@pytest.mark.parametrize("n", [16, 20, 5])
+def test_panel_layout_is_the_documented_one(n):
+    # int8 rows of Kp = 80: one full 64-byte tile and a 16-byte remainder.
+    # Element (row, k) holds a value that names both, so positions can be read back.
+    k = 80
+    q = ((torch.arange(n)[:, None] * 7 + torch.arange(k)[None]) % 255 - 127).to(torch.int8)
+    stored = F.pack_int8(q).flatten()
+    for row in range(n):
+        p0 = row // F.PANEL_ROWS * F.PANEL_ROWS
+        r, i = min(F.PANEL_ROWS, n - p0), row - p0
+        base = p0 * k
+        for kk in (0, 5, 63):  # tile 0: at i * 64
+            assert stored[base + i * 64 + kk] == q[row, kk]
+        for kk in (64, 79):  # the remainder after all rows' tile 0: at r*64 + i*16
+            assert stored[base + r * 64 + i * 16 + (kk - 64)] == q[row, kk]
+
+
 def test_nibble_pairs_come_out_consecutive():
     # The kernel's (w >> 4i) & 0x000f000f trick must yield (e_2i, e_2i+1).
     q = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8] * 4], dtype=torch.uint8)

@@ -1,0 +1,288 @@
+// Standalone kernel lab: times the qgemv GEMV kernels through the pointer API
+// (csrc/qgemv.h) without torch, and checks each result against a naive
+// fp32 reference kernel that decodes the packed format independently.
+//
+// Build and run (on a GPU machine; ~1 minute to compile):
+//   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc eval/gemv_lab.cu csrc/gemv_int4.cu \
+//        csrc/gemv_int8.cu -o /tmp/gemv_lab && /tmp/gemv_lab [--quick]
+//
+// Why a separate program: an A/B comparison of two versions of csrc/ (for
+// example HEAD and the working tree, compiled from two include paths) costs
+// one nvcc call each instead of a full extension build, and the numbers come
+// from the same process and the same buffers for every variant.
+//
+// Method: L2 is flushed before every timed call by overwriting a 512 MB
+// buffer; CUDA events around the launch alone; median of `reps` calls after
+// warm-up.  The read ceiling is measured in the same run with a streaming
+// read kernel over 2 GB.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "qgemv.h"
+
+#define CK(x)                                                                          \
+  do {                                                                                 \
+    cudaError_t e_ = (x);                                                              \
+    if (e_ != cudaSuccess) {                                                           \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                    \
+    }                                                                                  \
+  } while (0)
+
+namespace {
+
+// y_ref[m, n] in fp32 from the packed weight, decoded the slow and obvious way.
+__global__ void ref_int4(const uint32_t* qw, const __half* scales, const uint8_t* zeros, const __half* x,
+                         float* y, int M, int N, int K, int Kp, int group) {
+  const int n = blockIdx.x * blockDim.x + threadIdx.x;
+  const int m = blockIdx.y;
+  if (n >= N) return;
+  const int nfull = Kp / 128;
+  const int ng = group ? K / group : 1;
+  float acc = 0.f;
+  for (int lw = 0; lw < K / 8; ++lw) {
+    const int blk = lw / 16, j = (lw % 16) / 4, t = lw % 4;
+    const int c = blk < nfull ? 4 : (Kp % 128) / 32;
+    // 16-row panels, tile-major inside (qgemv/formats.py, to_panels)
+    const int p0 = n / 16 * 16, r = min(16, N - p0), i = n - p0;
+    const uint32_t w = qw[static_cast<size_t>(p0) * (Kp / 8) + blk * 16 * r + i * 4 * c + t * c + j];
+    for (int b = 0; b < 8; ++b) {
+      const int e = b < 4 ? 2 * b : 2 * (b - 4) + 1;  // nibble b holds element e
+      const int k = lw * 8 + e;
+      const float q = static_cast<float>((w >> (4 * b)) & 0xf);
+      float s, z = 8.f;
+      if (group) {
+        s = __half2float(scales[n * ng + k / group]);
+        if (zeros) z = zeros[n * ng + k / group];
+      } else {
+        s = __half2float(scales[n]);
+      }
+      acc += (q - z) * s * __half2float(x[static_cast<size_t>(m) * K + k]);
+    }
+  }
+  y[static_cast<size_t>(m) * N + n] = acc;
+}
+
+__global__ void ref_int8(const int8_t* qw, const __half* scales, const __half* x, float* y, int M, int N,
+                         int K, int Kp) {
+  const int n = blockIdx.x * blockDim.x + threadIdx.x;
+  const int m = blockIdx.y;
+  if (n >= N) return;
+  const int p0 = n / 16 * 16, r = min(16, N - p0), i = n - p0;
+  float acc = 0.f;
+  for (int k = 0; k < K; ++k) {
+    const int tile = k / 64, seg = tile < Kp / 64 ? 64 : Kp % 64;
+    acc += qw[static_cast<size_t>(p0) * Kp + tile * 64 * r + i * seg + k % 64] *
+           __half2float(x[static_cast<size_t>(m) * K + k]);
+  }
+  y[static_cast<size_t>(m) * N + n] = acc * __half2float(scales[n]);
+}
+
+__global__ void empty_kernel() {}
+
+__global__ void read_kernel(const uint4* p, size_t n, unsigned* sink) {
+  uint32_t acc = 0;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const uint4 v = __ldcs(p + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9e3779b9u) *sink = acc;  // practically never; keeps the loads alive
+}
+
+struct Timer {
+  void* flush = nullptr;
+  size_t flush_bytes = size_t(512) << 20;
+  cudaEvent_t a, b;
+  Timer() {
+    CK(cudaMalloc(&flush, flush_bytes));
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+  }
+  template <typename F>
+  float median_us(F&& f, int reps) {
+    for (int i = 0; i < 3; ++i) f();
+    std::vector<float> ts;
+    for (int i = 0; i < reps; ++i) {
+      CK(cudaMemsetAsync(flush, i & 0xff, flush_bytes));
+      CK(cudaEventRecord(a));
+      f();
+      CK(cudaEventRecord(b));
+      CK(cudaEventSynchronize(b));
+      float ms;
+      CK(cudaEventElapsedTime(&ms, a, b));
+      ts.push_back(ms * 1000.f);
+    }
+    std::sort(ts.begin(), ts.end());
+    return ts[ts.size() / 2];
+  }
+};
+
+struct Case {
+  const char* name;
+  int bits, group;
+  bool zeros;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  const int reps = quick ? 15 : 31;
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  Timer timer;
+
+  // Read ceiling.
+  const size_t rbytes = size_t(2) << 30;
+  void* rbuf;
+  unsigned* sink;
+  CK(cudaMalloc(&rbuf, rbytes));
+  CK(cudaMalloc(&sink, 4));
+  CK(cudaMemset(rbuf, 1, rbytes));
+  const float read_us = timer.median_us(
+      [&] { read_kernel<<<prop.multiProcessorCount * 8, 512>>>(static_cast<uint4*>(rbuf), rbytes / 16, sink); },
+      5);
+  const double ceiling = rbytes / (read_us * 1e3);  // GB/s
+  std::printf("read ceiling: %.0f GB/s\n", ceiling);
+  // What any single launch costs under this method, and how long the read
+  // kernel takes for exactly one weight matrix's bytes (the "same bytes"
+  // column): the achievable floor for a one-shot read of that size.
+  const float empty_us = timer.median_us([&] { empty_kernel<<<1, 32>>>(); }, 15);
+  std::printf("empty kernel: %.1f us\n", empty_us);
+  auto read_us_for = [&](size_t bytes) {
+    return timer.median_us(
+        [&] { read_kernel<<<prop.multiProcessorCount * 8, 512>>>(static_cast<uint4*>(rbuf), bytes / 16, sink); },
+        15);
+  };
+
+  const Case cases[] = {{"int4", 4, 0, false}, {"int4_g128", 4, 128, false}, {"int4_g128_zp", 4, 128, true},
+                        {"int8", 8, 0, false}};
+  std::vector<std::pair<int, int>> shapes = {{4096, 4096}, {8192, 8192}, {28672, 8192}, {8192, 28672}};
+  std::vector<int> Ms = {1, 16};
+  if (quick) Ms = {1};
+  // Odd shapes are checked for correctness only.
+  std::vector<std::pair<int, int>> odd = {{4097, 136}, {7, 5128}, {1, 2880}, {300, 24}};
+
+  std::mt19937 rng(1234);
+  std::printf("%-13s %6s %6s %3s %3s %9s %8s %7s %9s %9s\n", "variant", "N", "K", "M", "W", "us", "GB/s", "%ceil",
+              "rel.err", "same-B us");
+  int failures = 0;
+  for (const Case& cs : cases) {
+    for (int pass = 0; pass < 2; ++pass) {
+      const auto& list = pass == 0 ? odd : shapes;
+      for (auto [N, K] : list) {
+        if (cs.group && K % cs.group) continue;
+        const int Kp = cs.bits == 4 ? (K + 31) / 32 * 32 : (K + 15) / 16 * 16;
+        const size_t wbytes = cs.bits == 4 ? size_t(N) * Kp / 2 : size_t(N) * Kp;
+        const int ng = cs.group ? K / cs.group : 1;
+        std::vector<uint8_t> hw(wbytes);
+        for (auto& v : hw) v = static_cast<uint8_t>(rng());
+        std::vector<__half> hs(size_t(N) * ng);
+        std::uniform_real_distribution<float> us(0.5f, 1.5f), ux(-1.f, 1.f);
+        for (auto& v : hs) v = __float2half(us(rng) / (cs.bits == 4 ? 8.f : 128.f));
+        std::vector<uint8_t> hz(size_t(N) * ng);
+        for (auto& v : hz) v = rng() & 15;
+        void *dw, *ds, *dz = nullptr, *dx, *dy;
+        float* dref;
+        const int Mmax = 16;
+        CK(cudaMalloc(&dw, wbytes));
+        CK(cudaMalloc(&ds, hs.size() * 2));
+        CK(cudaMemcpy(dw, hw.data(), wbytes, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(ds, hs.data(), hs.size() * 2, cudaMemcpyHostToDevice));
+        if (cs.zeros) {
+          CK(cudaMalloc(&dz, hz.size()));
+          CK(cudaMemcpy(dz, hz.data(), hz.size(), cudaMemcpyHostToDevice));
+        }
+        std::vector<__half> hx(size_t(Mmax) * K);
+        for (auto& v : hx) v = __float2half(ux(rng));
+        CK(cudaMalloc(&dx, hx.size() * 2));
+        CK(cudaMemcpy(dx, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
+        CK(cudaMalloc(&dy, size_t(Mmax) * N * 2));
+        CK(cudaMalloc(&dref, size_t(Mmax) * N * 4));
+        const std::vector<int> mlist = pass == 0 ? std::vector<int>{1, 3, 16} : Ms;
+        for (int M : mlist) {
+          qgemv::GemvParams p{};
+          p.x = dx;
+          p.qweight = dw;
+          p.scales = ds;
+          p.zeros = static_cast<const uint8_t*>(dz);
+          p.y = dy;
+          p.M = M;
+          p.N = N;
+          p.K = K;
+          p.Kp = Kp;
+          p.ldx = K;
+          p.ldy = N;
+          p.group_size = cs.group;
+          p.act = qgemv::ActType::kHalf;
+          dim3 rg((N + 127) / 128, M);
+          if (cs.bits == 4)
+            ref_int4<<<rg, 128>>>(static_cast<uint32_t*>(dw), static_cast<__half*>(ds),
+                                  static_cast<uint8_t*>(dz), static_cast<__half*>(dx), dref, M, N, K, Kp,
+                                  cs.group);
+          else
+            ref_int8<<<rg, 128>>>(static_cast<int8_t*>(dw), static_cast<__half*>(ds), static_cast<__half*>(dx),
+                                  dref, M, N, K, Kp);
+          CK(cudaGetLastError());
+          std::vector<int> wlist = {0};
+          if (pass == 1 && !quick) wlist = {0, 4};
+          for (int W : wlist) {
+            p.warps_per_block = W;
+            auto run = [&] {
+              const qgemv::Status st = cs.bits == 4 ? qgemv::gemv_int4(p, 0) : qgemv::gemv_int8(p, 0);
+              if (st != qgemv::Status::kOk) {
+                std::fprintf(stderr, "status %d\n", static_cast<int>(st));
+                std::exit(1);
+              }
+            };
+            CK(cudaMemset(dy, 0xff, size_t(Mmax) * N * 2));  // poison: NaN
+            run();
+            CK(cudaDeviceSynchronize());
+            std::vector<__half> hy(size_t(M) * N);
+            std::vector<float> hr(size_t(M) * N);
+            CK(cudaMemcpy(hy.data(), dy, hy.size() * 2, cudaMemcpyDeviceToHost));
+            CK(cudaMemcpy(hr.data(), dref, hr.size() * 4, cudaMemcpyDeviceToHost));
+            double maxerr = 0, maxref = 1e-6;
+            for (size_t i = 0; i < hy.size(); ++i) {
+              const double d = std::abs(double(__half2float(hy[i])) - hr[i]);
+              maxerr = std::max(maxerr, d != d ? 1e30 : d);
+              maxref = std::max(maxref, double(std::abs(hr[i])));
+            }
+            const double rel = maxerr / maxref;
+            const bool bad = !(rel < 5e-3);
+            failures += bad;
+            if (pass == 0) {
+              if (bad) std::printf("%-13s %6d %6d %3d %3d  FAIL rel.err %.2e\n", cs.name, N, K, M, W, rel);
+              continue;
+            }
+            const float t = timer.median_us(run, reps);
+            const double bytes = wbytes + hs.size() * 2.0 + (cs.zeros ? hz.size() : 0);
+            const double gbs = bytes / (t * 1e3);
+            std::printf("%-13s %6d %6d %3d %3d %9.1f %8.0f %6.1f%% %9.1e %9.1f%s\n", cs.name, N, K, M, W, t, gbs,
+                        100 * gbs / ceiling, rel, read_us_for(static_cast<size_t>(bytes) / 16 * 16),
+                        bad ? "  FAIL" : "");
+          }
+        }
+        CK(cudaFree(dw));
+        CK(cudaFree(ds));
+        if (dz) CK(cudaFree(dz));
+        CK(cudaFree(dx));
+        CK(cudaFree(dy));
+        CK(cudaFree(dref));
+      }
+    }
+  }
+  CK(cudaFree(rbuf));
+  std::printf("%s (%d failures)\n", failures ? "FAILED" : "all results match the reference", failures);
+  return failures ? 1 : 0;
+}
