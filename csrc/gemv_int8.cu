@@ -6,7 +6,7 @@ namespace qgemv {
 Status gemv_int8(const GemvParams& p, cudaStream_t stream) {
   if (p.group_size != 0 || p.zeros != nullptr) return Status::kNoKernel;
   if (p.Kp % 16 != 0 || p.K % 8 != 0 || p.K > p.Kp) return Status::kBadShape;
-  return dispatch_gemv_tokens<8, kPerChannel>(p, stream);
+  return dispatch_gemv_tokens<8, 0, false>(p, stream);
 }
 
 const char* status_string(Status s) {

@@ -76,16 +76,22 @@ struct TileMeta {
   uint32_t z0[4], z1[4];    // (magic + zero) pairs in the activation type
 };
 
-// kMode: 0 = one scale per output channel, 1 = group-wise symmetric,
-// 2 = group-wise with zero points.  A template parameter, not a runtime flag:
-// with a runtime flag the compiler emitted every MMA twice under predicates.
-enum GroupMode : int { kPerChannel = 0, kGroupSym = 1, kGroupAsym = 2 };
-
-template <typename T, int kBits, int kMode, int kNT>
+// kGroup: 0 = one scale per output channel, else the group size (32, 64,
+// 128); kZeros: group-wise zero points.  Both are template parameters, not
+// runtime values: with a runtime zero-point flag the compiler emitted every
+// MMA twice under predicates, and with a runtime group size every sub-tile
+// carried predicated scale loads and folds (the g128 loop was 1.9x the
+// per-channel one in SASS; see BENCHMARKS.md).
+template <typename T, int kBits, int kGroup, bool kZeros, int kNT>
 struct GemvMma {
   static constexpr int kTileK = kBits == 4 ? 128 : 64;
-  static constexpr bool kGrouped = kMode != kPerChannel;
-  static constexpr bool kHasZeros = kMode == kGroupAsym;
+  static constexpr bool kGrouped = kGroup != 0;
+  static constexpr bool kHasZeros = kZeros;
+  static_assert(kGroup == 0 || (kBits == 4 && (kGroup == 32 || kGroup == 64 || kGroup == 128)),
+                "group-wise scales: int4 with G in {32, 64, 128}");
+  static_assert(kGrouped || !kZeros, "zero points are group-wise only");
+  static constexpr int kSubPerGroup = kGrouped ? kGroup / 32 : 1;  // 32-k sub-tiles per group
+  static constexpr int kGroupsPerTile = kGrouped ? kTileK / kGroup : 1;
   // k offset of this lane's 8 (int4: per sub-tile) or 16 (int8) k in a tile,
   // in units of t.
   static constexpr int kLaneK = kBits == 4 ? 8 : 16;
@@ -100,7 +106,6 @@ struct GemvMma {
   const T* xl[kNT];
   const __half *srow0, *srow1;
   const uint8_t *zrow0, *zrow1;
-  int gshift = 0;             // log2(group_size), 0 = per channel
   int ngroups = 1;
   uint32_t sym_z, sym_y;      // symmetric zero point 8 as (magic + 8), (magic/16 + 8)
 
@@ -121,10 +126,7 @@ struct GemvMma {
       const int tok = min(n * 8 + g, p.M - 1);
       xl[n] = static_cast<const T*>(p.x) + static_cast<size_t>(tok) * p.ldx + kLaneK * t;
     }
-    if (kGrouped) {
-      gshift = 31 - __clz(p.group_size);
-      ngroups = p.K >> gshift;
-    }
+    if constexpr (kGrouped) ngroups = p.K / kGroup;
     srow0 = static_cast<const __half*>(p.scales) + r0 * ngroups;
     srow1 = static_cast<const __half*>(p.scales) + r1 * ngroups;
     zrow0 = p.zeros ? p.zeros + r0 * ngroups : nullptr;
@@ -154,11 +156,10 @@ struct GemvMma {
   // tile can point past the last group (its sub-tiles past K are zeros).
   template <bool kChecked>
   __device__ __forceinline__ void load_meta(int tile, TileMeta& m) const {
-    const int gsub_mask = (1 << (gshift - 5)) - 1;  // sub-tiles per group - 1
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      if (i == 0 || (i & gsub_mask) == 0) {
-        int gi = (tile * kTileK + 32 * i) >> gshift;
+      if (i % kSubPerGroup == 0) {
+        int gi = tile * kGroupsPerTile + i / kSubPerGroup;
         if (kChecked) gi = min(gi, ngroups - 1);
         m.s0[i] = __half2float(srow0[gi]);
         m.s1[i] = __half2float(srow1[gi]);
@@ -206,7 +207,7 @@ struct GemvMma {
       ActTraits<T>::mma(c, step1, xv.z, xv.w);
     }
     if constexpr (kGrouped) {
-      if ((((j + 1) << 5) & ((1 << gshift) - 1)) != 0) return;  // group continues
+      if ((j + 1) % kSubPerGroup != 0) return;  // group continues
       // End of a group: fold the fp32 partial sums in with the group's scales.
 #pragma unroll
       for (int n = 0; n < kNT; ++n) {
@@ -268,10 +269,10 @@ struct GemvMma {
 #define QGEMV_MIN_BLOCKS_PER_SM 2
 #endif
 
-template <typename T, int kBits, int kMode, int kNT>
+template <typename T, int kBits, int kGroup, bool kZeros, int kNT>
 __global__ void __launch_bounds__(kMaxWarps * 32, QGEMV_MIN_BLOCKS_PER_SM)
     gemv_mma_kernel(const GemvParams p) {
-  using Lane = GemvMma<T, kBits, kMode, kNT>;
+  using Lane = GemvMma<T, kBits, kGroup, kZeros, kNT>;
   constexpr int kTileK = Lane::kTileK;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -421,15 +422,15 @@ inline int choose_warps(int K, int Kp, int tile_k) {
   return k_tiles < w ? (k_tiles > 0 ? k_tiles : 1) : w;
 }
 
-template <typename T, int kBits, int kMode, int kNT>
+template <typename T, int kBits, int kGroup, bool kZeros, int kNT>
 Status launch_gemv_mma(const GemvParams& p, cudaStream_t stream) {
-  constexpr int kTileK = GemvMma<T, kBits, kMode, kNT>::kTileK;
+  constexpr int kTileK = GemvMma<T, kBits, kGroup, kZeros, kNT>::kTileK;
   const int w = p.warps_per_block > 0 ? p.warps_per_block : choose_warps(p.K, p.Kp, kTileK);
   if (w > kMaxWarps) return Status::kBadShape;
   const dim3 grid((p.N + kRowsPerBlock - 1) / kRowsPerBlock);
   const size_t smem = static_cast<size_t>(w) * kStages * 64 * sizeof(uint4) +
                       static_cast<size_t>(w) * kNT * 4 * kWarpSize * sizeof(float);
-  auto kernel = gemv_mma_kernel<T, kBits, kMode, kNT>;
+  auto kernel = gemv_mma_kernel<T, kBits, kGroup, kZeros, kNT>;
   if (smem > 48 * 1024 &&
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) !=
           cudaSuccess)
@@ -438,18 +439,18 @@ Status launch_gemv_mma(const GemvParams& p, cudaStream_t stream) {
   return cudaGetLastError() == cudaSuccess ? Status::kOk : Status::kLaunchFailed;
 }
 
-// Runtime (activation type, zeros, token count) -> template instance.
-template <int kBits, int kMode>
+// Runtime (activation type, token count) -> template instance.
+template <int kBits, int kGroup, bool kZeros>
 Status dispatch_gemv_tokens(const GemvParams& p, cudaStream_t stream) {
   if (p.M < 1 || p.M > kMaxGemvTokens) return Status::kBadShape;
   const bool two = p.M > 8;
   if (p.act == ActType::kHalf) {
-    return two ? launch_gemv_mma<__half, kBits, kMode, 2>(p, stream)
-               : launch_gemv_mma<__half, kBits, kMode, 1>(p, stream);
+    return two ? launch_gemv_mma<__half, kBits, kGroup, kZeros, 2>(p, stream)
+               : launch_gemv_mma<__half, kBits, kGroup, kZeros, 1>(p, stream);
   }
   if (p.act == ActType::kBFloat16) {
-    return two ? launch_gemv_mma<__nv_bfloat16, kBits, kMode, 2>(p, stream)
-               : launch_gemv_mma<__nv_bfloat16, kBits, kMode, 1>(p, stream);
+    return two ? launch_gemv_mma<__nv_bfloat16, kBits, kGroup, kZeros, 2>(p, stream)
+               : launch_gemv_mma<__nv_bfloat16, kBits, kGroup, kZeros, 1>(p, stream);
   }
   return Status::kNoKernel;
 }

@@ -166,6 +166,7 @@ int main(int argc, char** argv) {
   };
 
   const Case cases[] = {{"int4", 4, 0, false}, {"int4_g128", 4, 128, false}, {"int4_g128_zp", 4, 128, true},
+                        {"int4_g64_zp", 4, 64, true},  {"int4_g32", 4, 32, false},
                         {"int8", 8, 0, false}};
   std::vector<std::pair<int, int>> shapes = {{4096, 4096}, {8192, 8192}, {28672, 8192}, {8192, 28672}};
   std::vector<int> Ms = {1, 16};
