@@ -8,7 +8,13 @@ Models (random weights, fp16, on the GPU):
           (head dim 128), FFN 11008, vocab 32000;
   7b    : Llama-2-7B shapes, 32 layers, same widths.
 Variants: fp16 (nn.Linear -> cuBLAS), int8 per-channel, int4 per-channel and
-int4 g128, the quantized ones with q/k/v and gate/up fused (one launch each).
+int4 g128.  All of them, fp16 included, have q/k/v and gate/up fused (one
+launch each): the speedups measure quantization, not fusion.
+
+Glue (--glue): the RMSNorms, residual adds, RoPE + cache write and SiLU*up
+between the projections run either as eager torch ops (many small kernels in
+the graph) or through torch.compile (a few fused Triton kernels, compiled once
+per function and batch size; prefill always runs eager).
 
 The decode step (RMSNorm, projections, RoPE, a static KV cache written at a
 device-side position, SDPA over the cache, SwiGLU MLP, LM head) has static
@@ -72,6 +78,62 @@ def rope(x, cos, sin):
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
+# The "glue" between the projections: everything in a layer that is not a
+# linear layer or attention.  Eager, each line is one or more small kernels;
+# with --compile-glue each function becomes one or two fused Triton kernels
+# (torch.compile, shapes static), compiled once and shared by all layers.
+def glue_rms(x, w):
+    return rms(x, w)
+
+
+def glue_add_rms(x, delta, w):
+    """Residual add, then the next RMSNorm: (x + delta, rms(x + delta) * w)."""
+    x = x + delta
+    return x, rms(x, w)
+
+
+def glue_rope_cache(q, k, v, cos, sin, k_cache, v_cache, positions):
+    """RoPE on q and k; k and v written into the static cache at `positions`; returns rotated q."""
+    k_cache.index_copy_(2, positions, rope(k, cos, sin))
+    v_cache.index_copy_(2, positions, v)
+    return rope(q, cos, sin)
+
+
+def glue_swiglu(g, u):
+    return Fn.silu(g) * u
+
+
+GLUE = dict(rms=glue_rms, add_rms=glue_add_rms, rope_cache=glue_rope_cache, swiglu=glue_swiglu)
+
+
+def fuse_fp16_projections(model) -> None:
+    """fp16 baseline with the same fusion as the quantized variants: one q/k/v and one gate/up nn.Linear."""
+    for b in model.blocks:
+        for name, parts in (("wqkv", ("q_proj", "k_proj", "v_proj")), ("w_gate_up", ("gate_proj", "up_proj"))):
+            ws = [getattr(b, n).weight for n in parts]
+            lin = nn.Linear(ws[0].shape[1], sum(w.shape[0] for w in ws), bias=False, device=ws[0].device,
+                            dtype=ws[0].dtype)
+            with torch.no_grad():
+                lin.weight.copy_(torch.cat(ws, 0))
+            setattr(b, name, lin)
+            setattr(b, name + "_sizes", [w.shape[0] for w in ws])
+            for n in parts:
+                delattr(b, n)
+
+
+def _fused_out(b, fused_name, fp16_name, members, h):
+    """Outputs of one fused projection, split into views (no copies), or the separate linears."""
+    if hasattr(b, fused_name):  # qgemv.nn.fuse_llama_projections
+        f = getattr(b, fused_name)
+        y, offsets, sizes = f.fused(h), f.offsets, f.sizes
+    elif hasattr(b, fp16_name):  # fuse_fp16_projections
+        y, sizes = getattr(b, fp16_name)(h), getattr(b, fp16_name + "_sizes")
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    else:
+        return [getattr(b, m)(h) for m in members]
+    return [y[..., o : o + n] for o, n in zip(offsets, sizes)]
+
+
 class Decoder(nn.Module):
     """A Llama decoder with a static KV cache; forward(ids [B, T], pos [1] int64 on device)."""
 
@@ -92,37 +154,52 @@ class Decoder(nn.Module):
         emb = torch.cat([ang, ang], -1)
         self.cos, self.sin = emb.cos().half(), emb.sin().half()
         self.max_ctx = max_ctx
+        self.glue = GLUE  # replaced by compiled versions for decode with --compile-glue
 
     def forward(self, ids, pos):
         B, T = ids.shape
         c, hd = self.c, self.hd
+        g = self.glue if T == 1 else GLUE  # prefill runs eager: no compile for its shapes
         positions = pos + torch.arange(T, device=ids.device)
         cos, sin = self.cos[positions][None, None], self.sin[positions][None, None]
         # attend to cache slots <= position (a static-shape mask over max_ctx)
         slots = torch.arange(self.max_ctx, device=ids.device)
         mask = slots[None, :] <= positions[:, None]  # [T, max_ctx]
         x = self.embed(ids)
+        h = g["rms"](x, self.blocks[0].n1)
         for i, b in enumerate(self.blocks):
-            h = rms(x, b.n1)
-            q = b.q_proj(h).view(B, T, c["heads"], hd).transpose(1, 2)
-            k = b.k_proj(h).view(B, T, c["kv_heads"], hd).transpose(1, 2)
-            v = b.v_proj(h).view(B, T, c["kv_heads"], hd).transpose(1, 2)
-            q, k = rope(q, cos, sin), rope(k, cos, sin)
-            self.k_cache[i].index_copy_(2, positions, k)
-            self.v_cache[i].index_copy_(2, positions, v)
+            q, k, v = _fused_out(b, "qkv", "wqkv", ("q_proj", "k_proj", "v_proj"), h)
+            q = q.view(B, T, c["heads"], hd).transpose(1, 2)
+            k = k.view(B, T, c["kv_heads"], hd).transpose(1, 2)
+            v = v.view(B, T, c["kv_heads"], hd).transpose(1, 2)
+            q = g["rope_cache"](q, k, v, cos, sin, self.k_cache[i], self.v_cache[i], positions)
             a = Fn.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i], attn_mask=mask[None, None])
-            x = x + b.o_proj(a.transpose(1, 2).reshape(B, T, -1))
-            h = rms(x, b.n2)
-            x = x + b.down_proj(Fn.silu(b.gate_proj(h)) * b.up_proj(h))
-        return self.lm_head(rms(x[:, -1:], self.norm))
+            x, h = g["add_rms"](x, b.o_proj(a.transpose(1, 2).reshape(B, T, -1)), b.n2)
+            gate, up = _fused_out(b, "gate_up", "w_gate_up", ("gate_proj", "up_proj"), h)
+            nxt = self.blocks[i + 1].n1 if i + 1 < len(self.blocks) else self.norm
+            x, h = g["add_rms"](x, b.down_proj(g["swiglu"](gate, up)), nxt)
+        return self.lm_head(h[:, -1:])
 
 
 def linears_only(model, x1, xf):
     """The step's linear calls alone (same shapes), for the 'share in linear layers' number."""
     for b in model.blocks:
-        b.q_proj(x1), b.k_proj(x1), b.v_proj(x1), b.o_proj(x1)
-        b.gate_proj(x1), b.up_proj(x1), b.down_proj(xf)
+        _fused_out(b, "qkv", "wqkv", ("q_proj", "k_proj", "v_proj"), x1)
+        b.o_proj(x1)
+        _fused_out(b, "gate_up", "w_gate_up", ("gate_proj", "up_proj"), x1)
+        b.down_proj(xf)
     model.lm_head(x1)
+
+
+_COMPILED_GLUE = {}
+
+
+def compiled_glue():
+    """GLUE through torch.compile (one compile per function and shape, shared by all layers and variants)."""
+    if not _COMPILED_GLUE:
+        for k, fn in GLUE.items():
+            _COMPILED_GLUE[k] = torch.compile(fn, dynamic=False, fullgraph=True)
+    return _COMPILED_GLUE
 
 
 def weight_bytes(model) -> int:
@@ -141,7 +218,7 @@ def quantize_variant(model, bits, group):
 
 
 @torch.no_grad()
-def run_model(name, cfg, batches, read_gbps, prompt=128, gen=256):
+def run_model(name, cfg, batches, read_gbps, glue="compiled", prompt=128, gen=256):
     rows = []
     dev = "cuda"
     for batch in batches:
@@ -151,6 +228,10 @@ def run_model(name, cfg, batches, read_gbps, prompt=128, gen=256):
             model = Decoder(cfg, batch, prompt + gen + 8, dev)  # graph_time advances pos once per replay
             if q is not None:
                 quantize_variant(model, *q)
+            else:
+                fuse_fp16_projections(model)
+            if glue == "compiled":
+                model.glue = compiled_glue()
             torch.cuda.empty_cache()
             ids = torch.randint(0, cfg["vocab"], (batch, prompt), device=dev)
             pos = torch.zeros(1, dtype=torch.long, device=dev)
@@ -173,10 +254,10 @@ def run_model(name, cfg, batches, read_gbps, prompt=128, gen=256):
             floor_ms = wb / (read_gbps * 1e9) * 1e3
             if vname == "fp16":
                 base_ms = ms
-            rows.append(dict(model=name, batch=batch, variant=vname, ms_per_token=ms, tokens_per_s=batch * 1e3 / ms,
+            rows.append(dict(model=name, batch=batch, variant=vname, glue=glue, ms_per_token=ms, tokens_per_s=batch * 1e3 / ms,
                              speedup_vs_fp16=base_ms / ms, linear_share=lin_ms / ms, weight_MB=wb / 1e6,
                              floor_share=floor_ms / ms))
-            print(f"{name:5s} b={batch} {vname:9s} {ms:7.3f} ms/token  {batch * 1e3 / ms:8.1f} tok/s  "
+            print(f"{name:5s} b={batch} {glue:8s} {vname:9s} {ms:7.3f} ms/token  {batch * 1e3 / ms:8.1f} tok/s  "
                   f"x{base_ms / ms:.2f}  linear {100 * lin_ms / ms:4.1f}%  floor {100 * floor_ms / ms:4.1f}%", flush=True)
             del model, out
             torch.cuda.empty_cache()
@@ -187,6 +268,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="seed,7b")
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--glue", default="compiled", help="eager, compiled or eager,compiled (see GLUE)")
     ap.add_argument("--out", default="runs/bench_decode")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -194,8 +276,10 @@ def main(argv=None):
         return 0
     ceiling = read_ceiling(Timer())
     rows = []
-    for name in args.models.split(","):
-        rows += run_model(name, MODELS[name], [int(b) for b in args.batches.split(",")], ceiling["read_GBps"])
+    for glue in args.glue.split(","):
+        for name in args.models.split(","):
+            rows += run_model(name, MODELS[name], [int(b) for b in args.batches.split(",")], ceiling["read_GBps"],
+                              glue)
     result = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   command="python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]), ceiling=ceiling, rows=rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -207,15 +291,16 @@ def main(argv=None):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        keys = sorted({(r["model"], r["batch"]) for r in rows})
+        keys = sorted({(r["model"], r["batch"], r["glue"]) for r in rows})
         fig, ax = plt.subplots(figsize=(8, 4))
         wdt = 0.8 / len(VARIANTS)
         for j, v in enumerate(VARIANTS):
             ax.bar([i + j * wdt for i in range(len(keys))],
-                   [next(r["tokens_per_s"] for r in rows if (r["model"], r["batch"]) == k and r["variant"] == v) for k in keys],
+                   [next(r["tokens_per_s"] for r in rows if (r["model"], r["batch"], r["glue"]) == k and r["variant"] == v)
+                    for k in keys],
                    wdt, label=v)
         ax.set_xticks([i + 0.4 - wdt / 2 for i in range(len(keys))])
-        ax.set_xticklabels([f"{m} b={b}" for m, b in keys])
+        ax.set_xticklabels([f"{m} b={b}\n{gl} glue" for m, b, gl in keys], fontsize=8)
         ax.set_ylabel("tokens / s")
         ax.set_title(f"decode, one CUDA graph per step, {torch.cuda.get_device_name()}")
         ax.legend()

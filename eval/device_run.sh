@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash eval/device_run.sh [tests|bench|sanitize|all]...
+#   bash eval/device_run.sh [tests|bench|sanitize|decode|lab|all]...
+#   (DECODE_ARGS: extra arguments for eval/bench_decode.py)
 set -o pipefail
 OUT=${OUT:-runs/device}
 mkdir -p "$OUT"
@@ -23,7 +24,11 @@ for step in "${@:-all}"; do
         echo "compute-sanitizer --tool $tool: exit $?"; tail -3 "$OUT/sanitize_$tool.log"
       done ;;
     decode)
-      python3 eval/bench_decode.py --out "$OUT/bench_decode" 2>&1 | tail -40 ;;
+      python3 eval/bench_decode.py --out "$OUT/bench_decode" ${DECODE_ARGS:-} 2>&1 | grep -v -i warn \
+        | tee "$OUT/decode.log" | tail -40 ;;
+    lab)
+      nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc eval/gemv_lab.cu csrc/gemv_int4.cu csrc/gemv_int8.cu -o /tmp/gemv_lab \
+        && /tmp/gemv_lab 2>&1 | tee "$OUT/lab.txt" | tail -100 ;;
   esac
 done
 echo "total: $(( $(date +%s) - start )) s"

@@ -28,8 +28,10 @@ EPS = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 CFGS = {
     "int8": F.QuantConfig(8),
     "int4": F.QuantConfig(4),
+    "int4g32": F.QuantConfig(4, 32),
     "int4g32a": F.QuantConfig(4, 32, False),
     "int4g64": F.QuantConfig(4, 64),
+    "int4g64a": F.QuantConfig(4, 64, False),
     "int4g128": F.QuantConfig(4, 128),
     "int4g128a": F.QuantConfig(4, 128, False),
 }
