@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, fraction of mean(diag(H))")
     ap.add_argument("--act-order", action="store_true", help="GPTQ columns by decreasing Hessian diagonal")
+    ap.add_argument("--true-sequential", action="store_true",
+                    help="GPTQ: quantize q/k/v, o, gate/up, down in turn, each with Hessians taken after the "
+                         "earlier ones are quantized (default: all of a layer's Hessians from one float pass)")
     ap.add_argument("--clip-grid", type=int, default=20,
                     help="GPTQ: search this many shrunk ranges per row/group for the scale (0 = min/max)")
     ap.add_argument("--skip", action="append", default=None,
@@ -126,12 +129,13 @@ def main(argv=None) -> int:
         calib = {"dataset": args.calib, "samples": args.samples, "seq_len": args.seq_len, "seed": args.seed,
                  "damp": args.damp if "gptq" in args.method else None,
                  "act_order": args.act_order if "gptq" in args.method else None,
-                 "clip_grid": args.clip_grid if "gptq" in args.method else None}
+                 "clip_grid": args.clip_grid if "gptq" in args.method else None,
+                 "true_sequential": args.true_sequential if "gptq" in args.method else None}
     skip = args.skip if args.skip is not None else [r"lm_head", r"embed"]
     rep = quantize_causal_lm(model, cfg, args.method, samples, skip=skip, overrides=_overrides(args.override),
                              damp=args.damp, act_order=args.act_order, batch_size=args.batch_size,
                              device=args.device, group_fallback=not args.no_group_fallback,
-                             clip_grid=args.clip_grid)
+                             clip_grid=args.clip_grid, true_sequential=args.true_sequential)
     rep.formats = {n: m.config.name for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     fp16_bytes = sum(m.in_features * m.out_features * 2 for _, m in model.named_modules() if isinstance(m, QuantLinear))
     qc = C.quantization_config(model, args.method, calib, cfg, list(rep.skipped))

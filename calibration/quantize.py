@@ -80,6 +80,27 @@ def config_for(name: str, in_features: int, default: QuantConfig, overrides: Opt
     return cfg
 
 
+# Linears with the same input tensor share one Hessian (off only in a test
+# that checks the shared one gives the same result).
+_SHARE_HESSIANS = True
+
+# Execution order of a Llama-style decoder layer's linears (by attribute name).
+_SEQUENTIAL_STAGES = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+
+
+def _sequential_stages(names: list) -> list:
+    """Split a layer's linear names into stages in execution order; unknown names form a last stage."""
+    stages, left = [], list(names)
+    for group in _SEQUENTIAL_STAGES:
+        stage = [n for n in left if n.rsplit(".", 1)[-1] in group]
+        if stage:
+            stages.append(stage)
+            left = [n for n in left if n not in stage]
+    if left:
+        stages.append(left)
+    return stages
+
+
 def _skip_reason(name: str, lin: nn.Linear, cfg: QuantConfig, skip) -> Optional[str]:
     for p in skip:
         if re.search(p, name):
@@ -105,6 +126,7 @@ def quantize_causal_lm(
     batch_size: int = 8,
     device: str = "cpu",
     progress: bool = True,
+    true_sequential: bool = False,
 ) -> CalibReport:
     """Quantize ``model``'s linear layers in place; returns a CalibReport.
 
@@ -117,6 +139,11 @@ def quantize_causal_lm(
         samples: int64 [n, L] calibration tokens (gptq / awq).
         skip: regexes of module names to leave in float (lm_head and
             embeddings by default).
+        true_sequential: GPTQ quantizes q/k/v, o, gate/up, down in that
+            order, each with Hessians taken after the earlier ones are
+            quantized (default False: all Hessians from one pass of the float
+            layer).  On SmolLM2 int4 g128 it cost 1.8x the time and did not
+            lower the perplexity (BENCHMARKS.md), so it is opt-in.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -224,20 +251,59 @@ def quantize_causal_lm(
                 awq.apply_scales(prev, [m for _, m in members], s)
                 info[prev_name] = {"alpha": alpha, "err_ratio": ratio}
             del acts
+        originals = {}
         if method in ("gptq", "awq_gptq"):
             # (after AWQ the layer is re-run: its linears now see the scaled inputs)
-            hs = {n: Hessian(m.in_features, device) for n, (m, _) in targets.items()}
-            hooks = [m.register_forward_hook(lambda mod, inp, out, n=n: hs[n].add(inp[0]))
-                     for n, (m, _) in targets.items()]
-            run(layer, hidden)
-            for h in hooks:
-                h.remove()
-            for n, (m, lcfg) in targets.items():
-                qw, s, z, inf = gptq_quantize(m.weight, hs[n].H, lcfg, damp=damp, act_order=act_order,
-                                              name=prefix + n, clip_grid=clip_grid)
-                info[n] = inf
-                pending.append((n, m, lcfg, qw, s, z))
-            del hs
+            # True-sequential: q/k/v, then o, then gate/up, then down, each
+            # stage's Hessians collected with the earlier stages already
+            # quantized, so o_proj sees the inputs the quantized model gives it.
+            stages = _sequential_stages(list(targets)) if true_sequential else [list(targets)]
+            for si, stage in enumerate(stages):
+                # Linears fed by the very same tensor (q/k/v; gate/up) share one
+                # Hessian: it is decided on the first batch by identity of the
+                # input and checked on every later one.
+                hs, owner, cur = {}, {}, {}
+                seen = set()
+
+                def collect(n, x, stop):
+                    cur[n] = x
+                    if n not in owner:
+                        twin = next((m for m in seen if cur.get(m) is x), None) if _SHARE_HESSIANS else None
+                        owner[n] = owner[twin] if twin is not None else n
+                        if owner[n] == n:
+                            hs[n] = Hessian(targets[n][0].in_features, device)
+                    elif owner[n] != n and cur.get(owner[n]) is not x:
+                        raise RuntimeError(f"{prefix}{n}: its input stopped being {owner[n]}'s input")
+                    if owner[n] == n:
+                        hs[n].add(x)
+                    seen.add(n)
+                    if stop and len(seen) == len(stage):
+                        raise _Stop  # the rest of the layer is not needed for this stage
+
+                # Stop each pass once the stage's linears have their inputs
+                # (not for the last stage: nothing follows it in the layer).
+                stop = si + 1 < len(stages)
+                hooks = [targets[n][0].register_forward_hook(
+                    lambda mod, inp, out, n=n: collect(n, inp[0], stop)) for n in stage]
+                for x in hidden:
+                    seen.clear()
+                    cur.clear()
+                    try:
+                        layer(x, **kwargs)
+                    except _Stop:
+                        pass
+                for h in hooks:
+                    h.remove()
+                for n in stage:
+                    m, lcfg = targets[n]
+                    qw, s, z, inf = gptq_quantize(m.weight, hs[owner[n]].H, lcfg, damp=damp, act_order=act_order,
+                                                  name=prefix + n, clip_grid=clip_grid)
+                    info[n] = inf
+                    pending.append((n, m, lcfg, qw, s, z))
+                    if len(stages) > 1:
+                        originals[n] = m.weight.data
+                        m.weight.data = formats.dequantize(qw, s, z, lcfg, m.in_features).to(m.weight.dtype)
+                del hs
         else:  # awq: round-to-nearest on the scaled weights
             # No clipping search here: it minimises unweighted weight error, and
             # after AWQ scaling the largest columns are the important ones, so it
@@ -249,10 +315,10 @@ def quantize_causal_lm(
         # dequantized weights as dense nn.Linear (the same function as
         # QuantLinear's reference, without unpacking on every call), then the
         # linears are swapped for QuantLinear.
-        originals = {}
         for n, m, lcfg, qw, s, z in pending:
-            originals[n] = m.weight.data
-            m.weight.data = formats.dequantize(qw, s, z, lcfg, m.in_features).to(m.weight.dtype)
+            if n not in originals:
+                originals[n] = m.weight.data
+                m.weight.data = formats.dequantize(qw, s, z, lcfg, m.in_features).to(m.weight.dtype)
         hidden = run(layer, hidden)
         for n, m, lcfg, qw, s, z in pending:
             m.weight.data = originals[n]

@@ -30,7 +30,7 @@
 //   16) tokens.
 //
 // Memory pipeline (the part that decides the speed; see BENCHMARKS.md for the
-// ncu numbers that led here):
+// ncu numbers and the eval/gemv_lab.cu A/B runs that led here):
 //   * Weights stream through a per-warp ring of kStages tiles in shared
 //     memory filled with cp.async (L1 bypassed, L2 evict-first).  Each lane
 //     copies and later reads back only its own 2 x 16 bytes per tile, so no
@@ -51,9 +51,9 @@
 //   * Consecutive tiles of a warp accumulate into two register banks: two
 //     independent MMA dependency chains.
 //
-// Split-K across the warps of the block: warp w takes tiles w, w+W, w+2W, ...;
-// at the end the warps meet in shared memory and the first threads write the
-// 16 x M outputs.
+// Split-K across the warps of the block (W = 4 from K = 8192 on, else up to
+// 8; see choose_warps): warp w takes tiles w, w+W, w+2W, ...; at the end the
+// warps meet in shared memory and the first threads write the 16 x M outputs.
 #pragma once
 
 #include "qgemv_common.cuh"

@@ -413,18 +413,25 @@ def _params_for_range(wf: torch.Tensor, config: QuantConfig, shrink: float, name
     return s, z
 
 
-def _group_error(wf, s, z, config: QuantConfig) -> torch.Tensor:
-    """Squared RTN error per group of wf [N, ng, G] for scales s [N, ng]."""
+def _group_error(wf, s, z, config: QuantConfig, cw=None) -> torch.Tensor:
+    """Squared RTN error per group of wf [N, ng, G] for scales s [N, ng].
+
+    cw: optional non-negative weight per column, [ng, G] (e.g. diag of the
+    layer's input Hessian: the error of column k costs E[x_k^2] in the output).
+    """
     sf = s.float()[..., None]
     if config.bits == 8:
         q = torch.round(wf / sf).clamp(-127, 127)
-        return ((q * sf - wf) ** 2).sum(-1)
-    zf = z.float()[..., None] if z is not None else 8.0
-    q = (torch.round(wf / sf) + zf).clamp(0, 15)
-    return (((q - zf) * sf - wf) ** 2).sum(-1)
+        e = (q * sf - wf) ** 2
+    else:
+        zf = z.float()[..., None] if z is not None else 8.0
+        q = (torch.round(wf / sf) + zf).clamp(0, 15)
+        e = ((q - zf) * sf - wf) ** 2
+    return (e * cw).sum(-1) if cw is not None else e.sum(-1)
 
 
-def choose_params(w: torch.Tensor, config: QuantConfig, name: str = "weight", clip_grid: int = 0):
+def choose_params(w: torch.Tensor, config: QuantConfig, name: str = "weight", clip_grid: int = 0,
+                  col_weight: Optional[torch.Tensor] = None):
     """Scales (and zero points) for w [N, K'] in ``config``.
 
     K' may be a single group (calibration computes group parameters one group
@@ -433,17 +440,25 @@ def choose_params(w: torch.Tensor, config: QuantConfig, name: str = "weight", cl
     ``clip_grid = n`` the range of every group is also shrunk by factors
     1 - i / (2 n), i = 1..n (down to 0.5), and the factor with the smallest
     squared quantization error is kept per group (a clipping search).
+    ``col_weight`` [K'] weights each column's squared error (calibration
+    passes diag(H), the mean squared input of that column, so that clipping
+    spares the columns that matter for the layer's output).
     Returns (scales fp16 [N] or [N, K'/G], zeros uint8 [N, K'/G] or None).
     """
     n, k = w.shape
     g = config.group_size or k
     wf = w.detach().float().reshape(n, k // g, g)
+    cw = None
+    if col_weight is not None:
+        if col_weight.shape != (k,):
+            raise ValueError(f"{name}: col_weight must have shape [{k}], got {tuple(col_weight.shape)}")
+        cw = col_weight.detach().float().to(wf.device).clamp(min=0).reshape(k // g, g)
     s, z = _params_for_range(wf, config, 1.0, name)
     if clip_grid:
-        best = _group_error(wf, s, z, config)
+        best = _group_error(wf, s, z, config, cw)
         for i in range(1, clip_grid + 1):
             s2, z2 = _params_for_range(wf, config, 1.0 - i / (2.0 * clip_grid), name)
-            err = _group_error(wf, s2, z2, config)
+            err = _group_error(wf, s2, z2, config, cw)
             better = err < best
             best = torch.where(better, err, best)
             s = torch.where(better, s2, s)

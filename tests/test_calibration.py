@@ -46,6 +46,65 @@ def test_gptq_beats_rtn_on_correlated_inputs(cfg, act_order):
     assert qw.dtype == qr.dtype and qw.shape == qr.shape and s.shape == sr.shape
 
 
+def test_weighted_clip_search_spares_the_columns_that_matter():
+    # Inputs whose columns differ up to 1000x in scale, mixed within every
+    # group: a column's weight error costs E[x_k^2] (the Hessian diagonal) in
+    # the output.  Measured: weighted 0.82-0.84x the unweighted search's error.
+    torch.manual_seed(0)
+    X = torch.randn(512, 256) * torch.logspace(-2, 1, 256)[torch.randperm(256)]
+    W = torch.randn(64, 256) * 0.05
+    cfg = F.QuantConfig(4, 64, False)
+    hdiag = (X * X).mean(0)
+
+    def out_err(s, z):
+        qw = F.quantize_with_params(W, s, z, cfg)
+        return (X @ (F.dequantize(qw, s, z, cfg, 256) - W).t()).norm().item()
+
+    plain = out_err(*F.choose_params(W, cfg, clip_grid=20))
+    weighted = out_err(*F.choose_params(W, cfg, clip_grid=20, col_weight=hdiag))
+    assert weighted < 0.9 * plain, (weighted, plain)
+    with pytest.raises(ValueError, match="col_weight must have shape"):
+        F.choose_params(W, cfg, clip_grid=4, col_weight=hdiag[:10])
+
+
+def test_true_sequential_stages_follow_the_layer():
+    from calibration.quantize import _sequential_stages
+
+    names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "extra.proj"]
+    assert _sequential_stages(names) == [names[:3], ["self_attn.o_proj"], names[4:6], ["mlp.down_proj"],
+                                         ["extra.proj"]]
+
+
+def test_true_sequential_changes_later_stages_only(tiny_llama_dir):
+    # o_proj's Hessian comes from the quantized q/k/v in true-sequential mode,
+    # so its codes change; q/k/v (the first stage) see the same inputs either way.
+    out = {}
+    for ts in (False, True):
+        model, tok = _load_tiny(tiny_llama_dir)
+        samples = calibration_samples(tok, n=4, seq_len=64, seed=0)
+        quantize_causal_lm(model, F.QuantConfig(4, 32), "gptq", samples, progress=False, true_sequential=ts)
+        attn = model.model.layers[0].self_attn
+        out[ts] = (attn.q_proj.qweight.clone(), attn.o_proj.qweight.clone())
+    assert torch.equal(out[False][0], out[True][0])
+    assert not torch.equal(out[False][1], out[True][1])
+
+
+def test_shared_hessians_give_the_same_codes(tiny_llama_dir, monkeypatch):
+    import calibration.quantize as Q
+
+    codes = {}
+    for share in (True, False):
+        monkeypatch.setattr(Q, "_SHARE_HESSIANS", share)
+        model, tok = _load_tiny(tiny_llama_dir)
+        samples = calibration_samples(tok, n=4, seq_len=64, seed=0)
+        quantize_causal_lm(model, F.QuantConfig(4, 32), "gptq", samples, progress=False)
+        codes[share] = {n: m.qweight.clone() for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    assert codes[True].keys() == codes[False].keys() and len(codes[True]) > 0
+    for n in codes[True]:
+        assert torch.equal(codes[True][n], codes[False][n]), n
+
+
 def test_gptq_non_positive_definite_is_a_named_error():
     H = -torch.eye(64)
     with pytest.raises(ValueError, match=r"layers\.7\.mlp\.up_proj: the Hessian is not positive definite"):
