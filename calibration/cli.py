@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GPTQ: quantize q/k/v, o, gate/up, down in turn, each with Hessians taken after the "
                          "earlier ones are quantized (default: all of a layer's Hessians from one float pass)")
     ap.add_argument("--clip-grid", type=int, default=20,
-                    help="GPTQ: search this many shrunk ranges per row/group for the scale (0 = min/max)")
+                    help="GPTQ and AWQ: search this many shrunk ranges per row/group for the scale, judged by "
+                         "output-weighted error (0 = min/max)")
     ap.add_argument("--skip", action="append", default=None,
                     help="regex of module names to keep in float (repeatable; default: lm_head, embed)")
     ap.add_argument("--override", action="append", default=None,
@@ -129,7 +130,7 @@ def main(argv=None) -> int:
         calib = {"dataset": args.calib, "samples": args.samples, "seq_len": args.seq_len, "seed": args.seed,
                  "damp": args.damp if "gptq" in args.method else None,
                  "act_order": args.act_order if "gptq" in args.method else None,
-                 "clip_grid": args.clip_grid if "gptq" in args.method else None,
+                 "clip_grid": args.clip_grid,
                  "true_sequential": args.true_sequential if "gptq" in args.method else None}
     skip = args.skip if args.skip is not None else [r"lm_head", r"embed"]
     rep = quantize_causal_lm(model, cfg, args.method, samples, skip=skip, overrides=_overrides(args.override),

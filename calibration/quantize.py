@@ -134,8 +134,9 @@ def quantize_causal_lm(
         cfg: default format; ``overrides`` maps regexes to dict(bits=..., ...).
         method: "rtn" (no calibration data), "gptq", "awq", or "awq_gptq" (AWQ
             scales folded in first, then GPTQ on the scaled weights).
-        clip_grid: clipping search for GPTQ's scales (formats.choose_params);
-            RTN and AWQ's final rounding use the plain min/max range.
+        clip_grid: clipping search for GPTQ's and AWQ's scales
+            (formats.choose_params, weighted by each input column's mean
+            square); RTN uses the plain min/max range.
         samples: int64 [n, L] calibration tokens (gptq / awq).
         skip: regexes of module names to leave in float (lm_head and
             embeddings by default).
@@ -242,6 +243,10 @@ def quantize_causal_lm(
             run(layer, hidden)
             for h in hooks:
                 h.remove()
+            # E[x_k^2] per input column of every linear, for the weighted
+            # clipping search of AWQ's final rounding (scaled below when the
+            # linear's input is divided by AWQ scales).
+            col_w = {n: torch.cat(a).pow(2).mean(0) for n, a in acts.items()}
             for prev_name, prev, lins in awq.llama_scale_groups(layer):
                 members = [(n, m) for n, m in lins if n in targets]
                 if len(members) != len(lins):
@@ -249,6 +254,8 @@ def quantize_causal_lm(
                 x = torch.cat(acts[members[0][0]])
                 s, alpha, ratio = awq.search_scales(x, [m for _, m in members], [targets[n][1] for n, _ in members])
                 awq.apply_scales(prev, [m for _, m in members], s)
+                for n, _ in members:
+                    col_w[n] = col_w[n] / s.to(col_w[n].device).pow(2)
                 info[prev_name] = {"alpha": alpha, "err_ratio": ratio}
             del acts
         originals = {}
@@ -305,12 +312,14 @@ def quantize_causal_lm(
                         m.weight.data = formats.dequantize(qw, s, z, lcfg, m.in_features).to(m.weight.dtype)
                 del hs
         else:  # awq: round-to-nearest on the scaled weights
-            # No clipping search here: it minimises unweighted weight error, and
-            # after AWQ scaling the largest columns are the important ones, so it
-            # clips exactly those (measured: per-channel int4 +357% ppl with it).
+            # The clipping search is weighted by E[(x/s)_k^2]: an unweighted one
+            # minimises raw weight error, and after AWQ scaling the largest
+            # columns are the important ones, so it clipped exactly those
+            # (measured: per-channel int4 +357% ppl with it).
             for n, (m, lcfg) in targets.items():
-                qw, s, z = formats.quantize(m.weight, lcfg, prefix + n)
-                pending.append((n, m, lcfg, qw, s, z))
+                sc, zc = formats.choose_params(m.weight, lcfg, prefix + n, clip_grid, col_weight=col_w[n])
+                qw = formats.quantize_with_params(m.weight, sc, zc, lcfg)
+                pending.append((n, m, lcfg, qw, sc, zc))
         # Next layer's inputs come from the quantized layer.  It runs on the
         # dequantized weights as dense nn.Linear (the same function as
         # QuantLinear's reference, without unpacking on every call), then the
