@@ -11,8 +11,10 @@ are kept: n x L x hidden floats):
    layer's inputs, so later layers calibrate on the errors of earlier ones.
 
 The model may live on the CPU and each layer is moved to ``device`` in turn.
-``device="cuda"`` is implemented but so far only the CPU path has been run
-(tests and BENCHMARKS.md numbers).
+``device="cuda"`` runs each layer's Hessians, searches and GPTQ on the GPU;
+a test checks it against the CPU path on a tiny Llama (run on the H200: over
+98% identical codes, logits within 5%).  The SmolLM2 numbers in
+BENCHMARKS.md are from the CPU path.
 """
 
 from __future__ import annotations

@@ -105,6 +105,30 @@ def test_shared_hessians_give_the_same_codes(tiny_llama_dir, monkeypatch):
         assert torch.equal(codes[True][n], codes[False][n]), n
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method", ["gptq", "awq_gptq"])
+def test_calibration_on_the_gpu_matches_the_cpu(tiny_llama_dir, method):
+    # device="cuda": each layer moves to the GPU for its Hessians, search and
+    # GPTQ, and back.  fp32 sums in another order may flip a few roundings.
+    cfg = F.QuantConfig(4, 32, False)
+    codes, logits = {}, {}
+    ids = torch.randint(0, 200, (1, 16), generator=torch.Generator().manual_seed(1))
+    for dev in ("cpu", "cuda"):
+        model, tok = _load_tiny(tiny_llama_dir)
+        samples = calibration_samples(tok, n=4, seq_len=64, seed=0)
+        quantize_causal_lm(model, cfg, method, samples, act_order=True, progress=False, device=dev)
+        assert next(model.parameters()).device.type == "cpu"  # layers come back
+        codes[dev] = {n: F.unpack_int4(m.qweight, m.in_features) for n, m in model.named_modules()
+                      if isinstance(m, QuantLinear)}
+        with torch.no_grad():
+            logits[dev] = model(ids).logits
+    same = sum(int((codes["cpu"][n] == codes["cuda"][n]).sum()) for n in codes["cpu"])
+    total = sum(c.numel() for c in codes["cpu"].values())
+    assert same / total > 0.98, same / total
+    rel = ((logits["cuda"] - logits["cpu"]).norm() / logits["cpu"].norm()).item()
+    assert rel < 0.05, rel
+
+
 def test_gptq_non_positive_definite_is_a_named_error():
     H = -torch.eye(64)
     with pytest.raises(ValueError, match=r"layers\.7\.mlp\.up_proj: the Hessian is not positive definite"):
