@@ -51,8 +51,8 @@
 //   * Consecutive tiles of a warp accumulate into two register banks: two
 //     independent MMA dependency chains.
 //
-// Split-K across the warps of the block (W = 4 from K = 8192 on, else up to
-// 8; see choose_warps): warp w takes tiles w, w+W, w+2W, ...; at the end the
+// Split-K across the warps of the block (W = 2, 4 or 8 by shape; see
+// choose_warps): warp w takes tiles w, w+W, w+2W, ...; at the end the
 // warps meet in shared memory and the first threads write the 16 x M outputs.
 #pragma once
 
@@ -411,21 +411,30 @@ __global__ void __launch_bounds__(kMaxWarps * 32, QGEMV_MIN_BLOCKS_PER_SM)
   }
 }
 
-// Warps per block (the split-K factor).  Measured on the H200 (lab A/B,
-// BENCHMARKS.md): 4 warps, each with a longer run of tiles, win from
-// K = 8192 on for int4 and int8 alike; below that 8 warps win (more blocks'
-// worth of loads in flight for a short row).  Never more warps than tiles.
-constexpr int kLongRowK = 8192;
-inline int choose_warps(int K, int Kp, int tile_k) {
+// Warps per block (the split-K factor), measured on the H200 with
+// eval/gemv_lab.cu --warps 8,4,2 over 11 shapes x 7 formats (BENCHMARKS.md):
+//   * short rows (K <= 4096) and at least 640 blocks: 2 warps, each with a
+//     longer run of tiles (int4 12288x4096: 16.7 -> 13.8 us against 8 warps);
+//   * long rows (K >= 8192) and at least 512 blocks: 4 warps;
+//   * otherwise (few blocks) 8 warps, so that split-K fills the GPU.
+// Within 8% of the best of {2, 4, 8} on every measured shape and format.
+// Never more warps than tiles.
+inline int choose_warps(int N, int K, int Kp, int tile_k) {
   const int k_tiles = (Kp + tile_k - 1) / tile_k;
-  const int w = K >= kLongRowK ? 4 : kMaxWarps;
+  const int blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
+  int w = kMaxWarps;
+  if (K <= 4096 && blocks >= 640) {
+    w = 2;
+  } else if (K >= 8192 && blocks >= 512) {
+    w = 4;
+  }
   return k_tiles < w ? (k_tiles > 0 ? k_tiles : 1) : w;
 }
 
 template <typename T, int kBits, int kGroup, bool kZeros, int kNT>
 Status launch_gemv_mma(const GemvParams& p, cudaStream_t stream) {
   constexpr int kTileK = GemvMma<T, kBits, kGroup, kZeros, kNT>::kTileK;
-  const int w = p.warps_per_block > 0 ? p.warps_per_block : choose_warps(p.K, p.Kp, kTileK);
+  const int w = p.warps_per_block > 0 ? p.warps_per_block : choose_warps(p.N, p.K, p.Kp, kTileK);
   if (w > kMaxWarps) return Status::kBadShape;
   const dim3 grid((p.N + kRowsPerBlock - 1) / kRowsPerBlock);
   const size_t smem = static_cast<size_t>(w) * kStages * 64 * sizeof(uint4) +

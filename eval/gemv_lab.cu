@@ -4,7 +4,11 @@
 //
 // Build and run (on a GPU machine; ~1 minute to compile):
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc eval/gemv_lab.cu csrc/gemv_int4.cu \
-//        csrc/gemv_int8.cu -o /tmp/gemv_lab && /tmp/gemv_lab [--quick]
+//        csrc/gemv_int8.cu -o /tmp/gemv_lab && /tmp/gemv_lab [--quick] [--shapes NxK,...] [--warps W,...]
+//
+//   --quick        M = 1 only, fewer repetitions
+//   --shapes       timed shapes (default 4096x4096,8192x8192,28672x8192,8192x28672)
+//   --warps        warps per block to time (0 = the launcher's choice; default 0,4, or 0 with --quick)
 //
 // Why a separate program: an A/B comparison of two versions of csrc/ (for
 // example HEAD and the working tree, compiled from two include paths) costs
@@ -135,7 +139,37 @@ struct Case {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  bool quick = false;
+  std::vector<std::pair<int, int>> shapes = {{4096, 4096}, {8192, 8192}, {28672, 8192}, {8192, 28672}};
+  std::vector<int> warps;
+  for (int a = 1; a < argc; ++a) {
+    if (std::strcmp(argv[a], "--quick") == 0) {
+      quick = true;
+    } else if (std::strcmp(argv[a], "--shapes") == 0 && a + 1 < argc) {
+      shapes.clear();
+      for (char* tok = std::strtok(argv[++a], ","); tok; tok = std::strtok(nullptr, ",")) {
+        int n = 0, k = 0;
+        if (std::sscanf(tok, "%dx%d", &n, &k) != 2 || n < 1 || k < 8 || k % 8) {
+          std::fprintf(stderr, "--shapes: expected NxK with K %% 8 == 0, got %s\n", tok);
+          return 2;
+        }
+        shapes.push_back({n, k});
+      }
+    } else if (std::strcmp(argv[a], "--warps") == 0 && a + 1 < argc) {
+      for (char* tok = std::strtok(argv[++a], ","); tok; tok = std::strtok(nullptr, ",")) {
+        const int w = std::atoi(tok);
+        if (w < 0 || w > 8) {
+          std::fprintf(stderr, "--warps: each value must be 0..8, got %s\n", tok);
+          return 2;
+        }
+        warps.push_back(w);
+      }
+    } else {
+      std::fprintf(stderr, "unknown argument %s (see the header of eval/gemv_lab.cu)\n", argv[a]);
+      return 2;
+    }
+  }
+  if (warps.empty()) warps = quick ? std::vector<int>{0} : std::vector<int>{0, 4};
   const int reps = quick ? 15 : 31;
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -168,7 +202,6 @@ int main(int argc, char** argv) {
   const Case cases[] = {{"int4", 4, 0, false}, {"int4_g128", 4, 128, false}, {"int4_g128_zp", 4, 128, true},
                         {"int4_g64_zp", 4, 64, true},  {"int4_g32", 4, 32, false},
                         {"int8", 8, 0, false}};
-  std::vector<std::pair<int, int>> shapes = {{4096, 4096}, {8192, 8192}, {28672, 8192}, {8192, 28672}};
   std::vector<int> Ms = {1, 16};
   if (quick) Ms = {1};
   // Odd shapes are checked for correctness only.
@@ -235,8 +268,7 @@ int main(int argc, char** argv) {
             ref_int8<<<rg, 128>>>(static_cast<int8_t*>(dw), static_cast<__half*>(ds), static_cast<__half*>(dx),
                                   dref, M, N, K, Kp);
           CK(cudaGetLastError());
-          std::vector<int> wlist = {0};
-          if (pass == 1 && !quick) wlist = {0, 4};
+          const std::vector<int> wlist = pass == 1 ? warps : std::vector<int>{0};
           for (int W : wlist) {
             p.warps_per_block = W;
             auto run = [&] {
