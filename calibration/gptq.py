@@ -72,13 +72,12 @@ def gptq_quantize(
     act_order: bool = False,
     name: str = "weight",
     clip_grid: int = 20,
-    weighted_clip: bool = True,
 ):
     """GPTQ-quantize W [N, K] given its input Hessian H [K, K].
 
     clip_grid: the clipping search of qgemv.formats.choose_params for every
-    row / group's scale (0 = plain min/max range).
-    weighted_clip: judge the clipping by Hessian-diagonal-weighted error.
+    row / group's scale (0 = plain min/max range), judged by the error each
+    column causes in the output (weighted by diag(H)).
 
     Returns (qweight, scales, zeros or None, info) in the format of
     qgemv.formats.quantize(W, cfg); info has the damping used and the
@@ -99,8 +98,8 @@ def gptq_quantize(
     zeros = None if (cfg.bits == 8 or cfg.symmetric) else torch.empty(n, k // G, dtype=torch.uint8, device=W.device)
     static = G is None or act_order
     # Clipping is judged by the output error each column causes, E[x_k^2] =
-    # diag(H) / 2, not by the raw weight error (weighted_clip=False: unweighted).
-    hdiag = torch.diag(H) if weighted_clip else None
+    # diag(H) / 2, not by the raw weight error.
+    hdiag = torch.diag(H)
     if static:
         s, z = formats.choose_params(W, cfg, name, clip_grid, hdiag)
         scales.copy_(s)
@@ -140,8 +139,7 @@ def gptq_quantize(
             if not static and j % G == 0:
                 # dynamic group parameters from the error-updated weights
                 # (blocks are 128 wide and start at multiples of G, so the group lies in W1)
-                s, z = formats.choose_params(W1[:, i : i + G], cfg, name, clip_grid,
-                                             None if hdiag is None else hdiag[perm[j : j + G]])
+                s, z = formats.choose_params(W1[:, i : i + G], cfg, name, clip_grid, hdiag[perm[j : j + G]])
                 scales[:, j // G] = s.reshape(n)
                 if zeros is not None:
                     zeros[:, j // G] = z.reshape(n)

@@ -145,8 +145,9 @@ def quantize_causal_lm(
         true_sequential: GPTQ quantizes q/k/v, o, gate/up, down in that
             order, each with Hessians taken after the earlier ones are
             quantized (default False: all Hessians from one pass of the float
-            layer).  On SmolLM2 int4 g128 it cost 1.8x the time and did not
-            lower the perplexity (BENCHMARKS.md), so it is opt-in.
+            layer).  On SmolLM2 int4 it cost up to 1.8x the time and changed
+            the perplexity only within noise, with equal KL (BENCHMARKS.md),
+            so it is opt-in.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -245,10 +246,10 @@ def quantize_causal_lm(
             run(layer, hidden)
             for h in hooks:
                 h.remove()
-            # E[x_k^2] per input column of every linear, for the weighted
-            # clipping search of AWQ's final rounding (scaled below when the
-            # linear's input is divided by AWQ scales).
-            col_w = {n: torch.cat(a).pow(2).mean(0) for n, a in acts.items()}
+            # AWQ alone rounds with a clipping search weighted by E[x_k^2] per
+            # input column (divided by s^2 below where AWQ scales the input);
+            # awq_gptq takes its weights from the Hessians instead.
+            col_w = {n: torch.cat(a).pow(2).mean(0) for n, a in acts.items()} if method == "awq" else {}
             for prev_name, prev, lins in awq.llama_scale_groups(layer):
                 members = [(n, m) for n, m in lins if n in targets]
                 if len(members) != len(lins):
@@ -257,7 +258,8 @@ def quantize_causal_lm(
                 s, alpha, ratio = awq.search_scales(x, [m for _, m in members], [targets[n][1] for n, _ in members])
                 awq.apply_scales(prev, [m for _, m in members], s)
                 for n, _ in members:
-                    col_w[n] = col_w[n] / s.to(col_w[n].device).pow(2)
+                    if n in col_w:
+                        col_w[n] = col_w[n] / s.to(col_w[n].device).pow(2)
                 info[prev_name] = {"alpha": alpha, "err_ratio": ratio}
             del acts
         originals = {}

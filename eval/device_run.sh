@@ -27,8 +27,7 @@ for step in "${@:-all}"; do
       python3 eval/bench_decode.py --out "$OUT/bench_decode" ${DECODE_ARGS:-} 2>&1 | grep -v -i warn \
         | tee "$OUT/decode.log" | tail -40 ;;
     lab)
-      nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc eval/gemv_lab.cu csrc/gemv_int4.cu csrc/gemv_int8.cu -o /tmp/gemv_lab \
-        && /tmp/gemv_lab 2>&1 | tee "$OUT/lab.txt" | tail -100 ;;
+      VARIANTS="new=csrc:" OUT="$OUT" bash eval/lab_ab.sh 2>&1 | tail -100 ;;
   esac
 done
 echo "total: $(( $(date +%s) - start )) s"
