@@ -1,5 +1,6 @@
 // int4 weight-only GEMV instances: {fp16, bf16} x {1, 2} n-tiles x {per
-// channel, G = 32 / 64 / 128 symmetric, G = 32 / 64 / 128 with zero points}.
+// channel, G = 32 / 64 / 128 symmetric, G = 32 / 64 / 128 with zero points},
+// plus two-row-tile versions of the 2-n-tile per-channel and G = 128 ones.
 // The group size is a template parameter (see GemvMma in gemv_mma.cuh).
 #include "gemv_mma.cuh"
 

@@ -54,21 +54,44 @@
 // Split-K across the warps of the block (W = 2, 4 or 8 by shape; see
 // choose_warps): warp w takes tiles w, w+W, w+2W, ...; at the end the
 // warps meet in shared memory and the first threads write the 16 x M outputs.
+//
+// Row tiles (kRT): with 9..16 tokens a warp may own kRT = 2 row tiles (32
+// rows, two consecutive panels) and use each activation fragment for both.
+// With one row tile, every block re-reads all of x: 16 tokens x K x 2 bytes
+// against 16 rows x K / 2 bytes of int4 weights, i.e. 4 bytes of x (from L2:
+// 256 KB of x at K = 8192 does not stay in L1) per byte of weight.  Two row
+// tiles halve that traffic.  See has_wide_instance() for where it is used.
 #pragma once
 
 #include "qgemv_common.cuh"
 
 namespace qgemv {
 
-constexpr int kRowsPerBlock = 16;
+constexpr int kPanelRows = 16;     // rows of one MMA row tile = one weight panel
 constexpr int kTileBytes = 64;      // bytes of one row per tile (int8: 64 k, int4: 128 k)
-// QGEMV_STAGES and QGEMV_MIN_BLOCKS_PER_SM exist for eval/gemv_lab.cu A/B
-// builds; the defaults are the measured best (BENCHMARKS.md, optimisation log).
+// QGEMV_STAGES, QGEMV_MIN_BLOCKS_PER_SM and QGEMV_WIDE_MIN_PANELS exist for
+// eval/gemv_lab.cu A/B builds; the defaults are the measured best
+// (BENCHMARKS.md, optimisation log).
 #ifndef QGEMV_STAGES
 #define QGEMV_STAGES 4
 #endif
 constexpr int kStages = QGEMV_STAGES;  // weight ring depth per warp (tiles); a power of two
 constexpr int kMaxWarps = 8;        // warps per block (split-K)
+
+// Two row tiles per warp (kRT = 2) for 9..16 tokens on large N.  Measured on
+// the H200 with eval/gemv_lab.cu (BENCHMARKS.md): int4 M = 16 at 28672x8192
+// 64.0 -> 48.6 us, 8192x28672 54.5 -> 45.1 us, 8192x8192 20.6 -> 19.6 us;
+// but slower at 4096x4096 (128 blocks leave SMs short of warps), and slower
+// for int8 (half the activation traffic per weight byte to begin with) and
+// G = 32 / 64 (their per-tile metadata spills).  Hence: int4 per channel and
+// G = 128 only, and only from QGEMV_WIDE_MIN_PANELS 16-row panels.
+#ifndef QGEMV_WIDE_MIN_PANELS
+#define QGEMV_WIDE_MIN_PANELS 512
+#endif
+template <int kBits, int kGroup>
+constexpr bool has_wide_instance() {
+  return kBits == 4 && (kGroup == 0 || kGroup == 128);
+}
 
 // Group metadata of one tile for this lane's two rows: up to 4 groups (G = 32).
 struct TileMeta {
@@ -81,8 +104,8 @@ struct TileMeta {
 // runtime values: with a runtime zero-point flag the compiler emitted every
 // MMA twice under predicates, and with a runtime group size every sub-tile
 // carried predicated scale loads and folds (the g128 loop was 1.9x the
-// per-channel one in SASS; see BENCHMARKS.md).
-template <typename T, int kBits, int kGroup, bool kZeros, int kNT>
+// per-channel one in SASS; see BENCHMARKS.md).  kRT: row tiles per warp.
+template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kRT>
 struct GemvMma {
   static constexpr int kTileK = kBits == 4 ? 128 : 64;
   static constexpr bool kGrouped = kGroup != 0;
@@ -90,47 +113,66 @@ struct GemvMma {
   static_assert(kGroup == 0 || (kBits == 4 && (kGroup == 32 || kGroup == 64 || kGroup == 128)),
                 "group-wise scales: int4 with G in {32, 64, 128}");
   static_assert(kGrouped || !kZeros, "zero points are group-wise only");
+  static_assert(kRT == 1 || kRT == 2 || kRT == 4, "1, 2 or 4 row tiles per warp");
   static constexpr int kSubPerGroup = kGrouped ? kGroup / 32 : 1;  // 32-k sub-tiles per group
   static constexpr int kGroupsPerTile = kGrouped ? kTileK / kGroup : 1;
   // k offset of this lane's 8 (int4: per sub-tile) or 16 (int8) k in a tile,
   // in units of t.
   static constexpr int kLaneK = kBits == 4 ? 8 : 16;
+  // Accumulator banks: with one row tile, consecutive tiles alternate between
+  // two banks (two independent MMA chains); with more, the row tiles already
+  // give independent chains and one bank saves the registers.
+  static constexpr int kBanks = kRT == 1 ? 2 : 1;
 
   const GemvParams& p;
   int g, t;
-  int r0, r1;                 // clamped rows for loads
-  float acc[2][kNT][4];       // two banks of MMA C fragments (fp32)
+  // Per row tile: the panel (first row, row count) and this lane's two rows
+  // inside it, clamped to the panel (rows past N load row N-1; never stored).
+  int pan_row0[kRT], pan_rows[kRT], i0[kRT], i1[kRT];
+  float acc[kBanks][kRT][kNT][4];  // MMA C fragments (fp32)
   // Per-lane pointers, computed once: this lane's activations (its token of
   // each n-tile, clamped to M - 1, plus the lane's k offset), and the scale /
-  // zero-point rows of r0 and r1.
+  // zero-point rows of each row tile's r0 and r1.
   const T* xl[kNT];
-  const __half *srow0, *srow1;
-  const uint8_t *zrow0, *zrow1;
+  const __half *srow0[kRT], *srow1[kRT];
+  const uint8_t *zrow0[kRT], *zrow1[kRT];
   int ngroups = 1;
   uint32_t sym_z, sym_y;      // symmetric zero point 8 as (magic + 8), (magic/16 + 8)
 
   __device__ __forceinline__ GemvMma(const GemvParams& params, int lane) : p(params) {
     g = lane >> 2;
     t = lane & 3;
-    const int row0 = blockIdx.x * kRowsPerBlock + g;
-    r0 = min(row0, p.N - 1);
-    r1 = min(row0 + 8, p.N - 1);
+    const int npanels = (p.N + kPanelRows - 1) / kPanelRows;
+    if constexpr (kGrouped) ngroups = p.K / kGroup;
 #pragma unroll
-    for (int b = 0; b < 2; ++b)
+    for (int rt = 0; rt < kRT; ++rt) {
+      // A row tile past the last panel (N not a multiple of 16 kRT) reads the
+      // last panel again; its outputs are never stored.
+      const int pan = kRT == 1 ? static_cast<int>(blockIdx.x)
+                               : min(static_cast<int>(blockIdx.x) * kRT + rt, npanels - 1);
+      pan_row0[rt] = pan * kPanelRows;
+      pan_rows[rt] = min(kPanelRows, p.N - pan_row0[rt]);
+      i0[rt] = min(g, pan_rows[rt] - 1);
+      i1[rt] = min(g + 8, pan_rows[rt] - 1);
+      const int r0 = pan_row0[rt] + i0[rt], r1 = pan_row0[rt] + i1[rt];
+      srow0[rt] = static_cast<const __half*>(p.scales) + r0 * ngroups;
+      srow1[rt] = static_cast<const __half*>(p.scales) + r1 * ngroups;
+      zrow0[rt] = p.zeros ? p.zeros + r0 * ngroups : nullptr;
+      zrow1[rt] = p.zeros ? p.zeros + r1 * ngroups : nullptr;
+    }
 #pragma unroll
-      for (int n = 0; n < kNT; ++n)
+    for (int b = 0; b < kBanks; ++b)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[b][n][i] = 0.f;
+      for (int rt = 0; rt < kRT; ++rt)
+#pragma unroll
+        for (int n = 0; n < kNT; ++n)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[b][rt][n][i] = 0.f;
 #pragma unroll
     for (int n = 0; n < kNT; ++n) {
       const int tok = min(n * 8 + g, p.M - 1);
       xl[n] = static_cast<const T*>(p.x) + static_cast<size_t>(tok) * p.ldx + kLaneK * t;
     }
-    if constexpr (kGrouped) ngroups = p.K / kGroup;
-    srow0 = static_cast<const __half*>(p.scales) + r0 * ngroups;
-    srow1 = static_cast<const __half*>(p.scales) + r1 * ngroups;
-    zrow0 = p.zeros ? p.zeros + r0 * ngroups : nullptr;
-    zrow1 = p.zeros ? p.zeros + r1 * ngroups : nullptr;
     sym_z = zero_pair(8);
     sym_y = ActTraits<T>::splat(ActTraits<T>::kMagicValue / 16.f + 8.f);
   }
@@ -150,115 +192,147 @@ struct GemvMma {
   }
 
   // Scales / zero points for the four sub-tiles of tile `tile` (grouped
-  // int4).  Entry i belongs to sub-tile i, so every index is a compile-time
-  // constant and the arrays stay in registers; sub-tiles of one group (G = 64,
-  // 128) copy the entry before them instead of loading again.  Only the edge
-  // tile can point past the last group (its sub-tiles past K are zeros).
+  // int4), for every row tile.  Entry i belongs to sub-tile i, so every index
+  // is a compile-time constant and the arrays stay in registers; sub-tiles of
+  // one group (G = 64, 128) copy the entry before them instead of loading
+  // again.  Only the edge tile can point past the last group (its sub-tiles
+  // past K are zeros).
   template <bool kChecked>
-  __device__ __forceinline__ void load_meta(int tile, TileMeta& m) const {
+  __device__ __forceinline__ void load_meta(int tile, TileMeta (&ms)[kRT]) const {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      if (i % kSubPerGroup == 0) {
-        int gi = tile * kGroupsPerTile + i / kSubPerGroup;
-        if (kChecked) gi = min(gi, ngroups - 1);
-        m.s0[i] = __half2float(srow0[gi]);
-        m.s1[i] = __half2float(srow1[gi]);
-        if constexpr (kHasZeros) {
-          m.z0[i] = zero_pair(zrow0[gi]);
-          m.z1[i] = zero_pair(zrow1[gi]);
-        }
-      } else {
-        m.s0[i] = m.s0[i - 1];
-        m.s1[i] = m.s1[i - 1];
-        if constexpr (kHasZeros) {
-          m.z0[i] = m.z0[i - 1];
-          m.z1[i] = m.z1[i - 1];
+    for (int rt = 0; rt < kRT; ++rt) {
+      TileMeta& m = ms[rt];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if (i % kSubPerGroup == 0) {
+          int gi = tile * kGroupsPerTile + i / kSubPerGroup;
+          if (kChecked) gi = min(gi, ngroups - 1);
+          m.s0[i] = __half2float(srow0[rt][gi]);
+          m.s1[i] = __half2float(srow1[rt][gi]);
+          if constexpr (kHasZeros) {
+            m.z0[i] = zero_pair(zrow0[rt][gi]);
+            m.z1[i] = zero_pair(zrow1[rt][gi]);
+          }
+        } else {
+          m.s0[i] = m.s0[i - 1];
+          m.s1[i] = m.s1[i - 1];
+          if constexpr (kHasZeros) {
+            m.z0[i] = m.z0[i - 1];
+            m.z1[i] = m.z1[i - 1];
+          }
         }
       }
     }
   }
 
   // One int4 sub-tile j of a tile at k_tile: 32 consecutive k; this lane
-  // holds k_tile + 32j + 8t .. +7 of rows r0 (word w0) and r1 (w1).
+  // holds k_tile + 32j + 8t .. +7 of each row tile's rows r0 (word w0[rt])
+  // and r1 (w1[rt]).  The activation fragments are loaded once and serve
+  // every row tile.
   template <int B, bool kChecked>
-  __device__ __forceinline__ void int4_subtile(int k_tile, int j, uint32_t w0, uint32_t w1,
-                                               const TileMeta& m, float (&part)[kNT][4]) {
-    uint32_t z0 = sym_z, z1 = sym_z, y0 = sym_y, y1 = sym_y;
-    if constexpr (kHasZeros) {
-      z0 = m.z0[j];
-      z1 = m.z1[j];
-      // (magic/16 + z) = (magic + z) - 15 magic / 16: one exact subtraction
-      // instead of a second register array per group.
-      const uint32_t shift = ActTraits<T>::splat_const_15_16();
-      y0 = ActTraits<T>::sub2(z0, shift);
-      y1 = ActTraits<T>::sub2(z1, shift);
-    }
-    uint32_t a0[4], a1[4];
-    dequant_int4_word<T>(w0, z0, y0, a0);
-    dequant_int4_word<T>(w1, z1, y1, a1);
-    const uint32_t step0[4] = {a0[0], a1[0], a0[1], a1[1]};
-    const uint32_t step1[4] = {a0[2], a1[2], a0[3], a1[3]};
+  __device__ __forceinline__ void int4_subtile(int k_tile, int j, const uint32_t (&w0)[kRT],
+                                               const uint32_t (&w1)[kRT], const TileMeta (&ms)[kRT],
+                                               float (&part)[kRT][kNT][4]) {
+    uint4 xv[kNT];
 #pragma unroll
-    for (int n = 0; n < kNT; ++n) {
-      const uint4 xv = load_x<kChecked>(n, k_tile + 32 * j);
-      // Grouped: per-group partial sums, folded with the scale at the group end.
-      float(&c)[4] = kGrouped ? part[n] : acc[B][n];
-      ActTraits<T>::mma(c, step0, xv.x, xv.y);
-      ActTraits<T>::mma(c, step1, xv.z, xv.w);
+    for (int n = 0; n < kNT; ++n) xv[n] = load_x<kChecked>(n, k_tile + 32 * j);
+#pragma unroll
+    for (int rt = 0; rt < kRT; ++rt) {
+      uint32_t z0 = sym_z, z1 = sym_z, y0 = sym_y, y1 = sym_y;
+      if constexpr (kHasZeros) {
+        z0 = ms[rt].z0[j];
+        z1 = ms[rt].z1[j];
+        // (magic/16 + z) = (magic + z) - 15 magic / 16: one exact subtraction
+        // instead of a second register array per group.
+        const uint32_t shift = ActTraits<T>::splat_const_15_16();
+        y0 = ActTraits<T>::sub2(z0, shift);
+        y1 = ActTraits<T>::sub2(z1, shift);
+      }
+      uint32_t a0[4], a1[4];
+      dequant_int4_word<T>(w0[rt], z0, y0, a0);
+      dequant_int4_word<T>(w1[rt], z1, y1, a1);
+      const uint32_t step0[4] = {a0[0], a1[0], a0[1], a1[1]};
+      const uint32_t step1[4] = {a0[2], a1[2], a0[3], a1[3]};
+#pragma unroll
+      for (int n = 0; n < kNT; ++n) {
+        // Grouped: per-group partial sums, folded with the scale at the group end.
+        float(&c)[4] = kGrouped ? part[rt][n] : acc[B % kBanks][rt][n];
+        ActTraits<T>::mma(c, step0, xv[n].x, xv[n].y);
+        ActTraits<T>::mma(c, step1, xv[n].z, xv[n].w);
+      }
     }
     if constexpr (kGrouped) {
       if ((j + 1) % kSubPerGroup != 0) return;  // group continues
       // End of a group: fold the fp32 partial sums in with the group's scales.
 #pragma unroll
-      for (int n = 0; n < kNT; ++n) {
-        acc[B][n][0] += part[n][0] * m.s0[j];
-        acc[B][n][1] += part[n][1] * m.s0[j];
-        acc[B][n][2] += part[n][2] * m.s1[j];
-        acc[B][n][3] += part[n][3] * m.s1[j];
+      for (int rt = 0; rt < kRT; ++rt)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) part[n][i] = 0.f;
-      }
+        for (int n = 0; n < kNT; ++n) {
+          float(&a)[4] = acc[B % kBanks][rt][n];
+          a[0] += part[rt][n][0] * ms[rt].s0[j];
+          a[1] += part[rt][n][1] * ms[rt].s0[j];
+          a[2] += part[rt][n][2] * ms[rt].s1[j];
+          a[3] += part[rt][n][3] * ms[rt].s1[j];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) part[rt][n][i] = 0.f;
+        }
     }
   }
 
-  // One int8 tile at k_tile: this lane holds k_tile + 16t .. +15 of both rows.
+  // One int8 tile at k_tile: this lane holds k_tile + 16t .. +15 of both rows
+  // of every row tile.
   template <int B, bool kChecked>
-  __device__ __forceinline__ void int8_tile(int k_tile, const uint4& w0, const uint4& w1) {
-    const uint32_t u0[4] = {w0.x, w0.y, w0.z, w0.w};
-    const uint32_t u1[4] = {w1.x, w1.y, w1.z, w1.w};
+  __device__ __forceinline__ void int8_tile(int k_tile, const uint4 (&w0)[kRT], const uint4 (&w1)[kRT]) {
+    uint32_t xp[kNT][8];
 #pragma unroll
     for (int n = 0; n < kNT; ++n) {
       const uint4 xa = load_x<kChecked>(n, k_tile);
       const uint4 xb = load_x<kChecked>(n, k_tile + 8);
-      const uint32_t xp[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+      xp[n][0] = xa.x; xp[n][1] = xa.y; xp[n][2] = xa.z; xp[n][3] = xa.w;
+      xp[n][4] = xb.x; xp[n][5] = xb.y; xp[n][6] = xb.z; xp[n][7] = xb.w;
+    }
+#pragma unroll
+    for (int rt = 0; rt < kRT; ++rt) {
+      const uint32_t u0[4] = {w0[rt].x, w0[rt].y, w0[rt].z, w0[rt].w};
+      const uint32_t u1[4] = {w1[rt].x, w1[rt].y, w1[rt].z, w1[rt].w};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         uint32_t a0[2], a1[2];
         dequant_int8_word<T>(u0[j], a0);
         dequant_int8_word<T>(u1[j], a1);
         const uint32_t a[4] = {a0[0], a1[0], a0[1], a1[1]};
-        ActTraits<T>::mma(acc[B][n], a, xp[2 * j], xp[2 * j + 1]);
+#pragma unroll
+        for (int n = 0; n < kNT; ++n) ActTraits<T>::mma(acc[B % kBanks][rt][n], a, xp[n][2 * j], xp[n][2 * j + 1]);
       }
     }
   }
 
-  // Tile number `tile` with this lane's words in w0 (row r0) and w1 (row r1);
-  // the sub-tile count c is 4 except in an int4 edge tile.
+  // Tile number `tile` with this lane's words of every row tile in w0 (row
+  // r0) and w1 (row r1); the sub-tile count c is 4 except in an int4 edge tile.
   template <int B, bool kChecked>
-  __device__ __forceinline__ void tile(int tile_idx, const uint4& w0, const uint4& w1, const TileMeta& m,
-                                       int c = 4) {
+  __device__ __forceinline__ void tile(int tile_idx, const uint4 (&w0)[kRT], const uint4 (&w1)[kRT],
+                                       const TileMeta (&m)[kRT], int c = 4) {
     const int k_tile = tile_idx * kTileK;
     if constexpr (kBits == 4) {
-      float part[kNT][4];
+      float part[kRT][kNT][4];
 #pragma unroll
-      for (int n = 0; n < kNT; ++n)
+      for (int rt = 0; rt < kRT; ++rt)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) part[n][i] = 0.f;
-      const uint32_t u0[4] = {w0.x, w0.y, w0.z, w0.w};
-      const uint32_t u1[4] = {w1.x, w1.y, w1.z, w1.w};
+        for (int n = 0; n < kNT; ++n)
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
-        if (!kChecked || j < c) int4_subtile<B, kChecked>(k_tile, j, u0[j], u1[j], m, part);
+          for (int i = 0; i < 4; ++i) part[rt][n][i] = 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (!kChecked || j < c) {
+          uint32_t u0[kRT], u1[kRT];
+#pragma unroll
+          for (int rt = 0; rt < kRT; ++rt) {
+            u0[rt] = j == 0 ? w0[rt].x : j == 1 ? w0[rt].y : j == 2 ? w0[rt].z : w0[rt].w;
+            u1[rt] = j == 0 ? w1[rt].x : j == 1 ? w1[rt].y : j == 2 ? w1[rt].z : w1[rt].w;
+          }
+          int4_subtile<B, kChecked>(k_tile, j, u0, u1, m, part);
+        }
+      }
     } else {
       int8_tile<B, kChecked>(k_tile, w0, w1);
     }
@@ -269,11 +343,12 @@ struct GemvMma {
 #define QGEMV_MIN_BLOCKS_PER_SM 2
 #endif
 
-template <typename T, int kBits, int kGroup, bool kZeros, int kNT>
+template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kRT>
 __global__ void __launch_bounds__(kMaxWarps * 32, QGEMV_MIN_BLOCKS_PER_SM)
     gemv_mma_kernel(const GemvParams p) {
-  using Lane = GemvMma<T, kBits, kGroup, kZeros, kNT>;
+  using Lane = GemvMma<T, kBits, kGroup, kZeros, kNT, kRT>;
   constexpr int kTileK = Lane::kTileK;
+  constexpr int kSlot = kRT * 64;  // uint4 per ring slot: kRT row tiles x 2 rows x 32 lanes
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int nwarps = blockDim.x >> 5;
@@ -282,127 +357,167 @@ __global__ void __launch_bounds__(kMaxWarps * 32, QGEMV_MIN_BLOCKS_PER_SM)
   Lane s(p, lane);
   const uint64_t pol = evict_first_policy();
   const size_t row_bytes = kBits == 4 ? p.Kp / 2 : p.Kp;
-  // This block's panel: rows [16 bx, 16 bx + r) with each tile's 16 x 64
-  // bytes stored together (formats.to_panels), so that the r0 half of a
-  // warp's tile is 512 contiguous bytes, and so is the r1 half.
-  const int panel_rows = min(kRowsPerBlock, p.N - static_cast<int>(blockIdx.x) * kRowsPerBlock);
-  const char* panel = static_cast<const char*>(p.qweight) + blockIdx.x * kRowsPerBlock * row_bytes;
-  const int i0 = s.r0 - blockIdx.x * kRowsPerBlock, i1 = s.r1 - blockIdx.x * kRowsPerBlock;
-  const int tile_stride = panel_rows * kTileBytes;  // bytes from one tile of a row to the next
-  const char* wr0 = panel + i0 * kTileBytes + 16 * s.t;
-  const char* wr1 = panel + i1 * kTileBytes + 16 * s.t;
-  // Clean tiles: every k < K.  The edge tile (if any) is tile nclean.
-  const int nclean = p.K / kTileK;
+  // Row tile rt reads one panel: rows [pan_row0, pan_row0 + pan_rows) with
+  // each tile's pan_rows x 64 bytes stored together (formats.to_panels), so
+  // that the r0 half of a warp's tile is 512 contiguous bytes, and so is the
+  // r1 half.
+  const char* panel[kRT];
+  int tile_stride[kRT];  // bytes from one tile of a row to the next
+  int step_bytes[kRT];   // bytes from one of this warp's tiles to its next
+  const char* src0[kRT];
+  const char* src1[kRT];
+  const int nclean = p.K / kTileK;  // clean tiles: every k < K; the edge tile (if any) is tile nclean
   const bool has_edge = nclean * kTileK < p.Kp;
+#pragma unroll
+  for (int rt = 0; rt < kRT; ++rt) {
+    panel[rt] = static_cast<const char*>(p.qweight) + static_cast<size_t>(s.pan_row0[rt]) * row_bytes;
+    tile_stride[rt] = s.pan_rows[rt] * kTileBytes;
+    step_bytes[rt] = nwarps * tile_stride[rt];
+    // This warp's clean tiles: warp, warp + W, ...
+    src0[rt] = panel[rt] + s.i0[rt] * kTileBytes + 16 * s.t + warp * tile_stride[rt];
+    src1[rt] = panel[rt] + s.i1[rt] * kTileBytes + 16 * s.t + warp * tile_stride[rt];
+  }
 
-  // Shared memory: [weight ring: nwarps x kStages x 2 rows x 32 lanes x 16 B] [reduction]
+  // Shared memory: [weight ring: nwarps x kStages x kSlot x 16 B] [reduction]
   extern __shared__ __align__(16) unsigned char smem[];
-  uint4* ring = reinterpret_cast<uint4*>(smem) + warp * kStages * 64 + lane;
-  float* red = reinterpret_cast<float*>(smem + static_cast<size_t>(nwarps) * kStages * 64 * sizeof(uint4));
+  uint4* ring = reinterpret_cast<uint4*>(smem) + warp * kStages * kSlot + lane;
+  float* red = reinterpret_cast<float*>(smem + static_cast<size_t>(nwarps) * kStages * kSlot * sizeof(uint4));
 
-  // This warp's clean tiles: warp, warp + W, ...
   const int count = warp < nclean ? (nclean - warp + nwarps - 1) / nwarps : 0;
-  const int step_bytes = nwarps * tile_stride;
-  const char* src0 = wr0 + warp * tile_stride;
-  const char* src1 = wr1 + warp * tile_stride;
   int issued = 0;
   auto issue = [&]() {
     if (issued < count) {
-      uint4* slot = ring + (issued & (kStages - 1)) * 64;
-      cp_async_16(slot, src0, pol);
-      cp_async_16(slot + 32, src1, pol);
-      src0 += step_bytes;
-      src1 += step_bytes;
+      uint4* slot = ring + (issued & (kStages - 1)) * kSlot;
+#pragma unroll
+      for (int rt = 0; rt < kRT; ++rt) {
+        cp_async_16(slot + rt * 64, src0[rt], pol);
+        cp_async_16(slot + rt * 64 + 32, src1[rt], pol);
+        src0[rt] += step_bytes[rt];
+        src1[rt] += step_bytes[rt];
+      }
     }
     ++issued;
     cp_async_commit();  // always commit: keeps the group count uniform
   };
+  auto read_slot = [&](int j, uint4 (&w0)[kRT], uint4 (&w1)[kRT]) {
+    const uint4* slot = ring + (j & (kStages - 1)) * kSlot;
+#pragma unroll
+    for (int rt = 0; rt < kRT; ++rt) {
+      w0[rt] = slot[rt * 64];
+      w1[rt] = slot[rt * 64 + 32];
+    }
+  };
 #pragma unroll
   for (int j = 0; j < kStages - 1; ++j) issue();
 
-  TileMeta meta_cur, meta_next;
+  TileMeta meta_cur[kRT], meta_next[kRT];
   if (grouped && count > 0) s.template load_meta<false>(warp, meta_cur);
-  // Two tiles per iteration, without guards inside, so that the compiler can
-  // interleave the dequantisation and MMA chains of both (bank 0 and 1).
   int j = 0;
   int tile_a = warp;
-  for (; j + 1 < count; j += 2, tile_a += 2 * nwarps) {
-    const int tile_b = tile_a + nwarps;
-    cp_async_wait<kStages - 2>();
-    const uint4* slot_a = ring + (j & (kStages - 1)) * 64;
-    const uint4 wa0 = slot_a[0], wa1 = slot_a[32];
-    issue();
-    cp_async_wait<kStages - 2>();
-    const uint4* slot_b = ring + ((j + 1) & (kStages - 1)) * 64;
-    const uint4 wb0 = slot_b[0], wb1 = slot_b[32];
-    issue();
-    TileMeta meta_b;
-    if (grouped) s.template load_meta<false>(tile_b, meta_b);
-    if (grouped && j + 2 < count) s.template load_meta<false>(tile_b + nwarps, meta_next);
-    s.template tile<0, false>(tile_a, wa0, wa1, meta_cur);
-    s.template tile<1, false>(tile_b, wb0, wb1, meta_b);
-    meta_cur = meta_next;
-  }
-  if (j < count) {
-    cp_async_wait<kStages - 2>();
-    const uint4* slot = ring + (j & (kStages - 1)) * 64;
-    s.template tile<0, false>(tile_a, slot[0], slot[32], meta_cur);
+  if constexpr (kRT == 1) {
+    // Two tiles per iteration, without guards inside, so that the compiler
+    // can interleave the dequantisation and MMA chains of both (bank 0 and 1).
+    for (; j + 1 < count; j += 2, tile_a += 2 * nwarps) {
+      const int tile_b = tile_a + nwarps;
+      uint4 wa0[kRT], wa1[kRT], wb0[kRT], wb1[kRT];
+      cp_async_wait<kStages - 2>();
+      read_slot(j, wa0, wa1);
+      issue();
+      cp_async_wait<kStages - 2>();
+      read_slot(j + 1, wb0, wb1);
+      issue();
+      TileMeta meta_b[kRT];
+      if (grouped) s.template load_meta<false>(tile_b, meta_b);
+      if (grouped && j + 2 < count) s.template load_meta<false>(tile_b + nwarps, meta_next);
+      s.template tile<0, false>(tile_a, wa0, wa1, meta_cur);
+      s.template tile<1, false>(tile_b, wb0, wb1, meta_b);
+#pragma unroll
+      for (int rt = 0; rt < kRT; ++rt) meta_cur[rt] = meta_next[rt];
+    }
+    if (j < count) {
+      uint4 w0[kRT], w1[kRT];
+      cp_async_wait<kStages - 2>();
+      read_slot(j, w0, w1);
+      s.template tile<0, false>(tile_a, w0, w1, meta_cur);
+    }
+  } else {
+    // One tile per iteration: the row tiles already give independent MMA
+    // chains, and two tiles' words would not fit in registers.
+    for (; j < count; ++j, tile_a += nwarps) {
+      uint4 w0[kRT], w1[kRT];
+      cp_async_wait<kStages - 2>();
+      read_slot(j, w0, w1);
+      issue();
+      if (grouped && j + 1 < count) s.template load_meta<false>(tile_a + nwarps, meta_next);
+      s.template tile<0, false>(tile_a, w0, w1, meta_cur);
+#pragma unroll
+      for (int rt = 0; rt < kRT; ++rt) meta_cur[rt] = meta_next[rt];
+    }
   }
   cp_async_wait<0>();
 
   // The edge tile, read directly, with bounds checks on the activations.  In
-  // the panel it starts after nclean full tiles and holds `seg` bytes per row
-  // (64 if it is a full stored tile whose last k are past K).
+  // each panel it starts after nclean full tiles and holds `seg` bytes per
+  // row (64 if it is a full stored tile whose last k are past K).
   if (has_edge && warp == nclean % nwarps) {
-    TileMeta m;
+    TileMeta m[kRT];
     if (grouped) s.template load_meta<true>(nclean, m);
     const int left = p.Kp - nclean * kTileK;  // k of the tile that are in the packed row
     const int c = min(left / (kBits == 4 ? 32 : 16), 4);  // 16-byte pieces per row
-    const char* b0 = panel + nclean * tile_stride + i0 * 16 * c;
-    const char* b1 = panel + nclean * tile_stride + i1 * 16 * c;
-    uint4 w0 = make_uint4(0u, 0u, 0u, 0u), w1 = w0;
-    if constexpr (kBits == 4) {
-      // c sub-tiles of 32 k; lane t's word j sits at word t*c + j.
-      uint32_t u0[4] = {0u, 0u, 0u, 0u}, u1[4] = {0u, 0u, 0u, 0u};
+    uint4 w0[kRT], w1[kRT];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        if (i < c) {
-          u0[i] = ld_stream_u32(b0 + (s.t * c + i) * 4, pol);
-          u1[i] = ld_stream_u32(b1 + (s.t * c + i) * 4, pol);
+    for (int rt = 0; rt < kRT; ++rt) {
+      const char* b0 = panel[rt] + nclean * tile_stride[rt] + s.i0[rt] * 16 * c;
+      const char* b1 = panel[rt] + nclean * tile_stride[rt] + s.i1[rt] * 16 * c;
+      w0[rt] = make_uint4(0u, 0u, 0u, 0u);
+      w1[rt] = w0[rt];
+      if constexpr (kBits == 4) {
+        // c sub-tiles of 32 k; lane t's word j sits at word t*c + j.
+        uint32_t u0[4] = {0u, 0u, 0u, 0u}, u1[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          if (i < c) {
+            u0[i] = ld_stream_u32(b0 + (s.t * c + i) * 4, pol);
+            u1[i] = ld_stream_u32(b1 + (s.t * c + i) * 4, pol);
+          }
+        }
+        w0[rt] = make_uint4(u0[0], u0[1], u0[2], u0[3]);
+        w1[rt] = make_uint4(u1[0], u1[1], u1[2], u1[3]);
+      } else {
+        // c chunks of 16 k; lanes t >= c hold zeros (and read zero
+        // activations, since their k >= K).
+        if (s.t < c) {
+          w0[rt] = ld_stream_v4(b0 + 16 * s.t, pol);
+          w1[rt] = ld_stream_v4(b1 + 16 * s.t, pol);
         }
       }
-      w0 = make_uint4(u0[0], u0[1], u0[2], u0[3]);
-      w1 = make_uint4(u1[0], u1[1], u1[2], u1[3]);
-      s.template tile<0, true>(nclean, w0, w1, m, c);
-    } else {
-      // c chunks of 16 k; lanes t >= c hold zeros (and read zero activations,
-      // since their k >= K).
-      if (s.t < c) {
-        w0 = ld_stream_v4(b0 + 16 * s.t, pol);
-        w1 = ld_stream_v4(b1 + 16 * s.t, pol);
-      }
-      s.template tile<0, true>(nclean, w0, w1, m);
     }
+    s.template tile<0, true>(nclean, w0, w1, m, c);
   }
 
   // Split-K reduction across warps: red[warp][value][lane].
-  constexpr int kValues = kNT * 4;
+  constexpr int kValues = kRT * kNT * 4;
 #pragma unroll
-  for (int n = 0; n < kNT; ++n)
+  for (int rt = 0; rt < kRT; ++rt)
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-      red[(warp * kValues + n * 4 + i) * kWarpSize + lane] = s.acc[0][n][i] + s.acc[1][n][i];
+    for (int n = 0; n < kNT; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float v = s.acc[0][rt][n][i];
+        if constexpr (Lane::kBanks == 2) v += s.acc[Lane::kBanks - 1][rt][n][i];
+        red[(warp * kValues + (rt * kNT + n) * 4 + i) * kWarpSize + lane] = v;
+      }
   __syncthreads();
 
   const __half* scales = static_cast<const __half*>(p.scales);
   T* y = static_cast<T*>(p.y);
   for (int v = threadIdx.x; v < kValues * kWarpSize; v += blockDim.x) {
     const int ln = v % kWarpSize, q = v / kWarpSize;
-    const int n = q / 4, i = q % 4;
+    const int rt = q / (kNT * 4), n = (q / 4) % kNT, i = q % 4;
     float sum = 0.f;
     for (int w2 = 0; w2 < nwarps; ++w2) sum += red[(w2 * kValues + q) * kWarpSize + ln];
     // C fragment: i = 0,1 -> row g, tokens 2t, 2t+1; i = 2,3 -> row g+8.
-    const int row = blockIdx.x * kRowsPerBlock + (ln >> 2) + (i >= 2 ? 8 : 0);
+    const int row = (blockIdx.x * kRT + rt) * kPanelRows + (ln >> 2) + (i >= 2 ? 8 : 0);
     const int tok = n * 8 + 2 * (ln & 3) + (i & 1);
     if (row < p.N && tok < p.M) {
       if constexpr (!grouped) sum *= __half2float(scales[row]);
@@ -412,34 +527,43 @@ __global__ void __launch_bounds__(kMaxWarps * 32, QGEMV_MIN_BLOCKS_PER_SM)
 }
 
 // Warps per block (the split-K factor), measured on the H200 with
-// eval/gemv_lab.cu --warps 8,4,2 over 11 shapes x 7 formats (BENCHMARKS.md):
-//   * short rows (K <= 4096) and at least 640 blocks: 2 warps, each with a
+// eval/gemv_lab.cu --warps 8,4,2 (BENCHMARKS.md).
+// One row tile per warp (11 shapes x 7 formats):
+//   * short rows (K <= 4096) and at least 640 panels: 2 warps, each with a
 //     longer run of tiles (int4 12288x4096: 16.7 -> 13.8 us against 8 warps);
-//   * long rows (K >= 8192) and at least 512 blocks: 4 warps;
-//   * otherwise (few blocks) 8 warps, so that split-K fills the GPU.
-// Within 8% of the best of {2, 4, 8} on every measured shape and format.
+//   * long rows (K >= 8192) and at least 512 panels: 4 warps;
+//   * otherwise (few panels) 8 warps, so that split-K fills the GPU.
+//   Within 8% of the best of {2, 4, 8} on every measured shape and format.
+// Two row tiles per warp (M = 16, 7 shapes x 3 formats): what matters is the
+// number of warps in flight, about 1500-2000 in all: 2 warps from 768 blocks,
+// 4 from 320, else 8 (best or within 3% of the best on every measured pair).
 // Never more warps than tiles.
-inline int choose_warps(int N, int K, int Kp, int tile_k) {
+inline int choose_warps(int N, int K, int Kp, int tile_k, int row_tiles) {
   const int k_tiles = (Kp + tile_k - 1) / tile_k;
-  const int blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
+  const int panels = (N + kPanelRows - 1) / kPanelRows;
   int w = kMaxWarps;
-  if (K <= 4096 && blocks >= 640) {
-    w = 2;
-  } else if (K >= 8192 && blocks >= 512) {
-    w = 4;
+  if (row_tiles == 1) {
+    if (K <= 4096 && panels >= 640) {
+      w = 2;
+    } else if (K >= 8192 && panels >= 512) {
+      w = 4;
+    }
+  } else {
+    const int blocks = (panels + row_tiles - 1) / row_tiles;
+    w = blocks >= 768 ? 2 : blocks >= 320 ? 4 : 8;
   }
   return k_tiles < w ? (k_tiles > 0 ? k_tiles : 1) : w;
 }
 
-template <typename T, int kBits, int kGroup, bool kZeros, int kNT>
+template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kRT>
 Status launch_gemv_mma(const GemvParams& p, cudaStream_t stream) {
-  constexpr int kTileK = GemvMma<T, kBits, kGroup, kZeros, kNT>::kTileK;
-  const int w = p.warps_per_block > 0 ? p.warps_per_block : choose_warps(p.N, p.K, p.Kp, kTileK);
+  constexpr int kTileK = GemvMma<T, kBits, kGroup, kZeros, kNT, kRT>::kTileK;
+  const int w = p.warps_per_block > 0 ? p.warps_per_block : choose_warps(p.N, p.K, p.Kp, kTileK, kRT);
   if (w > kMaxWarps) return Status::kBadShape;
-  const dim3 grid((p.N + kRowsPerBlock - 1) / kRowsPerBlock);
-  const size_t smem = static_cast<size_t>(w) * kStages * 64 * sizeof(uint4) +
-                      static_cast<size_t>(w) * kNT * 4 * kWarpSize * sizeof(float);
-  auto kernel = gemv_mma_kernel<T, kBits, kGroup, kZeros, kNT>;
+  const dim3 grid((p.N + kRT * kPanelRows - 1) / (kRT * kPanelRows));
+  const size_t smem = static_cast<size_t>(w) * kStages * kRT * 64 * sizeof(uint4) +
+                      static_cast<size_t>(w) * kRT * kNT * 4 * kWarpSize * sizeof(float);
+  auto kernel = gemv_mma_kernel<T, kBits, kGroup, kZeros, kNT, kRT>;
   if (smem > 48 * 1024 &&
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) !=
           cudaSuccess)
@@ -448,19 +572,24 @@ Status launch_gemv_mma(const GemvParams& p, cudaStream_t stream) {
   return cudaGetLastError() == cudaSuccess ? Status::kOk : Status::kLaunchFailed;
 }
 
+// Token count -> instance: one n-tile up to 8 tokens, two up to 16, and for
+// two n-tiles on large N (see has_wide_instance) two row tiles per warp.
+template <typename T, int kBits, int kGroup, bool kZeros>
+Status launch_for_tokens(const GemvParams& p, cudaStream_t stream) {
+  if (p.M <= 8) return launch_gemv_mma<T, kBits, kGroup, kZeros, 1, 1>(p, stream);
+  if constexpr (has_wide_instance<kBits, kGroup>()) {
+    if ((p.N + kPanelRows - 1) / kPanelRows >= QGEMV_WIDE_MIN_PANELS)
+      return launch_gemv_mma<T, kBits, kGroup, kZeros, 2, 2>(p, stream);
+  }
+  return launch_gemv_mma<T, kBits, kGroup, kZeros, 2, 1>(p, stream);
+}
+
 // Runtime (activation type, token count) -> template instance.
 template <int kBits, int kGroup, bool kZeros>
 Status dispatch_gemv_tokens(const GemvParams& p, cudaStream_t stream) {
   if (p.M < 1 || p.M > kMaxGemvTokens) return Status::kBadShape;
-  const bool two = p.M > 8;
-  if (p.act == ActType::kHalf) {
-    return two ? launch_gemv_mma<__half, kBits, kGroup, kZeros, 2>(p, stream)
-               : launch_gemv_mma<__half, kBits, kGroup, kZeros, 1>(p, stream);
-  }
-  if (p.act == ActType::kBFloat16) {
-    return two ? launch_gemv_mma<__nv_bfloat16, kBits, kGroup, kZeros, 2>(p, stream)
-               : launch_gemv_mma<__nv_bfloat16, kBits, kGroup, kZeros, 1>(p, stream);
-  }
+  if (p.act == ActType::kHalf) return launch_for_tokens<__half, kBits, kGroup, kZeros>(p, stream);
+  if (p.act == ActType::kBFloat16) return launch_for_tokens<__nv_bfloat16, kBits, kGroup, kZeros>(p, stream);
   return Status::kNoKernel;
 }
 

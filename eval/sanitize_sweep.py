@@ -4,13 +4,14 @@
     compute-sanitizer --tool racecheck --error-exitcode 9 python eval/sanitize_sweep.py
 
 Covers int8, int4 per-channel, group-wise symmetric and with zero points
-(g32/g64/g128), fp16 and bf16, M in {1, 5, 16, 24, 40} (both n-tile counts,
-the chunked path at 24 and the dequantize + GEMM path at 40), K with and
-without an edge tile, N not a multiple of 16 (a partial panel), and the three
-SGEMV kernels; every result is compared with the reference too.
+(g32/g64/g128), fp16 and bf16, M in {1, 5, 16, 24, 72} (both n-tile counts,
+the chunked path at 24 and the dequantize + GEMM path at 72), K with and
+without an edge tile, N not a multiple of 16 (a partial panel), N = 8197 (the
+two-row-tile instance for 9..16 tokens), and the three SGEMV kernels; every result is
+compared with the reference too.
 
     --ms 1,5,16,24    only the token counts that stay on qgemv's own kernels
-                      (M = 40 also runs cuBLAS, whose kernels racecheck flags)
+                      (M = 72 also runs cuBLAS, whose kernels racecheck flags)
 """
 
 import itertools
@@ -29,13 +30,14 @@ def main(argv=None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ms", default="1,5,16,24,40", help="token counts, comma separated")
+    ap.add_argument("--ms", default="1,5,16,24,72", help="token counts, comma separated")
     ms = [int(v) for v in ap.parse_args(argv).ms.split(",")]
     torch.manual_seed(0)
     # every (group size, zero points) kernel instance
     cfgs = [F.QuantConfig(8), F.QuantConfig(4)] + [
         F.QuantConfig(4, g, sym) for g in (32, 64, 128) for sym in (True, False)]
-    shapes = [(33, 136), (7, 2880), (40, 4096), (17, 17408)]  # odd N and K, a partial panel, a long row
+    # odd N and K, a partial panel, a long row, two row tiles per warp
+    shapes = [(33, 136), (7, 2880), (40, 4096), (17, 17408), (8197, 136)]
     bad = 0
     n_runs = 0
     for cfg, (n, k), dt, m in itertools.product(cfgs, shapes, (torch.float16, torch.bfloat16), ms):
