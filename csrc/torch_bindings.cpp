@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <vector>
 
@@ -21,13 +22,23 @@ namespace {
 #define QG_CHECK(cond, op, ...) TORCH_CHECK(cond, "qgemv.", op, ": ", __VA_ARGS__)
 
 // Token counts above which the GEMV kernels stop paying off.  Up to
-// kMaxGemvTokens one launch serves all tokens; up to kChunkedMaxTokens the
+// kMaxGemvTokens one launch serves all tokens; up to chunked_max_tokens() the
 // GEMV runs once per 16-token chunk (re-reading the weight each time); above
-// that, dequantize to a dense weight and use cuBLAS.  See BENCHMARKS.md for
-// the measurement that set kChunkedMaxTokens.  The benchmark moves the
-// threshold through set_chunked_max_tokens() to measure both paths.
-constexpr int64_t kChunkedMaxTokens = 32;
-std::atomic<int64_t> g_chunked_max_tokens{kChunkedMaxTokens};
+// that, dequantize to a dense weight and use cuBLAS.  Measured on the H200
+// (BENCHMARKS.md, prefill): the dense weight costs a write of N x K x 2 bytes
+// before the GEMM, so chunks win up to 64 tokens on large weights (8192x8192
+// int4 g128 at M = 64: 80.9 against 108.7 us) and up to 48 on 4096x4096.
+// The benchmark overrides the threshold through set_chunked_max_tokens().
+constexpr int64_t kChunkedMaxTokens = 64;
+constexpr int64_t kChunkedMaxTokensSmall = 48;       // for weights below kSmallWeight elements
+constexpr int64_t kSmallWeight = int64_t(32) << 20;  // 4096x4096 is 16 M, 8192x8192 64 M
+std::atomic<int64_t> g_chunked_max_tokens{-1};        // -1: the measured rule above
+
+int64_t chunked_max_tokens(int64_t N, int64_t K) {
+  const int64_t forced = g_chunked_max_tokens.load();
+  if (forced >= 0) return forced;
+  return N * K < kSmallWeight ? kChunkedMaxTokensSmall : kChunkedMaxTokens;
+}
 
 void check_status(Status s, const char* op) {
   TORCH_CHECK(s == Status::kOk, "qgemv.", op, ": ", status_string(s));
@@ -78,7 +89,7 @@ at::Tensor run_linear(const at::Tensor& x, GemvParams p, GemvFn gemv, DequantFn 
   p.act = act_type(x, op);
   if (M == 0) return y.reshape(out_shape(x, p.N));
 
-  if (p.act != ActType::kFloat32 && M <= g_chunked_max_tokens.load()) {
+  if (p.act != ActType::kFloat32 && M <= chunked_max_tokens(p.N, p.K)) {
     for (int64_t m0 = 0; m0 < M; m0 += kMaxGemvTokens) {
       GemvParams c = p;
       c.M = static_cast<int>(std::min<int64_t>(kMaxGemvTokens, M - m0));
@@ -91,7 +102,7 @@ at::Tensor run_linear(const at::Tensor& x, GemvParams p, GemvFn gemv, DequantFn 
   } else {
     at::Tensor w = at::empty({p.N, p.K}, x.options());
     check_status(dequant(p, w.data_ptr(), stream), op);
-    y = at::matmul(x2, w.t());
+    at::mm_out(y, x2, w.t());
   }
   return y.reshape(out_shape(x, p.N));
 }
@@ -221,8 +232,11 @@ TORCH_LIBRARY_IMPL(qgemv, CUDA, m) {
 // the registrations above; the ops themselves are reached via torch.ops.qgemv.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("default_chunked_max_tokens") = qgemv::kChunkedMaxTokens;
+  m.attr("default_chunked_max_tokens_small") = qgemv::kChunkedMaxTokensSmall;
   m.def("set_chunked_max_tokens", [](int64_t v) { qgemv::g_chunked_max_tokens.store(v); },
-        "Benchmark knob: largest token count served by (chunked) GEMV launches.");
+        "Benchmark knob: largest token count served by (chunked) GEMV launches; -1 = the measured rule.");
   m.def("get_chunked_max_tokens", []() { return qgemv::g_chunked_max_tokens.load(); });
+  m.def("chunked_max_tokens", [](int64_t n, int64_t k) { return qgemv::chunked_max_tokens(n, k); },
+        "Largest token count served by GEMV launches for an N x K weight (the dispatch rule in use).");
   m.attr("max_gemv_tokens") = qgemv::kMaxGemvTokens;
 }

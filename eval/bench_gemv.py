@@ -179,26 +179,36 @@ def bench_graph(n=4096, k=4096, copies=20):
     return out
 
 
-def prefill_sweep(timer, shapes=((4096, 4096), (8192, 8192)), ms=(17, 24, 32, 48, 64, 128, 512)):
-    """GEMV-chunked vs dequantize+cuBLAS for M > 16, and fp16 cuBLAS for scale."""
+def prefill_sweep(timer, shapes=((4096, 4096), (8192, 8192), (28672, 8192)),
+                  ms=(17, 24, 32, 48, 64, 128, 512, 2048)):
+    """M > 16: the dispatch as shipped, each of its two paths forced (16-token
+    GEMV chunks; dequantize + cuBLAS), and fp16 cuBLAS."""
     from qgemv import _C
 
     old = _C.get_chunked_max_tokens()
     rows = []
-    for n, k in shapes:
-        fp16 = make_variant("fp16", n, k)[0]
-        for name in ["int8", "int4g128"]:
-            lin = make_variant(name, n, k)[0]
-            for m in ms:
-                x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-                _C.set_chunked_max_tokens(1 << 30)
-                t_chunk = timer(lambda: lin(x), iters=20)
-                _C.set_chunked_max_tokens(0)
-                t_deq = timer(lambda: lin(x), iters=20)
-                t_ref = timer(lambda: fp16(x), iters=20)
-                rows.append(dict(variant=name, N=n, K=k, M=m, chunked_us=t_chunk, dequant_gemm_us=t_deq,
-                                 fp16_us=t_ref))
-    _C.set_chunked_max_tokens(old)
+    try:
+        for n, k in shapes:
+            fp16 = make_variant("fp16", n, k)[0]
+            for name in ["int8", "int4g128"]:
+                lin = make_variant(name, n, k)[0]
+                for m in ms:
+                    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+                    row = dict(variant=name, N=n, K=k, M=m)
+                    _C.set_chunked_max_tokens(old)
+                    row["default_us"] = timer(lambda: lin(x), iters=20)
+                    if m <= 128:
+                        _C.set_chunked_max_tokens(1 << 30)
+                        row["chunked_us"] = timer(lambda: lin(x), iters=20)
+                    _C.set_chunked_max_tokens(0)
+                    row["dequant_gemm_us"] = timer(lambda: lin(x), iters=20)
+                    row["fp16_us"] = timer(lambda: fp16(x), iters=20)
+                    row["vs_fp16"] = row["default_us"] / row["fp16_us"]
+                    rows.append(row)
+            del fp16, lin
+            torch.cuda.empty_cache()
+    finally:
+        _C.set_chunked_max_tokens(old)
     return rows
 
 
@@ -258,10 +268,13 @@ def markdown(result) -> str:
         out += ["", "4096x4096, M=1, per call under CUDA-graph replay (20 calls per graph, weights rotating):", ""]
         out += [f"- {k}: {v:.2f} us" for k, v in result["graph"].items()]
     if result.get("prefill"):
-        out += ["", "| N x K | variant | M | GEMV chunks us | dequant+cuBLAS us | fp16 cuBLAS us |", "|---|---|---|---|---|---|"]
+        out += ["", "Prefill (M > 16): the shipped dispatch, then each path forced.", "",
+                "| N x K | variant | M | default us | x fp16 | GEMV chunks us | dequant+cuBLAS us | fp16 cuBLAS us |",
+                "|---|---|---|---|---|---|---|---|"]
         for r in result["prefill"]:
-            out.append(f"| {r['N']}x{r['K']} | {r['variant']} | {r['M']} | {r['chunked_us']:.1f} | "
-                       f"{r['dequant_gemm_us']:.1f} | {r['fp16_us']:.1f} |")
+            chunk = f"{r['chunked_us']:.1f}" if "chunked_us" in r else "-"
+            out.append(f"| {r['N']}x{r['K']} | {r['variant']} | {r['M']} | {r['default_us']:.1f} | "
+                       f"{r['vs_fp16']:.2f} | {chunk} | {r['dequant_gemm_us']:.1f} | {r['fp16_us']:.1f} |")
     if result.get("sgemv"):
         out += ["", "| SGEMV N x K | torch.matmul us | auto | k32 | k128 | k16 | auto GB/s |", "|---|---|---|---|---|---|---|"]
         for r in result["sgemv"]:
@@ -296,13 +309,20 @@ def main(argv=None):
     result = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   command="python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
                   ceiling=ceiling, rows=rows)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    def save():  # after every section, so that a later failure loses nothing
+        with open(args.out + ".json", "w") as f:
+            json.dump(result, f, indent=1)
+
+    save()
     if not args.no_extras:
         result["graph"] = bench_graph()
+        save()
         result["prefill"] = prefill_sweep(timer)
+        save()
         result["sgemv"] = bench_sgemv(timer)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(result, f, indent=1)
+        save()
     md = markdown(result)
     with open(args.out + ".md", "w") as f:
         f.write(md + "\n")

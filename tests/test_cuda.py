@@ -3,11 +3,11 @@
 Skipped per test without a GPU; run on the lent H200 (see BENCHMARKS.md).
 
 Tolerances (tight, same quantized weights):
-* GEMV path (M <= 32): the products (q - z) * x are exact in the MMA and the
+* GEMV path (M <= 48 or 64, by weight size): the products (q - z) * x are exact in the MMA and the
   sums are fp32, so |y - ref| <= n * 2^-24 * (|x| @ |W|^T) with n, the number
   of sequential fp32 additions, bounded by K/8 + 32; plus half an ulp of the
   output dtype (2^-11 relative for fp16, 2^-8 for bf16).
-* Dequantize + GEMM path (M > 32): the dense weight is rounded once to the
+* Dequantize + GEMM path (larger M): the dense weight is rounded once to the
   activation dtype, which adds at most eps_T * (|x| @ |W|^T) with eps_T the
   same half-ulp.
 A normwise check ||y - ref|| / ||ref|| < 4 * eps_T guards against errors that
@@ -40,7 +40,6 @@ LLAMA = [(4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 4096
 ODD_K = [8, 24, 136, 2880, 5128]
 ODD_N = [1, 7, 4097]
 MS = [1, 2, 3, 5, 8, 13, 16, 17, 64]
-CHUNKED_MAX = 32  # csrc/torch_bindings.cpp kChunkedMaxTokens
 
 
 def _fits(cfg, k):
@@ -69,7 +68,7 @@ def _poison_like(shape, dtype):
     del t
 
 
-def _check(cfg, x, qw, s, z, k):
+def _check(cfg, x, qw, s, z, k, dense=None):
     n = qw.shape[0]
     m = x.numel() // k
     _poison_like((*x.shape[:-1], n), x.dtype)
@@ -83,7 +82,11 @@ def _check(cfg, x, qw, s, z, k):
     mag = xd.abs() @ wd.abs().t()
     eps = EPS[x.dtype]
     acc = (k / 8 + 32) * 2.0**-24
-    bound = (acc if m <= CHUNKED_MAX else acc + eps) * mag + eps * ref.abs() + 1e-6
+    if dense is None:  # which path the op takes by default
+        from qgemv import _C
+
+        dense = m > _C.chunked_max_tokens(n, k)
+    bound = (acc + eps if dense else acc) * mag + eps * ref.abs() + 1e-6
     err = (y.double().reshape(-1, n) - ref).abs()
     worst = (err / bound).max().item()
     assert worst <= 1.0, f"error {worst:.2f}x the bound"
@@ -114,6 +117,55 @@ def test_llama_shapes(n, k, name):
     for m, dtype in [(1, torch.float16), (1, torch.bfloat16), (4, torch.float16), (16, torch.bfloat16), (64, torch.float16)]:
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         _check(cfg, x, qw, s, z, k)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["int4", "int4g128", "int4g128a"])
+@pytest.mark.parametrize("k", [136, 2880])
+def test_two_row_tile_kernel_odd_shapes(k, name, dtype):
+    """9..16 tokens on N >= 8192 take the two-row-tile instance (csrc/gemv_mma.cuh,
+    QGEMV_WIDE_MIN_PANELS): N = 8197 ends in a 5-row panel, and its last block's
+    second row tile lies wholly past N."""
+    cfg = CFGS[name]
+    if not _fits(cfg, k):
+        pytest.skip(f"K={k} not divisible by group {cfg.group_size}")
+    qw, s, z = _quantized(cfg, 8197, k)
+    for m in (9, 13, 16):
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        _check(cfg, x, qw, s, z, k)
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", ["int8", "int4", "int4g64a", "int4g128"])
+def test_prefill_both_paths(name):
+    """M > 16 through both paths the dispatch chooses between, whatever M:
+    16-token GEMV chunks (a partial last chunk) and dequantize + cuBLAS."""
+    from qgemv import _C
+
+    cfg = CFGS[name]
+    n, k = 1000, 640
+    qw, s, z = _quantized(cfg, n, k)
+    old = _C.get_chunked_max_tokens()
+    try:
+        for forced, dense in [(1 << 30, False), (0, True)]:
+            _C.set_chunked_max_tokens(forced)
+            for m, dtype in [(17, torch.float16), (33, torch.bfloat16), (64, torch.float16), (100, torch.bfloat16)]:
+                x = torch.randn(m, k, device="cuda", dtype=dtype)
+                _check(cfg, x, qw, s, z, k, dense=dense)
+    finally:
+        _C.set_chunked_max_tokens(old)
+
+
+@requires_cuda
+def test_prefill_dispatch_rule():
+    """The measured thresholds (csrc/torch_bindings.cpp): chunks up to 64 tokens
+    on large weights and up to 48 on small ones; the override restores."""
+    from qgemv import _C
+
+    assert _C.get_chunked_max_tokens() == -1
+    assert _C.chunked_max_tokens(8192, 8192) == _C.default_chunked_max_tokens == 64
+    assert _C.chunked_max_tokens(4096, 4096) == _C.default_chunked_max_tokens_small == 48
 
 
 @requires_cuda
