@@ -343,8 +343,20 @@ struct GemvMma {
 #define QGEMV_MIN_BLOCKS_PER_SM 2
 #endif
 
+// Register cap per instance (what __launch_bounds__(256, 2) gave, 128, except
+// int8).  The int8 instances are memory-bound with few registers, and at 4
+// warps per block each step of 8 registers is a block per SM: 72 registers
+// fit 7 blocks of 128 threads, 76 only 6; 96 fit 5, 98 only 4.  Without the
+// cap the row-tile generalisation cost int8 28672x8192 7-9% (lab: M = 1
+// 66.0 -> 71.6 us, M = 16 74.7 -> 81.2 us; capped: 66.0 and 74.0 us).
+template <int kBits, int kNT, int kRT>
+struct MaxRegisters {
+  static constexpr int value =
+      kBits == 8 && kRT == 1 ? (kNT == 1 ? 72 : 96) : 65536 / (kMaxWarps * 32 * QGEMV_MIN_BLOCKS_PER_SM);
+};
+
 template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kRT>
-__global__ void __launch_bounds__(kMaxWarps * 32, QGEMV_MIN_BLOCKS_PER_SM)
+__global__ void __maxnreg__((MaxRegisters<kBits, kNT, kRT>::value))
     gemv_mma_kernel(const GemvParams p) {
   using Lane = GemvMma<T, kBits, kGroup, kZeros, kNT, kRT>;
   constexpr int kTileK = Lane::kTileK;
