@@ -16,6 +16,8 @@ import os
 import sys
 import time
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -71,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-group-fallback", action="store_true",
                     help="skip layers whose in_features the group size does not divide, instead of using a smaller group")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--forward-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                    help="dtype of the calibration forward passes' matmuls (autocast); Hessians and quantized "
+                         "weights stay fp32. bfloat16 is about 2x faster on CPUs with AVX512-BF16")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--overwrite", action="store_true")
     return ap
@@ -131,12 +136,14 @@ def main(argv=None) -> int:
                  "damp": args.damp if "gptq" in args.method else None,
                  "act_order": args.act_order if "gptq" in args.method else None,
                  "clip_grid": args.clip_grid,
-                 "true_sequential": args.true_sequential if "gptq" in args.method else None}
+                 "true_sequential": args.true_sequential if "gptq" in args.method else None,
+                 "forward_dtype": args.forward_dtype}
     skip = args.skip if args.skip is not None else [r"lm_head", r"embed"]
     rep = quantize_causal_lm(model, cfg, args.method, samples, skip=skip, overrides=_overrides(args.override),
                              damp=args.damp, act_order=args.act_order, batch_size=args.batch_size,
                              device=args.device, group_fallback=not args.no_group_fallback,
-                             clip_grid=args.clip_grid, true_sequential=args.true_sequential)
+                             clip_grid=args.clip_grid, true_sequential=args.true_sequential,
+                             forward_dtype=getattr(torch, args.forward_dtype))
     rep.formats = {n: m.config.name for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     fp16_bytes = sum(m.in_features * m.out_features * 2 for _, m in model.named_modules() if isinstance(m, QuantLinear))
     qc = C.quantization_config(model, args.method, calib, cfg, list(rep.skipped))

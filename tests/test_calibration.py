@@ -105,6 +105,27 @@ def test_shared_hessians_give_the_same_codes(tiny_llama_dir, monkeypatch):
         assert torch.equal(codes[True][n], codes[False][n]), n
 
 
+def test_bf16_forward_passes_keep_the_codes_close(tiny_llama_dir):
+    # forward_dtype=bfloat16 runs the layers' matmuls in bf16 (autocast);
+    # the Hessians and the weights being quantized stay fp32, so only
+    # roundings near a tie may flip.  The hidden states between layers stay
+    # fp32 and the quantized model is the same function type.
+    cfg = F.QuantConfig(4, 32, False)
+    codes = {}
+    for fd in (None, torch.bfloat16):
+        model, tok = _load_tiny(tiny_llama_dir)
+        samples = calibration_samples(tok, n=4, seq_len=64, seed=0)
+        quantize_causal_lm(model, cfg, "gptq", samples, act_order=True, progress=False, forward_dtype=fd)
+        assert next(model.parameters()).dtype == torch.float32
+        codes[fd] = {n: F.unpack_int4(m.qweight, m.in_features) for n, m in model.named_modules()
+                     if isinstance(m, QuantLinear)}
+    same = sum(int((codes[None][n] == codes[torch.bfloat16][n]).sum()) for n in codes[None])
+    total = sum(c.numel() for c in codes[None].values())
+    assert 0.9 < same / total < 1.0, same / total  # close, and bf16 really was used
+    with pytest.raises(ValueError, match="forward_dtype"):
+        quantize_causal_lm(model, cfg, "gptq", samples, forward_dtype=torch.int8)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("method", ["gptq", "awq_gptq"])
 def test_calibration_on_the_gpu_matches_the_cpu(tiny_llama_dir, method):
@@ -201,6 +222,7 @@ def test_cli_writes_a_complete_checkpoint(tiny_llama_dir, tmp_path):
         assert key in cfg, key
     assert cfg["quant_method"] == "qgemv" and cfg["algorithm"] == "gptq" and cfg["bits"] == 4
     assert cfg["calibration"]["samples"] == 4 and cfg["calibration"]["seq_len"] == 64
+    assert cfg["calibration"]["forward_dtype"] == "float32"
     assert cfg["module_overrides"]["model.layers.0.mlp.down_proj"]["bits"] == 8
     assert (out / "tokenizer.json").exists() and (out / "model.safetensors").exists()
     model, _ = C.load_quantized(str(out), dtype=torch.float32)
