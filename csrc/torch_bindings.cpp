@@ -27,7 +27,7 @@ namespace {
 // that, dequantize to a dense weight and use cuBLAS.  Measured on the H200
 // (BENCHMARKS.md, prefill): the dense weight costs a write of N x K x 2 bytes
 // before the GEMM, so chunks win up to 64 tokens on large weights (8192x8192
-// int4 g128 at M = 64: 80.9 against 108.7 us) and up to 48 on 4096x4096.
+// int4 g128 at M = 64: 83.0 against 112.4 us) and up to 48 on 4096x4096.
 // The benchmark overrides the threshold through set_chunked_max_tokens().
 constexpr int64_t kChunkedMaxTokens = 64;
 constexpr int64_t kChunkedMaxTokensSmall = 48;       // for weights below kSmallWeight elements

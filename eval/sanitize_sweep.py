@@ -6,9 +6,9 @@
 Covers int8, int4 per-channel, group-wise symmetric and with zero points
 (g32/g64/g128), fp16 and bf16, M in {1, 5, 16, 24, 72} (both n-tile counts,
 the chunked path at 24 and the dequantize + GEMM path at 72), K with and
-without an edge tile, N not a multiple of 16 (a partial panel), N = 8197 (the
-two-row-tile instance for 9..16 tokens), and the three SGEMV kernels; every result is
-compared with the reference too.
+without an edge tile, N not a multiple of 16 (a partial panel), N = 8197
+(the two-row-tile instance for 9..16 tokens), and the three SGEMV kernels;
+every result is compared with the reference too.
 
     --ms 1,5,16,24    only the token counts that stay on qgemv's own kernels
                       (M = 72 also runs cuBLAS, whose kernels racecheck flags)
