@@ -586,8 +586,17 @@ Status launch_gemv_mma(const GemvParams& p, cudaStream_t stream) {
 
 // Token count -> instance: one n-tile up to 8 tokens, two up to 16, and for
 // two n-tiles on large N (see has_wide_instance) two row tiles per warp.
+// QGEMV_WIDE_ONE_NTILE (lab only, off by default): two row tiles for 2..8
+// tokens too, on the same shapes.
+#ifndef QGEMV_WIDE_ONE_NTILE
+#define QGEMV_WIDE_ONE_NTILE 0
+#endif
 template <typename T, int kBits, int kGroup, bool kZeros>
 Status launch_for_tokens(const GemvParams& p, cudaStream_t stream) {
+  if constexpr (QGEMV_WIDE_ONE_NTILE && has_wide_instance<kBits, kGroup>()) {
+    if (p.M > 1 && p.M <= 8 && (p.N + kPanelRows - 1) / kPanelRows >= QGEMV_WIDE_MIN_PANELS)
+      return launch_gemv_mma<T, kBits, kGroup, kZeros, 1, 2>(p, stream);
+  }
   if (p.M <= 8) return launch_gemv_mma<T, kBits, kGroup, kZeros, 1, 1>(p, stream);
   if constexpr (has_wide_instance<kBits, kGroup>()) {
     if ((p.N + kPanelRows - 1) / kPanelRows >= QGEMV_WIDE_MIN_PANELS)

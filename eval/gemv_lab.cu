@@ -4,9 +4,10 @@
 //
 // Build and run (on a GPU machine; ~1 minute to compile):
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc eval/gemv_lab.cu csrc/gemv_int4.cu \
-//        csrc/gemv_int8.cu -o /tmp/gemv_lab && /tmp/gemv_lab [--quick] [--shapes NxK,...] [--warps W,...]
+//        csrc/gemv_int8.cu -o /tmp/gemv_lab && /tmp/gemv_lab [--quick] [--shapes NxK,...] [--warps W,...] [--ms M,...]
 //
 //   --quick        M = 1 only, fewer repetitions
+//   --ms           timed token counts (default 1,16; 1..16)
 //   --shapes       timed shapes (default 4096x4096,8192x8192,28672x8192,8192x28672)
 //   --warps        warps per block to time (0 = the launcher's choice; default 0,4, or 0 with --quick)
 //
@@ -142,6 +143,7 @@ int main(int argc, char** argv) {
   bool quick = false;
   std::vector<std::pair<int, int>> shapes = {{4096, 4096}, {8192, 8192}, {28672, 8192}, {8192, 28672}};
   std::vector<int> warps;
+  std::vector<int> ms_arg;
   for (int a = 1; a < argc; ++a) {
     if (std::strcmp(argv[a], "--quick") == 0) {
       quick = true;
@@ -154,6 +156,15 @@ int main(int argc, char** argv) {
           return 2;
         }
         shapes.push_back({n, k});
+      }
+    } else if (std::strcmp(argv[a], "--ms") == 0 && a + 1 < argc) {
+      for (char* tok = std::strtok(argv[++a], ","); tok; tok = std::strtok(nullptr, ",")) {
+        const int m = std::atoi(tok);
+        if (m < 1 || m > 16) {
+          std::fprintf(stderr, "--ms: each value must be 1..16, got %s\n", tok);
+          return 2;
+        }
+        ms_arg.push_back(m);
       }
     } else if (std::strcmp(argv[a], "--warps") == 0 && a + 1 < argc) {
       for (char* tok = std::strtok(argv[++a], ","); tok; tok = std::strtok(nullptr, ",")) {
@@ -204,6 +215,7 @@ int main(int argc, char** argv) {
                         {"int8", 8, 0, false}};
   std::vector<int> Ms = {1, 16};
   if (quick) Ms = {1};
+  if (!ms_arg.empty()) Ms = ms_arg;
   // Odd shapes are checked for correctness only.
   std::vector<std::pair<int, int>> odd = {{4097, 136}, {7, 5128}, {1, 2880}, {300, 24}};
 
