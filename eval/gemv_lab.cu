@@ -137,6 +137,20 @@ struct Case {
   bool zeros;
 };
 
+// A comma-separated list of integers in [lo, hi] appended to out; false
+// (after a message naming the flag) on a bad value.
+bool parse_ints(char* text, const char* flag, int lo, int hi, std::vector<int>& out) {
+  for (char* tok = std::strtok(text, ","); tok; tok = std::strtok(nullptr, ",")) {
+    const int v = std::atoi(tok);
+    if (v < lo || v > hi) {
+      std::fprintf(stderr, "%s: each value must be %d..%d, got %s\n", flag, lo, hi, tok);
+      return false;
+    }
+    out.push_back(v);
+  }
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -158,23 +172,9 @@ int main(int argc, char** argv) {
         shapes.push_back({n, k});
       }
     } else if (std::strcmp(argv[a], "--ms") == 0 && a + 1 < argc) {
-      for (char* tok = std::strtok(argv[++a], ","); tok; tok = std::strtok(nullptr, ",")) {
-        const int m = std::atoi(tok);
-        if (m < 1 || m > 16) {
-          std::fprintf(stderr, "--ms: each value must be 1..16, got %s\n", tok);
-          return 2;
-        }
-        ms_arg.push_back(m);
-      }
+      if (!parse_ints(argv[++a], "--ms", 1, 16, ms_arg)) return 2;
     } else if (std::strcmp(argv[a], "--warps") == 0 && a + 1 < argc) {
-      for (char* tok = std::strtok(argv[++a], ","); tok; tok = std::strtok(nullptr, ",")) {
-        const int w = std::atoi(tok);
-        if (w < 0 || w > 8) {
-          std::fprintf(stderr, "--warps: each value must be 0..8, got %s\n", tok);
-          return 2;
-        }
-        warps.push_back(w);
-      }
+      if (!parse_ints(argv[++a], "--warps", 0, 8, warps)) return 2;
     } else {
       std::fprintf(stderr, "unknown argument %s (see the header of eval/gemv_lab.cu)\n", argv[a]);
       return 2;
