@@ -355,9 +355,16 @@ struct MaxRegisters {
       kBits == 8 && kRT == 1 ? (kNT == 1 ? 72 : 96) : 65536 / (kMaxWarps * 32 * QGEMV_MIN_BLOCKS_PER_SM);
 };
 
+// __maxnreg__ needs CUDA 12.4; older toolkits get the plain bound (128
+// registers for every instance, the int8 ones included).
+#if defined(__CUDACC_VER_MAJOR__) && (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4))
+#define QGEMV_REGISTER_CAP(kBits, kNT, kRT) __maxnreg__((MaxRegisters<kBits, kNT, kRT>::value))
+#else
+#define QGEMV_REGISTER_CAP(kBits, kNT, kRT) __launch_bounds__(kMaxWarps * 32, QGEMV_MIN_BLOCKS_PER_SM)
+#endif
+
 template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kRT>
-__global__ void __maxnreg__((MaxRegisters<kBits, kNT, kRT>::value))
-    gemv_mma_kernel(const GemvParams p) {
+__global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvParams p) {
   using Lane = GemvMma<T, kBits, kGroup, kZeros, kNT, kRT>;
   constexpr int kTileK = Lane::kTileK;
   constexpr int kSlot = kRT * 64;  // uint4 per ring slot: kRT row tiles x 2 rows x 32 lanes
