@@ -1,6 +1,7 @@
 // Weight-only GEMV for M = 1..16 tokens on tensor cores.
 //
-// Layout (one block = 16 output rows, W warps splitting K):
+// Layout (one block = 16 output rows, or 32 with two row tiles (below), W
+// warps splitting K):
 //
 //   The weight tile of 16 rows is the A operand of mma.m16n8k16; the tokens
 //   are the B operand (8 tokens per n-tile, one or two n-tiles).  Lane
@@ -49,11 +50,13 @@
 //   * Group scales and zero points for tile j+1 are loaded while tile j is
 //     computed, so their latency is hidden behind one tile of work.
 //   * Consecutive tiles of a warp accumulate into two register banks: two
-//     independent MMA dependency chains.
+//     independent MMA dependency chains (one row tile; with two, the row
+//     tiles give the independent chains and one bank is used).
 //
 // Split-K across the warps of the block (W = 2, 4 or 8 by shape; see
 // choose_warps): warp w takes tiles w, w+W, w+2W, ...; at the end the
-// warps meet in shared memory and the first threads write the 16 x M outputs.
+// warps meet in shared memory and the first threads write the 16 kRT x M
+// outputs.
 //
 // Row tiles (kRT): with 9..16 tokens a warp may own kRT = 2 row tiles (32
 // rows, two consecutive panels) and use each activation fragment for both.
