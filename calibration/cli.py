@@ -16,8 +16,6 @@ import os
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -106,6 +104,8 @@ def summary_table(rep, cfg, method: str, seconds: float, out: str, fp16_bytes: i
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    import torch
+
     from qgemv import checkpoint as C
     from qgemv.formats import QuantConfig
     from qgemv.nn import QuantLinear

@@ -40,7 +40,7 @@ __global__ void dequant_int4_kernel(const GemvParams p, OutT* __restrict__ out) 
   const int c = block < nfull ? 4 : (p.Kp % 128) / 32;
   // Panels (formats.to_panels): block `block` of row i of an r-row panel
   // starts at word block*16*r + i*4c of the panel.
-  const int p0 = row / 16 * 16, r = min(16, p.N - p0), i = row - p0;
+  const int p0 = row / kPanelRows * kPanelRows, r = min(kPanelRows, p.N - p0), i = row - p0;
   const uint32_t* q = static_cast<const uint32_t*>(p.qweight) + static_cast<size_t>(p0) * (p.Kp / 8);
   const uint32_t w = q[block * 16 * r + i * 4 * c + t * c + j];
   const __half* scales = static_cast<const __half*>(p.scales);
@@ -72,9 +72,9 @@ __global__ void dequant_int8_kernel(const GemvParams p, OutT* __restrict__ out) 
   // Panels (formats.to_panels): 64-byte tile `tile` of row i of an r-row
   // panel starts at byte tile*64*r + i*seg, seg = 64 (or the row's remainder
   // in the last, partial tile).
-  const int p0 = row / 16 * 16, r = min(16, p.N - p0), i = row - p0;
-  const int tile = ch / 8, seg = tile < p.Kp / 64 ? 64 : p.Kp % 64;
-  const int8_t* q = static_cast<const int8_t*>(p.qweight) + static_cast<size_t>(p0) * p.Kp + tile * 64 * r +
+  const int p0 = row / kPanelRows * kPanelRows, r = min(kPanelRows, p.N - p0), i = row - p0;
+  const int tile = ch / 8, seg = tile < p.Kp / kTileBytes ? kTileBytes : p.Kp % kTileBytes;
+  const int8_t* q = static_cast<const int8_t*>(p.qweight) + static_cast<size_t>(p0) * p.Kp + tile * kTileBytes * r +
                     i * seg + (ch % 8) * 8;
   const float scale = __half2float(static_cast<const __half*>(p.scales)[row]);
   const uint2 raw = *reinterpret_cast<const uint2*>(q);  // 8 int8, 8-byte aligned (Kp % 16 == 0)

@@ -70,8 +70,7 @@
 
 namespace qgemv {
 
-constexpr int kPanelRows = 16;     // rows of one MMA row tile = one weight panel
-constexpr int kTileBytes = 64;      // bytes of one row per tile (int8: 64 k, int4: 128 k)
+// One MMA row tile = one weight panel (kPanelRows rows, qgemv_common.cuh).
 // QGEMV_STAGES, QGEMV_MIN_BLOCKS_PER_SM and QGEMV_WIDE_MIN_PANELS exist for
 // eval/gemv_lab.cu A/B builds; the defaults are the measured best
 // (BENCHMARKS.md, optimisation log).
@@ -145,7 +144,7 @@ struct GemvMma {
   __device__ __forceinline__ GemvMma(const GemvParams& params, int lane) : p(params) {
     g = lane >> 2;
     t = lane & 3;
-    const int npanels = (p.N + kPanelRows - 1) / kPanelRows;
+    const int npanels = num_panels(p.N);
     if constexpr (kGrouped) ngroups = p.K / kGroup;
 #pragma unroll
     for (int rt = 0; rt < kRT; ++rt) {
@@ -562,7 +561,7 @@ __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvPa
 // Never more warps than tiles.
 inline int choose_warps(int N, int K, int Kp, int tile_k, int row_tiles) {
   const int k_tiles = (Kp + tile_k - 1) / tile_k;
-  const int panels = (N + kPanelRows - 1) / kPanelRows;
+  const int panels = num_panels(N);
   int w = kMaxWarps;
   if (row_tiles == 1) {
     if (K <= 4096 && panels >= 640) {
@@ -604,12 +603,12 @@ Status launch_gemv_mma(const GemvParams& p, cudaStream_t stream) {
 template <typename T, int kBits, int kGroup, bool kZeros>
 Status launch_for_tokens(const GemvParams& p, cudaStream_t stream) {
   if constexpr (QGEMV_WIDE_ONE_NTILE && has_wide_instance<kBits, kGroup>()) {
-    if (p.M > 1 && p.M <= 8 && (p.N + kPanelRows - 1) / kPanelRows >= QGEMV_WIDE_MIN_PANELS)
+    if (p.M > 1 && p.M <= 8 && num_panels(p.N) >= QGEMV_WIDE_MIN_PANELS)
       return launch_gemv_mma<T, kBits, kGroup, kZeros, 1, 2>(p, stream);
   }
   if (p.M <= 8) return launch_gemv_mma<T, kBits, kGroup, kZeros, 1, 1>(p, stream);
   if constexpr (has_wide_instance<kBits, kGroup>()) {
-    if ((p.N + kPanelRows - 1) / kPanelRows >= QGEMV_WIDE_MIN_PANELS)
+    if (num_panels(p.N) >= QGEMV_WIDE_MIN_PANELS)
       return launch_gemv_mma<T, kBits, kGroup, kZeros, 2, 2>(p, stream);
   }
   return launch_gemv_mma<T, kBits, kGroup, kZeros, 2, 1>(p, stream);

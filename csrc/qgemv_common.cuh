@@ -16,6 +16,14 @@ namespace qgemv {
 
 constexpr int kWarpSize = 32;
 
+// Packed-weight panels (format version 2, qgemv/formats.py to_panels): rows
+// are stored 16 at a time, and inside a panel the 64 bytes each row holds of
+// one k-tile (int8: 64 k, int4: 128 k) sit together, tile after tile.
+constexpr int kPanelRows = 16;
+constexpr int kTileBytes = 64;
+
+__host__ __device__ constexpr int num_panels(int n) { return (n + kPanelRows - 1) / kPanelRows; }
+
 // ---------------------------------------------------------------------------
 // Loads.
 //

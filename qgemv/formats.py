@@ -119,7 +119,7 @@ def _finish_scale(scale: torch.Tensor, name: str) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------
-# int8
+# panels (format version 2): the row order both packed layouts are stored in
 # --------------------------------------------------------------------------
 def to_panels(rows: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Row-major packed rows [N, L] <-> the panel order of format version 2.
@@ -163,6 +163,9 @@ def to_panels(rows: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     return out.contiguous()
 
 
+# --------------------------------------------------------------------------
+# int8
+# --------------------------------------------------------------------------
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
     """int8 codes [N, K] -> qweight int8 [N, round_up(K, 16)] (zero padded, in panels)."""
     if q.dtype != torch.int8 or q.dim() != 2:
