@@ -154,8 +154,13 @@ def load_float_model(path: str, dtype: torch.dtype = torch.float32, device: str 
 # Quantized checkpoints
 # --------------------------------------------------------------------------
 def quantization_config(model: nn.Module, algorithm: str, calibration: Optional[dict], default: QuantConfig,
-                        skipped: list) -> dict:
-    """The ``quantization_config`` block: defaults plus per-module formats."""
+                        skipped: list, rotation: Optional[dict] = None) -> dict:
+    """The ``quantization_config`` block: defaults plus per-module formats.
+
+    ``rotation`` (calibration/rotate.py's record) is informative only: the
+    rotations are folded into the stored tensors, and loading needs nothing
+    from it.
+    """
     modules = {}
     for name, m in model.named_modules():
         if isinstance(m, QuantLinear):
@@ -173,6 +178,7 @@ def quantization_config(model: nn.Module, algorithm: str, calibration: Optional[
         "converted": sorted(n for n, m in model.named_modules() if isinstance(m, QuantLinear)),
         "module_overrides": modules,
         "calibration": calibration or {},
+        "rotation": rotation,
     }
 
 
