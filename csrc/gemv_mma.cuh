@@ -58,6 +58,11 @@
 // warps meet in shared memory and the first threads write the 16 kRT x M
 // outputs.
 //
+// Persistent grid (M <= 8, int8 and int4 per channel / G = 128 without zero
+// points, when the plain grid would exceed one wave): at most as many blocks
+// as fit on the GPU at once, each walking several 16-row blocks, with every
+// warp's ring streaming on from one block's tiles into the next's.
+//
 // Row tiles (kRT): with 9..16 tokens a warp may own kRT = 2 row tiles (32
 // rows, two consecutive panels) and use each activation fragment for both.
 // With one row tile, every block re-reads all of x: 16 tokens x K x 2 bytes
@@ -141,7 +146,9 @@ struct GemvMma {
   int ngroups = 1;
   uint32_t sym_z, sym_y;      // symmetric zero point 8 as (magic + 8), (magic/16 + 8)
 
-  __device__ __forceinline__ GemvMma(const GemvParams& params, int lane) : p(params) {
+  // blk: the logical block (kRT panels) this warp works on; blockIdx.x except
+  // in the persistent kernel, whose blocks walk several.
+  __device__ __forceinline__ GemvMma(const GemvParams& params, int lane, int blk) : p(params) {
     g = lane >> 2;
     t = lane & 3;
     const int npanels = num_panels(p.N);
@@ -150,8 +157,7 @@ struct GemvMma {
     for (int rt = 0; rt < kRT; ++rt) {
       // A row tile past the last panel (N not a multiple of 16 kRT) reads the
       // last panel again; its outputs are never stored.
-      const int pan = kRT == 1 ? static_cast<int>(blockIdx.x)
-                               : min(static_cast<int>(blockIdx.x) * kRT + rt, npanels - 1);
+      const int pan = kRT == 1 ? blk : min(blk * kRT + rt, npanels - 1);
       pan_row0[rt] = pan * kPanelRows;
       pan_rows[rt] = min(kPanelRows, p.N - pan_row0[rt]);
       i0[rt] = min(g, pan_rows[rt] - 1);
@@ -315,6 +321,19 @@ struct GemvMma {
   __device__ __forceinline__ void tile(int tile_idx, const uint4 (&w0)[kRT], const uint4 (&w1)[kRT],
                                        const TileMeta (&m)[kRT], int c = 4) {
     const int k_tile = tile_idx * kTileK;
+#ifdef QGEMV_LAB_STREAM_ONLY
+    // Lab timing only (wrong results): consume the words without dequantising
+    // or multiplying, to time the memory pipeline alone.  Measured: it runs
+    // at the speed of a plain streaming read of the same bytes (BENCHMARKS.md),
+    // so the ring itself is not what keeps int4 from the read floor.
+    if constexpr (!kChecked) {
+      uint32_t h = 0;
+#pragma unroll
+      for (int rt = 0; rt < kRT; ++rt) h ^= w0[rt].x ^ w0[rt].y ^ w0[rt].z ^ w0[rt].w ^ w1[rt].x ^ w1[rt].y ^ w1[rt].z ^ w1[rt].w;
+      acc[B % kBanks][0][0][0] += __uint_as_float(h & 0x007fffffu);
+      return;
+    }
+#endif
     if constexpr (kBits == 4) {
       float part[kRT][kNT][4];
 #pragma unroll
@@ -351,6 +370,9 @@ struct GemvMma {
 // fit 7 blocks of 128 threads, 76 only 6; 96 fit 5, 98 only 4.  Without the
 // cap the row-tile generalisation cost int8 28672x8192 7-9% (lab: M = 1
 // 66.0 -> 71.6 us, M = 16 74.7 -> 81.2 us; capped: 66.0 and 74.0 us).
+// The int4 M <= 8 instances (95-128 registers) spill under a cap of 64, 72
+// or 80 and got slower at every one (lab, 2026-12-01: 28672x8192 int4
+// 39.5 -> 44.7 / 39.6 / 44.7 us, g128 44.3 -> 50-59 us).
 template <int kBits, int kNT, int kRT>
 struct MaxRegisters {
   static constexpr int value =
@@ -365,7 +387,13 @@ struct MaxRegisters {
 #define QGEMV_REGISTER_CAP(kBits, kNT, kRT) __launch_bounds__(kMaxWarps * 32, QGEMV_MIN_BLOCKS_PER_SM)
 #endif
 
-template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kRT>
+// kPersist: a grid of at most (blocks per SM x SMs) blocks, each walking the
+// logical blocks blockIdx.x, blockIdx.x + gridDim.x, ...  A warp's weight
+// ring keeps streaming across them: while it finishes one panel, the
+// first tiles of its next panel are already in flight, so the pipeline
+// fills once per warp instead of once per panel (see launch_gemv_mma for
+// when it is used).
+template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kRT, bool kPersist>
 __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvParams p) {
   using Lane = GemvMma<T, kBits, kGroup, kZeros, kNT, kRT>;
   constexpr int kTileK = Lane::kTileK;
@@ -374,41 +402,56 @@ __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvPa
   const int warp = threadIdx.x >> 5;
   const int nwarps = blockDim.x >> 5;
   constexpr bool grouped = Lane::kGrouped;
+  const int nblk = kPersist ? (p.N + kRT * kPanelRows - 1) / (kRT * kPanelRows) : 0;
+  const int g = lane >> 2, t = lane & 3;
 
-  Lane s(p, lane);
   const uint64_t pol = evict_first_policy();
   const size_t row_bytes = kBits == 4 ? p.Kp / 2 : p.Kp;
   // Row tile rt reads one panel: rows [pan_row0, pan_row0 + pan_rows) with
   // each tile's pan_rows x 64 bytes stored together (formats.to_panels), so
   // that the r0 half of a warp's tile is 512 contiguous bytes, and so is the
-  // r1 half.
-  const char* panel[kRT];
-  int tile_stride[kRT];  // bytes from one tile of a row to the next
+  // r1 half.  The issue side keeps its own copy of the panel geometry: in the
+  // persistent kernel it runs ahead into the next logical block.
   int step_bytes[kRT];   // bytes from one of this warp's tiles to its next
   const char* src0[kRT];
   const char* src1[kRT];
   const int nclean = p.K / kTileK;  // clean tiles: every k < K; the edge tile (if any) is tile nclean
   const bool has_edge = nclean * kTileK < p.Kp;
+  auto aim = [&](int blk) {  // this warp's first clean tile of logical block blk
+    const int npanels = num_panels(p.N);
 #pragma unroll
-  for (int rt = 0; rt < kRT; ++rt) {
-    panel[rt] = static_cast<const char*>(p.qweight) + static_cast<size_t>(s.pan_row0[rt]) * row_bytes;
-    tile_stride[rt] = s.pan_rows[rt] * kTileBytes;
-    step_bytes[rt] = nwarps * tile_stride[rt];
-    // This warp's clean tiles: warp, warp + W, ...
-    src0[rt] = panel[rt] + s.i0[rt] * kTileBytes + 16 * s.t + warp * tile_stride[rt];
-    src1[rt] = panel[rt] + s.i1[rt] * kTileBytes + 16 * s.t + warp * tile_stride[rt];
-  }
+    for (int rt = 0; rt < kRT; ++rt) {
+      const int pan = kRT == 1 ? blk : min(blk * kRT + rt, npanels - 1);
+      const int row0 = pan * kPanelRows, rows = min(kPanelRows, p.N - row0);
+      const char* panel = static_cast<const char*>(p.qweight) + static_cast<size_t>(row0) * row_bytes;
+      const int tile_stride = rows * kTileBytes;
+      step_bytes[rt] = nwarps * tile_stride;
+      src0[rt] = panel + min(g, rows - 1) * kTileBytes + 16 * t + warp * tile_stride;
+      src1[rt] = panel + min(g + 8, rows - 1) * kTileBytes + 16 * t + warp * tile_stride;
+    }
+  };
 
   // Shared memory: [weight ring: nwarps x kStages x kSlot x 16 B] [reduction]
   extern __shared__ __align__(16) unsigned char smem[];
   uint4* ring = reinterpret_cast<uint4*>(smem) + warp * kStages * kSlot + lane;
   float* red = reinterpret_cast<float*>(smem + static_cast<size_t>(nwarps) * kStages * kSlot * sizeof(uint4));
 
-  const int count = warp < nclean ? (nclean - warp + nwarps - 1) / nwarps : 0;
-  int issued = 0;
+  const int count = warp < nclean ? (nclean - warp + nwarps - 1) / nwarps : 0;  // clean tiles per block
+  int issue_blk = blockIdx.x;  // logical block the next issue reads from
+  int issued = 0;              // tiles issued of issue_blk
+  int issued_all = 0;          // ring slots filled (one cp.async group each)
+  aim(issue_blk);
   auto issue = [&]() {
+    if constexpr (kPersist) {
+      if (issued == count && count > 0) {
+        issue_blk += gridDim.x;
+        issued = 0;
+        if (issue_blk < nblk) aim(issue_blk);
+      }
+      if (issue_blk >= nblk) issued = count;  // nothing left: empty groups
+    }
     if (issued < count) {
-      uint4* slot = ring + (issued & (kStages - 1)) * kSlot;
+      uint4* slot = ring + (issued_all & (kStages - 1)) * kSlot;
 #pragma unroll
       for (int rt = 0; rt < kRT; ++rt) {
         cp_async_16(slot + rt * 64, src0[rt], pol);
@@ -416,12 +459,17 @@ __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvPa
         src0[rt] += step_bytes[rt];
         src1[rt] += step_bytes[rt];
       }
+      ++issued;
+    } else if constexpr (!kPersist) {
+      ++issued;
     }
-    ++issued;
+    ++issued_all;
     cp_async_commit();  // always commit: keeps the group count uniform
   };
-  auto read_slot = [&](int j, uint4 (&w0)[kRT], uint4 (&w1)[kRT]) {
-    const uint4* slot = ring + (j & (kStages - 1)) * kSlot;
+  int consumed = 0;  // ring slots read
+  auto read_slot = [&](uint4 (&w0)[kRT], uint4 (&w1)[kRT]) {
+    const uint4* slot = ring + (consumed & (kStages - 1)) * kSlot;
+    ++consumed;
 #pragma unroll
     for (int rt = 0; rt < kRT; ++rt) {
       w0[rt] = slot[rt * 64];
@@ -431,6 +479,9 @@ __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvPa
 #pragma unroll
   for (int j = 0; j < kStages - 1; ++j) issue();
 
+  for (int blk = blockIdx.x; kPersist ? blk < nblk : blk == static_cast<int>(blockIdx.x);
+       blk += kPersist ? gridDim.x : 1) {
+  Lane s(p, lane, blk);
   TileMeta meta_cur[kRT], meta_next[kRT];
   if (grouped && count > 0) s.template load_meta<false>(warp, meta_cur);
   int j = 0;
@@ -442,10 +493,10 @@ __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvPa
       const int tile_b = tile_a + nwarps;
       uint4 wa0[kRT], wa1[kRT], wb0[kRT], wb1[kRT];
       cp_async_wait<kStages - 2>();
-      read_slot(j, wa0, wa1);
+      read_slot(wa0, wa1);
       issue();
       cp_async_wait<kStages - 2>();
-      read_slot(j + 1, wb0, wb1);
+      read_slot(wb0, wb1);
       issue();
       TileMeta meta_b[kRT];
       if (grouped) s.template load_meta<false>(tile_b, meta_b);
@@ -458,7 +509,8 @@ __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvPa
     if (j < count) {
       uint4 w0[kRT], w1[kRT];
       cp_async_wait<kStages - 2>();
-      read_slot(j, w0, w1);
+      read_slot(w0, w1);
+      if constexpr (kPersist) issue();  // keep the next block's tiles coming
       s.template tile<0, false>(tile_a, w0, w1, meta_cur);
     }
   } else {
@@ -467,7 +519,7 @@ __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvPa
     for (; j < count; ++j, tile_a += nwarps) {
       uint4 w0[kRT], w1[kRT];
       cp_async_wait<kStages - 2>();
-      read_slot(j, w0, w1);
+      read_slot(w0, w1);
       issue();
       if (grouped && j + 1 < count) s.template load_meta<false>(tile_a + nwarps, meta_next);
       s.template tile<0, false>(tile_a, w0, w1, meta_cur);
@@ -475,7 +527,7 @@ __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvPa
       for (int rt = 0; rt < kRT; ++rt) meta_cur[rt] = meta_next[rt];
     }
   }
-  cp_async_wait<0>();
+  if constexpr (!kPersist) cp_async_wait<0>();  // (the persistent ring holds the next block's tiles)
 
   // The edge tile, read directly, with bounds checks on the activations.  In
   // each panel it starts after nclean full tiles and holds `seg` bytes per
@@ -488,8 +540,10 @@ __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvPa
     uint4 w0[kRT], w1[kRT];
 #pragma unroll
     for (int rt = 0; rt < kRT; ++rt) {
-      const char* b0 = panel[rt] + nclean * tile_stride[rt] + s.i0[rt] * 16 * c;
-      const char* b1 = panel[rt] + nclean * tile_stride[rt] + s.i1[rt] * 16 * c;
+      const char* panel = static_cast<const char*>(p.qweight) + static_cast<size_t>(s.pan_row0[rt]) * row_bytes;
+      const int tile_stride = s.pan_rows[rt] * kTileBytes;
+      const char* b0 = panel + nclean * tile_stride + s.i0[rt] * 16 * c;
+      const char* b1 = panel + nclean * tile_stride + s.i1[rt] * 16 * c;
       w0[rt] = make_uint4(0u, 0u, 0u, 0u);
       w1[rt] = w0[rt];
       if constexpr (kBits == 4) {
@@ -538,13 +592,16 @@ __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvPa
     float sum = 0.f;
     for (int w2 = 0; w2 < nwarps; ++w2) sum += red[(w2 * kValues + q) * kWarpSize + ln];
     // C fragment: i = 0,1 -> row g, tokens 2t, 2t+1; i = 2,3 -> row g+8.
-    const int row = (blockIdx.x * kRT + rt) * kPanelRows + (ln >> 2) + (i >= 2 ? 8 : 0);
+    const int row = (blk * kRT + rt) * kPanelRows + (ln >> 2) + (i >= 2 ? 8 : 0);
     const int tok = n * 8 + 2 * (ln & 3) + (i & 1);
     if (row < p.N && tok < p.M) {
       if constexpr (!grouped) sum *= __half2float(scales[row]);
       ActTraits<T>::store(y + static_cast<size_t>(tok) * p.ldy + row, sum);
     }
   }
+  if constexpr (kPersist) __syncthreads();  // red is rewritten by the next logical block
+  }
+  cp_async_wait<0>();
 }
 
 // Warps per block (the split-K factor), measured on the H200 with
@@ -576,15 +633,61 @@ inline int choose_warps(int N, int K, int Kp, int tile_k, int row_tiles) {
   return k_tiles < w ? (k_tiles > 0 ? k_tiles : 1) : w;
 }
 
+// The persistent kernel (one n-tile, one row tile: M <= 8) for int8 and
+// int4 per channel / G = 128 without zero points, once the grid exceeds
+// QGEMV_PERSIST_MIN_WAVES waves of resident blocks.  Measured on the H200
+// (eval/gemv_lab.cu, BENCHMARKS.md): int4 57344x8192 M = 8 81.1 -> 74.7 us,
+// 22016x4096 M = 1 22.3 -> 20.5 us, 28672x8192 unchanged (its persistent
+// instance needs 122 registers, not 93, so 4 blocks per SM instead of 5);
+// with zero points it lost 3-7%, so those keep the plain grid.
+// QGEMV_PERSIST_GRID (lab only) forces it with that many blocks on every
+// shape, so the lab's odd shapes run through it.
+#ifndef QGEMV_PERSIST_MIN_WAVES
+#define QGEMV_PERSIST_MIN_WAVES 1
+#endif
+#ifndef QGEMV_PERSIST_GRID
+#define QGEMV_PERSIST_GRID 0
+#endif
+template <int kBits, int kGroup, bool kZeros, int kNT, int kRT>
+constexpr bool has_persistent_instance() {
+  return kNT == 1 && kRT == 1 && !kZeros && (kGroup == 0 || kGroup == 128);
+}
+
 template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kRT>
 Status launch_gemv_mma(const GemvParams& p, cudaStream_t stream) {
   constexpr int kTileK = GemvMma<T, kBits, kGroup, kZeros, kNT, kRT>::kTileK;
   const int w = p.warps_per_block > 0 ? p.warps_per_block : choose_warps(p.N, p.K, p.Kp, kTileK, kRT);
   if (w > kMaxWarps) return Status::kBadShape;
-  const dim3 grid((p.N + kRT * kPanelRows - 1) / (kRT * kPanelRows));
+  const int nblk = (p.N + kRT * kPanelRows - 1) / (kRT * kPanelRows);
   const size_t smem = static_cast<size_t>(w) * kStages * kRT * 64 * sizeof(uint4) +
                       static_cast<size_t>(w) * kRT * kNT * 4 * kWarpSize * sizeof(float);
-  auto kernel = gemv_mma_kernel<T, kBits, kGroup, kZeros, kNT, kRT>;
+  auto kernel = gemv_mma_kernel<T, kBits, kGroup, kZeros, kNT, kRT, false>;
+  int grid = nblk;
+  if constexpr (has_persistent_instance<kBits, kGroup, kZeros, kNT, kRT>()) {
+    // Resident blocks per SM for this instance and warp count, asked once.
+    static int resident[kMaxWarps + 1] = {};
+    static int sms = 0;
+    auto pkernel = gemv_mma_kernel<T, kBits, kGroup, kZeros, kNT, kRT, true>;
+    if (resident[w] == 0) {
+      int dev = 0, n = 0;
+      if (cudaGetDevice(&dev) != cudaSuccess ||
+          cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+        return Status::kLaunchFailed;
+      if (smem > 48 * 1024 &&
+          cudaFuncSetAttribute(pkernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) !=
+              cudaSuccess)
+        return Status::kLaunchFailed;
+      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pkernel, w * kWarpSize, smem) != cudaSuccess)
+        return Status::kLaunchFailed;
+      resident[w] = n > 0 ? n : 1;
+    }
+    const int slots = resident[w] * sms;
+    const int forced = QGEMV_PERSIST_GRID;
+    if (forced > 0 || nblk >= QGEMV_PERSIST_MIN_WAVES * slots) {
+      kernel = pkernel;
+      grid = forced > 0 ? (forced < nblk ? forced : nblk) : slots;
+    }
+  }
   if (smem > 48 * 1024 &&
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) !=
           cudaSuccess)

@@ -7,8 +7,9 @@ Covers int8, int4 per-channel, group-wise symmetric and with zero points
 (g32/g64/g128), fp16 and bf16, M in {1, 5, 16, 24, 72} (both n-tile counts,
 the chunked path at 24 and the dequantize + GEMM path at 72), K with and
 without an edge tile, N not a multiple of 16 (a partial panel), N = 8197
-(the two-row-tile instance for 9..16 tokens), and the three SGEMV kernels;
-every result is compared with the reference too.
+(the two-row-tile instance for 9..16 tokens), N = 20005 (1251 blocks of 16
+rows: the persistent grid for 1..8 tokens on an H200), and the three SGEMV
+kernels; every result is compared with the reference too.
 
     --ms 1,5,16,24    only the token counts that stay on qgemv's own kernels
                       (M = 72 also runs cuBLAS, whose kernels racecheck flags)
@@ -36,8 +37,8 @@ def main(argv=None) -> int:
     # every (group size, zero points) kernel instance
     cfgs = [F.QuantConfig(8), F.QuantConfig(4)] + [
         F.QuantConfig(4, g, sym) for g in (32, 64, 128) for sym in (True, False)]
-    # odd N and K, a partial panel, a long row, two row tiles per warp
-    shapes = [(33, 136), (7, 2880), (40, 4096), (17, 17408), (8197, 136)]
+    # odd N and K, a partial panel, a long row, two row tiles per warp, a persistent grid
+    shapes = [(33, 136), (7, 2880), (40, 4096), (17, 17408), (8197, 136), (20005, 256)]
     bad = 0
     n_runs = 0
     for cfg, (n, k), dt, m in itertools.product(cfgs, shapes, (torch.float16, torch.bfloat16), ms):

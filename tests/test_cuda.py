@@ -94,18 +94,23 @@ def _check(cfg, x, qw, s, z, k, dense=None):
         assert (err.norm() / ref.norm()).item() < 4 * eps
 
 
+def _check_token_counts(name, n, k, ms, dtype):
+    """One weight of format `name` ([n, k]), checked at each token count in ms."""
+    cfg = CFGS[name]
+    if not _fits(cfg, k):
+        pytest.skip(f"K={k} not divisible by group {cfg.group_size}")
+    qw, s, z = _quantized(cfg, n, k)
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        _check(cfg, x, qw, s, z, k)
+
+
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("name", list(CFGS))
 @pytest.mark.parametrize("n,k", list(itertools.product(ODD_N, ODD_K)), ids=lambda v: str(v))
 def test_odd_shapes_all_m(n, k, name, dtype):
-    cfg = CFGS[name]
-    if not _fits(cfg, k):
-        pytest.skip(f"K={k} not divisible by group {cfg.group_size}")
-    qw, s, z = _quantized(cfg, n, k)
-    for m in MS:
-        x = torch.randn(m, k, device="cuda", dtype=dtype)
-        _check(cfg, x, qw, s, z, k)
+    _check_token_counts(name, n, k, MS, dtype)
 
 
 @requires_cuda
@@ -127,13 +132,20 @@ def test_two_row_tile_kernel_odd_shapes(k, name, dtype):
     """9..16 tokens on N >= 8192 take the two-row-tile instance (csrc/gemv_mma.cuh,
     QGEMV_WIDE_MIN_PANELS): N = 8197 ends in a 5-row panel, and its last block's
     second row tile lies wholly past N."""
-    cfg = CFGS[name]
-    if not _fits(cfg, k):
-        pytest.skip(f"K={k} not divisible by group {cfg.group_size}")
-    qw, s, z = _quantized(cfg, 8197, k)
-    for m in (9, 13, 16):
-        x = torch.randn(m, k, device="cuda", dtype=dtype)
-        _check(cfg, x, qw, s, z, k)
+    _check_token_counts(name, 8197, k, (9, 13, 16), dtype)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int4g128"])
+@pytest.mark.parametrize("k", [136, 2880])
+def test_persistent_kernel_odd_shapes(k, name, dtype):
+    """1..8 tokens on a grid of more than one wave take the persistent instance
+    (csrc/gemv_mma.cuh, has_persistent_instance) for int8 and int4 per channel /
+    G = 128: N = 50005 gives 3126 blocks of 16 rows, more than any H200
+    residency, so each block walks several, ending in a 5-row panel; K = 136
+    and 2880 leave an edge tile."""
+    _check_token_counts(name, 50005, k, (1, 3, 8), dtype)
 
 
 @requires_cuda
