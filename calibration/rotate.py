@@ -95,8 +95,13 @@ def _fold_norm(norm: nn.Module, linears: list) -> None:
     for lin in linears:
         lin.weight.data = (lin.weight.data.to(torch.float64) * g[None, :]).to(lin.weight.dtype)
     norm.weight.data.fill_(1.0)
+
+
+def _check_norm(name: str, norm) -> None:
+    if norm is None or getattr(norm, "weight", None) is None:
+        raise ValueError(f"{name}: rotation needs an RMSNorm with a weight here")
     if getattr(norm, "bias", None) is not None:
-        raise ValueError(f"{type(norm).__name__} has a bias: only RMSNorm-style norms can be folded")
+        raise ValueError(f"{name} ({type(norm).__name__}) has a bias: only RMSNorm-style norms can be folded")
 
 
 def _right(lin: nn.Linear, q: torch.Tensor) -> None:
@@ -128,6 +133,7 @@ def rotate_llama(model: nn.Module, seed: int = 0, heads: bool = True) -> dict:
     hidden = emb.weight.shape[1]
     if lm_head is None or lm_head.weight.shape[1] != hidden:
         raise ValueError("rotation needs an lm_head reading the hidden state")
+    # Check everything before changing anything: a model this cannot rotate is left as it was.
     for i, layer in enumerate(inner.layers):
         for path in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                      "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"):
@@ -135,6 +141,9 @@ def rotate_llama(model: nn.Module, seed: int = 0, heads: bool = True) -> dict:
                 layer.get_submodule(path)
             except AttributeError as e:
                 raise ValueError(f"layer {i}: rotation needs a Llama-style {path}") from e
+        _check_norm(f"model.layers.{i}.input_layernorm", layer.input_layernorm)
+        _check_norm(f"model.layers.{i}.post_attention_layernorm", layer.post_attention_layernorm)
+    _check_norm("model.norm", getattr(inner, "norm", None))
 
     # lm_head gets the final norm's gain, the embeddings must not: untie
     if lm_head.weight is emb.weight or lm_head.weight.data_ptr() == emb.weight.data_ptr():

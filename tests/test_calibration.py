@@ -227,6 +227,19 @@ def test_rotation_keeps_the_float_function(tiny_llama_dir):
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
 
 
+def test_rotation_refuses_a_norm_with_bias_and_changes_nothing(tiny_llama_dir):
+    from calibration.rotate import rotate_llama
+
+    model, _ = _load_tiny(tiny_llama_dir)
+    model.model.layers[1].post_attention_layernorm = torch.nn.LayerNorm(64)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.post_attention_layernorm .*bias"):
+        rotate_llama(model)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert model.config.tie_word_embeddings
+
+
 def test_rotated_gptq_checkpoint_round_trip(tiny_llama_dir, tmp_path):
     model, tok = _load_tiny(tiny_llama_dir)
     _random_norm_gains(model)
