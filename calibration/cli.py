@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rotate the residual stream and the attention values by seeded random Hadamard "
                          "matrices folded into the weights before quantizing (the float function is unchanged; "
                          "lm_head is untied from the embeddings). Pays off with gptq / awq_gptq")
+    ap.add_argument("--save-dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
+                    help="dtype of the tensors kept in float (embeddings, norms, lm_head) in the checkpoint; "
+                         "auto = the source checkpoint's config dtype (float32 for a .gguf file)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--overwrite", action="store_true")
     return ap
@@ -110,7 +113,7 @@ def summary_table(rep, cfg, method: str, seconds: float, out: str, fp16_bytes: i
     files = [os.path.join(out, f) for f in os.listdir(out) if f.endswith(".safetensors")] if os.path.isdir(out) else []
     if files:
         lines.insert(-1, f"{'checkpoint tensors':22s} {sum(os.path.getsize(f) for f in files) / 1e6:9.2f} MB "
-                         f"(float tensors kept in the model's dtype)")
+                         f"(float tensors in {getattr(rep, 'float_dtype', '?')})")
     return "\n".join(lines)
 
 
@@ -136,6 +139,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     try:
         path = C.resolve_model(args.model)
+        save_dtype = (C.source_dtype(path) or torch.float32) if args.save_dtype == "auto" else getattr(torch, args.save_dtype)
         model, tok = C.load_float_model(path, device="cpu")
     except (FileNotFoundError, ValueError) as e:
         print(f"qgemv-quantize: {e}", file=sys.stderr)
@@ -158,13 +162,14 @@ def main(argv=None) -> int:
                              forward_dtype=getattr(torch, args.forward_dtype), rotate=args.rotate,
                              rotate_seed=args.seed)
     rep.formats = {n: m.config.name for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    rep.float_dtype = str(save_dtype).replace("torch.", "")
     fp16_bytes = sum(m.in_features * m.out_features * 2 for _, m in model.named_modules() if isinstance(m, QuantLinear))
     qc = C.quantization_config(model, args.method, calib, cfg, list(rep.skipped), rotation=rep.rotation)
     qc["source_model"] = str(args.model)
     report = {"per_layer": rep.per_layer, "seconds": time.time() - t0, "peak_rss_mb": rep.peak_rss_mb,
               "skipped": rep.skipped, "formats": rep.formats}
     C.save_quantized(model, tok, args.out, qc, overwrite=args.overwrite,
-                     extra_json={"quantize_report.json": report})
+                     extra_json={"quantize_report.json": report}, float_dtype=save_dtype)
     print(summary_table(rep, cfg, args.method, time.time() - t0, args.out, fp16_bytes))
     return 0
 

@@ -121,6 +121,20 @@ def resolve_model(spec: Optional[str]) -> str:
     return spec
 
 
+_FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def source_dtype(path: str) -> Optional[torch.dtype]:
+    """The float dtype a Hugging Face directory's config.json declares (``dtype`` or
+    ``torch_dtype``), or None (a .gguf file, or no such entry)."""
+    p = Path(path)
+    if not (p.is_dir() and (p / "config.json").exists()):
+        return None
+    cfg = json.loads((p / "config.json").read_text())
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    return _FLOAT_DTYPES.get(str(name).replace("torch.", "")) if name else None
+
+
 def load_float_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """(model, tokenizer) from a Hugging Face directory or a .gguf file.
 
@@ -183,13 +197,19 @@ def quantization_config(model: nn.Module, algorithm: str, calibration: Optional[
 
 
 def save_quantized(model: nn.Module, tokenizer, out_dir: str, qconfig: dict, overwrite: bool = False,
-                   extra_json: Optional[dict] = None) -> Path:
+                   extra_json: Optional[dict] = None, float_dtype: Optional[torch.dtype] = None) -> Path:
     """Write config.json, model.safetensors and the tokenizer to out_dir, atomically.
 
     Everything goes to a temporary sibling directory first and is renamed into
     place at the end, so an interrupted run leaves no directory that loads.
     ``extra_json`` ({file name: object}) adds reports to the same directory.
+    ``float_dtype`` stores the tensors that stay in float (embeddings, norms,
+    lm_head, biases) in that dtype, and config.json says so; None keeps the
+    model's.  The packed weights, their fp16 scales and uint8 zero points are
+    stored as they are.
     """
+    if float_dtype not in (None, *_FLOAT_DTYPES.values()):
+        raise ValueError(f"float_dtype must be None, float32, float16 or bfloat16, got {float_dtype}")
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -199,6 +219,13 @@ def save_quantized(model: nn.Module, tokenizer, out_dir: str, qconfig: dict, ove
         cfg = model.config.to_dict()
         cfg["quantization_config"] = qconfig
         state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+        if float_dtype is not None:
+            packed = {f"{n}.{key}" for n, m in model.named_modules() if isinstance(m, QuantLinear)
+                      for key in ("qweight", "scales", "zeros")}
+            state = {k: (v.to(float_dtype) if v.is_floating_point() and k not in packed else v)
+                     for k, v in state.items()}
+            cfg["dtype"] = str(float_dtype).replace("torch.", "")
+            cfg.pop("torch_dtype", None)
         # tied weights (lm_head = embed_tokens) are stored once, as transformers does
         if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" in state:
             state.pop("lm_head.weight")

@@ -316,6 +316,32 @@ def test_cli_writes_a_complete_checkpoint(tiny_llama_dir, tmp_path):
     assert cli.main([tiny_llama_dir, "--bits", "8", "--method", "rtn", "--out", str(out)]) == 2  # exists
 
 
+def test_cli_keeps_the_source_float_dtype(tiny_llama_dir, tmp_path):
+    """A bf16 source checkpoint gives bf16 embeddings / norms in the output (not the fp32 of calibration)."""
+    from safetensors import safe_open
+
+    from calibration import cli
+
+    model, tok = _load_tiny(tiny_llama_dir)
+    src = tmp_path / "bf16"
+    model.to(torch.bfloat16).save_pretrained(src)
+    tok.save_pretrained(src)
+    assert C.source_dtype(str(src)) == torch.bfloat16 and C.source_dtype(tiny_llama_dir) == torch.float32
+    for flag, want in ((None, torch.bfloat16), ("float32", torch.float32)):
+        out = tmp_path / f"q-{flag}"
+        extra = ["--save-dtype", flag] if flag else []
+        assert cli.main([str(src), "--bits", "8", "--method", "rtn", "--out", str(out)] + extra) == 0
+        with safe_open(str(out / "model.safetensors"), "pt") as f:
+            assert f.get_tensor("model.embed_tokens.weight").dtype == want
+            assert f.get_tensor("model.norm.weight").dtype == want
+            assert f.get_tensor("model.layers.0.mlp.up_proj.scales").dtype == torch.float16
+            assert f.get_tensor("model.layers.0.mlp.up_proj.qweight").dtype == torch.int8
+        assert json.loads((out / "config.json").read_text())["dtype"] == str(want).replace("torch.", "")
+        loaded, _ = C.load_quantized(str(out), dtype=torch.float32)
+        with torch.no_grad():
+            assert torch.isfinite(loaded(torch.randint(0, len(tok), (1, 8))).logits).all()
+
+
 def test_interrupted_write_leaves_nothing_loadable(tiny_llama_dir, tmp_path, monkeypatch):
     import safetensors.torch
 
