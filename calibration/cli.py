@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def summary_table(rep, cfg, method: str, seconds: float, out: str, fp16_bytes: int) -> str:
+def summary_table(rep, cfg, method: str, seconds: float, out: str, fp16_bytes: int, float_dtype: str = "?") -> str:
     from collections import Counter
 
     import qgemv
@@ -113,7 +113,7 @@ def summary_table(rep, cfg, method: str, seconds: float, out: str, fp16_bytes: i
     files = [os.path.join(out, f) for f in os.listdir(out) if f.endswith(".safetensors")] if os.path.isdir(out) else []
     if files:
         lines.insert(-1, f"{'checkpoint tensors':22s} {sum(os.path.getsize(f) for f in files) / 1e6:9.2f} MB "
-                         f"(float tensors in {getattr(rep, 'float_dtype', '?')})")
+                         f"(float tensors in {float_dtype})")
     return "\n".join(lines)
 
 
@@ -162,7 +162,6 @@ def main(argv=None) -> int:
                              forward_dtype=getattr(torch, args.forward_dtype), rotate=args.rotate,
                              rotate_seed=args.seed)
     rep.formats = {n: m.config.name for n, m in model.named_modules() if isinstance(m, QuantLinear)}
-    rep.float_dtype = str(save_dtype).replace("torch.", "")
     fp16_bytes = sum(m.in_features * m.out_features * 2 for _, m in model.named_modules() if isinstance(m, QuantLinear))
     qc = C.quantization_config(model, args.method, calib, cfg, list(rep.skipped), rotation=rep.rotation)
     qc["source_model"] = str(args.model)
@@ -170,7 +169,8 @@ def main(argv=None) -> int:
               "skipped": rep.skipped, "formats": rep.formats}
     C.save_quantized(model, tok, args.out, qc, overwrite=args.overwrite,
                      extra_json={"quantize_report.json": report}, float_dtype=save_dtype)
-    print(summary_table(rep, cfg, args.method, time.time() - t0, args.out, fp16_bytes))
+    print(summary_table(rep, cfg, args.method, time.time() - t0, args.out, fp16_bytes,
+                        float_dtype=str(save_dtype).replace("torch.", "")))
     return 0
 
 

@@ -78,16 +78,21 @@ def hadamard(n: int):
     return None
 
 
-def random_rotation(n: int, seed: int = 0) -> torch.Tensor:
-    """Orthogonal float64 [n, n]: a normalised Hadamard with random column signs, else a seeded random QR."""
+def _rotation(n: int, seed: int) -> tuple:
+    """(orthogonal float64 [n, n], "hadamard" or "random"): see random_rotation."""
     g = torch.Generator().manual_seed(seed)
     h = hadamard(n)
     if h is not None:
         signs = torch.randint(0, 2, (n,), generator=g).to(torch.float64) * 2 - 1
-        return h * signs[None, :] / n ** 0.5
+        return h * signs[None, :] / n ** 0.5, "hadamard"
     a = torch.randn(n, n, generator=g, dtype=torch.float64)
     q, r = torch.linalg.qr(a)
-    return q * torch.sign(torch.diagonal(r))[None, :]
+    return q * torch.sign(torch.diagonal(r))[None, :], "random"
+
+
+def random_rotation(n: int, seed: int = 0) -> torch.Tensor:
+    """Orthogonal float64 [n, n]: a normalised Hadamard with random column signs, else a seeded random QR."""
+    return _rotation(n, seed)[0]
 
 
 def _fold_norm(norm: nn.Module, linears: list) -> None:
@@ -152,7 +157,7 @@ def rotate_llama(model: nn.Module, seed: int = 0, heads: bool = True) -> dict:
         if hasattr(model, "_tied_weights_keys"):
             model._tied_weights_keys = None
 
-    q = random_rotation(hidden, seed)
+    q, residual_kind = _rotation(hidden, seed)
     for layer in inner.layers:
         a, m = layer.self_attn, layer.mlp
         _fold_norm(layer.input_layernorm, [a.q_proj, a.k_proj, a.v_proj])
@@ -161,28 +166,26 @@ def rotate_llama(model: nn.Module, seed: int = 0, heads: bool = True) -> dict:
 
     emb.weight.data = (emb.weight.data.to(torch.float64) @ q).to(emb.weight.dtype)
     _right(lm_head, q)
-    head_kind = None
+    d = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    h, head_kind = _rotation(d, seed + 1) if heads else (None, None)  # one H for every head of every layer
     for layer in inner.layers:
         a, m = layer.self_attn, layer.mlp
         for lin in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj):
             _right(lin, q)
         for lin in (a.o_proj, m.down_proj):
             _left(lin, q)
-        if heads:
-            head_kind = _rotate_heads(model.config, a, seed + 1)
-    return {"residual": "hadamard" if hadamard(hidden) is not None else "random",
-            "head": head_kind, "seed": seed}
+        if h is not None and not _rotate_heads(a, h):
+            head_kind = None
+    return {"residual": residual_kind, "head": head_kind, "seed": seed}
 
 
-def _rotate_heads(config, attn: nn.Module, seed: int):
-    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+def _rotate_heads(attn: nn.Module, h: torch.Tensor) -> bool:
+    """Rotate each head's values by h [d, d]; False (nothing changed) if v / o are not whole heads of d."""
+    d = h.shape[0]
     n_kv = attn.v_proj.out_features // d
     n_q = attn.o_proj.in_features // d
     if n_kv * d != attn.v_proj.out_features or n_q * d != attn.o_proj.in_features:
-        return None
-    h = random_rotation(d, seed)
-    eye_kv = torch.eye(n_kv, dtype=torch.float64)
-    eye_q = torch.eye(n_q, dtype=torch.float64)
-    _left(attn.v_proj, torch.kron(eye_kv, h))     # v of every KV head: v H
-    _right(attn.o_proj, torch.kron(eye_q, h))     # o reads every query head's H-rotated output
-    return "hadamard" if hadamard(d) is not None else "random"
+        return False
+    _left(attn.v_proj, torch.kron(torch.eye(n_kv, dtype=torch.float64), h))   # v of every KV head: v H
+    _right(attn.o_proj, torch.kron(torch.eye(n_q, dtype=torch.float64), h))   # o reads every query head's H-rotated output
+    return True

@@ -100,6 +100,14 @@ constexpr bool has_wide_instance() {
   return kBits == 4 && (kGroup == 0 || kGroup == 128);
 }
 
+// The panel that row tile rt of logical block blk reads.  A row tile past
+// the last panel (N not a multiple of 16 kRT) reads the last panel again;
+// its outputs are never stored.
+template <int kRT>
+__device__ __forceinline__ int panel_of(int blk, int rt, int npanels) {
+  return kRT == 1 ? blk : min(blk * kRT + rt, npanels - 1);
+}
+
 // Group metadata of one tile for this lane's two rows: up to 4 groups (G = 32).
 struct TileMeta {
   float s0[4], s1[4];       // scales of rows r0, r1
@@ -155,10 +163,7 @@ struct GemvMma {
     if constexpr (kGrouped) ngroups = p.K / kGroup;
 #pragma unroll
     for (int rt = 0; rt < kRT; ++rt) {
-      // A row tile past the last panel (N not a multiple of 16 kRT) reads the
-      // last panel again; its outputs are never stored.
-      const int pan = kRT == 1 ? blk : min(blk * kRT + rt, npanels - 1);
-      pan_row0[rt] = pan * kPanelRows;
+      pan_row0[rt] = panel_of<kRT>(blk, rt, npanels) * kPanelRows;
       pan_rows[rt] = min(kPanelRows, p.N - pan_row0[rt]);
       i0[rt] = min(g, pan_rows[rt] - 1);
       i1[rt] = min(g + 8, pan_rows[rt] - 1);
@@ -421,8 +426,7 @@ __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvPa
     const int npanels = num_panels(p.N);
 #pragma unroll
     for (int rt = 0; rt < kRT; ++rt) {
-      const int pan = kRT == 1 ? blk : min(blk * kRT + rt, npanels - 1);
-      const int row0 = pan * kPanelRows, rows = min(kPanelRows, p.N - row0);
+      const int row0 = panel_of<kRT>(blk, rt, npanels) * kPanelRows, rows = min(kPanelRows, p.N - row0);
       const char* panel = static_cast<const char*>(p.qweight) + static_cast<size_t>(row0) * row_bytes;
       const int tile_stride = rows * kTileBytes;
       step_bytes[rt] = nwarps * tile_stride;
@@ -637,9 +641,10 @@ inline int choose_warps(int N, int K, int Kp, int tile_k, int row_tiles) {
 // int4 per channel / G = 128 without zero points, once the grid exceeds
 // QGEMV_PERSIST_MIN_WAVES waves of resident blocks.  Measured on the H200
 // (eval/gemv_lab.cu, BENCHMARKS.md): int4 57344x8192 M = 8 81.1 -> 74.7 us,
-// 22016x4096 M = 1 22.3 -> 20.5 us, 28672x8192 unchanged (its persistent
-// instance needs 122 registers, not 93, so 4 blocks per SM instead of 5);
-// with zero points it lost 3-7%, so those keep the plain grid.
+// 22016x4096 M = 1 22.3 -> 20.5 us, 28672x8192 unchanged (ncu: its SMs are
+// active for 81% of the kernel, against 92% at 8192x28672; capping the
+// registers to fit 5 blocks per SM instead of 4 was slower); with zero
+// points it lost 3-7%, so those keep the plain grid.
 // QGEMV_PERSIST_GRID (lab only) forces it with that many blocks on every
 // shape, so the lab's odd shapes run through it.
 #ifndef QGEMV_PERSIST_MIN_WAVES

@@ -124,6 +124,12 @@ def resolve_model(spec: Optional[str]) -> str:
 _FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def _kept_float(key: str, t: torch.Tensor) -> bool:
+    """A checkpoint tensor that follows the model's float dtype: floating point and
+    not a QuantLinear's fp16 scales (codes and zero points are integers)."""
+    return t.is_floating_point() and not key.endswith(".scales")
+
+
 def source_dtype(path: str) -> Optional[torch.dtype]:
     """The float dtype a Hugging Face directory's config.json declares (``dtype`` or
     ``torch_dtype``), or None (a .gguf file, or no such entry)."""
@@ -220,10 +226,7 @@ def save_quantized(model: nn.Module, tokenizer, out_dir: str, qconfig: dict, ove
         cfg["quantization_config"] = qconfig
         state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
         if float_dtype is not None:
-            packed = {f"{n}.{key}" for n, m in model.named_modules() if isinstance(m, QuantLinear)
-                      for key in ("qweight", "scales", "zeros")}
-            state = {k: (v.to(float_dtype) if v.is_floating_point() and k not in packed else v)
-                     for k, v in state.items()}
+            state = {k: (v.to(float_dtype) if _kept_float(k, v) else v) for k, v in state.items()}
             cfg["dtype"] = str(float_dtype).replace("torch.", "")
             cfg.pop("torch_dtype", None)
         # tied weights (lm_head = embed_tokens) are stored once, as transformers does
@@ -314,7 +317,7 @@ def load_quantized(path: str, device: str = "cpu", dtype: torch.dtype = torch.fl
     if missing:
         raise CheckpointError(f"{path}: {len(missing)} tensor(s) missing, e.g. {sorted(missing)[:3]}")
     for k, v in state.items():
-        if v.is_floating_point() and not k.endswith(".scales"):
+        if _kept_float(k, v):
             state[k] = v.to(dtype)
     model.load_state_dict(state, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
