@@ -306,17 +306,12 @@ struct GemvMma {
     }
 #pragma unroll
     for (int rt = 0; rt < kRT; ++rt) {
-      const uint32_t u0[4] = {w0[rt].x, w0[rt].y, w0[rt].z, w0[rt].w};
-      const uint32_t u1[4] = {w1[rt].x, w1[rt].y, w1[rt].z, w1[rt].w};
+      uint32_t a[4][4];
+      int8_fragments<T>(w0[rt], w1[rt], a);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        uint32_t a0[2], a1[2];
-        dequant_int8_word<T>(u0[j], a0);
-        dequant_int8_word<T>(u1[j], a1);
-        const uint32_t a[4] = {a0[0], a1[0], a0[1], a1[1]};
+      for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int n = 0; n < kNT; ++n) ActTraits<T>::mma(acc[B % kBanks][rt][n], a, xp[n][2 * j], xp[n][2 * j + 1]);
-      }
+        for (int n = 0; n < kNT; ++n) ActTraits<T>::mma(acc[B % kBanks][rt][n], a[j], xp[n][2 * j], xp[n][2 * j + 1]);
     }
   }
 
@@ -548,28 +543,7 @@ __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvPa
       const int tile_stride = s.pan_rows[rt] * kTileBytes;
       const char* b0 = panel + nclean * tile_stride + s.i0[rt] * 16 * c;
       const char* b1 = panel + nclean * tile_stride + s.i1[rt] * 16 * c;
-      w0[rt] = make_uint4(0u, 0u, 0u, 0u);
-      w1[rt] = w0[rt];
-      if constexpr (kBits == 4) {
-        // c sub-tiles of 32 k; lane t's word j sits at word t*c + j.
-        uint32_t u0[4] = {0u, 0u, 0u, 0u}, u1[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          if (i < c) {
-            u0[i] = ld_stream_u32(b0 + (s.t * c + i) * 4, pol);
-            u1[i] = ld_stream_u32(b1 + (s.t * c + i) * 4, pol);
-          }
-        }
-        w0[rt] = make_uint4(u0[0], u0[1], u0[2], u0[3]);
-        w1[rt] = make_uint4(u1[0], u1[1], u1[2], u1[3]);
-      } else {
-        // c chunks of 16 k; lanes t >= c hold zeros (and read zero
-        // activations, since their k >= K).
-        if (s.t < c) {
-          w0[rt] = ld_stream_v4(b0 + 16 * s.t, pol);
-          w1[rt] = ld_stream_v4(b1 + 16 * s.t, pol);
-        }
-      }
+      load_edge_words<kBits>(b0, b1, s.t, c, pol, w0[rt], w1[rt]);
     }
     s.template tile<0, true>(nclean, w0, w1, m, c);
   }

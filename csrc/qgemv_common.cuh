@@ -247,4 +247,49 @@ __device__ __forceinline__ void dequant_int8_word<__nv_bfloat16>(uint32_t w, uin
   out[1] = *reinterpret_cast<uint32_t*>(&hi);
 }
 
+// A lane's int8 words of rows r0 (w0) and r1 (w1) in one 64-k tile -> the
+// MMA A fragments of the tile's four k16 steps: step j takes word j (k 16t +
+// 4j .. +3) of both rows, pairs (k0, k1) and (k2, k3).
+template <typename T>
+__device__ __forceinline__ void int8_fragments(const uint4& w0, const uint4& w1, uint32_t (&a)[4][4]) {
+  const uint32_t u0[4] = {w0.x, w0.y, w0.z, w0.w};
+  const uint32_t u1[4] = {w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    uint32_t d0[2], d1[2];
+    dequant_int8_word<T>(u0[j], d0);
+    dequant_int8_word<T>(u1[j], d1);
+    a[j][0] = d0[0];
+    a[j][1] = d1[0];
+    a[j][2] = d0[1];
+    a[j][3] = d1[1];
+  }
+}
+
+// This lane's words of the edge tile (the K tile that reaches past K) of rows
+// starting at b0 and b1, where each row of the stored edge tile holds 16c
+// bytes: int4 lane t's word j sits at word t*c + j (j < c), int8 lanes t < c
+// hold the 16 bytes at 16t.  Missing words are zero.
+template <int kBits>
+__device__ __forceinline__ void load_edge_words(const char* b0, const char* b1, int t, int c, uint64_t pol,
+                                                uint4& w0, uint4& w1) {
+  w0 = make_uint4(0u, 0u, 0u, 0u);
+  w1 = w0;
+  if constexpr (kBits == 4) {
+    uint32_t u0[4] = {0u, 0u, 0u, 0u}, u1[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (i < c) {
+        u0[i] = ld_stream_u32(b0 + (t * c + i) * 4, pol);
+        u1[i] = ld_stream_u32(b1 + (t * c + i) * 4, pol);
+      }
+    }
+    w0 = make_uint4(u0[0], u0[1], u0[2], u0[3]);
+    w1 = make_uint4(u1[0], u1[1], u1[2], u1[3]);
+  } else if (t < c) {
+    w0 = ld_stream_v4(b0 + 16 * t, pol);
+    w1 = ld_stream_v4(b1 + 16 * t, pol);
+  }
+}
+
 }  // namespace qgemv

@@ -21,23 +21,28 @@ namespace {
 
 #define QG_CHECK(cond, op, ...) TORCH_CHECK(cond, "qgemv.", op, ": ", __VA_ARGS__)
 
-// Token counts above which the GEMV kernels stop paying off.  Up to
-// kMaxGemvTokens one launch serves all tokens; up to chunked_max_tokens() the
-// GEMV runs once per 16-token chunk (re-reading the weight each time); above
-// that, dequantize to a dense weight and use cuBLAS.  Measured on the H200
-// (BENCHMARKS.md, prefill): the dense weight costs a write of N x K x 2 bytes
-// before the GEMM, so chunks win up to 64 tokens on large weights (8192x8192
-// int4 g128 at M = 64: 83.0 against 112.4 us) and up to 48 on 4096x4096.
-// The benchmark overrides the threshold through set_chunked_max_tokens().
-constexpr int64_t kChunkedMaxTokens = 64;
-constexpr int64_t kChunkedMaxTokensSmall = 48;       // for weights below kSmallWeight elements
-constexpr int64_t kSmallWeight = int64_t(32) << 20;  // 4096x4096 is 16 M, 8192x8192 64 M
-std::atomic<int64_t> g_chunked_max_tokens{-1};        // -1: the measured rule above
+// Paths for more than kMaxGemvTokens tokens (fp16 / bf16 activations):
+//   kChunks: the GEMV once per 16-token chunk (reads the weight M/16 times);
+//   kTiled:  the tiled GEMM (csrc/gemm_mma.cu), the weight read once per 32
+//            or 64 tokens and dequantized in registers;
+//   kDense:  dequantize into a dense weight, then cuBLAS (writes and re-reads
+//            N x K x 2 bytes, but its GEMM runs at the wgmma rate).
+// Measured on the H200 (BENCHMARKS.md, prefill; 3 shapes x int8 / int4 /
+// int4 g128): from 17 to 128 tokens the tiled GEMM is the fastest of the
+// three on 50 of 54 pairs and within 6% on the other four; at 192 and 256
+// tokens the dense path wins on 14 of 18, since the tiled GEMM's mma.sync
+// work grows with M while the dense path's extra cost is fixed.  The tests and the benchmark force a path with
+// set_prefill_path().
+enum class Prefill : int { kChunks = 0, kTiled = 1, kDense = 2 };
+constexpr int64_t kTiledMaxTokens = 128;
+std::atomic<int> g_prefill_path{-1};  // -1: the measured rule
 
-int64_t chunked_max_tokens(int64_t N, int64_t K) {
-  const int64_t forced = g_chunked_max_tokens.load();
-  if (forced >= 0) return forced;
-  return N * K < kSmallWeight ? kChunkedMaxTokensSmall : kChunkedMaxTokens;
+Prefill prefill_path(int64_t N, int64_t K, int64_t M) {
+  (void)N;
+  (void)K;
+  const int forced = g_prefill_path.load();
+  if (forced >= 0) return static_cast<Prefill>(forced);
+  return M <= kTiledMaxTokens ? Prefill::kTiled : Prefill::kDense;
 }
 
 void check_status(Status s, const char* op) {
@@ -76,11 +81,12 @@ std::vector<int64_t> out_shape(const at::Tensor& x, int64_t N) {
 }
 
 using GemvFn = Status (*)(const GemvParams&, cudaStream_t);
+using GemmFn = Status (*)(const GemvParams&, float*, cudaStream_t);
 using DequantFn = Status (*)(const GemvParams&, void*, cudaStream_t);
 
 // The one dispatch function: by dtype and token count (see kChunkedMaxTokens).
-at::Tensor run_linear(const at::Tensor& x, GemvParams p, GemvFn gemv, DequantFn dequant,
-                      const char* op) {
+at::Tensor run_linear(const at::Tensor& x, GemvParams p, int bits, GemvFn gemv, GemmFn gemm,
+                      DequantFn dequant, const char* op) {
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor x2 = prepare_x(x, p.K, op);
@@ -89,7 +95,19 @@ at::Tensor run_linear(const at::Tensor& x, GemvParams p, GemvFn gemv, DequantFn 
   p.act = act_type(x, op);
   if (M == 0) return y.reshape(out_shape(x, p.N));
 
-  if (p.act != ActType::kFloat32 && M <= chunked_max_tokens(p.N, p.K)) {
+  const Prefill path = M <= kMaxGemvTokens ? Prefill::kChunks : prefill_path(p.N, p.K, M);
+  if (p.act != ActType::kFloat32 && path == Prefill::kTiled) {
+    GemvParams c = p;
+    c.M = static_cast<int>(M);
+    c.x = x2.data_ptr();
+    c.y = y.data_ptr();
+    c.ldx = p.K;
+    c.ldy = p.N;
+    const int splits = gemm_splits(c, bits);  // split-K partials when the grid is small
+    at::Tensor ws;
+    if (splits > 1) ws = at::empty({splits, M, p.N}, x.options().dtype(at::kFloat));
+    check_status(gemm(c, splits > 1 ? ws.data_ptr<float>() : nullptr, stream), op);
+  } else if (p.act != ActType::kFloat32 && path == Prefill::kChunks) {
     for (int64_t m0 = 0; m0 < M; m0 += kMaxGemvTokens) {
       GemvParams c = p;
       c.M = static_cast<int>(std::min<int64_t>(kMaxGemvTokens, M - m0));
@@ -147,7 +165,7 @@ at::Tensor linear_int8_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
            (K + 15) / 16 * 16, ", got ", Kp);
   check_scales(x, scales, N, 0, op);
   GemvParams p = base_params(x, qweight, scales, N, K, Kp);
-  return run_linear(x, p, gemv_int8, dequant_int8, op);
+  return run_linear(x, p, 8, gemv_int8, gemm_int8, dequant_int8, op);
 }
 
 at::Tensor linear_int4_impl(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -180,7 +198,7 @@ at::Tensor linear_int4_impl(const at::Tensor& x, const at::Tensor& qweight, cons
              ", ", groups, "], got ", z.sizes());
     p.zeros = z.data_ptr<uint8_t>();
   }
-  return run_linear(x, p, gemv_int4, dequant_int4, op);
+  return run_linear(x, p, 4, gemv_int4, gemm_int4, dequant_int4, op);
 }
 
 at::Tensor linear_int4_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
@@ -231,12 +249,22 @@ TORCH_LIBRARY_IMPL(qgemv, CUDA, m) {
 // A Python module only so that `import qgemv._C` loads the library and runs
 // the registrations above; the ops themselves are reached via torch.ops.qgemv.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.attr("default_chunked_max_tokens") = qgemv::kChunkedMaxTokens;
-  m.attr("default_chunked_max_tokens_small") = qgemv::kChunkedMaxTokensSmall;
-  m.def("set_chunked_max_tokens", [](int64_t v) { qgemv::g_chunked_max_tokens.store(v); },
-        "Benchmark knob: largest token count served by (chunked) GEMV launches; -1 = the measured rule.");
-  m.def("get_chunked_max_tokens", []() { return qgemv::g_chunked_max_tokens.load(); });
-  m.def("chunked_max_tokens", [](int64_t n, int64_t k) { return qgemv::chunked_max_tokens(n, k); },
-        "Largest token count served by GEMV launches for an N x K weight (the dispatch rule in use).");
+  m.attr("tiled_max_tokens") = qgemv::kTiledMaxTokens;
+  m.attr("PREFILL_CHUNKS") = static_cast<int>(qgemv::Prefill::kChunks);
+  m.attr("PREFILL_TILED") = static_cast<int>(qgemv::Prefill::kTiled);
+  m.attr("PREFILL_DENSE") = static_cast<int>(qgemv::Prefill::kDense);
+  m.def("set_prefill_path", [](int v) {
+          if (v < -1 || v > 2)
+            throw pybind11::value_error("qgemv.set_prefill_path: path must be -1 (the measured rule), "
+                                        "0 (GEMV chunks), 1 (tiled GEMM) or 2 (dequantize + cuBLAS), got " +
+                                        std::to_string(v));
+          qgemv::g_prefill_path.store(v);
+        },
+        "Benchmark/test knob: force the path for more than 16 tokens; -1 restores the measured rule.");
+  m.def("get_prefill_path", []() { return qgemv::g_prefill_path.load(); });
+  m.def("prefill_path", [](int64_t n, int64_t k, int64_t m) {
+          return m <= qgemv::kMaxGemvTokens ? -1 : static_cast<int>(qgemv::prefill_path(n, k, m));
+        },
+        "Path the dispatch takes for m tokens of an n x k weight: 0 chunks, 1 tiled, 2 dense; -1 one GEMV launch.");
   m.attr("max_gemv_tokens") = qgemv::kMaxGemvTokens;
 }

@@ -180,35 +180,39 @@ def bench_graph(n=4096, k=4096, copies=20):
 
 
 def prefill_sweep(timer, shapes=((4096, 4096), (8192, 8192), (28672, 8192)),
-                  ms=(17, 24, 32, 48, 64, 128, 512, 2048)):
-    """M > 16: the dispatch as shipped, each of its two paths forced (16-token
-    GEMV chunks; dequantize + cuBLAS), and fp16 cuBLAS."""
+                  ms=(17, 24, 32, 48, 64, 96, 128, 192, 256, 512, 2048),
+                  variants=("int8", "int4", "int4g128")):
+    """M > 16: the dispatch as shipped, each of its three paths forced (16-token
+    GEMV chunks, up to M = 128; the tiled GEMM; dequantize + cuBLAS), and fp16
+    cuBLAS."""
     from qgemv import _C
 
-    old = _C.get_chunked_max_tokens()
+    old = _C.get_prefill_path()
+    paths = [("chunked_us", _C.PREFILL_CHUNKS), ("tiled_us", _C.PREFILL_TILED),
+             ("dequant_gemm_us", _C.PREFILL_DENSE)]
     rows = []
     try:
         for n, k in shapes:
             fp16 = make_variant("fp16", n, k)[0]
-            for name in ["int8", "int4g128"]:
+            for name in variants:
                 lin = make_variant(name, n, k)[0]
                 for m in ms:
                     x = torch.randn(m, k, device="cuda", dtype=torch.float16)
                     row = dict(variant=name, N=n, K=k, M=m)
-                    _C.set_chunked_max_tokens(old)
+                    _C.set_prefill_path(-1)
                     row["default_us"] = timer(lambda: lin(x), iters=20)
-                    if m <= 128:
-                        _C.set_chunked_max_tokens(1 << 30)
-                        row["chunked_us"] = timer(lambda: lin(x), iters=20)
-                    _C.set_chunked_max_tokens(0)
-                    row["dequant_gemm_us"] = timer(lambda: lin(x), iters=20)
+                    for key, path in paths:
+                        if key == "chunked_us" and m > 128:
+                            continue
+                        _C.set_prefill_path(path)
+                        row[key] = timer(lambda: lin(x), iters=20)
                     row["fp16_us"] = timer(lambda: fp16(x), iters=20)
                     row["vs_fp16"] = row["default_us"] / row["fp16_us"]
                     rows.append(row)
             del fp16, lin
             torch.cuda.empty_cache()
     finally:
-        _C.set_chunked_max_tokens(old)
+        _C.set_prefill_path(old)
     return rows
 
 
@@ -269,12 +273,14 @@ def markdown(result) -> str:
         out += [f"- {k}: {v:.2f} us" for k, v in result["graph"].items()]
     if result.get("prefill"):
         out += ["", "Prefill (M > 16): the shipped dispatch, then each path forced.", "",
-                "| N x K | variant | M | default us | x fp16 | GEMV chunks us | dequant+cuBLAS us | fp16 cuBLAS us |",
-                "|---|---|---|---|---|---|---|---|"]
+                "| N x K | variant | M | default us | x fp16 | GEMV chunks us | tiled GEMM us | dequant+cuBLAS us "
+                "| fp16 cuBLAS us |",
+                "|---|---|---|---|---|---|---|---|---|"]
         for r in result["prefill"]:
             chunk = f"{r['chunked_us']:.1f}" if "chunked_us" in r else "-"
             out.append(f"| {r['N']}x{r['K']} | {r['variant']} | {r['M']} | {r['default_us']:.1f} | "
-                       f"{r['vs_fp16']:.2f} | {chunk} | {r['dequant_gemm_us']:.1f} | {r['fp16_us']:.1f} |")
+                       f"{r['vs_fp16']:.2f} | {chunk} | {r['tiled_us']:.1f} | {r['dequant_gemm_us']:.1f} | "
+                       f"{r['fp16_us']:.1f} |")
     if result.get("sgemv"):
         out += ["", "| SGEMV N x K | torch.matmul us | auto | k32 | k128 | k16 | auto GB/s |", "|---|---|---|---|---|---|---|"]
         for r in result["sgemv"]:
@@ -290,6 +296,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="two shapes, M=1 and 16 only")
     ap.add_argument("--ms", default="1,4,16")
     ap.add_argument("--no-extras", action="store_true", help="skip graph, prefill and sgemv sections")
+    ap.add_argument("--prefill-only", action="store_true",
+                    help="only the ceiling and the prefill sweep (M > 16: chunks / tiled / dense / fp16)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gemv: no CUDA GPU; nothing to measure")
@@ -305,7 +313,7 @@ def main(argv=None):
     print(f"read ceiling {ceiling['read_GBps']:.0f} GB/s, copy {ceiling['copy_GBps']:.0f} GB/s")
     shapes = [(4096, 4096), (28672, 8192)] if args.quick else SHAPES
     ms = [1, 16] if args.quick else [int(v) for v in args.ms.split(",")]
-    rows = bench_shapes(timer, shapes, ms, VARIANTS, ceiling)
+    rows = [] if args.prefill_only else bench_shapes(timer, shapes, ms, VARIANTS, ceiling)
     result = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   command="python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
                   ceiling=ceiling, rows=rows)
@@ -316,7 +324,10 @@ def main(argv=None):
             json.dump(result, f, indent=1)
 
     save()
-    if not args.no_extras:
+    if args.prefill_only:
+        result["prefill"] = prefill_sweep(timer)
+        save()
+    elif not args.no_extras:
         result["graph"] = bench_graph()
         save()
         result["prefill"] = prefill_sweep(timer)
@@ -327,7 +338,8 @@ def main(argv=None):
     with open(args.out + ".md", "w") as f:
         f.write(md + "\n")
     try:
-        roofline_png(rows, ceiling, args.out + "_roofline.png")
+        if rows:
+            roofline_png(rows, ceiling, args.out + "_roofline.png")
     except ImportError:
         print("matplotlib missing: no roofline plot")
     print(md)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash eval/device_run.sh [tests|bench|sanitize|decode|lab|all]...
-#   (DECODE_ARGS: extra arguments for eval/bench_decode.py)
+#   bash eval/device_run.sh [tests|bench|prefill|sanitize|decode|lab|all]...
+#   (DECODE_ARGS: extra arguments for eval/bench_decode.py; PYTEST_K: a
+#   pytest -k expression for the tests step)
 set -o pipefail
 OUT=${OUT:-runs/device}
 mkdir -p "$OUT"
@@ -15,13 +16,20 @@ python3 -m qgemv info | tee "$OUT/info.txt"
 for step in "${@:-all}"; do
   case "$step" in
     tests|all)
-      python3 -m pytest -q -rs --maxfail=30 tests 2>&1 | tee "$OUT/tests.log" | tail -40 ;;&
+      python3 -m pytest -q -rs --maxfail=30 ${PYTEST_K:+-k "$PYTEST_K"} tests 2>&1 | tee "$OUT/tests.log" | tail -40 ;;&
     bench|all)
       python3 eval/bench_gemv.py --out "$OUT/bench_gemv" 2>&1 | tail -120 ;;&
+    prefill)
+      python3 eval/bench_gemv.py --prefill-only --out "$OUT/bench_prefill" 2>&1 | tail -120 ;;
     sanitize)
-      for tool in memcheck racecheck; do
-        compute-sanitizer --tool $tool --error-exitcode 9 python3 eval/sanitize_sweep.py > "$OUT/sanitize_$tool.log" 2>&1
-        echo "compute-sanitizer --tool $tool: exit $?"; tail -3 "$OUT/sanitize_$tool.log"
+      # memcheck: everything; racecheck: the GEMV token counts on every shape,
+      # then the tiled GEMM on the small set (M = 200 runs cuBLAS, whose
+      # kernels racecheck flags; the full sweep at M > 16 takes over 10 min).
+      for args in "memcheck --ms 1,5,16,24,40,72,200" "racecheck --ms 1,5,16" "racecheck --small --ms 24,40,72"; do
+        set -- $args; tool=$1; shift
+        log="$OUT/sanitize_${tool}$( [ "$1" = --small ] && echo _small ).log"
+        compute-sanitizer --tool $tool --error-exitcode 9 python3 eval/sanitize_sweep.py "$@" > "$log" 2>&1
+        echo "compute-sanitizer --tool $tool $*: exit $?"; tail -3 "$log"
       done ;;
     decode)
       python3 eval/bench_decode.py --out "$OUT/bench_decode" ${DECODE_ARGS:-} 2>&1 | grep -v -i warn \

@@ -4,15 +4,22 @@
     compute-sanitizer --tool racecheck --error-exitcode 9 python eval/sanitize_sweep.py
 
 Covers int8, int4 per-channel, group-wise symmetric and with zero points
-(g32/g64/g128), fp16 and bf16, M in {1, 5, 16, 24, 72} (both n-tile counts,
-the chunked path at 24 and the dequantize + GEMM path at 72), K with and
-without an edge tile, N not a multiple of 16 (a partial panel), N = 8197
-(the two-row-tile instance for 9..16 tokens), N = 20005 (1251 blocks of 16
-rows: the persistent grid for 1..8 tokens on an H200), and the three SGEMV
-kernels; every result is compared with the reference too.
+(g32/g64/g128), fp16 and bf16, M in {1, 5, 16, 24, 40, 72, 200}: both GEMV
+n-tile counts; the tiled GEMM with 32-token blocks (24; 72 = three of them)
+and 64-token blocks (40); the dequantize + cuBLAS path (200). K with and
+without an edge tile, N not a multiple of 16 (a partial panel), small N with
+long rows (the tiled GEMM splits K: 40 x 4096 four ways, 17 x 17408 eight),
+N = 8197 (the two-row-tile instance for 9..16 tokens), N = 20005 (1251
+blocks of 16 rows: the persistent grid for 1..8 tokens on an H200), and the
+three SGEMV kernels; every result is compared with the reference too.
 
-    --ms 1,5,16,24    only the token counts that stay on qgemv's own kernels
-                      (M = 72 also runs cuBLAS, whose kernels racecheck flags)
+    --ms 1,5,16,24,40,72   only the token counts that stay on qgemv's own
+                           kernels (M = 200 also runs cuBLAS, whose kernels
+                           racecheck flags)
+    --small                three formats (int8, int4, int4 g128 with zeros),
+                           fp16, three shapes (33 x 136, 40 x 4096, 130 x
+                           2880): racecheck of the tiled GEMM in seconds,
+                           where the full sweep at M > 16 takes over 10 min
 """
 
 import itertools
@@ -31,17 +38,24 @@ def main(argv=None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ms", default="1,5,16,24,72", help="token counts, comma separated")
-    ms = [int(v) for v in ap.parse_args(argv).ms.split(",")]
+    ap.add_argument("--ms", default="1,5,16,24,40,72,200", help="token counts, comma separated")
+    ap.add_argument("--small", action="store_true", help="3 formats, fp16, 3 shapes (see the docstring)")
+    args = ap.parse_args(argv)
+    ms = [int(v) for v in args.ms.split(",")]
     torch.manual_seed(0)
     # every (group size, zero points) kernel instance
     cfgs = [F.QuantConfig(8), F.QuantConfig(4)] + [
         F.QuantConfig(4, g, sym) for g in (32, 64, 128) for sym in (True, False)]
     # odd N and K, a partial panel, a long row, two row tiles per warp, a persistent grid
     shapes = [(33, 136), (7, 2880), (40, 4096), (17, 17408), (8197, 136), (20005, 256)]
+    dtypes = (torch.float16, torch.bfloat16)
+    if args.small:
+        cfgs = [F.QuantConfig(8), F.QuantConfig(4), F.QuantConfig(4, 128, False)]
+        shapes = [(33, 136), (40, 4096), (130, 2880)]
+        dtypes = (torch.float16,)
     bad = 0
     n_runs = 0
-    for cfg, (n, k), dt, m in itertools.product(cfgs, shapes, (torch.float16, torch.bfloat16), ms):
+    for cfg, (n, k), dt, m in itertools.product(cfgs, shapes, dtypes, ms):
         if cfg.group_size and k % cfg.group_size:
             continue
         qw, s, z = F.quantize(torch.randn(n, k, device="cuda") * 0.02, cfg)

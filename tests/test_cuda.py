@@ -3,11 +3,13 @@
 Skipped per test without a GPU; run on the lent H200 (see BENCHMARKS.md).
 
 Tolerances (tight, same quantized weights):
-* GEMV path (M <= 48 or 64, by weight size): the products (q - z) * x are exact in the MMA and the
+* GEMV path (M <= 16; 17..256 tokens in 16-token chunks when forced), and
+  the tiled GEMM with per-channel scales: the products (q - z) * x are exact in the MMA and the
   sums are fp32, so |y - ref| <= n * 2^-24 * (|x| @ |W|^T) with n, the number
   of sequential fp32 additions, bounded by K/8 + 32; plus half an ulp of the
   output dtype (2^-11 relative for fp16, 2^-8 for bf16).
-* Dequantize + GEMM path (larger M): the dense weight is rounded once to the
+* Dequantize + GEMM path (M > 256), and the tiled GEMM (M = 17..256) with
+  group-wise scales: the weight (q - z) * s is rounded once to the
   activation dtype, which adds at most eps_T * (|x| @ |W|^T) with eps_T the
   same half-ulp.
 A normwise check ||y - ref|| / ||ref|| < 4 * eps_T guards against errors that
@@ -82,10 +84,12 @@ def _check(cfg, x, qw, s, z, k, dense=None):
     mag = xd.abs() @ wd.abs().t()
     eps = EPS[x.dtype]
     acc = (k / 8 + 32) * 2.0**-24
-    if dense is None:  # which path the op takes by default
+    if dense is None:  # whether the path the op takes rounds the weight first
         from qgemv import _C
 
-        dense = m > _C.chunked_max_tokens(n, k)
+        path = _C.prefill_path(n, k, m)
+        dense = path == _C.PREFILL_DENSE or (path == _C.PREFILL_TILED and cfg.bits == 4
+                                              and cfg.group_size is not None)
     bound = (acc + eps if dense else acc) * mag + eps * ref.abs() + 1e-6
     err = (y.double().reshape(-1, n) - ref).abs()
     worst = (err / bound).max().item()
@@ -148,36 +152,116 @@ def test_persistent_kernel_odd_shapes(k, name, dtype):
     _check_token_counts(name, 50005, k, (1, 3, 8), dtype)
 
 
+class _ForcedPath:
+    """Force the dispatch's path for M > 16 (csrc/torch_bindings.cpp) inside a with block."""
+
+    def __init__(self, path):
+        from qgemv import _C
+
+        self.C, self.path = _C, path
+
+    def __enter__(self):
+        self.old = self.C.get_prefill_path()
+        self.C.set_prefill_path(self.path)
+
+    def __exit__(self, *exc):
+        self.C.set_prefill_path(self.old)
+
+
 @requires_cuda
 @pytest.mark.parametrize("name", ["int8", "int4", "int4g64a", "int4g128"])
-def test_prefill_both_paths(name):
-    """M > 16 through both paths the dispatch chooses between, whatever M:
-    16-token GEMV chunks (a partial last chunk) and dequantize + cuBLAS."""
+def test_prefill_all_paths(name):
+    """M > 16 through each path the dispatch chooses between, whatever M:
+    16-token GEMV chunks (a partial last chunk), the tiled GEMM, and
+    dequantize + cuBLAS."""
     from qgemv import _C
 
     cfg = CFGS[name]
     n, k = 1000, 640
     qw, s, z = _quantized(cfg, n, k)
-    old = _C.get_chunked_max_tokens()
-    try:
-        for forced, dense in [(1 << 30, False), (0, True)]:
-            _C.set_chunked_max_tokens(forced)
+    for path in (_C.PREFILL_CHUNKS, _C.PREFILL_TILED, _C.PREFILL_DENSE):
+        with _ForcedPath(path):
             for m, dtype in [(17, torch.float16), (33, torch.bfloat16), (64, torch.float16), (100, torch.bfloat16)]:
                 x = torch.randn(m, k, device="cuda", dtype=dtype)
-                _check(cfg, x, qw, s, z, k, dense=dense)
-    finally:
-        _C.set_chunked_max_tokens(old)
+                _check(cfg, x, qw, s, z, k)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", list(CFGS))
+@pytest.mark.parametrize("k", ODD_K + [4096])
+def test_tiled_gemm_odd_shapes(k, name, dtype):
+    """The tiled GEMM (csrc/gemm_mma.cu) on odd shapes: N = 1, 7 (one partial
+    panel), 130 (a block of 128 rows plus a 2-row panel), 4097; K with an
+    edge tile (8, 24, 136, 2880, 5128) or without (4096); M across the
+    64-token block boundary (17, 64, 65, 129)."""
+    from qgemv import _C
+
+    cfg = CFGS[name]
+    if not _fits(cfg, k):
+        pytest.skip(f"K={k} not divisible by group {cfg.group_size}")
+    with _ForcedPath(_C.PREFILL_TILED):
+        for n in (1, 7, 130, 4097):
+            qw, s, z = _quantized(cfg, n, k)
+            for m in (17, 64, 65, 129):
+                x = torch.randn(m, k, device="cuda", dtype=dtype)
+                _check(cfg, x, qw, s, z, k)
+
+
+@requires_cuda
+def test_tiled_gemm_scale_range():
+    """The tiled GEMM with group scales spanning 1e-4 .. 1 across rows and
+    activations of magnitude ~30: the weights (q - z) * s, rounded to the
+    activation dtype before the MMA, stay within the bound in every row."""
+    from qgemv import _C
+
+    cfg = CFGS["int4g128a"]
+    n, k = 300, 1024
+    w = torch.randn(n, k, device="cuda") * torch.logspace(-3, 0, n, device="cuda")[:, None]
+    qw, s, z = F.quantize(w, cfg)
+    with _ForcedPath(_C.PREFILL_TILED):
+        for dtype in (torch.float16, torch.bfloat16):
+            x = torch.randn(17, k, device="cuda", dtype=dtype) * 30
+            _check(cfg, x, qw, s, z, k)
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", ["int8", "int4g128a"])
+def test_tiled_gemm_split_k_deterministic(name):
+    """A small grid splits K (csrc/gemm_mma.cu, splits_for): 256 x 8192 at
+    M = 40 is 2 blocks, so K is cut into 8 parts whose fp32 partial sums are
+    added in a fixed order; two calls give bitwise-equal outputs."""
+    from qgemv import _C
+
+    cfg = CFGS[name]
+    n, k = 256, 8192
+    qw, s, z = _quantized(cfg, n, k)
+    x = torch.randn(40, k, device="cuda", dtype=torch.float16)
+    with _ForcedPath(_C.PREFILL_TILED):
+        _check(cfg, x, qw, s, z, k)
+        a = _call(cfg, x, qw, s, z)
+        b = _call(cfg, x, qw, s, z)
+    assert torch.equal(a, b)
 
 
 @requires_cuda
 def test_prefill_dispatch_rule():
-    """The measured thresholds (csrc/torch_bindings.cpp): chunks up to 64 tokens
-    on large weights and up to 48 on small ones; the override restores."""
+    """The measured rule (csrc/torch_bindings.cpp): the tiled GEMM up to
+    tiled_max_tokens, then dequantize + cuBLAS; one GEMV launch up to 16;
+    a forced path applies and -1 restores the rule; bad values are refused."""
     from qgemv import _C
 
-    assert _C.get_chunked_max_tokens() == -1
-    assert _C.chunked_max_tokens(8192, 8192) == _C.default_chunked_max_tokens == 64
-    assert _C.chunked_max_tokens(4096, 4096) == _C.default_chunked_max_tokens_small == 48
+    assert _C.get_prefill_path() == -1
+    for n, k in [(4096, 4096), (28672, 8192)]:
+        assert _C.prefill_path(n, k, 16) == -1
+        assert _C.prefill_path(n, k, 17) == _C.PREFILL_TILED
+        assert _C.prefill_path(n, k, _C.tiled_max_tokens) == _C.PREFILL_TILED
+        assert _C.prefill_path(n, k, _C.tiled_max_tokens + 1) == _C.PREFILL_DENSE
+    with _ForcedPath(_C.PREFILL_CHUNKS):
+        assert _C.prefill_path(4096, 4096, 2048) == _C.PREFILL_CHUNKS
+    assert _C.get_prefill_path() == -1
+    with pytest.raises(ValueError, match="set_prefill_path"):
+        _C.set_prefill_path(3)
 
 
 @requires_cuda
