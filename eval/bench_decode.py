@@ -235,7 +235,7 @@ def run_model(name, cfg, batches, read_gbps, glue="compiled", prompt=128, gen=25
             torch.cuda.empty_cache()
             ids = torch.randint(0, cfg["vocab"], (batch, prompt), device=dev)
             pos = torch.zeros(1, dtype=torch.long, device=dev)
-            model(ids, pos)  # prefill (M = 128 per sequence: the dequantize + GEMM path)
+            model(ids, pos)  # prefill: M = 128 x batch tokens (tiled GEMM at batch 1, dequantize + GEMM at 8)
             pos.fill_(prompt)
             tok = torch.randint(0, cfg["vocab"], (batch, 1), device=dev)
             out = {}

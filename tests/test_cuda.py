@@ -294,11 +294,15 @@ def test_fp32_activations_on_cuda(name):
 
 @requires_cuda
 @pytest.mark.parametrize("name", ["int8", "int4g128", "int4g32a"])
-def test_cuda_graph_replay(name):
+@pytest.mark.parametrize("m", [1, 40], ids=["gemv", "tiled_split_k"])
+def test_cuda_graph_replay(name, m):
+    """Capture then replay equals a direct call: M = 1 (GEMV) and M = 40 (the
+    tiled GEMM, which at 4096 x 4096 splits K and allocates its fp32
+    partials inside the capture)."""
     cfg = CFGS[name]
     k, n = 4096, 4096
     qw, s, z = _quantized(cfg, n, k)
-    x = torch.randn(1, k, device="cuda", dtype=torch.float16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -335,8 +339,9 @@ def test_torch_compile_fullgraph(bits, group, sym):
     lin = torch.nn.Linear(256, 128, bias=True).cuda().half()
     q = qgemv.QuantLinear.from_linear(lin, bits, group, sym)
     f = torch.compile(q, fullgraph=True)
-    x = torch.randn(4, 256, device="cuda", dtype=torch.float16)
-    torch.testing.assert_close(f(x), q(x))
+    for m in (4, 24):  # GEMV, tiled GEMM
+        x = torch.randn(m, 256, device="cuda", dtype=torch.float16)
+        torch.testing.assert_close(f(x), q(x))
 
 
 @requires_cuda
