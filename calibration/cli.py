@@ -49,8 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--group-size", type=int, default=None, choices=(32, 64, 128),
                     help="int4 group size along K (default: one scale per output channel)")
     ap.add_argument("--asym", action="store_true", help="int4 group-wise with zero points")
-    ap.add_argument("--method", choices=("rtn", "gptq", "awq", "awq_gptq"), default="gptq",
-                    help="awq_gptq: AWQ scales folded in first, then GPTQ")
+    ap.add_argument("--method", choices=("rtn", "gptq", "awq", "awq_gptq", "signround", "gptq_signround"), default="gptq",
+                    help="awq_gptq: AWQ scales folded in first, then GPTQ; signround: rounding and clipping "
+                         "tuned per decoder layer by signed gradient descent (see --signround-steps)")
+    ap.add_argument("--signround-steps", type=int, default=50,
+                    help="signround: gradient steps per decoder layer (each on about 2048 calibration tokens)")
     ap.add_argument("--calib", default="default",
                     help="calibration text: 'default' (embedded Wikipedia sample), a .txt/.json file, or hub:NAME[:CONFIG[:SPLIT]]")
     ap.add_argument("--samples", type=int, default=128)
@@ -153,14 +156,15 @@ def main(argv=None) -> int:
                  "act_order": args.act_order if "gptq" in args.method else None,
                  "clip_grid": args.clip_grid,
                  "true_sequential": args.true_sequential if "gptq" in args.method else None,
-                 "forward_dtype": args.forward_dtype}
+                 "forward_dtype": args.forward_dtype,
+                 "signround_steps": args.signround_steps if "signround" in args.method else None}
     skip = args.skip if args.skip is not None else [r"lm_head", r"embed"]
     rep = quantize_causal_lm(model, cfg, args.method, samples, skip=skip, overrides=_overrides(args.override),
                              damp=args.damp, act_order=args.act_order, batch_size=args.batch_size,
                              device=args.device, group_fallback=not args.no_group_fallback,
                              clip_grid=args.clip_grid, true_sequential=args.true_sequential,
                              forward_dtype=getattr(torch, args.forward_dtype), rotate=args.rotate,
-                             rotate_seed=args.seed)
+                             rotate_seed=args.seed, signround_steps=args.signround_steps)
     rep.formats = {n: m.config.name for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     fp16_bytes = sum(m.in_features * m.out_features * 2 for _, m in model.named_modules() if isinstance(m, QuantLinear))
     qc = C.quantization_config(model, args.method, calib, cfg, list(rep.skipped), rotation=rep.rotation)

@@ -36,7 +36,7 @@ from qgemv.nn import QuantLinear, QuantizeReport, quantize_model, set_submodule
 from . import awq
 from .gptq import Hessian, gptq_quantize
 
-METHODS = ("rtn", "gptq", "awq", "awq_gptq")
+METHODS = ("rtn", "gptq", "awq", "awq_gptq", "signround", "gptq_signround")
 
 
 @dataclass
@@ -134,6 +134,7 @@ def quantize_causal_lm(
     forward_dtype: Optional[torch.dtype] = None,
     rotate: bool = False,
     rotate_seed: int = 0,
+    signround_steps: int = 50,
 ) -> CalibReport:
     """Quantize ``model``'s linear layers in place; returns a CalibReport.
 
@@ -167,6 +168,10 @@ def quantize_causal_lm(
             unchanged, lm_head is untied from the embeddings).  With GPTQ it
             halves the int4 error on SmolLM2 (BENCHMARKS.md); with RTN alone
             it is worse there.  The report's ``rotation`` records it.
+        signround_steps: signed-gradient steps per decoder layer for method
+            "signround" (calibration/signround.py: rounding offsets and
+            clipping ranges tuned so that each decoder layer's output matches
+            its float output).
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -300,7 +305,7 @@ def quantize_causal_lm(
                 info[prev_name] = {"alpha": alpha, "err_ratio": ratio}
             del acts
         originals = {}
-        if method in ("gptq", "awq_gptq"):
+        if method in ("gptq", "awq_gptq", "gptq_signround"):
             # (after AWQ the layer is re-run: its linears now see the scaled inputs)
             # True-sequential: q/k/v, then o, then gate/up, then down, each
             # stage's Hessians collected with the earlier stages already
@@ -353,6 +358,24 @@ def quantize_causal_lm(
                         originals[n] = m.weight.data
                         m.weight.data = formats.dequantize(qw, s, z, lcfg, m.in_features).to(m.weight.dtype)
                 del hs
+            if method == "gptq_signround":
+                from .signround import tune_layer
+
+                for n, m, *_ in pending:  # the float layer is the target
+                    if n in originals:
+                        m.weight.data = originals.pop(n)
+                start = {n: (formats.dequantize(qw, s, z, lcfg, m.in_features), s, z)
+                         for n, m, lcfg, qw, s, z in pending}
+                res, info["signround"] = tune_layer(layer, targets, hidden, kwargs, steps=signround_steps,
+                                                    seed=li, fwd=fwd, start=start)
+                pending = [(n, m, lcfg, *res[n]) for n, m, lcfg, *_ in pending]
+        elif method == "signround":
+            from .signround import tune_layer
+
+            res, info["signround"] = tune_layer(layer, targets, hidden, kwargs, steps=signround_steps, seed=li,
+                                                fwd=fwd)
+            for n, (m, lcfg) in targets.items():
+                pending.append((n, m, lcfg, *res[n]))
         else:  # awq: round-to-nearest on the scaled weights
             # The clipping search is weighted by E[(x/s)_k^2]: an unweighted one
             # minimises raw weight error, and after AWQ scaling the largest

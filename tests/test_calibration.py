@@ -448,3 +448,48 @@ def test_smollm2_gptq_end_to_end_cpu(tmp_path):
     assert 5 < r[0]["ppl"] < 60  # SmolLM2-135M on Wikipedia text: ~22 at ctx 512
     assert r[1]["ppl"] < 2 * r[0]["ppl"] and r[1]["top1_pct"] > 50
     shutil.rmtree(out)
+
+
+@pytest.mark.parametrize("cfg", [F.QuantConfig(4, 32, False), F.QuantConfig(4), F.QuantConfig(8)],
+                         ids=lambda c: c.name)
+def test_signround_lowers_each_layers_output_error(tiny_llama_dir, cfg):
+    """Method "signround" (calibration/signround.py): in every decoder layer the
+    tuned rounding gives a smaller output error than round-to-nearest on the
+    same probe tokens, and the exported codes reproduce the tuned weights."""
+    from calibration.signround import LearnedRounding
+
+    model, tok = _load_tiny(tiny_llama_dir)
+    samples = calibration_samples(tok, n=8, seq_len=64, seed=0)
+    rep = quantize_causal_lm(model, cfg, "signround", samples, progress=False, signround_steps=30, batch_size=4)
+    for entry in rep.per_layer:
+        sr = entry["info"]["signround"]
+        assert sr["mse_tuned"] < sr["mse_start"], sr
+    # export() is exact: dequantizing its codes gives fake()'s weights
+    w = torch.randn(48, 64) * 0.05
+    r = LearnedRounding(w, cfg)
+    with torch.no_grad():
+        r.v.uniform_(-0.5, 0.5)
+        r.hi.uniform_(0.6, 1.0)
+        r.lo.uniform_(0.6, 1.0)
+    qw, s, z = r.export()
+    torch.testing.assert_close(F.dequantize(qw, s, z, cfg, 64), r.fake().detach(), rtol=0, atol=1e-6)
+
+
+def test_gptq_signround_starts_from_gptqs_codes(tiny_llama_dir):
+    """Method "gptq_signround" tunes from GPTQ's weights on GPTQ's grid: with
+    zero steps its codes are GPTQ's exactly; with steps no layer ends with a
+    larger output error on the probe slice than GPTQ's codes give (the best
+    parameters seen, the start included, are kept)."""
+    cfg = F.QuantConfig(4, 32, False)
+    codes = {}
+    for method, steps in (("gptq", 0), ("gptq_signround", 0), ("gptq_signround", 30)):
+        model, tok = _load_tiny(tiny_llama_dir)
+        samples = calibration_samples(tok, n=8, seq_len=64, seed=0)
+        rep = quantize_causal_lm(model, cfg, method, samples, progress=False, signround_steps=steps, batch_size=4,
+                                 act_order=True)
+        codes[(method, steps)] = model.model.layers[1].mlp.down_proj.qweight.clone()
+        if method == "gptq_signround":
+            for entry in rep.per_layer:
+                sr = entry["info"]["signround"]
+                assert sr["mse_tuned"] <= sr["mse_start"], sr
+    assert torch.equal(codes[("gptq", 0)], codes[("gptq_signround", 0)])
