@@ -4,18 +4,21 @@
 // past that the dispatch used to run them once per 16-token chunk (reading
 // the weight again for every chunk) or to dequantize into a dense weight for
 // cuBLAS (writing and re-reading N x K x 2 bytes).  This kernel reads the
-// packed weight once per 64 tokens and dequantizes it in registers.
+// packed weight once per 32 or 64 tokens and dequantizes it in registers.
+// Measured on the H200 (BENCHMARKS.md, prefill): 0.58-0.94x the time of
+// fp16 cuBLAS at 17-32 tokens; bound by the mma.sync rate from about 64.
 //
-// Block tile: 128 output rows x 64 tokens, 4 warps.  Warp w owns two 16-row
-// panels (kGemmRT row tiles, the A operand of mma.m16n8k16) and all 64
-// tokens (eight 8-token n-tiles, the B operand): 64 fp32 accumulators per
-// lane.  K runs in tiles of 128 (int4) or 64 (int8) k, the GEMV's tile, with
+// Block tile: 128 output rows x 32 or 64 tokens (kNT = 4 or 8 n-tiles,
+// whichever pads M less: gemm_tokens), 4 warps.  Warp w owns two 16-row
+// panels (kGemmRT row tiles, the A operand of mma.m16n8k16) and all the
+// block's tokens (8-token n-tiles, the B operand): up to 64 fp32
+// accumulators per lane.  K runs in tiles of 128 (int4) or 64 (int8) k, the GEMV's tile, with
 // the same per-lane ownership of k (see gemv_mma.cuh): lane t of a quad holds
 // the weight words of k 32j + 8t .. +7 (int4 sub-tile j) or 16t .. +15 (int8),
 // so it reads exactly those activations.
 //
 // Pipeline (kGemmStages deep, one cp.async group per K tile):
-//   * the block's 64 x tile_k activations go to shared memory (all threads
+//   * the block's tokens x tile_k activations go to shared memory (all threads
 //     copy, 16 bytes each; rows padded so that a quarter-warp's 16-byte reads
 //     of 2 tokens x 64 contiguous bytes hit distinct banks);
 //   * each warp copies its own panels' weight words into a per-lane slot
@@ -28,14 +31,17 @@
 // are applied to the dequantized weights before the MMA, w = (q - z) * s
 // rounded once to the activation type (fp16: one HMUL2, exact product
 // rounded once; bf16: through fp32, rounded once), which is what the
-// dequantize + cuBLAS path computes too.  With 64 tokens per weight read that
-// costs far less than per-group fp32 partial sums, which would double the
-// accumulator registers.  The group size and zero points are runtime values
+// dequantize + cuBLAS path computes too.  Per-group fp32 partial sums, as
+// in the GEMV, would double the accumulator registers.  The group size and zero points are runtime values
 // here (one instance for all group formats): the per-tile metadata is a few
 // loads against 128 MMAs per warp.
 //
-// Edges: tokens past M read token M - 1 (never stored); panels past N read
-// the last panel (never stored); the K tile that reaches past K (K % tile_k
+// Split-K: when the grid is under one wave of resident blocks, blockIdx.z
+// splits the K tiles (up to 8 ways, at least 8 tiles each) and a second
+// kernel adds the fp32 partials in split order (deterministic).
+//
+// Edges: activation rows past M are zero-filled (never stored); panels past
+// N read the last panel (never stored); the K tile that reaches past K (K % tile_k
 // != 0) is run once after the loop with its activations zero-filled past K
 // and its weight words read directly (the stored edge tile is shorter).
 #include <algorithm>
