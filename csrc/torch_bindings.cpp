@@ -84,7 +84,7 @@ using GemvFn = Status (*)(const GemvParams&, cudaStream_t);
 using GemmFn = Status (*)(const GemvParams&, float*, cudaStream_t);
 using DequantFn = Status (*)(const GemvParams&, void*, cudaStream_t);
 
-// The one dispatch function: by dtype and token count (see kChunkedMaxTokens).
+// The one dispatch function: by dtype and token count (see Prefill and kTiledMaxTokens).
 at::Tensor run_linear(const at::Tensor& x, GemvParams p, int bits, GemvFn gemv, GemmFn gemm,
                       DequantFn dequant, const char* op) {
   const c10::cuda::CUDAGuard guard(x.device());

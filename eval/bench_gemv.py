@@ -10,7 +10,7 @@ effective bandwidth (weight + scale + zero bytes / time), the share of the
 read ceiling measured in the same run, and the speedup over fp16 cuBLAS.
 
 Also: 4096x4096 M=1 under CUDA-graph replay (20 calls on rotating weight
-copies per graph), the prefill sweep that sets kChunkedMaxTokens, and the
+copies per graph), the prefill sweep behind kTiledMaxTokens (chunks, tiled GEMM, dense), and the
 fp32 SGEMV family vs torch.matmul.  Writes <out>.json, <out>.md and a
 roofline plot <out>_roofline.png.
 """
