@@ -74,30 +74,30 @@ class LearnedRounding:
         """(scale, zero) per group [N, ng, 1] as fp32, differentiable in hi / lo;
         the scale is rounded to fp16 and the zero to an integer (straight-through)."""
         cfg = self.cfg
-        if cfg.bits == 8 or cfg.symmetric:
-            top = 127.0 if cfg.bits == 8 else 7.0
-            s = self.top * self.hi / top
-            z = torch.zeros_like(s) if cfg.bits == 8 else torch.full_like(s, 8.0)
-        else:
+        asym = cfg.bits == 4 and not cfg.symmetric
+        if asym:
             lo = self.bot * self.lo
-            hi = self.top_asym * self.hi
-            s = (hi - lo) / 15.0
-            s = s.clamp(min=torch.finfo(torch.float16).tiny)
-            s16 = s + (s.to(torch.float16).float() - s).detach()
-            z = _ste_round(-lo / s16).clamp(0, 15)
-            return s16[..., None], z[..., None]
+            s = (self.top_asym * self.hi - lo) / 15.0
+        else:
+            s = self.top * self.hi / (127.0 if cfg.bits == 8 else 7.0)
         s = s.clamp(min=torch.finfo(torch.float16).tiny)
-        s16 = s + (s.to(torch.float16).float() - s).detach()
-        return s16[..., None], z[..., None]
+        s = s + (s.to(torch.float16).float() - s).detach()
+        if asym:
+            z = _ste_round(-lo / s).clamp(0, 15)
+        else:
+            z = torch.zeros_like(s) if cfg.bits == 8 else torch.full_like(s, 8.0)
+        return s[..., None], z[..., None]
 
-    def fake(self) -> torch.Tensor:
-        """The dequantized weight [N, K] for the current parameters (differentiable)."""
+    def _dequant(self, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         n, k = self.w.shape
         wg = self.w.reshape(n, k // self.g, self.g)
-        s, z = self._scales_zeros()
         qmin, qmax = formats.code_range(self.cfg)
         q = (_ste_round(wg / s + self.v.reshape_as(wg)) + z).clamp(qmin, qmax)
         return ((q - z) * s).reshape(n, k)
+
+    def fake(self) -> torch.Tensor:
+        """The dequantized weight [N, K] for the current parameters (differentiable)."""
+        return self._dequant(*self._scales_zeros())
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
@@ -113,9 +113,9 @@ class LearnedRounding:
     @torch.no_grad()
     def export(self):
         """(qweight, scales fp16, zeros uint8 or None) in qgemv's format."""
-        n, k = self.w.shape
+        n = self.w.shape[0]
         s, z = self._scales_zeros()
-        deq = self.fake()
+        deq = self._dequant(s, z)
         scales = s[..., 0].to(torch.float16)
         zeros = None
         if self.cfg.bits == 4 and not self.cfg.symmetric:
@@ -165,8 +165,7 @@ def tune_layer(layer, targets: dict, inputs: list, kwargs: dict, steps: int, lr:
     # that: on a tiny Llama larger steps never beat the start (BENCHMARKS.md).
     if lr is None:
         lr = (0.1 if start else 1.0) / max(steps, 1)
-    frozen = {n: p for n, p in layer.named_parameters()}
-    for p in frozen.values():
+    for p in layer.parameters():  # gradients flow to the rounding parameters only
         p.requires_grad_(False)
 
     def loss_on(pick):

@@ -135,10 +135,6 @@ struct GemmWarp {
         for (int i = 0; i < 4; ++i) acc[rt][n][i] = 0.f;
   }
 
-  __device__ __forceinline__ static uint32_t zero_pair(uint32_t z) {
-    return (z | (ActTraits<T>::kMagic & 0xffffu)) * 0x00010001u;
-  }
-
   // One K tile: xs is the tile's activations in shared memory, w0 / w1 this
   // lane's words of rows r0 / r1 of each panel; c = int4 sub-tiles present
   // (4 except in the edge tile).
@@ -152,8 +148,7 @@ struct GemmWarp {
         uint32_t s0[kGemmRT][4], s1[kGemmRT][4];  // MMA A fragments of steps 0 and 1
 #pragma unroll
         for (int rt = 0; rt < kGemmRT; ++rt) {
-          const uint32_t u0 = j == 0 ? w0[rt].x : j == 1 ? w0[rt].y : j == 2 ? w0[rt].z : w0[rt].w;
-          const uint32_t u1 = j == 0 ? w1[rt].x : j == 1 ? w1[rt].y : j == 2 ? w1[rt].z : w1[rt].w;
+          const uint32_t u0 = word_of(w0[rt], j), u1 = word_of(w1[rt], j);
           uint32_t z0 = 8, z1 = 8;
           __half sc0 = __float2half(1.f), sc1 = sc0;
           if constexpr (kGrouped) {
@@ -167,7 +162,7 @@ struct GemmWarp {
               z1 = p.zeros[rows1[rt] * ng + gi];
             }
           }
-          const uint32_t zp0 = zero_pair(z0), zp1 = zero_pair(z1);
+          const uint32_t zp0 = magic_zero_pair<T>(z0), zp1 = magic_zero_pair<T>(z1);
           const uint32_t shift = ActTraits<T>::splat_const_15_16();
           uint32_t a0[4], a1[4];
           dequant_int4_word<T>(u0, zp0, ActTraits<T>::sub2(zp0, shift), a0);
@@ -370,7 +365,8 @@ inline int gemm_tokens(int M) {
   return pad32 < pad64 ? 32 : 64;
 }
 
-// Resident blocks per SM of one instance, asked once per instance.
+// Resident blocks per SM of one instance, asked once per instance (the
+// shared-memory attribute is set first: the occupancy query honours it).
 template <typename T, int kBits, bool kGrouped, int kNT>
 int resident_blocks() {
   constexpr int smem = GemmTile<kBits, kNT>::kSmemBytes;
@@ -378,32 +374,22 @@ int resident_blocks() {
   static int cached = 0;
   if (cached == 0) {
     int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kGemmWarps * 32, smem) != cudaSuccess) n = 1;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kGemmWarps * 32, smem) != cudaSuccess)
+      n = 1;
     cached = n > 0 ? n : 1;
   }
   return cached;
 }
 
-int sm_count() {
-  static int sms = 0;
-  if (sms == 0) {
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-      sms = 132;
-  }
-  return sms;
-}
-
+// K splits for p: enough to fill the resident slots once, at most
+// kMaxSplits, keeping at least kMinTiles K tiles per split.
 template <typename T, int kBits, bool kGrouped, int kNT>
 int splits_for(const GemvParams& p) {
-  constexpr int smem = GemmTile<kBits, kNT>::kSmemBytes;
-  auto kernel = gemm_mma_kernel<T, kBits, kGrouped, kNT>;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return 1;
-  const int slots = resident_blocks<T, kBits, kGrouped, kNT>() * sm_count();
+  const int slots = resident_blocks<T, kBits, kGrouped, kNT>() * std::max(device_sm_count(), 1);
   const long blocks = static_cast<long>((p.M + kNT * 8 - 1) / (kNT * 8)) *
                       ((num_panels(p.N) + kGemmPanels - 1) / kGemmPanels);
   const int nclean = p.K / GemmTile<kBits, kNT>::kTileK;
-  // Fill the resident slots once, keeping at least kMinTiles K tiles per split.
   constexpr int kMaxSplits = 8, kMinTiles = 8;
   int splits = static_cast<int>((slots + blocks - 1) / blocks);
   splits = std::min(splits, std::min(kMaxSplits, nclean / kMinTiles));
@@ -435,27 +421,28 @@ Status launch_gemm(const GemvParams& p, float* workspace, int splits, cudaStream
   return Status::kOk;
 }
 
-// splits_out != nullptr: only report the number of splits wanted; else launch
-// with that many (one, without a workspace).
-template <int kBits, bool kGrouped>
-Status run_gemm(const GemvParams& p, float* workspace, int* splits_out, cudaStream_t stream) {
-  const bool half = p.act == ActType::kHalf;
-  if (!half && p.act != ActType::kBFloat16) return Status::kNoKernel;
-  const bool wide = gemm_tokens(p.M) == 64;
-  int splits;
-  if (half)
-    splits = wide ? splits_for<__half, kBits, kGrouped, 8>(p) : splits_for<__half, kBits, kGrouped, 4>(p);
-  else
-    splits = wide ? splits_for<__nv_bfloat16, kBits, kGrouped, 8>(p) : splits_for<__nv_bfloat16, kBits, kGrouped, 4>(p);
-  if (splits_out) {
-    *splits_out = splits;
+// One instance: splits_out != nullptr only reports the splits it wants;
+// otherwise it launches with `splits` (one without a workspace).
+template <typename T, int kBits, bool kGrouped, int kNT>
+Status run_instance(const GemvParams& p, float* workspace, int splits, int* splits_out, cudaStream_t stream) {
+  if (splits_out != nullptr) {
+    *splits_out = splits_for<T, kBits, kGrouped, kNT>(p);
     return Status::kOk;
   }
-  if (half)
-    return wide ? launch_gemm<__half, kBits, kGrouped, 8>(p, workspace, splits, stream)
-                : launch_gemm<__half, kBits, kGrouped, 4>(p, workspace, splits, stream);
-  return wide ? launch_gemm<__nv_bfloat16, kBits, kGrouped, 8>(p, workspace, splits, stream)
-              : launch_gemm<__nv_bfloat16, kBits, kGrouped, 4>(p, workspace, splits, stream);
+  return launch_gemm<T, kBits, kGrouped, kNT>(p, workspace, splits, stream);
+}
+
+// Runtime (activation type, tokens per block) -> instance.
+template <int kBits, bool kGrouped>
+Status run_gemm(const GemvParams& p, float* workspace, int splits, int* splits_out, cudaStream_t stream) {
+  const bool wide = gemm_tokens(p.M) == 64;
+  if (p.act == ActType::kHalf)
+    return wide ? run_instance<__half, kBits, kGrouped, 8>(p, workspace, splits, splits_out, stream)
+                : run_instance<__half, kBits, kGrouped, 4>(p, workspace, splits, splits_out, stream);
+  if (p.act == ActType::kBFloat16)
+    return wide ? run_instance<__nv_bfloat16, kBits, kGrouped, 8>(p, workspace, splits, splits_out, stream)
+                : run_instance<__nv_bfloat16, kBits, kGrouped, 4>(p, workspace, splits, splits_out, stream);
+  return Status::kNoKernel;
 }
 
 Status check_int4(const GemvParams& p) {
@@ -476,26 +463,26 @@ int gemm_splits(const GemvParams& p, int bits) {
   int splits = 1;
   if (bits == 4 && check_int4(p) == Status::kOk) {
     if (p.group_size == 0)
-      run_gemm<4, false>(p, nullptr, &splits, nullptr);
+      run_gemm<4, false>(p, nullptr, 1, &splits, nullptr);
     else
-      run_gemm<4, true>(p, nullptr, &splits, nullptr);
+      run_gemm<4, true>(p, nullptr, 1, &splits, nullptr);
   } else if (bits == 8 && check_int8(p) == Status::kOk) {
-    run_gemm<8, false>(p, nullptr, &splits, nullptr);
+    run_gemm<8, false>(p, nullptr, 1, &splits, nullptr);
   }
   return splits;
 }
 
-Status gemm_int4(const GemvParams& p, float* workspace, cudaStream_t stream) {
+Status gemm_int4(const GemvParams& p, float* workspace, int splits, cudaStream_t stream) {
   const Status st = check_int4(p);
   if (st != Status::kOk) return st;
-  return p.group_size == 0 ? run_gemm<4, false>(p, workspace, nullptr, stream)
-                           : run_gemm<4, true>(p, workspace, nullptr, stream);
+  return p.group_size == 0 ? run_gemm<4, false>(p, workspace, splits, nullptr, stream)
+                           : run_gemm<4, true>(p, workspace, splits, nullptr, stream);
 }
 
-Status gemm_int8(const GemvParams& p, float* workspace, cudaStream_t stream) {
+Status gemm_int8(const GemvParams& p, float* workspace, int splits, cudaStream_t stream) {
   const Status st = check_int8(p);
   if (st != Status::kOk) return st;
-  return run_gemm<8, false>(p, workspace, nullptr, stream);
+  return run_gemm<8, false>(p, workspace, splits, nullptr, stream);
 }
 
 }  // namespace qgemv

@@ -186,14 +186,8 @@ struct GemvMma {
       const int tok = min(n * 8 + g, p.M - 1);
       xl[n] = static_cast<const T*>(p.x) + static_cast<size_t>(tok) * p.ldx + kLaneK * t;
     }
-    sym_z = zero_pair(8);
+    sym_z = magic_zero_pair<T>(8);
     sym_y = ActTraits<T>::splat(ActTraits<T>::kMagicValue / 16.f + 8.f);
-  }
-
-  // The pair (magic + z, magic + z) in T for an integer zero point z < 16:
-  // the magic's mantissa LSB is worth 1, so this is an OR, not a conversion.
-  __device__ __forceinline__ static uint32_t zero_pair(uint32_t z) {
-    return (z | (ActTraits<T>::kMagic & 0xffffu)) * 0x00010001u;
   }
 
   // 8 activations of this lane's token of n-tile nt at tile-relative k (the
@@ -223,8 +217,8 @@ struct GemvMma {
           m.s0[i] = __half2float(srow0[rt][gi]);
           m.s1[i] = __half2float(srow1[rt][gi]);
           if constexpr (kHasZeros) {
-            m.z0[i] = zero_pair(zrow0[rt][gi]);
-            m.z1[i] = zero_pair(zrow1[rt][gi]);
+            m.z0[i] = magic_zero_pair<T>(zrow0[rt][gi]);
+            m.z1[i] = magic_zero_pair<T>(zrow1[rt][gi]);
           }
         } else {
           m.s0[i] = m.s0[i - 1];
@@ -348,8 +342,8 @@ struct GemvMma {
           uint32_t u0[kRT], u1[kRT];
 #pragma unroll
           for (int rt = 0; rt < kRT; ++rt) {
-            u0[rt] = j == 0 ? w0[rt].x : j == 1 ? w0[rt].y : j == 2 ? w0[rt].z : w0[rt].w;
-            u1[rt] = j == 0 ? w1[rt].x : j == 1 ? w1[rt].y : j == 2 ? w1[rt].z : w1[rt].w;
+            u0[rt] = word_of(w0[rt], j);
+            u1[rt] = word_of(w1[rt], j);
           }
           int4_subtile<B, kChecked>(k_tile, j, u0, u1, m, part);
         }
@@ -645,13 +639,11 @@ Status launch_gemv_mma(const GemvParams& p, cudaStream_t stream) {
   if constexpr (has_persistent_instance<kBits, kGroup, kZeros, kNT, kRT>()) {
     // Resident blocks per SM for this instance and warp count, asked once.
     static int resident[kMaxWarps + 1] = {};
-    static int sms = 0;
+    const int sms = device_sm_count();
+    if (sms == 0) return Status::kLaunchFailed;
     auto pkernel = gemv_mma_kernel<T, kBits, kGroup, kZeros, kNT, kRT, true>;
     if (resident[w] == 0) {
-      int dev = 0, n = 0;
-      if (cudaGetDevice(&dev) != cudaSuccess ||
-          cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-        return Status::kLaunchFailed;
+      int n = 0;
       if (smem > 48 * 1024 &&
           cudaFuncSetAttribute(pkernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) !=
               cudaSuccess)

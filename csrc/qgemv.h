@@ -56,10 +56,11 @@ Status gemv_int8(const GemvParams& p, cudaStream_t stream);
 // (csrc/gemm_mma.cu).  Same formats and parameters as the GEMV;
 // warps_per_block is ignored.  When the grid is too small to fill the GPU,
 // K is split: gemm_splits(p, bits) says into how many parts, and the caller
-// passes a float workspace of splits x M x N elements (nullptr: no split).
+// passes that count with a float workspace of splits x M x N elements
+// (workspace nullptr or splits 1: no split).
 int gemm_splits(const GemvParams& p, int bits);
-Status gemm_int4(const GemvParams& p, float* workspace, cudaStream_t stream);
-Status gemm_int8(const GemvParams& p, float* workspace, cudaStream_t stream);
+Status gemm_int4(const GemvParams& p, float* workspace, int splits, cudaStream_t stream);
+Status gemm_int8(const GemvParams& p, float* workspace, int splits, cudaStream_t stream);
 
 // Dequantize the packed weight of p into w_out[N, K] (activation type),
 // w = (q - zero) * scale rounded once.  Used for the prefill (M > 16) path.

@@ -184,6 +184,18 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   return d;
 }
 
+// The pair (magic + z, magic + z) in T for an integer zero point z < 16:
+// the magic's mantissa LSB is worth 1, so this is an OR, not a conversion.
+template <typename T>
+__device__ __forceinline__ uint32_t magic_zero_pair(uint32_t z) {
+  return (z | (ActTraits<T>::kMagic & 0xffffu)) * 0x00010001u;
+}
+
+// Word j (0..3, a compile-time constant after unrolling) of a 16-byte load.
+__device__ __forceinline__ uint32_t word_of(const uint4& w, int j) {
+  return j == 0 ? w.x : j == 1 ? w.y : j == 2 ? w.z : w.w;
+}
+
 // One packed int4 word -> four pairs (k0,k1) (k2,k3) (k4,k5) (k6,k7) of
 // (q - zero) in T, exact, in 9 instructions.  The word's nibbles hold logical
 // elements in the order [0,2,4,6,1,3,5,7] from the low bits up (see
@@ -290,6 +302,20 @@ __device__ __forceinline__ void load_edge_words(const char* b0, const char* b1, 
     w0 = ld_stream_v4(b0 + 16 * t, pol);
     w1 = ld_stream_v4(b1 + 16 * t, pol);
   }
+}
+
+// Streaming multiprocessors of the current device, asked once per process
+// (0 if the query fails).
+inline int device_sm_count() {
+  static int sms = -1;
+  if (sms < 0) {
+    int dev = 0, n = 0;
+    sms = cudaGetDevice(&dev) == cudaSuccess &&
+                  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess
+              ? n
+              : 0;
+  }
+  return sms;
 }
 
 }  // namespace qgemv

@@ -37,9 +37,7 @@ enum class Prefill : int { kChunks = 0, kTiled = 1, kDense = 2 };
 constexpr int64_t kTiledMaxTokens = 128;
 std::atomic<int> g_prefill_path{-1};  // -1: the measured rule
 
-Prefill prefill_path(int64_t N, int64_t K, int64_t M) {
-  (void)N;
-  (void)K;
+Prefill prefill_path(int64_t M) {
   const int forced = g_prefill_path.load();
   if (forced >= 0) return static_cast<Prefill>(forced);
   return M <= kTiledMaxTokens ? Prefill::kTiled : Prefill::kDense;
@@ -81,7 +79,7 @@ std::vector<int64_t> out_shape(const at::Tensor& x, int64_t N) {
 }
 
 using GemvFn = Status (*)(const GemvParams&, cudaStream_t);
-using GemmFn = Status (*)(const GemvParams&, float*, cudaStream_t);
+using GemmFn = Status (*)(const GemvParams&, float*, int, cudaStream_t);
 using DequantFn = Status (*)(const GemvParams&, void*, cudaStream_t);
 
 // The one dispatch function: by dtype and token count (see Prefill and kTiledMaxTokens).
@@ -95,7 +93,7 @@ at::Tensor run_linear(const at::Tensor& x, GemvParams p, int bits, GemvFn gemv, 
   p.act = act_type(x, op);
   if (M == 0) return y.reshape(out_shape(x, p.N));
 
-  const Prefill path = M <= kMaxGemvTokens ? Prefill::kChunks : prefill_path(p.N, p.K, M);
+  const Prefill path = M <= kMaxGemvTokens ? Prefill::kChunks : prefill_path(M);
   if (p.act != ActType::kFloat32 && path == Prefill::kTiled) {
     GemvParams c = p;
     c.M = static_cast<int>(M);
@@ -106,7 +104,7 @@ at::Tensor run_linear(const at::Tensor& x, GemvParams p, int bits, GemvFn gemv, 
     const int splits = gemm_splits(c, bits);  // split-K partials when the grid is small
     at::Tensor ws;
     if (splits > 1) ws = at::empty({splits, M, p.N}, x.options().dtype(at::kFloat));
-    check_status(gemm(c, splits > 1 ? ws.data_ptr<float>() : nullptr, stream), op);
+    check_status(gemm(c, splits > 1 ? ws.data_ptr<float>() : nullptr, splits, stream), op);
   } else if (p.act != ActType::kFloat32 && path == Prefill::kChunks) {
     for (int64_t m0 = 0; m0 < M; m0 += kMaxGemvTokens) {
       GemvParams c = p;
@@ -262,8 +260,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         "Benchmark/test knob: force the path for more than 16 tokens; -1 restores the measured rule.");
   m.def("get_prefill_path", []() { return qgemv::g_prefill_path.load(); });
-  m.def("prefill_path", [](int64_t n, int64_t k, int64_t m) {
-          return m <= qgemv::kMaxGemvTokens ? -1 : static_cast<int>(qgemv::prefill_path(n, k, m));
+  // n and k are taken so that callers need not change if the rule ever
+  // depends on the shape; the measured rule does not.
+  m.def("prefill_path", [](int64_t /*n*/, int64_t /*k*/, int64_t m) {
+          return m <= qgemv::kMaxGemvTokens ? -1 : static_cast<int>(qgemv::prefill_path(m));
         },
         "Path the dispatch takes for m tokens of an n x k weight: 0 chunks, 1 tiled, 2 dense; -1 one GEMV launch.");
   m.attr("max_gemv_tokens") = qgemv::kMaxGemvTokens;
