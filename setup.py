@@ -1,7 +1,8 @@
 """Build qgemv, with its CUDA extension when nvcc and a CUDA build of torch are present.
 
 Environment:
-  QGEMV_CUDA_ARCHS       architectures, e.g. "8.0;9.0" (default "8.0;8.6;8.9;9.0")
+  QGEMV_CUDA_ARCHS       architectures, e.g. "8.0;9.0" (default "8.0;8.6;8.9;9.0"); 9.0 is
+                         built as sm_90a, for the wgmma prefill GEMM
   QGEMV_SKIP_CUDA_BUILD  "1" skips the extension (the reference serves CUDA tensors)
   MAX_JOBS               parallel compile jobs (torch's build helper reads it)
 """
@@ -22,7 +23,9 @@ if os.environ.get("QGEMV_SKIP_CUDA_BUILD") != "1":
     from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
 
     if torch.version.cuda and CUDA_HOME and shutil.which("nvcc"):
-        os.environ["TORCH_CUDA_ARCH_LIST"] = os.environ.get("QGEMV_CUDA_ARCHS", "8.0;8.6;8.9;9.0")
+        os.environ["TORCH_CUDA_ARCH_LIST"] = SRC["torch_arch_list"](
+            os.environ.get("QGEMV_CUDA_ARCHS", "8.0;8.6;8.9;9.0")
+        )
         ext_modules.append(
             CUDAExtension(
                 name="qgemv._C",

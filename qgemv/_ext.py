@@ -39,11 +39,11 @@ def _try_aot():
 def _try_jit():
     from torch.utils import cpp_extension
 
-    from ._sources import CSRC, CXX_FLAGS, NVCC_FLAGS, extension_sources
+    from ._sources import CSRC, CXX_FLAGS, NVCC_FLAGS, extension_sources, torch_arch_list
 
     archs = os.environ.get("QGEMV_CUDA_ARCHS")
     if archs:
-        os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+        os.environ["TORCH_CUDA_ARCH_LIST"] = torch_arch_list(archs)
     return cpp_extension.load(
         name="qgemv_jit_C",
         sources=extension_sources(),
