@@ -81,25 +81,6 @@ struct GemmTile {
   static constexpr int kSmemBytes = kGemmStages * kStageBytes;
 };
 
-// Scale four pairs of exact small integers (q - z) by s, rounded once to T.
-__device__ __forceinline__ void scale_pairs(uint32_t (&a)[4], __half s, __half) {
-  const __half2 s2 = __half2half2(s);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    __half2 v = __hmul2(*reinterpret_cast<__half2*>(&a[i]), s2);
-    a[i] = *reinterpret_cast<uint32_t*>(&v);
-  }
-}
-__device__ __forceinline__ void scale_pairs(uint32_t (&a)[4], __half s, __nv_bfloat16) {
-  const float sf = __half2float(s);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float lo = __uint_as_float(a[i] << 16), hi = __uint_as_float(a[i] & 0xffff0000u);
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo * sf, hi * sf);
-    a[i] = *reinterpret_cast<uint32_t*>(&v);
-  }
-}
-
 // Activation copy (16 bytes, L2 only, default eviction: every row block of
 // the grid reads the same activations).  src_bytes = 0 writes zeros.
 __device__ __forceinline__ void cp_async_act(void* smem_dst, const void* gmem_src, int src_bytes) {
@@ -317,33 +298,9 @@ __global__ void __launch_bounds__(kGemmWarps * 32, QGEMM_MIN_BLOCKS)
   }
   cp_async_wait<0>();
 
-  // C fragment: i = 0, 1 -> row g, tokens 2t, 2t + 1; i = 2, 3 -> row g + 8.
-  const __half* scales = static_cast<const __half*>(p.scales);
-  T* y = static_cast<T*>(p.y);
   float* part = partial ? partial + static_cast<size_t>(blockIdx.z) * p.M * p.N : nullptr;
-#pragma unroll
-  for (int rt = 0; rt < kGemmRT; ++rt) {
-    if (!live[rt]) continue;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int i = g + 8 * half;
-      if (i >= prows[rt]) continue;
-      const int row = prow0[rt] + i;
-      const float sc = kGrouped ? 1.f : __half2float(scales[row]);
-#pragma unroll
-      for (int n = 0; n < kNT; ++n)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int tok = m0 + n * 8 + 2 * t + e;
-          if (tok >= p.M) continue;
-          const float v = s.acc[rt][n][2 * half + e] * sc;
-          if (part)
-            part[static_cast<size_t>(tok) * p.N + row] = v;
-          else
-            ActTraits<T>::store(y + static_cast<size_t>(tok) * p.ldy + row, v);
-        }
-    }
-  }
+  store_fragments<T, kGrouped, kGemmRT, kNT>(p, part, m0, g, t, prow0, prows, live,
+                                            [&](int rt, int n, int i) { return s.acc[rt][n][i]; });
 }
 
 // y[tok, row] = sum over splits of partial[z, tok, row], in split order.
@@ -412,13 +369,7 @@ Status launch_gemm(const GemvParams& p, float* workspace, int splits, cudaStream
   const dim3 grid((p.M + kNT * 8 - 1) / (kNT * 8), row_blocks, splits);
   kernel<<<grid, kGemmWarps * 32, smem, stream>>>(p, splits > 1 ? workspace : nullptr, per);
   if (cudaGetLastError() != cudaSuccess) return Status::kLaunchFailed;
-  if (splits > 1) {
-    const size_t mn = static_cast<size_t>(p.M) * p.N;
-    const int blocks = static_cast<int>(std::min<size_t>((mn + 255) / 256, 4096));
-    reduce_splits_kernel<T><<<blocks, 256, 0, stream>>>(workspace, splits, p.M, p.N, static_cast<T*>(p.y), p.ldy);
-    if (cudaGetLastError() != cudaSuccess) return Status::kLaunchFailed;
-  }
-  return Status::kOk;
+  return splits > 1 ? reduce_splits(p, workspace, splits, stream) : Status::kOk;
 }
 
 // One instance: splits_out != nullptr only reports the splits it wants;
@@ -445,42 +396,55 @@ Status run_gemm(const GemvParams& p, float* workspace, int splits, int* splits_o
   return Status::kNoKernel;
 }
 
-Status check_int4(const GemvParams& p) {
+}  // namespace
+
+Status check_int4_gemm(const GemvParams& p) {
   if (p.M < 1 || p.Kp % 32 != 0 || p.K % 8 != 0 || p.K > p.Kp) return Status::kBadShape;
   if (p.group_size == 0) return p.zeros != nullptr ? Status::kNoKernel : Status::kOk;
   if (p.group_size != 32 && p.group_size != 64 && p.group_size != 128) return Status::kBadGroupSize;
   return p.K % p.group_size == 0 ? Status::kOk : Status::kBadShape;
 }
 
-Status check_int8(const GemvParams& p) {
+Status check_int8_gemm(const GemvParams& p) {
   if (p.M < 1 || p.Kp % 16 != 0 || p.K % 8 != 0 || p.K > p.Kp) return Status::kBadShape;
   return p.group_size != 0 || p.zeros != nullptr ? Status::kNoKernel : Status::kOk;
 }
 
-}  // namespace
+Status reduce_splits(const GemvParams& p, const float* partial, int splits, cudaStream_t stream) {
+  const size_t mn = static_cast<size_t>(p.M) * p.N;
+  const int blocks = static_cast<int>(std::min<size_t>((mn + 255) / 256, 4096));
+  if (p.act == ActType::kHalf)
+    reduce_splits_kernel<__half><<<blocks, 256, 0, stream>>>(partial, splits, p.M, p.N, static_cast<__half*>(p.y), p.ldy);
+  else if (p.act == ActType::kBFloat16)
+    reduce_splits_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(partial, splits, p.M, p.N,
+                                                                    static_cast<__nv_bfloat16*>(p.y), p.ldy);
+  else
+    return Status::kNoKernel;
+  return cudaGetLastError() == cudaSuccess ? Status::kOk : Status::kLaunchFailed;
+}
 
 int gemm_splits(const GemvParams& p, int bits) {
   int splits = 1;
-  if (bits == 4 && check_int4(p) == Status::kOk) {
+  if (bits == 4 && check_int4_gemm(p) == Status::kOk) {
     if (p.group_size == 0)
       run_gemm<4, false>(p, nullptr, 1, &splits, nullptr);
     else
       run_gemm<4, true>(p, nullptr, 1, &splits, nullptr);
-  } else if (bits == 8 && check_int8(p) == Status::kOk) {
+  } else if (bits == 8 && check_int8_gemm(p) == Status::kOk) {
     run_gemm<8, false>(p, nullptr, 1, &splits, nullptr);
   }
   return splits;
 }
 
 Status gemm_int4(const GemvParams& p, float* workspace, int splits, cudaStream_t stream) {
-  const Status st = check_int4(p);
+  const Status st = check_int4_gemm(p);
   if (st != Status::kOk) return st;
   return p.group_size == 0 ? run_gemm<4, false>(p, workspace, splits, nullptr, stream)
                            : run_gemm<4, true>(p, workspace, splits, nullptr, stream);
 }
 
 Status gemm_int8(const GemvParams& p, float* workspace, int splits, cudaStream_t stream) {
-  const Status st = check_int8(p);
+  const Status st = check_int8_gemm(p);
   if (st != Status::kOk) return st;
   return run_gemm<8, false>(p, workspace, splits, nullptr, stream);
 }

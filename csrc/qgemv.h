@@ -62,6 +62,33 @@ int gemm_splits(const GemvParams& p, int bits);
 Status gemm_int4(const GemvParams& p, float* workspace, int splits, cudaStream_t stream);
 Status gemm_int8(const GemvParams& p, float* workspace, int splits, cudaStream_t stream);
 
+// Hopper GEMM for prefill (csrc/gemm_wgmma.cu): the tiled GEMM's weight
+// stream and register dequantization feeding wgmma (sm_90a; H100 / H200).
+// wgmma_plan says whether it runs here (ok: this build has sm_90a code and
+// the device is compute capability 9.0), the K splits it wants, and the
+// bytes of the permuted-activation workspace it needs (xperm, 16-byte
+// aligned); partial is a float workspace of splits x M x N when splits > 1.
+struct WgmmaPlan {
+  bool ok;
+  int splits;
+  size_t xperm_bytes;
+};
+WgmmaPlan wgmma_plan(const GemvParams& p, int bits);
+bool wgmma_supported();  // the current device can run this build's wgmma GEMM
+Status wgmma_int4(const GemvParams& p, void* xperm, float* partial, int splits, cudaStream_t stream);
+Status wgmma_int8(const GemvParams& p, void* xperm, float* partial, int splits, cudaStream_t stream);
+// Benchmark / test knob: force block shape i of the wgmma GEMM (0: 64 tokens
+// x 256 rows; 1: 128 tokens x 128 rows, warp-specialized); -1 restores the
+// rule (shape 0 up to 64 tokens).
+void set_wgmma_shape(int shape);
+int wgmma_shape_count();
+
+// Shared by the two tiled GEMMs: shape checks, and the fixed-order sum of
+// split-K partials [splits, M, N] into p.y.
+Status check_int4_gemm(const GemvParams& p);
+Status check_int8_gemm(const GemvParams& p);
+Status reduce_splits(const GemvParams& p, const float* partial, int splits, cudaStream_t stream);
+
 // Dequantize the packed weight of p into w_out[N, K] (activation type),
 // w = (q - zero) * scale rounded once.  Used for the prefill (M > 16) path.
 Status dequant_int4(const GemvParams& p, void* w_out, cudaStream_t stream);

@@ -304,6 +304,64 @@ __device__ __forceinline__ void load_edge_words(const char* b0, const char* b1, 
   }
 }
 
+// Scale four pairs of exact small integers (q - z) by s, rounded once to T
+// (the group scale of the tiled GEMMs, applied to dequantized weights).
+__device__ __forceinline__ void scale_pairs(uint32_t (&a)[4], __half s, __half) {
+  const __half2 s2 = __half2half2(s);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    __half2 v = __hmul2(*reinterpret_cast<__half2*>(&a[i]), s2);
+    a[i] = *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+__device__ __forceinline__ void scale_pairs(uint32_t (&a)[4], __half s, __nv_bfloat16) {
+  const float sf = __half2float(s);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float lo = __uint_as_float(a[i] << 16), hi = __uint_as_float(a[i] & 0xffff0000u);
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo * sf, hi * sf);
+    a[i] = *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
+// Epilogue of the tiled GEMMs: one warp's accumulators for kRT 16-row panels
+// x kNT 8-token tiles, in the C-fragment layout of mma.m16n8k16 (acc(rt, n,
+// i): i = 0, 1 -> row g, tokens 8n + 2t, +1; i = 2, 3 -> row g + 8).  Rows
+// past the panel and tokens past M are skipped, panels with live false
+// entirely.  Per-channel scales multiply the fp32 sums here (grouped scales
+// were applied to the weights).  part: fp32 [M, N] partial sums of a K
+// split, or nullptr to store y in T.
+template <typename T, bool kGrouped, int kRT, int kNT, typename Acc>
+__device__ __forceinline__ void store_fragments(const GemvParams& p, float* part, int m0, int g, int t,
+                                                const int (&prow0)[kRT], const int (&prows)[kRT],
+                                                const bool (&live)[kRT], Acc&& acc) {
+  const __half* scales = static_cast<const __half*>(p.scales);
+  T* y = static_cast<T*>(p.y);
+#pragma unroll
+  for (int rt = 0; rt < kRT; ++rt) {
+    if (!live[rt]) continue;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = g + 8 * half;
+      if (i >= prows[rt]) continue;
+      const int row = prow0[rt] + i;
+      const float sc = kGrouped ? 1.f : __half2float(scales[row]);
+#pragma unroll
+      for (int n = 0; n < kNT; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int tok = m0 + n * 8 + 2 * t + e;
+          if (tok >= p.M) continue;
+          const float v = acc(rt, n, 2 * half + e) * sc;
+          if (part)
+            part[static_cast<size_t>(tok) * p.N + row] = v;
+          else
+            ActTraits<T>::store(y + static_cast<size_t>(tok) * p.ldy + row, v);
+        }
+    }
+  }
+}
+
 // Streaming multiprocessors of the current device, asked once per process
 // (0 if the query fails).
 inline int device_sm_count() {

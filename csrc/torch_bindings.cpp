@@ -23,23 +23,41 @@ namespace {
 
 // Paths for more than kMaxGemvTokens tokens (fp16 / bf16 activations):
 //   kChunks: the GEMV once per 16-token chunk (reads the weight M/16 times);
-//   kTiled:  the tiled GEMM (csrc/gemm_mma.cu), the weight read once per 32
-//            or 64 tokens and dequantized in registers;
+//   kTiled:  the tiled mma.sync GEMM (csrc/gemm_mma.cu), the weight read once
+//            per 32 or 64 tokens and dequantized in registers;
 //   kDense:  dequantize into a dense weight, then cuBLAS (writes and re-reads
-//            N x K x 2 bytes, but its GEMM runs at the wgmma rate).
-// Measured on the H200 (BENCHMARKS.md, prefill; 3 shapes x int8 / int4 /
-// int4 g128): from 17 to 128 tokens the tiled GEMM is the fastest of the
-// three on 50 of 54 pairs and within 6% on the other four; at 192 and 256
-// tokens the dense path wins on 14 of 18, since the tiled GEMM's mma.sync
-// work grows with M while the dense path's extra cost is fixed.  The tests and the benchmark force a path with
-// set_prefill_path().
-enum class Prefill : int { kChunks = 0, kTiled = 1, kDense = 2 };
-constexpr int64_t kTiledMaxTokens = 128;
+//            N x K x 2 bytes, but its GEMM runs at the wgmma rate);
+//   kWgmma:  the Hopper GEMM (csrc/gemm_wgmma.cu): the tiled GEMM's weight
+//            stream feeding wgmma; compute capability 9.0 only.
+// Measured on the H200 (BENCHMARKS.md, prefill; 4096 x 4096, 8192 x 8192,
+// 28672 x 8192 x int8 / int4 / int4 g128, 17..2048 tokens):
+//   * 17-32 tokens: the tiled mma.sync GEMM is the fastest or close to it;
+//   * 33-512: the wgmma GEMM (within 3-9% of the best forced path at every
+//     M from 48 to 512), except on small weights (N x K <= kSmallWeight),
+//     where the tiled GEMM, with no activation-permute launch and several
+//     blocks per SM, is faster up to 64 tokens;
+//   * above 512: dequantize + cuBLAS (at 1024 it beats the wgmma GEMM by
+//     6-37%, at 2048 by 14-60%: cuBLAS's fp16 GEMM runs near the
+//     tensor-core peak there, the wgmma GEMM at about 75% of it).
+// Without wgmma (other GPUs): the tiled GEMM up to 128 tokens (fastest of
+// the first three paths on 50 of 54 measured pairs at 17-128), then dense.
+// The tests and the benchmark force a path with set_prefill_path().
+enum class Prefill : int { kChunks = 0, kTiled = 1, kDense = 2, kWgmma = 3 };
+constexpr int64_t kTiledMaxTokens = 128;       // without wgmma
+constexpr int64_t kWgmmaMinTokens = 33;        // with wgmma
+constexpr int64_t kWgmmaMinTokensSmall = 65;   // with wgmma, N x K <= kSmallWeight
+constexpr int64_t kWgmmaMaxTokens = 512;
+constexpr int64_t kSmallWeight = int64_t{1} << 24;
 std::atomic<int> g_prefill_path{-1};  // -1: the measured rule
 
-Prefill prefill_path(int64_t M) {
+Prefill prefill_path(int64_t N, int64_t K, int64_t M) {
   const int forced = g_prefill_path.load();
   if (forced >= 0) return static_cast<Prefill>(forced);
+  if (wgmma_supported()) {
+    const int64_t first = N * K <= kSmallWeight ? kWgmmaMinTokensSmall : kWgmmaMinTokens;
+    if (M < first) return Prefill::kTiled;
+    return M <= kWgmmaMaxTokens ? Prefill::kWgmma : Prefill::kDense;
+  }
   return M <= kTiledMaxTokens ? Prefill::kTiled : Prefill::kDense;
 }
 
@@ -81,10 +99,11 @@ std::vector<int64_t> out_shape(const at::Tensor& x, int64_t N) {
 using GemvFn = Status (*)(const GemvParams&, cudaStream_t);
 using GemmFn = Status (*)(const GemvParams&, float*, int, cudaStream_t);
 using DequantFn = Status (*)(const GemvParams&, void*, cudaStream_t);
+using WgmmaFn = Status (*)(const GemvParams&, void*, float*, int, cudaStream_t);
 
-// The one dispatch function: by dtype and token count (see Prefill and kTiledMaxTokens).
+// The one dispatch function: by dtype, token count and weight size (see Prefill and prefill_path).
 at::Tensor run_linear(const at::Tensor& x, GemvParams p, int bits, GemvFn gemv, GemmFn gemm,
-                      DequantFn dequant, const char* op) {
+                      WgmmaFn wgmma, DequantFn dequant, const char* op) {
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor x2 = prepare_x(x, p.K, op);
@@ -93,14 +112,24 @@ at::Tensor run_linear(const at::Tensor& x, GemvParams p, int bits, GemvFn gemv, 
   p.act = act_type(x, op);
   if (M == 0) return y.reshape(out_shape(x, p.N));
 
-  const Prefill path = M <= kMaxGemvTokens ? Prefill::kChunks : prefill_path(M);
-  if (p.act != ActType::kFloat32 && path == Prefill::kTiled) {
-    GemvParams c = p;
-    c.M = static_cast<int>(M);
-    c.x = x2.data_ptr();
-    c.y = y.data_ptr();
-    c.ldx = p.K;
-    c.ldy = p.N;
+  const Prefill path = M <= kMaxGemvTokens ? Prefill::kChunks : prefill_path(p.N, p.K, M);
+  GemvParams c = p;  // the whole batch, for the GEMMs
+  c.M = static_cast<int>(M);
+  c.x = x2.data_ptr();
+  c.y = y.data_ptr();
+  c.ldx = p.K;
+  c.ldy = p.N;
+  if (p.act != ActType::kFloat32 && path == Prefill::kWgmma) {
+    const WgmmaPlan plan = wgmma_plan(c, bits);
+    QG_CHECK(plan.ok, op, "the wgmma GEMM needs a compute-capability 9.0 GPU and a build with sm_90a "
+             "(set_prefill_path(", static_cast<int>(Prefill::kWgmma), ") forced it)");
+    at::Tensor xperm = at::empty({static_cast<int64_t>(plan.xperm_bytes)}, x.options().dtype(at::kByte));
+    at::Tensor ws;
+    if (plan.splits > 1) ws = at::empty({plan.splits, M, p.N}, x.options().dtype(at::kFloat));
+    check_status(wgmma(c, xperm.data_ptr(), plan.splits > 1 ? ws.data_ptr<float>() : nullptr, plan.splits,
+                       stream),
+                 op);
+  } else if (p.act != ActType::kFloat32 && path == Prefill::kTiled) {
     const int splits = gemm_splits(c, bits);  // split-K partials when the grid is small
     at::Tensor ws;
     if (splits > 1) ws = at::empty({splits, M, p.N}, x.options().dtype(at::kFloat));
@@ -163,7 +192,7 @@ at::Tensor linear_int8_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
            (K + 15) / 16 * 16, ", got ", Kp);
   check_scales(x, scales, N, 0, op);
   GemvParams p = base_params(x, qweight, scales, N, K, Kp);
-  return run_linear(x, p, 8, gemv_int8, gemm_int8, dequant_int8, op);
+  return run_linear(x, p, 8, gemv_int8, gemm_int8, wgmma_int8, dequant_int8, op);
 }
 
 at::Tensor linear_int4_impl(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -196,7 +225,7 @@ at::Tensor linear_int4_impl(const at::Tensor& x, const at::Tensor& qweight, cons
              ", ", groups, "], got ", z.sizes());
     p.zeros = z.data_ptr<uint8_t>();
   }
-  return run_linear(x, p, 4, gemv_int4, gemm_int4, dequant_int4, op);
+  return run_linear(x, p, 4, gemv_int4, gemm_int4, wgmma_int4, dequant_int4, op);
 }
 
 at::Tensor linear_int4_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
@@ -251,20 +280,36 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("PREFILL_CHUNKS") = static_cast<int>(qgemv::Prefill::kChunks);
   m.attr("PREFILL_TILED") = static_cast<int>(qgemv::Prefill::kTiled);
   m.attr("PREFILL_DENSE") = static_cast<int>(qgemv::Prefill::kDense);
+  m.attr("PREFILL_WGMMA") = static_cast<int>(qgemv::Prefill::kWgmma);
+  m.attr("wgmma_min_tokens") = qgemv::kWgmmaMinTokens;
+  m.attr("wgmma_min_tokens_small") = qgemv::kWgmmaMinTokensSmall;
   m.def("set_prefill_path", [](int v) {
-          if (v < -1 || v > 2)
+          if (v < -1 || v > 3)
             throw pybind11::value_error("qgemv.set_prefill_path: path must be -1 (the measured rule), "
-                                        "0 (GEMV chunks), 1 (tiled GEMM) or 2 (dequantize + cuBLAS), got " +
-                                        std::to_string(v));
+                                        "0 (GEMV chunks), 1 (tiled GEMM), 2 (dequantize + cuBLAS) or "
+                                        "3 (wgmma GEMM), got " + std::to_string(v));
           qgemv::g_prefill_path.store(v);
         },
         "Benchmark/test knob: force the path for more than 16 tokens; -1 restores the measured rule.");
-  m.def("get_prefill_path", []() { return qgemv::g_prefill_path.load(); });
-  // n and k are taken so that callers need not change if the rule ever
-  // depends on the shape; the measured rule does not.
-  m.def("prefill_path", [](int64_t /*n*/, int64_t /*k*/, int64_t m) {
-          return m <= qgemv::kMaxGemvTokens ? -1 : static_cast<int>(qgemv::prefill_path(m));
+  m.def("wgmma_shape_count", &qgemv::wgmma_shape_count);
+  m.def("wgmma_available", []() { return qgemv::wgmma_supported(); },
+        "True when this build has the sm_90a wgmma GEMM and the current device can run it.");
+  m.def("set_wgmma_shape", [](int v) {
+          if (v < -1 || v >= qgemv::wgmma_shape_count())
+            throw pybind11::value_error("qgemv.set_wgmma_shape: shape must be -1 (the rule) or 0.." +
+                                        std::to_string(qgemv::wgmma_shape_count() - 1) + ", got " +
+                                        std::to_string(v));
+          qgemv::set_wgmma_shape(v);
         },
-        "Path the dispatch takes for m tokens of an n x k weight: 0 chunks, 1 tiled, 2 dense; -1 one GEMV launch.");
+        "Benchmark knob: force the wgmma GEMM's block shape (0: 64 tokens x 256 rows, 1: 128 tokens x "
+        "128 rows, warp-specialized); -1 restores the rule.");
+  m.def("get_prefill_path", []() { return qgemv::g_prefill_path.load(); });
+  m.def("prefill_path", [](int64_t n, int64_t k, int64_t m) {
+          return m <= qgemv::kMaxGemvTokens ? -1 : static_cast<int>(qgemv::prefill_path(n, k, m));
+        },
+        "Path the dispatch takes for m tokens of an n x k weight on the current device: 0 chunks, 1 tiled, "
+        "2 dense, 3 wgmma; -1 one GEMV launch.");
+  m.attr("wgmma_max_tokens") = qgemv::kWgmmaMaxTokens;
+  m.attr("small_weight") = qgemv::kSmallWeight;
   m.attr("max_gemv_tokens") = qgemv::kMaxGemvTokens;
 }

@@ -4,11 +4,11 @@ Skipped per test without a GPU; run on the lent H200 (see BENCHMARKS.md).
 
 Tolerances (tight, same quantized weights):
 * GEMV path (M <= 16; 17..256 tokens in 16-token chunks when forced), and
-  the tiled GEMM with per-channel scales: the products (q - z) * x are exact in the MMA and the
+  the tiled GEMMs with per-channel scales: the products (q - z) * x are exact in the MMA and the
   sums are fp32, so |y - ref| <= n * 2^-24 * (|x| @ |W|^T) with n, the number
   of sequential fp32 additions, bounded by K/8 + 32; plus half an ulp of the
   output dtype (2^-11 relative for fp16, 2^-8 for bf16).
-* Dequantize + GEMM path (M > 256), and the tiled GEMM (M = 17..256) with
+* Dequantize + GEMM path, and the tiled GEMMs (mma.sync and wgmma) with
   group-wise scales: the weight (q - z) * s is rounded once to the
   activation dtype, which adds at most eps_T * (|x| @ |W|^T) with eps_T the
   same half-ulp.
@@ -88,7 +88,7 @@ def _check(cfg, x, qw, s, z, k, dense=None):
         from qgemv import _C
 
         path = _C.prefill_path(n, k, m)
-        dense = path == _C.PREFILL_DENSE or (path == _C.PREFILL_TILED and cfg.bits == 4
+        dense = path == _C.PREFILL_DENSE or (path in (_C.PREFILL_TILED, _C.PREFILL_WGMMA) and cfg.bits == 4
                                               and cfg.group_size is not None)
     bound = (acc + eps if dense else acc) * mag + eps * ref.abs() + 1e-6
     err = (y.double().reshape(-1, n) - ref).abs()
@@ -168,18 +168,34 @@ class _ForcedPath:
         self.C.set_prefill_path(self.old)
 
 
+def _gemm_paths():
+    """The tiled GEMM paths this GPU runs: mma.sync always, wgmma on cc 9.0."""
+    from qgemv import _C
+
+    return [_C.PREFILL_TILED] + ([_C.PREFILL_WGMMA] if _C.wgmma_available() else [])
+
+
+def _gemm_path(kind):
+    """'tiled' or 'wgmma' -> the path number; skips wgmma where it cannot run."""
+    from qgemv import _C
+
+    if kind == "wgmma" and not _C.wgmma_available():
+        pytest.skip("the wgmma GEMM needs compute capability 9.0 and an sm_90a build")
+    return _C.PREFILL_TILED if kind == "tiled" else _C.PREFILL_WGMMA
+
+
 @requires_cuda
 @pytest.mark.parametrize("name", ["int8", "int4", "int4g64a", "int4g128"])
 def test_prefill_all_paths(name):
     """M > 16 through each path the dispatch chooses between, whatever M:
-    16-token GEMV chunks (a partial last chunk), the tiled GEMM, and
-    dequantize + cuBLAS."""
+    16-token GEMV chunks (a partial last chunk), the tiled mma.sync GEMM,
+    dequantize + cuBLAS, and (on cc 9.0) the wgmma GEMM."""
     from qgemv import _C
 
     cfg = CFGS[name]
     n, k = 1000, 640
     qw, s, z = _quantized(cfg, n, k)
-    for path in (_C.PREFILL_CHUNKS, _C.PREFILL_TILED, _C.PREFILL_DENSE):
+    for path in [_C.PREFILL_CHUNKS, _C.PREFILL_DENSE] + _gemm_paths():
         with _ForcedPath(path):
             for m, dtype in [(17, torch.float16), (33, torch.bfloat16), (64, torch.float16), (100, torch.bfloat16)]:
                 x = torch.randn(m, k, device="cuda", dtype=dtype)
@@ -187,20 +203,20 @@ def test_prefill_all_paths(name):
 
 
 @requires_cuda
+@pytest.mark.parametrize("kind", ["tiled", "wgmma"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("name", list(CFGS))
 @pytest.mark.parametrize("k", ODD_K + [4096])
-def test_tiled_gemm_odd_shapes(k, name, dtype):
-    """The tiled GEMM (csrc/gemm_mma.cu) on odd shapes: N = 1, 7 (one partial
-    panel), 130 (a block of 128 rows plus a 2-row panel), 4097; K with an
-    edge tile (8, 24, 136, 2880, 5128) or without (4096); M across the
-    64-token block boundary (17, 64, 65, 129)."""
-    from qgemv import _C
-
+def test_tiled_gemm_odd_shapes(k, name, dtype, kind):
+    """The tiled GEMMs (csrc/gemm_mma.cu, csrc/gemm_wgmma.cu) on odd shapes:
+    N = 1, 7 (one partial panel), 130 (a block of 128 rows plus a 2-row
+    panel), 4097; K with an edge tile (8, 24, 136, 2880, 5128) or without
+    (4096); M across the 32-, 64- and 128-token block boundaries (17, 64, 65,
+    129)."""
     cfg = CFGS[name]
     if not _fits(cfg, k):
         pytest.skip(f"K={k} not divisible by group {cfg.group_size}")
-    with _ForcedPath(_C.PREFILL_TILED):
+    with _ForcedPath(_gemm_path(kind)):
         for n in (1, 7, 130, 4097):
             qw, s, z = _quantized(cfg, n, k)
             for m in (17, 64, 65, 129):
@@ -209,35 +225,61 @@ def test_tiled_gemm_odd_shapes(k, name, dtype):
 
 
 @requires_cuda
-def test_tiled_gemm_scale_range():
-    """The tiled GEMM with group scales spanning 1e-4 .. 1 across rows and
-    activations of magnitude ~30: the weights (q - z) * s, rounded to the
-    activation dtype before the MMA, stay within the bound in every row."""
+@pytest.mark.parametrize("shape", [0, 1])
+@pytest.mark.parametrize("name", ["int8", "int4", "int4g32a", "int4g128"])
+def test_wgmma_block_shapes(name, shape):
+    """Each block shape of the wgmma GEMM forced (64 tokens x 256 rows; 128 x
+    128, warp-specialized), fp16 and bf16, with partial blocks in every
+    direction: N = 300 (a partial row block and a 12-row panel), K with an
+    edge tile (2904 for int8 and int4, 2880 for G = 32; G = 128 has none:
+    2944), M = 130 (a partial token block)."""
     from qgemv import _C
 
+    path = _gemm_path("wgmma")
+    cfg = CFGS[name]
+    n, k = 300, {"int4g32a": 2880, "int4g128": 2944}.get(name, 2904)
+    qw, s, z = _quantized(cfg, n, k)
+    _C.set_wgmma_shape(shape)
+    try:
+        with _ForcedPath(path):
+            for m, dtype in [(130, torch.float16), (40, torch.bfloat16)]:
+                x = torch.randn(m, k, device="cuda", dtype=dtype)
+                _check(cfg, x, qw, s, z, k)
+    finally:
+        _C.set_wgmma_shape(-1)
+    with pytest.raises(ValueError, match="set_wgmma_shape"):
+        _C.set_wgmma_shape(_C.wgmma_shape_count())
+
+
+@requires_cuda
+@pytest.mark.parametrize("kind", ["tiled", "wgmma"])
+def test_tiled_gemm_scale_range(kind):
+    """The tiled GEMMs with group scales spanning 1e-4 .. 1 across rows and
+    activations of magnitude ~30: the weights (q - z) * s, rounded to the
+    activation dtype before the MMA, stay within the bound in every row."""
     cfg = CFGS["int4g128a"]
     n, k = 300, 1024
     w = torch.randn(n, k, device="cuda") * torch.logspace(-3, 0, n, device="cuda")[:, None]
     qw, s, z = F.quantize(w, cfg)
-    with _ForcedPath(_C.PREFILL_TILED):
+    with _ForcedPath(_gemm_path(kind)):
         for dtype in (torch.float16, torch.bfloat16):
-            x = torch.randn(17, k, device="cuda", dtype=dtype) * 30
+            x = torch.randn(40, k, device="cuda", dtype=dtype) * 30
             _check(cfg, x, qw, s, z, k)
 
 
 @requires_cuda
+@pytest.mark.parametrize("kind", ["tiled", "wgmma"])
 @pytest.mark.parametrize("name", ["int8", "int4g128a"])
-def test_tiled_gemm_split_k_deterministic(name):
-    """A small grid splits K (csrc/gemm_mma.cu, splits_for): 256 x 8192 at
-    M = 40 is 2 blocks, so K is cut into 8 parts whose fp32 partial sums are
-    added in a fixed order; two calls give bitwise-equal outputs."""
-    from qgemv import _C
-
+def test_tiled_gemm_split_k_deterministic(name, kind):
+    """A small grid splits K (splits_for in csrc/gemm_mma.cu, Instance::plan
+    in csrc/gemm_wgmma.cu): 256 x 8192 at M = 40 is 1 or 2 blocks, so K is
+    cut into 8 parts whose fp32 partial sums are added in a fixed order; two
+    calls give bitwise-equal outputs."""
     cfg = CFGS[name]
     n, k = 256, 8192
     qw, s, z = _quantized(cfg, n, k)
     x = torch.randn(40, k, device="cuda", dtype=torch.float16)
-    with _ForcedPath(_C.PREFILL_TILED):
+    with _ForcedPath(_gemm_path(kind)):
         _check(cfg, x, qw, s, z, k)
         a = _call(cfg, x, qw, s, z)
         b = _call(cfg, x, qw, s, z)
@@ -246,37 +288,34 @@ def test_tiled_gemm_split_k_deterministic(name):
 
 @requires_cuda
 def test_prefill_dispatch_rule():
-    """The measured rule (csrc/torch_bindings.cpp): the tiled GEMM up to
-    tiled_max_tokens, then dequantize + cuBLAS; one GEMV launch up to 16;
-    a forced path applies and -1 restores the rule; bad values are refused."""
+    """The measured rule (csrc/torch_bindings.cpp): one GEMV launch up to 16
+    tokens.  On cc 9.0 with the sm_90a build: the tiled mma.sync GEMM up to
+    wgmma_min_tokens - 1 (wgmma_min_tokens_small - 1 for weights of at most
+    small_weight elements), the wgmma GEMM up to wgmma_max_tokens, then
+    dequantize + cuBLAS.  Elsewhere the tiled GEMM up to tiled_max_tokens,
+    then dequantize + cuBLAS.  A forced path applies and -1 restores the
+    rule; bad values are refused."""
     from qgemv import _C
 
     assert _C.get_prefill_path() == -1
     for n, k in [(4096, 4096), (28672, 8192)]:
         assert _C.prefill_path(n, k, 16) == -1
         assert _C.prefill_path(n, k, 17) == _C.PREFILL_TILED
-        assert _C.prefill_path(n, k, _C.tiled_max_tokens) == _C.PREFILL_TILED
-        assert _C.prefill_path(n, k, _C.tiled_max_tokens + 1) == _C.PREFILL_DENSE
+        if _C.wgmma_available():
+            small = n * k <= _C.small_weight
+            last_tiled = (_C.wgmma_min_tokens_small if small else _C.wgmma_min_tokens) - 1
+            assert _C.prefill_path(n, k, last_tiled) == _C.PREFILL_TILED
+            assert _C.prefill_path(n, k, last_tiled + 1) == _C.PREFILL_WGMMA
+            assert _C.prefill_path(n, k, _C.wgmma_max_tokens) == _C.PREFILL_WGMMA
+            assert _C.prefill_path(n, k, _C.wgmma_max_tokens + 1) == _C.PREFILL_DENSE
+        else:
+            assert _C.prefill_path(n, k, _C.tiled_max_tokens) == _C.PREFILL_TILED
+            assert _C.prefill_path(n, k, _C.tiled_max_tokens + 1) == _C.PREFILL_DENSE
     with _ForcedPath(_C.PREFILL_CHUNKS):
         assert _C.prefill_path(4096, 4096, 2048) == _C.PREFILL_CHUNKS
     assert _C.get_prefill_path() == -1
     with pytest.raises(ValueError, match="set_prefill_path"):
-        _C.set_prefill_path(3)
-
-
-@requires_cuda
-@pytest.mark.parametrize("name", list(CFGS))
-def test_non_contiguous_and_batched_x(name):
-    cfg = CFGS[name]
-    k, n = 1024, 300
-    qw, s, z = _quantized(cfg, n, k)
-    x = torch.randn(3, 2 * k, device="cuda", dtype=torch.float16)[:, ::2]
-    assert not x.is_contiguous()
-    _check(cfg, x, qw, s, z, k)
-    xt = torch.randn(k, 5, device="cuda", dtype=torch.bfloat16).t()
-    _check(cfg, xt, qw, s, z, k)
-    x3 = torch.randn(2, 3, k, device="cuda", dtype=torch.float16)
-    _check(cfg, x3, qw, s, z, k)
+        _C.set_prefill_path(4)
 
 
 @requires_cuda
@@ -294,11 +333,12 @@ def test_fp32_activations_on_cuda(name):
 
 @requires_cuda
 @pytest.mark.parametrize("name", ["int8", "int4g128", "int4g32a"])
-@pytest.mark.parametrize("m", [1, 40], ids=["gemv", "tiled_split_k"])
+@pytest.mark.parametrize("m", [1, 24, 40], ids=["gemv", "tiled_split_k", "gemm_split_k"])
 def test_cuda_graph_replay(name, m):
-    """Capture then replay equals a direct call: M = 1 (GEMV) and M = 40 (the
-    tiled GEMM, which at 4096 x 4096 splits K and allocates its fp32
-    partials inside the capture)."""
+    """Capture then replay equals a direct call: M = 1 (GEMV), M = 24 (the
+    tiled GEMM) and M = 40 (the wgmma GEMM on cc 9.0, else the tiled one);
+    at 4096 x 4096 both split K and allocate their workspaces (fp32 partials,
+    permuted activations) inside the capture."""
     cfg = CFGS[name]
     k, n = 4096, 4096
     qw, s, z = _quantized(cfg, n, k)
@@ -339,7 +379,7 @@ def test_torch_compile_fullgraph(bits, group, sym):
     lin = torch.nn.Linear(256, 128, bias=True).cuda().half()
     q = qgemv.QuantLinear.from_linear(lin, bits, group, sym)
     f = torch.compile(q, fullgraph=True)
-    for m in (4, 24):  # GEMV, tiled GEMM
+    for m in (4, 24, 40):  # GEMV, tiled GEMM, wgmma GEMM (cc 9.0)
         x = torch.randn(m, 256, device="cuda", dtype=torch.float16)
         torch.testing.assert_close(f(x), q(x))
 
