@@ -10,7 +10,7 @@ effective bandwidth (weight + scale + zero bytes / time), the share of the
 read ceiling measured in the same run, and the speedup over fp16 cuBLAS.
 
 Also: 4096x4096 M=1 under CUDA-graph replay (20 calls on rotating weight
-copies per graph), the prefill sweep behind kTiledMaxTokens (chunks, tiled GEMM, dense), and the
+copies per graph), the prefill sweep behind the M > 16 dispatch (chunks, tiled GEMM, dense, wgmma GEMM), and the
 fp32 SGEMV family vs torch.matmul.  Writes <out>.json, <out>.md and a
 roofline plot <out>_roofline.png.
 """
@@ -180,16 +180,20 @@ def bench_graph(n=4096, k=4096, copies=20):
 
 
 def prefill_sweep(timer, shapes=((4096, 4096), (8192, 8192), (28672, 8192)),
-                  ms=(17, 24, 32, 48, 64, 96, 128, 192, 256, 512, 2048),
-                  variants=("int8", "int4", "int4g128")):
-    """M > 16: the dispatch as shipped, each of its three paths forced (16-token
-    GEMV chunks, up to M = 128; the tiled GEMM; dequantize + cuBLAS), and fp16
-    cuBLAS."""
+                  ms=(17, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048),
+                  variants=("int8", "int4", "int4g128"), wgmma_shapes=False):
+    """M > 16: the dispatch as shipped, each of its paths forced (16-token
+    GEMV chunks, up to M = 128; the tiled mma.sync GEMM, up to M = 512;
+    dequantize + cuBLAS; the wgmma GEMM where it runs), and fp16 cuBLAS.
+    wgmma_shapes: also each wgmma block shape forced (0: 64 tokens x 256
+    rows; 1: 128 x 128, warp-specialized)."""
     from qgemv import _C
 
     old = _C.get_prefill_path()
     paths = [("chunked_us", _C.PREFILL_CHUNKS), ("tiled_us", _C.PREFILL_TILED),
              ("dequant_gemm_us", _C.PREFILL_DENSE)]
+    if _C.wgmma_available():
+        paths.append(("wgmma_us", _C.PREFILL_WGMMA))
     rows = []
     try:
         for n, k in shapes:
@@ -202,10 +206,18 @@ def prefill_sweep(timer, shapes=((4096, 4096), (8192, 8192), (28672, 8192)),
                     _C.set_prefill_path(-1)
                     row["default_us"] = timer(lambda: lin(x), iters=20)
                     for key, path in paths:
-                        if key == "chunked_us" and m > 128:
+                        if (key == "chunked_us" and m > 128) or (key == "tiled_us" and m > 512):
                             continue
                         _C.set_prefill_path(path)
                         row[key] = timer(lambda: lin(x), iters=20)
+                    if wgmma_shapes and "wgmma_us" in row:
+                        _C.set_prefill_path(_C.PREFILL_WGMMA)
+                        try:
+                            for i in range(_C.wgmma_shape_count()):
+                                _C.set_wgmma_shape(i)
+                                row[f"wgmma{i}_us"] = timer(lambda: lin(x), iters=20)
+                        finally:
+                            _C.set_wgmma_shape(-1)
                     row["fp16_us"] = timer(lambda: fp16(x), iters=20)
                     row["vs_fp16"] = row["default_us"] / row["fp16_us"]
                     rows.append(row)
@@ -272,15 +284,18 @@ def markdown(result) -> str:
         out += ["", "4096x4096, M=1, per call under CUDA-graph replay (20 calls per graph, weights rotating):", ""]
         out += [f"- {k}: {v:.2f} us" for k, v in result["graph"].items()]
     if result.get("prefill"):
-        out += ["", "Prefill (M > 16): the shipped dispatch, then each path forced.", "",
+        shape_cols = [k for k in result["prefill"][0] if k.startswith("wgmma") and k[5].isdigit()]
+        out += ["", "Prefill (M > 16): the shipped dispatch, then each path forced"
+                + (" (wgmma block shapes: 0 = 64 tokens x 256 rows, 1 = 128 x 128 warp-specialized)"
+                   if shape_cols else "") + ".", "",
                 "| N x K | variant | M | default us | x fp16 | GEMV chunks us | tiled GEMM us | dequant+cuBLAS us "
-                "| fp16 cuBLAS us |",
-                "|---|---|---|---|---|---|---|---|---|"]
+                "| wgmma GEMM us | " + "".join(f"{c[:-3]} us | " for c in shape_cols) + "fp16 cuBLAS us |",
+                "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(shape_cols)]
         for r in result["prefill"]:
-            chunk = f"{r['chunked_us']:.1f}" if "chunked_us" in r else "-"
+            f = lambda key: f"{r[key]:.1f}" if key in r else "-"  # noqa: E731
             out.append(f"| {r['N']}x{r['K']} | {r['variant']} | {r['M']} | {r['default_us']:.1f} | "
-                       f"{r['vs_fp16']:.2f} | {chunk} | {r['tiled_us']:.1f} | {r['dequant_gemm_us']:.1f} | "
-                       f"{r['fp16_us']:.1f} |")
+                       f"{r['vs_fp16']:.2f} | {f('chunked_us')} | {f('tiled_us')} | {f('dequant_gemm_us')} | "
+                       f"{f('wgmma_us')} | " + "".join(f"{f(c)} | " for c in shape_cols) + f"{r['fp16_us']:.1f} |")
     if result.get("sgemv"):
         out += ["", "| SGEMV N x K | torch.matmul us | auto | k32 | k128 | k16 | auto GB/s |", "|---|---|---|---|---|---|---|"]
         for r in result["sgemv"]:
@@ -297,7 +312,9 @@ def main(argv=None):
     ap.add_argument("--ms", default="1,4,16")
     ap.add_argument("--no-extras", action="store_true", help="skip graph, prefill and sgemv sections")
     ap.add_argument("--prefill-only", action="store_true",
-                    help="only the ceiling and the prefill sweep (M > 16: chunks / tiled / dense / fp16)")
+                    help="only the ceiling and the prefill sweep (M > 16: chunks / tiled / dense / wgmma / fp16)")
+    ap.add_argument("--wgmma-shapes", action="store_true",
+                    help="in the prefill sweep, also time each wgmma block shape forced")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gemv: no CUDA GPU; nothing to measure")
@@ -325,12 +342,12 @@ def main(argv=None):
 
     save()
     if args.prefill_only:
-        result["prefill"] = prefill_sweep(timer)
+        result["prefill"] = prefill_sweep(timer, wgmma_shapes=args.wgmma_shapes)
         save()
     elif not args.no_extras:
         result["graph"] = bench_graph()
         save()
-        result["prefill"] = prefill_sweep(timer)
+        result["prefill"] = prefill_sweep(timer, wgmma_shapes=args.wgmma_shapes)
         save()
         result["sgemv"] = bench_sgemv(timer)
         save()

@@ -20,12 +20,14 @@ for step in "${@:-all}"; do
     bench|all)
       python3 eval/bench_gemv.py --out "$OUT/bench_gemv" 2>&1 | tail -120 ;;&
     prefill)
-      python3 eval/bench_gemv.py --prefill-only --out "$OUT/bench_prefill" 2>&1 | tail -120 ;;
+      python3 eval/bench_gemv.py --prefill-only --wgmma-shapes --out "$OUT/bench_prefill" 2>&1 | tail -120 ;;
     sanitize)
       # memcheck: everything; racecheck: the GEMV token counts on every shape,
       # then the tiled GEMM on the small set (M = 200 runs cuBLAS, whose
       # kernels racecheck flags; the full sweep at M > 16 takes over 10 min).
-      for args in "memcheck --ms 1,5,16,24,40,72,200" "racecheck --ms 1,5,16" "racecheck --small --ms 24,40,72"; do
+      # --wgmma adds the wgmma GEMM with each block shape forced at M > 16.
+      for args in "memcheck --wgmma --ms 1,5,16,24,40,72,200" "racecheck --ms 1,5,16" \
+                  "racecheck --small --wgmma --ms 24,40,72"; do
         set -- $args; tool=$1; shift
         log="$OUT/sanitize_${tool}$( [ "$1" = --small ] && echo _small ).log"
         compute-sanitizer --tool $tool --error-exitcode 9 python3 eval/sanitize_sweep.py "$@" > "$log" 2>&1

@@ -1,4 +1,4 @@
-"""Run one qgemv GEMV configuration a few times, for ncu / compute-sanitizer.
+"""Run one qgemv GEMV / GEMM configuration a few times, for ncu / compute-sanitizer.
 
     python eval/profile_one.py --variant int4 --n 28672 --k 8192 --m 1
 """
@@ -24,11 +24,18 @@ def main():
     ap.add_argument("--m", type=int, default=1)
     ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--path", type=int, default=-1, help="force the M > 16 path (qgemv._C.set_prefill_path)")
+    ap.add_argument("--wgmma-shape", type=int, default=-1, help="force the wgmma block shape")
     a = ap.parse_args()
     cfg = QCFG[a.variant]
     qw, s, z = F.quantize(torch.randn(a.n, a.k, device="cuda") * 0.02, cfg)
     lin = qgemv.QuantLinear.from_quantized(torch.nn.Linear(a.k, a.n, bias=False, device="meta"), cfg, qw, s, z)
     x = torch.randn(a.m, a.k, device="cuda", dtype=torch.float16 if a.dtype == "fp16" else torch.bfloat16)
+    if a.path >= 0 or a.wgmma_shape >= 0:
+        from qgemv import _C
+
+        _C.set_prefill_path(a.path)
+        _C.set_wgmma_shape(a.wgmma_shape)
     for _ in range(a.iters):
         lin(x)
     torch.cuda.synchronize()

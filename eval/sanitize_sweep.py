@@ -20,6 +20,8 @@ three SGEMV kernels; every result is compared with the reference too.
                            fp16, three shapes (33 x 136, 40 x 4096, 130 x
                            2880): racecheck of the tiled GEMM in seconds,
                            where the full sweep at M > 16 takes over 10 min
+    --wgmma                for M > 16, also the wgmma GEMM (csrc/gemm_wgmma.cu)
+                           with each block shape forced
 """
 
 import itertools
@@ -40,8 +42,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,5,16,24,40,72,200", help="token counts, comma separated")
     ap.add_argument("--small", action="store_true", help="3 formats, fp16, 3 shapes (see the docstring)")
+    ap.add_argument("--wgmma", action="store_true",
+                    help="for M > 16 also run the wgmma GEMM with each block shape forced (cc 9.0)")
     args = ap.parse_args(argv)
     ms = [int(v) for v in args.ms.split(",")]
+    from qgemv import _C
+
+    if args.wgmma and not _C.wgmma_available():
+        print("--wgmma: this GPU or build has no wgmma GEMM")
+        return 2
     torch.manual_seed(0)
     # every (group size, zero points) kernel instance
     cfgs = [F.QuantConfig(8), F.QuantConfig(4)] + [
@@ -61,13 +70,21 @@ def main(argv=None) -> int:
         qw, s, z = F.quantize(torch.randn(n, k, device="cuda") * 0.02, cfg)
         x = torch.randn(m, k, device="cuda", dtype=dt)
         lin = qgemv.QuantLinear.from_quantized(torch.nn.Linear(k, n, bias=False, device="meta"), cfg, qw, s, z)
-        y = lin(x).double()
         ref = x.double() @ F.dequantize(qw, s, z, cfg, k).double().t()
-        rel = ((y - ref).norm() / ref.norm()).item()
-        n_runs += 1
-        if not rel < 1e-2:
-            bad += 1
-            print(f"MISMATCH {cfg.name} {n}x{k} M={m} {dt}: rel {rel:.2e}")
+        forced = [(-1, -1)]  # (prefill path, wgmma shape): the dispatch's own choice
+        if args.wgmma and m > 16:
+            forced += [(_C.PREFILL_WGMMA, shape) for shape in range(_C.wgmma_shape_count())]
+        for path, shape in forced:
+            _C.set_prefill_path(path)
+            _C.set_wgmma_shape(shape)
+            y = lin(x).double()
+            rel = ((y - ref).norm() / ref.norm()).item()
+            n_runs += 1
+            if not rel < 1e-2:
+                bad += 1
+                print(f"MISMATCH {cfg.name} {n}x{k} M={m} {dt} path {path} shape {shape}: rel {rel:.2e}")
+        _C.set_prefill_path(-1)
+        _C.set_wgmma_shape(-1)
     for kern, (n, k) in itertools.product(["k32", "k128", "k16"], [(9, 12), (33, 136), (5, 1000)]):
         if kern == "k16" and k > 16:
             continue
