@@ -705,24 +705,35 @@ struct Instance {
   static constexpr int kThreads = kWs == 1 ? (kWsConsumerWarps + 4) * 32 : kWgWarps * 32;
   static constexpr auto kernel = shape_kernel<T, kBits, kGrouped, kTok, kRT, kWs>();
 
-  // This build holds sm_90a code for the kernel and the device is cc 9.0
-  // (sm_90a machine code runs there only).  Also raises the shared-memory
-  // limit once.  Asked once per instance.
+  // This build holds sm_90a code for the kernel and the current device is
+  // cc 9.0 (sm_90a machine code runs there only; elsewhere the kernel is the
+  // sm_80 stub that traps).  Also raises the kernel's shared-memory limit on
+  // that device.  Asked once per (instance, device): a process may drive an
+  // H100 and an A100.
   static bool supported() {
-    static int ok = -1;
-    if (ok < 0) {
-      cudaFuncAttributes attr{};
-      int dev = 0, major = 0, minor = 0;
-      ok = cudaGetDevice(&dev) == cudaSuccess &&
-           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-           cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess &&
-           major == 9 && minor == 0 && cudaFuncGetAttributes(&attr, kernel) == cudaSuccess &&
-           attr.binaryVersion == 90 &&
-           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes) ==
-               cudaSuccess;
-      if (!ok) cudaGetLastError();  // clear a failed query
+    constexpr int kMaxDevices = 64;
+    static std::atomic<int> state[kMaxDevices];  // 0 unknown, 1 yes, 2 no
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
     }
-    return ok == 1;
+    if (dev < 0 || dev >= kMaxDevices) return false;
+    int s = state[dev].load();
+    if (s == 0) {
+      cudaFuncAttributes attr{};
+      int major = 0, minor = 0;
+      const bool ok =
+          cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+          cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess && major == 9 &&
+          minor == 0 && cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.binaryVersion == 90 &&
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes) ==
+              cudaSuccess;
+      if (!ok) cudaGetLastError();  // clear a failed query
+      s = ok ? 1 : 2;
+      state[dev].store(s);
+    }
+    return s == 1;
   }
 
   static int resident_blocks() {

@@ -74,7 +74,7 @@ struct WgmmaPlan {
   size_t xperm_bytes;
 };
 WgmmaPlan wgmma_plan(const GemvParams& p, int bits);
-bool wgmma_supported();  // the current device can run this build's wgmma GEMM
+bool wgmma_supported();  // the current device can run this build's wgmma GEMM (asked per device)
 Status wgmma_int4(const GemvParams& p, void* xperm, float* partial, int splits, cudaStream_t stream);
 Status wgmma_int8(const GemvParams& p, void* xperm, float* partial, int splits, cudaStream_t stream);
 // Benchmark / test knob: force block shape i of the wgmma GEMM (0: 64 tokens
