@@ -224,7 +224,7 @@ __global__ void permute_x_kernel(const T* __restrict__ x, int M, int Mpad, int K
     const int kt = static_cast<int>(u / kUnitsPerTile), ut = static_cast<int>(u % kUnitsPerTile);
     const int mb = m / kTok, mr = m % kTok;
     unsigned char* base = reinterpret_cast<unsigned char*>(xp) +
-                          (static_cast<size_t>(mb) * ktiles + kt) * Tile::kXBytes + (mr / 8 * 8 + mr % 8) * 16;
+                          (static_cast<size_t>(mb) * ktiles + kt) * Tile::kXBytes + mr * 16;  // row mr % 8 of group mr / 8
 #pragma unroll
     for (int w = 0; w < W; ++w) {
       const int c8 = ut * W + w;
@@ -245,8 +245,9 @@ struct WgMath {
   int rows0[kRT], rows1[kRT];  // this lane's rows g and g + 8 of each row tile (clamped into the panel)
   int gshift = 0, ng = 1;
 
-  // Group scales and zero points of one K tile, loaded a tile ahead (their
-  // loads would otherwise stall the tile that uses them).
+  // Group scales and zero points of one K tile, loaded a tile ahead so that
+  // their latency overlaps the previous tile (in the sweep this changed
+  // nothing measurable).
   // Packed to save registers: pair j's scale in half j % 2 of s0[rt][j / 2],
   // its zero point in byte j of z0[rt] (rows g; s1, z1: rows g + 8).
   struct Scales {
