@@ -352,11 +352,12 @@ struct WgMath {
     }
   }
 
-  // partial: fp32 [M, N] of this split, or nullptr (see store_fragments).
-  __device__ __forceinline__ void store(const GemvParams& p, float* part, int m0, int g, int t,
-                                        const int (&prow0)[kRT], const int (&prows)[kRT],
-                                        const bool (&live)[kRT]) const {
-    store_fragments<T, kGrouped, kRT, kTok / 8>(p, part, m0, g, t, prow0, prows, live,
+  // partial: fp32 [splits, M, N] (this block writes split blockIdx.z), or
+  // nullptr to store y (see store_fragments).
+  template <typename Panels>
+  __device__ __forceinline__ void store(const GemvParams& p, float* partial, int g, int t, const Panels& pn) const {
+    float* part = partial ? partial + static_cast<size_t>(blockIdx.z) * p.M * p.N : nullptr;
+    store_fragments<T, kGrouped, kRT, kTok / 8>(p, part, blockIdx.x * kTok, g, t, pn.prow0, pn.prows, pn.live,
                                                 [&](int rt, int n, int i) { return acc[rt][4 * n + i]; });
   }
 };
@@ -392,16 +393,14 @@ __device__ __forceinline__ void copy_x_tile(unsigned char* dst, const unsigned c
 #pragma unroll
   for (int i = 0; i < kXBytes / 16 / kThreads; ++i) {
     const int c = (i * kThreads + tid) * 16;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(
-                     __cvta_generic_to_shared(dst + c))),
-                 "l"(src + c));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst + c)), "l"(src + c));
   }
 }
 
 // This lane's weight words of the edge tile (K % tile_k != 0), read
 // directly: in the stored edge tile each row holds 16c bytes.
 template <int kBits, int kRT>
-__device__ __forceinline__ int edge_words(const GemvParams& p, const WgPanels<kBits, kRT>& pn, int nclean, int g,
+__device__ __forceinline__ void edge_words(const GemvParams& p, const WgPanels<kBits, kRT>& pn, int nclean, int g,
                                           int t, uint64_t pol, uint4 (&w0)[kRT], uint4 (&w1)[kRT]) {
   constexpr int kTileK = kBits == 4 ? 128 : 64;
   const int c = min((p.Kp - nclean * kTileK) / (kBits == 4 ? 32 : 16), 4);
@@ -411,7 +410,6 @@ __device__ __forceinline__ int edge_words(const GemvParams& p, const WgPanels<kB
     const char* b1 = pn.base[rt] + nclean * pn.tstride[rt] + min(g + 8, pn.prows[rt] - 1) * 16 * c;
     load_edge_words<kBits>(b0, b1, t, c, pol, w0[rt], w1[rt]);
   }
-  return c;
 }
 #endif  // QG_WGMMA_DEVICE
 
@@ -500,8 +498,7 @@ __global__ void __launch_bounds__(kWgWarps * 32, 1)
   }
   wgmma_wait<0>();
   cp_async_wait<0>();
-  math.store(p, partial ? partial + static_cast<size_t>(blockIdx.z) * p.M * p.N : nullptr, blockIdx.x * kTok, g,
-             t, pn.prow0, pn.prows, pn.live);
+  math.store(p, partial, g, t, pn);
 #else
   (void)p; (void)xp; (void)partial; (void)tiles_per_split; (void)ktiles;
   __trap();  // built without sm_90a: the host never launches this (Instance::supported)
@@ -509,7 +506,8 @@ __global__ void __launch_bounds__(kWgWarps * 32, 1)
 }
 
 // Kernel 2, warp-specialized: warps 0-7 (two warpgroups) compute; warpgroup
-// 2 produces, one lane issuing bulk copies (the copy engine) of each stage:
+// 2 produces, its lanes issuing the bulk copies (the copy engine) of each
+// stage, one copy per lane:
 // the token block's K tile of xp (contiguous) and each panel's K tile
 // (prows x 64 contiguous bytes).  Stages cycle through full / empty
 // mbarriers, so the two consumer warpgroups never wait for each other.
@@ -659,8 +657,7 @@ __global__ void __launch_bounds__((kWsConsumerWarps + 4) * 32, 1)
       math.tile(smem, w0, w1, esc, [] {});
     }
     wgmma_wait<0>();
-    math.store(p, partial ? partial + static_cast<size_t>(blockIdx.z) * p.M * p.N : nullptr, blockIdx.x * kTok, g,
-               t, pn.prow0, pn.prows, pn.live);
+    math.store(p, partial, g, t, pn);
   }
 #else
   (void)p; (void)xp; (void)partial; (void)tiles_per_split; (void)ktiles;
