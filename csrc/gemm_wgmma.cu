@@ -188,11 +188,6 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
       "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(policy)
       : "memory");
 }
-// Barrier among the consumer warps only (named barrier 1).
-template <int kThreads>
-__device__ __forceinline__ void consumer_sync() {
-  asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory");
-}
 #endif  // QG_WGMMA_DEVICE
 
 // x [M, K] (row stride ldx) -> xp: [token block][K tile][core column c8]
@@ -386,6 +381,31 @@ struct WgPanels {
   }
 };
 
+// This lane's words of a stored edge tile in shared memory (rows at b0 and
+// b1 hold 16c bytes; int4 lane t's word j at word t*c + j, int8 lanes t < c
+// hold the 16 bytes at 16t); missing words are zero.
+template <int kBits>
+__device__ __forceinline__ void edge_words_smem(const unsigned char* b0, const unsigned char* b1, int t, int c,
+                                                uint4& w0, uint4& w1) {
+  w0 = make_uint4(0u, 0u, 0u, 0u);
+  w1 = w0;
+  if constexpr (kBits == 4) {
+    uint32_t u0[4] = {0u, 0u, 0u, 0u}, u1[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (i < c) {
+        u0[i] = *reinterpret_cast<const uint32_t*>(b0 + (t * c + i) * 4);
+        u1[i] = *reinterpret_cast<const uint32_t*>(b1 + (t * c + i) * 4);
+      }
+    }
+    w0 = make_uint4(u0[0], u0[1], u0[2], u0[3]);
+    w1 = make_uint4(u1[0], u1[1], u1[2], u1[3]);
+  } else if (t < c) {
+    w0 = *reinterpret_cast<const uint4*>(b0 + 16 * t);
+    w1 = *reinterpret_cast<const uint4*>(b1 + 16 * t);
+  }
+}
+
 // Copy one token block's K tile of xp (kXBytes contiguous) into shared
 // memory with 16-byte cp.async, threads 0 .. kThreads - 1.
 template <int kXBytes, int kThreads>
@@ -543,7 +563,6 @@ __global__ void __launch_bounds__((kWsConsumerWarps + 4) * 32, 1)
   using Tile = WsTile<kBits, kTok, kRT>;
   constexpr int kStages = Tile::kStages;
   constexpr int kTileK = Tile::kTileK;
-  constexpr int kConsumers = kWsConsumerWarps * 32;
   extern __shared__ __align__(128) unsigned char smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + Tile::kBarOffset);
   uint64_t* empty = full + kStages;
@@ -552,6 +571,10 @@ __global__ void __launch_bounds__((kWsConsumerWarps + 4) * 32, 1)
   const int nclean = p.K / kTileK;
   const int tile0 = blockIdx.z * tiles_per_split;
   const int tile1 = min(nclean, tile0 + tiles_per_split);
+  // The edge tile (K % tile_k != 0) belongs to the last split; its stored
+  // rows hold 16 * edge_c bytes (edge_c int4 sub-tiles or int8 16-byte words).
+  const bool edge = blockIdx.z + 1 == gridDim.z && nclean * kTileK < p.Kp;
+  const int edge_c = min((p.Kp - nclean * kTileK) / (kBits == 4 ? 32 : 16), 4);
   const unsigned char* xblk =
       reinterpret_cast<const unsigned char*>(xp) + static_cast<size_t>(blockIdx.x) * ktiles * Tile::kXBytes;
 
@@ -577,24 +600,29 @@ __global__ void __launch_bounds__((kWsConsumerWarps + 4) * 32, 1)
       const int pan = min(static_cast<int>(blockIdx.y) * Tile::kPanels + min(lane, Tile::kPanels - 1), npanels - 1);
       const int prows = min(kPanelRows, p.N - pan * kPanelRows);
       const char* wsrc = static_cast<const char*>(p.qweight) + static_cast<size_t>(pan) * kPanelRows * row_bytes;
-      // Bytes per K tile: the activations plus every panel's K tile.
-      uint32_t bytes = lane < Tile::kPanels ? prows * kTileBytes : 0;
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) bytes += __shfl_xor_sync(0xffffffffu, bytes, off);
-      bytes += Tile::kXBytes;
+      // The edge tile (last split, K % tile_k != 0) goes through the ring as
+      // one more stage: each panel's stored edge tile is prows rows of 16c
+      // contiguous bytes.
+      const int nstages = (tile1 - tile0 + Tile::kTilesPerStage - 1) / Tile::kTilesPerStage + (edge ? 1 : 0);
 #pragma unroll 1
-      for (int tile = tile0, i = 0; tile < tile1; tile += Tile::kTilesPerStage, ++i) {
+      for (int tile = tile0, i = 0; i < nstages; ++i) {
         const int s = i % kStages;
-        const int nt = min(Tile::kTilesPerStage, tile1 - tile);
+        const bool is_edge = tile >= tile1;
+        const int nt = is_edge ? 1 : min(Tile::kTilesPerStage, tile1 - tile);
         if (i >= kStages) mbar_wait(&empty[s], (i / kStages - 1) & 1);
         unsigned char* st = smem + s * Tile::kStageBytes;
-        if (lane == 0) mbar_expect_tx(&full[s], nt * bytes);
+        const uint32_t wbytes = is_edge ? prows * 16 * edge_c : nt * prows * kTileBytes;
+        uint32_t all = lane < Tile::kPanels ? wbytes : 0;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) all += __shfl_xor_sync(0xffffffffu, all, off);
+        if (lane == 0) mbar_expect_tx(&full[s], all + nt * Tile::kXBytes);
         __syncwarp();
         if (lane == 31)
           bulk_copy(st, xblk + static_cast<size_t>(tile) * Tile::kXBytes, nt * Tile::kXBytes, &full[s]);
         else if (lane < Tile::kPanels)
           bulk_copy(st + Tile::kXStageBytes + lane * Tile::kTilesPerStage * Tile::kPanelBytes,
-                    wsrc + static_cast<size_t>(tile) * prows * kTileBytes, nt * prows * kTileBytes, &full[s], pol);
+                    wsrc + static_cast<size_t>(tile) * prows * kTileBytes, wbytes, &full[s], pol);
+        tile += nt;
       }
     }
   } else {  // consumers
@@ -612,49 +640,46 @@ __global__ void __launch_bounds__((kWsConsumerWarps + 4) * 32, 1)
       off0[rt] = w + min(g, pn.prows[rt] - 1) * kTileBytes;
       off1[rt] = w + min(g + 8, pn.prows[rt] - 1) * kTileBytes;
     }
+    // Offsets of rows g and g + 8 in each panel's stored edge tile.
+    int eoff0[kRT], eoff1[kRT];
+#pragma unroll
+    for (int rt = 0; rt < kRT; ++rt) {
+      const int q = (wg * kRT + rt) * 4 + wi;
+      const int w = Tile::kXStageBytes + q * Tile::kTilesPerStage * Tile::kPanelBytes;
+      eoff0[rt] = w + min(g, pn.prows[rt] - 1) * 16 * edge_c;
+      eoff1[rt] = w + min(g + 8, pn.prows[rt] - 1) * 16 * edge_c;
+    }
+    const int nstages = (tile1 - tile0 + Tile::kTilesPerStage - 1) / Tile::kTilesPerStage + (edge ? 1 : 0);
+    const int last_tile = edge ? nclean : tile1 - 1;
     auto sc = math.scales(p, tile0);
-    for (int tile = tile0, i = 0; tile < tile1; tile += Tile::kTilesPerStage, ++i) {
+    for (int tile = tile0, i = 0; i < nstages; ++i) {
       const int s = i % kStages;
-      const int nt = min(Tile::kTilesPerStage, tile1 - tile);
+      const bool is_edge = tile >= tile1;
+      const int nt = is_edge ? 1 : min(Tile::kTilesPerStage, tile1 - tile);
       mbar_wait(&full[s], (i / kStages) & 1);
       const unsigned char* st = smem + s * Tile::kStageBytes;
 #pragma unroll
       for (int u = 0; u < Tile::kTilesPerStage; ++u) {
         if (u >= nt) break;
-        const auto next = math.scales(p, min(tile + u + 1, tile1 - 1));
+        const auto next = math.scales(p, min(tile + u + 1, last_tile));
         uint4 w0[kRT], w1[kRT];
 #pragma unroll
         for (int rt = 0; rt < kRT; ++rt) {
-          w0[rt] = *reinterpret_cast<const uint4*>(st + off0[rt] + u * pn.tstride[rt]);
-          w1[rt] = *reinterpret_cast<const uint4*>(st + off1[rt] + u * pn.tstride[rt]);
+          if (is_edge) {
+            edge_words_smem<kBits>(st + eoff0[rt], st + eoff1[rt], t, edge_c, w0[rt], w1[rt]);
+          } else {
+            w0[rt] = *reinterpret_cast<const uint4*>(st + off0[rt] + u * pn.tstride[rt]);
+            w1[rt] = *reinterpret_cast<const uint4*>(st + off1[rt] + u * pn.tstride[rt]);
+          }
         }
         // Once the first group of a stage is issued, every group of the
-        // previous stage has completed: it goes back to the producer.  (Its
-        // weight words were read into registers that those groups consumed.
-        // A __syncwarp or a proxy fence here makes ptxas wait for every
-        // wgmma in flight, serializing the pipeline; neither cleared
-        // racecheck's report, BENCHMARKS.md.)
+        // previous stage has completed: it goes back to the producer.
         math.tile(st + u * Tile::kXBytes, w0, w1, sc, [&] {
           if (u == 0 && i > 0 && lane == 0) mbar_arrive(&empty[(i - 1) % kStages]);
         });
         sc = next;
       }
-    }
-
-    if (blockIdx.z + 1 == gridDim.z && nclean * kTileK < p.Kp) {
-      // Every bulk copy has landed (each full barrier was waited on); once no
-      // wgmma reads stage 0 any more, the consumers copy the edge tile there.
-      wgmma_wait<0>();
-      consumer_sync<kConsumers>();
-      copy_x_tile<Tile::kXBytes, kConsumers>(smem, xblk + static_cast<size_t>(nclean) * Tile::kXBytes, threadIdx.x);
-      cp_async_commit();
-      uint4 w0[kRT], w1[kRT];
-      edge_words<kBits, kRT>(p, pn, nclean, g, t, evict_first_policy(), w0, w1);
-      const auto esc = math.scales(p, nclean);
-      cp_async_wait<0>();
-      fence_proxy_async();
-      consumer_sync<kConsumers>();
-      math.tile(smem, w0, w1, esc, [] {});
+      tile += nt;
     }
     wgmma_wait<0>();
     math.store(p, partial, g, t, pn);
