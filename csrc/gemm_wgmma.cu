@@ -382,28 +382,13 @@ struct WgPanels {
 };
 
 // This lane's words of a stored edge tile in shared memory (rows at b0 and
-// b1 hold 16c bytes; int4 lane t's word j at word t*c + j, int8 lanes t < c
-// hold the 16 bytes at 16t); missing words are zero.
+// b1; layout as in gather_edge_words).
 template <int kBits>
 __device__ __forceinline__ void edge_words_smem(const unsigned char* b0, const unsigned char* b1, int t, int c,
                                                 uint4& w0, uint4& w1) {
-  w0 = make_uint4(0u, 0u, 0u, 0u);
-  w1 = w0;
-  if constexpr (kBits == 4) {
-    uint32_t u0[4] = {0u, 0u, 0u, 0u}, u1[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      if (i < c) {
-        u0[i] = *reinterpret_cast<const uint32_t*>(b0 + (t * c + i) * 4);
-        u1[i] = *reinterpret_cast<const uint32_t*>(b1 + (t * c + i) * 4);
-      }
-    }
-    w0 = make_uint4(u0[0], u0[1], u0[2], u0[3]);
-    w1 = make_uint4(u1[0], u1[1], u1[2], u1[3]);
-  } else if (t < c) {
-    w0 = *reinterpret_cast<const uint4*>(b0 + 16 * t);
-    w1 = *reinterpret_cast<const uint4*>(b1 + 16 * t);
-  }
+  gather_edge_words<kBits>(
+      b0, b1, t, c, [](const unsigned char* a) { return *reinterpret_cast<const uint32_t*>(a); },
+      [](const unsigned char* a) { return *reinterpret_cast<const uint4*>(a); }, w0, w1);
 }
 
 // Copy one token block's K tile of xp (kXBytes contiguous) into shared

@@ -281,10 +281,11 @@ __device__ __forceinline__ void int8_fragments(const uint4& w0, const uint4& w1,
 // This lane's words of the edge tile (the K tile that reaches past K) of rows
 // starting at b0 and b1, where each row of the stored edge tile holds 16c
 // bytes: int4 lane t's word j sits at word t*c + j (j < c), int8 lanes t < c
-// hold the 16 bytes at 16t.  Missing words are zero.
-template <int kBits>
-__device__ __forceinline__ void load_edge_words(const char* b0, const char* b1, int t, int c, uint64_t pol,
-                                                uint4& w0, uint4& w1) {
+// hold the 16 bytes at 16t.  Missing words are zero.  ld32 / ld128 read one
+// 4- / 16-byte word at a byte pointer (global with a cache hint, or shared).
+template <int kBits, class Ptr, class Ld32, class Ld128>
+__device__ __forceinline__ void gather_edge_words(Ptr b0, Ptr b1, int t, int c, Ld32 ld32, Ld128 ld128, uint4& w0,
+                                                  uint4& w1) {
   w0 = make_uint4(0u, 0u, 0u, 0u);
   w1 = w0;
   if constexpr (kBits == 4) {
@@ -292,16 +293,25 @@ __device__ __forceinline__ void load_edge_words(const char* b0, const char* b1, 
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       if (i < c) {
-        u0[i] = ld_stream_u32(b0 + (t * c + i) * 4, pol);
-        u1[i] = ld_stream_u32(b1 + (t * c + i) * 4, pol);
+        u0[i] = ld32(b0 + (t * c + i) * 4);
+        u1[i] = ld32(b1 + (t * c + i) * 4);
       }
     }
     w0 = make_uint4(u0[0], u0[1], u0[2], u0[3]);
     w1 = make_uint4(u1[0], u1[1], u1[2], u1[3]);
   } else if (t < c) {
-    w0 = ld_stream_v4(b0 + 16 * t, pol);
-    w1 = ld_stream_v4(b1 + 16 * t, pol);
+    w0 = ld128(b0 + 16 * t);
+    w1 = ld128(b1 + 16 * t);
   }
+}
+
+// The edge-tile words from global memory, streamed with cache policy pol.
+template <int kBits>
+__device__ __forceinline__ void load_edge_words(const char* b0, const char* b1, int t, int c, uint64_t pol,
+                                                uint4& w0, uint4& w1) {
+  gather_edge_words<kBits>(
+      b0, b1, t, c, [pol](const char* a) { return ld_stream_u32(a, pol); },
+      [pol](const char* a) { return ld_stream_v4(a, pol); }, w0, w1);
 }
 
 // Scale four pairs of exact small integers (q - z) by s, rounded once to T
