@@ -71,6 +71,8 @@
 // tiles halve that traffic.  See has_wide_instance() for where it is used.
 #pragma once
 
+#include <atomic>
+
 #include "qgemv_common.cuh"
 
 namespace qgemv {
@@ -387,8 +389,15 @@ struct MaxRegisters {
 // first tiles of its next panel are already in flight, so the pipeline
 // fills once per warp instead of once per panel (see launch_gemv_mma for
 // when it is used).
+//
+// pdl: the programmatic-launch flags of set_gemv_pdl (qgemv.h).  With
+// kPdlPrefetch each block first prefetches into L2 what its warps' first ring
+// fill will copy; with kPdlRelease it lets the next launch begin; with
+// kPdlLaunch it then waits for the kernel before it.  Nothing is read into
+// registers or shared memory before the wait: x may be that kernel's output,
+// and so may a weight just written.
 template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kRT, bool kPersist>
-__global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvParams p) {
+__global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvParams p, int pdl) {
   using Lane = GemvMma<T, kBits, kGroup, kZeros, kNT, kRT>;
   constexpr int kTileK = Lane::kTileK;
   constexpr int kSlot = kRT * 64;  // uint4 per ring slot: kRT row tiles x 2 rows x 32 lanes
@@ -401,6 +410,18 @@ __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvPa
 
   const uint64_t pol = evict_first_policy();
   const size_t row_bytes = kBits == 4 ? p.Kp / 2 : p.Kp;
+  if (pdl & kPdlPrefetch) {
+    if (threadIdx.x < kRT) {  // thread rt: the first (kStages - 1) x nwarps clean tiles of row tile rt's panel
+      const int row0 = panel_of<kRT>(blockIdx.x, threadIdx.x, num_panels(p.N)) * kPanelRows;
+      const int tile_stride = min(kPanelRows, p.N - row0) * kTileBytes;
+      const int tiles = min((kStages - 1) * nwarps, p.K / kTileK);
+      if (tiles > 0)
+        pdl_prefetch_l2(static_cast<const char*>(p.qweight) + static_cast<size_t>(row0) * row_bytes,
+                        static_cast<uint32_t>(tiles * tile_stride));
+    }
+  }
+  if (pdl & kPdlRelease) pdl_release();
+  if (pdl & kPdlLaunch) pdl_wait();
   // Row tile rt reads one panel: rows [pan_row0, pan_row0 + pan_rows) with
   // each tile's pan_rows x 64 bytes stored together (formats.to_panels), so
   // that the r0 half of a warp's tile is 512 contiguous bytes, and so is the
@@ -626,6 +647,24 @@ constexpr bool has_persistent_instance() {
   return kNT == 1 && kRT == 1 && !kZeros && (kGroup == 0 || kGroup == 128);
 }
 
+// A programmatic launch is safe only for machine code that waits (pdl_wait):
+// code built for sm_90 or later.  An sm_80 build running on a Hopper GPU
+// would read x before the kernel that writes it has finished.  Asked once per
+// device (every GEMV instance of a build has the same targets).
+template <typename Kernel>
+bool gemv_pdl_ok(Kernel kernel) {
+  static std::atomic<int> ok[64] = {};  // 0 not asked, 1 yes, 2 no
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  int v = ok[dev].load();
+  if (v == 0) {
+    cudaFuncAttributes a;
+    v = cudaFuncGetAttributes(&a, kernel) == cudaSuccess && a.binaryVersion >= 90 ? 1 : 2;
+    ok[dev].store(v);
+  }
+  return v == 1;
+}
+
 template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kRT>
 Status launch_gemv_mma(const GemvParams& p, cudaStream_t stream) {
   constexpr int kTileK = GemvMma<T, kBits, kGroup, kZeros, kNT, kRT>::kTileK;
@@ -663,7 +702,22 @@ Status launch_gemv_mma(const GemvParams& p, cudaStream_t stream) {
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) !=
           cudaSuccess)
     return Status::kLaunchFailed;
-  kernel<<<grid, w * kWarpSize, smem, stream>>>(p);
+  const int pdl = gemv_pdl_flags();
+  if (pdl != 0 && gemv_pdl_ok(kernel)) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(w * kWarpSize);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    if (cudaLaunchKernelEx(&cfg, kernel, p, pdl) != cudaSuccess) return Status::kLaunchFailed;
+  } else {
+    kernel<<<grid, w * kWarpSize, smem, stream>>>(p, 0);
+  }
   return cudaGetLastError() == cudaSuccess ? Status::kOk : Status::kLaunchFailed;
 }
 

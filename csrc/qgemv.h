@@ -48,6 +48,28 @@ struct GemvParams {
 // torch_bindings.cpp).
 constexpr int kMaxGemvTokens = 16;
 
+// Programmatic dependent launch of the GEMV (compute capability 9.0 and up):
+// the launch may begin while the kernel before it in the stream finishes.
+// Each block then waits (griddepcontrol.wait) until that kernel has
+// completed and its writes are visible before it reads x, copies weights
+// into shared memory or writes y.  Flags (a mode is their sum):
+//   kPdlLaunch   1: launch as a programmatic dependent launch;
+//   kPdlPrefetch 2: before the wait, prefetch the start of the block's weight
+//                   panels into L2 (only L2: every write lands there, so a
+//                   weight written by the kernel before is never read stale);
+//   kPdlRelease  4: let the next programmatic launch begin as soon as every
+//                   block of this one has started.
+// set_gemv_pdl(mode): -1 the default (kGemvPdlDefault), 0 off, or kPdlLaunch
+// plus any of the others.  gemv_pdl_flags: the flags the next launch on the
+// current device uses (0 where unsupported).
+enum : int { kPdlLaunch = 1, kPdlPrefetch = 2, kPdlRelease = 4 };
+// Off by default: in the decode benchmark (one CUDA graph per step, the GEMVs
+// between torch.compile'd glue kernels) every mode cost about 2.8% per token
+// on the H200; it gains only where GEMVs follow each other (BENCHMARKS.md).
+constexpr int kGemvPdlDefault = 0;
+void set_gemv_pdl(int mode);
+int gemv_pdl_flags();
+
 Status gemv_int4(const GemvParams& p, cudaStream_t stream);
 Status gemv_int8(const GemvParams& p, cudaStream_t stream);
 

@@ -86,6 +86,30 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(kPending));
 }
 
+// Programmatic dependent launch (compute capability 9.0+; see set_gemv_pdl in
+// qgemv.h).  pdl_prefetch_l2 asks the copy engine to bring `bytes` (a
+// multiple of 16, 16-byte aligned) into L2 without touching shared memory or
+// registers; pdl_release lets the next kernel in the stream launch once
+// every block of this one has called it; pdl_wait returns once the kernel
+// before has completed and its writes are visible.  Without a programmatic
+// launch the last two return at once; below sm_90 all three are empty (the
+// host never asks for the launch there, see gemv_pdl_ok).
+__device__ __forceinline__ void pdl_prefetch_l2(const void* ptr, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(ptr), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Read-only, cached load of 8 activations (16 bytes).
 __device__ __forceinline__ uint4 ld_act_v4(const void* ptr) {
   return __ldg(reinterpret_cast<const uint4*>(ptr));

@@ -303,6 +303,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         "Benchmark knob: force the wgmma GEMM's block shape (0: 64 tokens x 256 rows, 1: 128 tokens x "
         "128 rows, warp-specialized); -1 restores the rule.");
+  m.def("set_gemv_pdl", [](int v) {
+          if (v < -1 || v > 7 || (v > 0 && (v & qgemv::kPdlLaunch) == 0))
+            throw pybind11::value_error("qgemv.set_gemv_pdl: mode must be -1 (the default), 0 (off) or 1 (launch) "
+                                        "plus 2 (L2 prefetch) and/or 4 (early release), got " + std::to_string(v));
+          qgemv::set_gemv_pdl(v);
+        },
+        "Benchmark/test knob: programmatic dependent launch of the GEMV (M <= 16) on compute capability 9.0+ "
+        "(flags in csrc/qgemv.h); -1 restores the default.");
+  m.def("gemv_pdl_flags", &qgemv::gemv_pdl_flags,
+        "The programmatic-launch flags the GEMV uses on the current device (0: ordinary launches). The launch "
+        "also needs sm_90+ machine code, checked per kernel.");
+  m.attr("gemv_pdl_default") = static_cast<int>(qgemv::kGemvPdlDefault);
   m.def("get_prefill_path", []() { return qgemv::g_prefill_path.load(); });
   m.def("prefill_path", [](int64_t n, int64_t k, int64_t m) {
           return m <= qgemv::kMaxGemvTokens ? -1 : static_cast<int>(qgemv::prefill_path(n, k, m));

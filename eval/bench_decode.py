@@ -218,7 +218,10 @@ def quantize_variant(model, bits, group):
 
 
 @torch.no_grad()
-def run_model(name, cfg, batches, read_gbps, glue="compiled", prompt=128, gen=256):
+def run_model(name, cfg, batches, read_gbps, glue="compiled", prompt=128, gen=256, pdl=(-1,)):
+    """Decode timings of every variant; pdl: GEMV launch modes to time (qgemv._C.set_gemv_pdl), the
+    first of which is the row's ms_per_token."""
+    from qgemv import _C
     rows = []
     dev = "cuda"
     for batch in batches:
@@ -246,7 +249,16 @@ def run_model(name, cfg, batches, read_gbps, glue="compiled", prompt=128, gen=25
             def advance():
                 pos.add_(1)
 
-            ms = graph_time(step, replays=gen, before=advance)
+            # One graph per PDL mode (the launch attribute is fixed at capture);
+            # the fp16 variant launches no GEMV, so it is timed once.
+            pdl_modes = [-1] if q is None else pdl
+            times = {}
+            for mode in pdl_modes:
+                _C.set_gemv_pdl(mode)
+                pos.fill_(prompt)
+                times[mode] = graph_time(step, replays=gen, before=advance)
+            _C.set_gemv_pdl(-1)
+            ms = times[pdl_modes[0]]
             x1 = torch.randn(batch, cfg["hidden"], device=dev, dtype=torch.float16)
             xf = torch.randn(batch, cfg["ffn"], device=dev, dtype=torch.float16)
             lin_ms = graph_time(lambda: linears_only(model, x1, xf), replays=50)
@@ -256,9 +268,12 @@ def run_model(name, cfg, batches, read_gbps, glue="compiled", prompt=128, gen=25
                 base_ms = ms
             rows.append(dict(model=name, batch=batch, variant=vname, glue=glue, ms_per_token=ms, tokens_per_s=batch * 1e3 / ms,
                              speedup_vs_fp16=base_ms / ms, linear_share=lin_ms / ms, weight_MB=wb / 1e6,
-                             floor_share=floor_ms / ms))
+                             floor_share=floor_ms / ms, gemv_pdl_mode=pdl_modes[0],
+                             ms_per_token_by_pdl_mode={str(k): v for k, v in times.items()}))
+            extra = "".join(f"  [pdl {k}: {v:.3f} ms]" for k, v in times.items()) if len(times) > 1 else ""
             print(f"{name:5s} b={batch} {glue:8s} {vname:9s} {ms:7.3f} ms/token  {batch * 1e3 / ms:8.1f} tok/s  "
-                  f"x{base_ms / ms:.2f}  linear {100 * lin_ms / ms:4.1f}%  floor {100 * floor_ms / ms:4.1f}%", flush=True)
+                  f"x{base_ms / ms:.2f}  linear {100 * lin_ms / ms:4.1f}%  floor {100 * floor_ms / ms:4.1f}%{extra}",
+                  flush=True)
             del model, out
             torch.cuda.empty_cache()
     return rows
@@ -270,7 +285,12 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--glue", default="compiled", help="eager, compiled or eager,compiled (see GLUE)")
     ap.add_argument("--out", default="runs/bench_decode")
+    ap.add_argument("--gemv-pdl", default="default",
+                    help="programmatic dependent launch of the GEMV (qgemv._C.set_gemv_pdl): 'default', 'off', or a "
+                         "comma list of modes (-1 default, 0 off, 1 + 2 prefetch + 4 release), each quantized step "
+                         "captured and timed once per mode; the first gives the table's row")
     args = ap.parse_args(argv)
+    pdl = {"default": (-1,), "off": (0,)}.get(args.gemv_pdl) or tuple(int(v) for v in args.gemv_pdl.split(","))
     if not torch.cuda.is_available():
         print("bench_decode: no CUDA GPU; nothing to measure")
         return 0
@@ -279,7 +299,7 @@ def main(argv=None):
     for glue in args.glue.split(","):
         for name in args.models.split(","):
             rows += run_model(name, MODELS[name], [int(b) for b in args.batches.split(",")], ceiling["read_GBps"],
-                              glue)
+                              glue, pdl=pdl)
     result = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   command="python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]), ceiling=ceiling, rows=rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

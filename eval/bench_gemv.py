@@ -164,7 +164,14 @@ def graph_time(fn, replays=20, before=None) -> float:
 
 
 def bench_graph(n=4096, k=4096, copies=20):
-    """Per-call time of M=1 under CUDA-graph replay, weights rotating through L2-busting copies."""
+    """Per-call time of M=1 under CUDA-graph replay, weights rotating through L2-busting copies.
+
+    The qgemv variants are captured twice: with the default GEMV launch and
+    as programmatic dependent launches with L2 prefetch and early release
+    ("<name> PDL", mode 7 of qgemv._C.set_gemv_pdl; on cc >= 9.0 only).
+    """
+    from qgemv import _C
+
     out = {}
     for name in ["fp16", "int8", "int4", "int4g128"]:
         fns = [make_variant(name, n, k)[0] for _ in range(copies)]
@@ -174,7 +181,13 @@ def bench_graph(n=4096, k=4096, copies=20):
             for f in fns:
                 f(x)
 
-        out[name] = graph_time(all_calls, replays=20) * 1e3 / copies
+        modes = [(-1, name)]
+        if name != "fp16" and torch.cuda.get_device_capability()[0] >= 9:
+            modes.append((7, name + " PDL"))
+        for mode, label in modes:
+            _C.set_gemv_pdl(mode)
+            out[label] = graph_time(all_calls, replays=20) * 1e3 / copies
+        _C.set_gemv_pdl(-1)
         del fns
     return out
 

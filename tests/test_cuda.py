@@ -360,6 +360,100 @@ def test_cuda_graph_replay(name, m):
         assert torch.equal(y, _call(cfg, x, qw, s, z))
 
 
+class _GemvPdl:
+    """Context: the GEMV launch mode of qgemv._C.set_gemv_pdl, restored after."""
+
+    def __init__(self, mode):
+        from qgemv import _C
+
+        self.C, self.mode = _C, mode
+
+    def __enter__(self):
+        self.C.set_gemv_pdl(self.mode)
+        if self.mode > 0 and not self.C.gemv_pdl_flags():
+            self.C.set_gemv_pdl(-1)
+            pytest.skip("programmatic dependent launch needs compute capability 9.0 and an sm_90 build")
+        return self
+
+    def __exit__(self, *exc):
+        self.C.set_gemv_pdl(-1)
+
+
+def _pdl_chain(cfg, qws, x0, xbuf, wbuf, steps):
+    """Each GEMV's x and weight are written by the two kernels just before it
+    (elementwise kernels, not copies: xbuf <- last output x 0.5, wbuf <- the
+    step's weight; on odd steps the weight is written last); returns every
+    step's output."""
+    outs = []
+    y = x0
+    for i in range(steps):
+        qw, s, z = qws[i % len(qws)]
+        if i % 2:
+            torch.mul(y, 0.5, out=xbuf)
+            torch.bitwise_or(qw, 0, out=wbuf)
+        else:
+            torch.bitwise_or(qw, 0, out=wbuf)
+            torch.mul(y, 0.5, out=xbuf)
+        y = _call(cfg, xbuf, wbuf, s, z)
+        outs.append(y)
+    return outs
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", ["int8", "int4", "int4g128a"])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("mode", [1, 7])
+def test_gemv_pdl_reads_what_the_kernel_before_wrote(name, graph, mode):
+    """With the programmatic launch, the GEMV may start while the kernel
+    before it runs. Here that kernel writes its x or its weight (a square
+    chain: each output, halved, is the next input; the weight buffer is
+    refilled before every call). The chain must equal the same chain with
+    ordinary launches, bit for bit, eager and under CUDA-graph replay."""
+    cfg = CFGS[name]
+    k = n = 2944  # 23 x 128: odd panel count, an edge tile for int4 (K % 128 == 0 but not % 256)
+    qws = [_quantized(cfg, n, k) for _ in range(3)]
+    x0 = torch.randn(4, k, device="cuda", dtype=torch.float16)
+    xbuf = torch.empty_like(x0)
+    wbuf = torch.empty_like(qws[0][0])
+    with _GemvPdl(0):
+        ref = [y.clone() for y in _pdl_chain(cfg, qws, x0, xbuf, wbuf, 9)]
+    with _GemvPdl(mode):
+        if not graph:
+            got = _pdl_chain(cfg, qws, x0, xbuf, wbuf, 9)
+        else:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                _pdl_chain(cfg, qws, x0, xbuf, wbuf, 2)
+            torch.cuda.current_stream().wait_stream(stream)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                got = _pdl_chain(cfg, qws, x0, xbuf, wbuf, 9)
+            for y in got:
+                y.fill_(float("nan"))
+            g.replay()
+        torch.cuda.synchronize()
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert torch.equal(a, b), f"step {i}: the programmatic launch changed the result"
+
+
+@requires_cuda
+def test_gemv_pdl_knob_rejects_bad_mode():
+    from qgemv import _C
+
+    with pytest.raises(ValueError, match="set_gemv_pdl"):
+        _C.set_gemv_pdl(2)
+    with pytest.raises(ValueError, match="set_gemv_pdl"):
+        _C.set_gemv_pdl(2)  # a prefetch without the programmatic launch
+    with _GemvPdl(0):
+        assert _C.gemv_pdl_flags() == 0
+    if torch.cuda.get_device_capability()[0] < 9:
+        assert _C.gemv_pdl_flags() == 0
+    else:
+        with _GemvPdl(5):
+            assert _C.gemv_pdl_flags() == 5
+
+
 @requires_cuda
 def test_runs_on_current_stream_and_device_guard():
     cfg = CFGS["int4g128"]
