@@ -212,15 +212,47 @@ def weight_bytes(model) -> int:
     return n
 
 
+KERNEL_KINDS = (  # (category, substrings of the kernel name), first match wins
+    ("qgemv", ("qgemv",)),
+    ("cuBLAS", ("gemm", "nvjet", "xmma", "cutlass", "gemv")),
+    ("attention", ("fmha", "attention", "flash", "attn")),
+    ("glue (Triton)", ("triton",)),
+)
+
+
+def kernel_breakdown(step, steps=5) -> dict:
+    """GPU time per decode step by kernel category (µs), from torch.profiler over `steps`
+    eager calls of the step (the same kernels the graph replays, without the graph)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None)
+        if us is None:
+            us = getattr(ev, "cuda_time_total", 0.0)
+        if us <= 0:
+            continue
+        name = ev.key.lower()
+        kind = next((k for k, subs in KERNEL_KINDS if any(v in name for v in subs)), "other")
+        out[kind] = out.get(kind, 0.0) + us / steps
+    return out
+
+
 def quantize_variant(model, bits, group):
     qgemv.nn.fuse_llama_projections(model, bits, group)
     qgemv.quantize_model(model, bits=bits, group_size=group, skip=("lm_head",))
 
 
 @torch.no_grad()
-def run_model(name, cfg, batches, read_gbps, glue="compiled", prompt=128, gen=256, pdl=(-1,)):
+def run_model(name, cfg, batches, read_gbps, glue="compiled", prompt=128, gen=256, pdl=(-1,), breakdown=False):
     """Decode timings of every variant; pdl: GEMV launch modes to time (qgemv._C.set_gemv_pdl), the
-    first of which is the row's ms_per_token."""
+    first of which is the row's ms_per_token; breakdown: also profile the step's kernels by kind."""
     from qgemv import _C
     rows = []
     dev = "cuda"
@@ -266,10 +298,17 @@ def run_model(name, cfg, batches, read_gbps, glue="compiled", prompt=128, gen=25
             floor_ms = wb / (read_gbps * 1e9) * 1e3
             if vname == "fp16":
                 base_ms = ms
+            kinds = kernel_breakdown(step) if breakdown else {}
+            if kinds:
+                busy = sum(kinds.values())
+                print(f"{name:5s} b={batch} {vname:9s} kernels per step (µs): "
+                      + ", ".join(f"{k} {v:.0f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
+                      + f"; sum {busy:.0f} of {ms * 1e3:.0f} in the graph (gaps {ms * 1e3 - busy:.0f})", flush=True)
             rows.append(dict(model=name, batch=batch, variant=vname, glue=glue, ms_per_token=ms, tokens_per_s=batch * 1e3 / ms,
                              speedup_vs_fp16=base_ms / ms, linear_share=lin_ms / ms, weight_MB=wb / 1e6,
                              floor_share=floor_ms / ms, gemv_pdl_mode=pdl_modes[0],
-                             ms_per_token_by_pdl_mode={str(k): v for k, v in times.items()}))
+                             ms_per_token_by_pdl_mode={str(k): v for k, v in times.items()},
+                             kernel_us_per_step=kinds))
             extra = "".join(f"  [pdl {k}: {v:.3f} ms]" for k, v in times.items()) if len(times) > 1 else ""
             print(f"{name:5s} b={batch} {glue:8s} {vname:9s} {ms:7.3f} ms/token  {batch * 1e3 / ms:8.1f} tok/s  "
                   f"x{base_ms / ms:.2f}  linear {100 * lin_ms / ms:4.1f}%  floor {100 * floor_ms / ms:4.1f}%{extra}",
@@ -289,6 +328,9 @@ def main(argv=None):
                     help="programmatic dependent launch of the GEMV (qgemv._C.set_gemv_pdl): 'default', 'off', or a "
                          "comma list of modes (-1 default, 0 off, 1 + 2 prefetch + 4 release), each quantized step "
                          "captured and timed once per mode; the first gives the table's row")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also profile each step's kernels (torch.profiler, eager) and report GPU time by kind: "
+                         "qgemv, cuBLAS, attention, Triton glue, other; the rest of the graph time is gaps")
     args = ap.parse_args(argv)
     pdl = {"default": (-1,), "off": (0,)}.get(args.gemv_pdl) or tuple(int(v) for v in args.gemv_pdl.split(","))
     if not torch.cuda.is_available():
@@ -299,7 +341,7 @@ def main(argv=None):
     for glue in args.glue.split(","):
         for name in args.models.split(","):
             rows += run_model(name, MODELS[name], [int(b) for b in args.batches.split(",")], ceiling["read_GBps"],
-                              glue, pdl=pdl)
+                              glue, pdl=pdl, breakdown=args.breakdown)
     result = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   command="python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]), ceiling=ceiling, rows=rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

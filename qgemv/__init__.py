@@ -12,6 +12,7 @@ from . import _ext
 
 _ext.load()
 
+from ._ext import set_gemv_pdl  # noqa: E402
 from .formats import FORMAT_VERSION, QuantConfig  # noqa: E402
 from .nn import QuantLinear, QuantizeReport, quantize_model  # noqa: E402
 from .ops import linear_int4, linear_int4_grouped, linear_int8, sgemv  # noqa: E402
@@ -28,6 +29,7 @@ __all__ = [
     "linear_int4",
     "linear_int4_grouped",
     "sgemv",
+    "set_gemv_pdl",
     "formats",
     "ops",
 ]

@@ -27,6 +27,8 @@ log = logging.getLogger("qgemv")
 BACKEND = "reference"
 #: Why the backend is what it is (shown by ``python -m qgemv info``).
 REASON = ""
+#: The loaded extension module (None on the reference backend).
+MODULE = None
 _warned = False
 
 
@@ -76,18 +78,18 @@ def _register_reference_for_cuda():
 
 def load() -> str:
     """Pick the backend once; returns BACKEND."""
-    global BACKEND, REASON
+    global BACKEND, REASON, MODULE
     if not torch.version.cuda:
         BACKEND, REASON = "reference", f"torch {torch.__version__} is a CPU-only build"
     else:
         try:
-            _try_aot()
+            MODULE = _try_aot()
             BACKEND, REASON = "aot", "qgemv._C (built by setup.py)"
         except ImportError as e:
             REASON = f"qgemv._C not importable: {e}"
             if os.environ.get("QGEMV_JIT") == "1":
                 try:
-                    _try_jit()
+                    MODULE = _try_jit()
                     BACKEND, REASON = "jit", "built from csrc/ with ninja (QGEMV_JIT=1)"
                 except Exception as e2:  # a failed compile must not break import
                     REASON += f"; JIT build failed: {e2}"
@@ -97,6 +99,33 @@ def load() -> str:
         _register_reference_for_cuda()
         log.info("qgemv: using the reference backend: %s", REASON)
     return BACKEND
+
+
+#: Valid modes of set_gemv_pdl: -1 the default (off), 0 off, 1 launch, + 2 L2 prefetch, + 4 early release.
+GEMV_PDL_MODES = (-1, 0, 1, 3, 5, 7)
+
+
+def set_gemv_pdl(mode: int = 7) -> None:
+    """Launch the GEMV kernels (M <= 16 tokens) as programmatic dependent launches (Hopper and later).
+
+    The GEMV may then start while the kernel before it finishes: it prefetches the
+    start of its weights into L2 (mode bit 2), lets the next kernel launch early
+    (bit 4), and waits for the kernel before it before it reads x or writes y.
+    It pays off only when the kernels around the GEMVs take part too: with
+    ``TORCHINDUCTOR_ENABLE_PDL=1`` (torch.compile'd glue) a Llama-2-7B decode
+    step on the H200 went from 2.27 to 2.16 ms/token (int4, batch 1); with
+    ordinary torch kernels around it, every mode cost about 2.8%. So it is off
+    by default (BENCHMARKS.md, "Decode").
+
+    mode: 7 (all), 1 / 3 / 5 (parts), 0 off, -1 the default. Process-wide; it
+    takes effect at the next launch (a CUDA graph keeps the mode it was
+    captured with). No effect on the reference backend or below compute
+    capability 9.0.
+    """
+    if isinstance(mode, bool) or not isinstance(mode, int) or mode not in GEMV_PDL_MODES:
+        raise ValueError(f"qgemv.set_gemv_pdl: mode must be one of {GEMV_PDL_MODES}, got {mode!r}")
+    if MODULE is not None:
+        MODULE.set_gemv_pdl(mode)
 
 
 def backend_info() -> dict:

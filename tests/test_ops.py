@@ -154,3 +154,16 @@ def test_fake_shapes_on_meta():
     s = torch.empty(40, 2, dtype=torch.float16, device="meta")
     y = torch.ops.qgemv.linear_int4_grouped(x, qw, s, None, 64)
     assert y.shape == (2, 3, 40) and y.dtype == torch.bfloat16 and y.device.type == "meta"
+
+
+def test_set_gemv_pdl_validates_mode():
+    """The PDL knob takes the documented modes and names the rule otherwise
+    (on every backend; the CUDA tests check what the launch then does)."""
+    try:
+        for mode in qgemv._ext.GEMV_PDL_MODES:
+            qgemv.set_gemv_pdl(mode)
+        for bad in (2, 4, 6, 8, -2, True, 7.0, "7"):
+            with pytest.raises(ValueError, match="set_gemv_pdl: mode must be one of"):
+                qgemv.set_gemv_pdl(bad)
+    finally:
+        qgemv.set_gemv_pdl(-1)
