@@ -493,3 +493,47 @@ def test_gptq_signround_starts_from_gptqs_codes(tiny_llama_dir):
                 sr = entry["info"]["signround"]
                 assert sr["mse_tuned"] <= sr["mse_start"], sr
     assert torch.equal(codes[("gptq", 0)], codes[("gptq_signround", 0)])
+
+
+def test_e2e_scale_tuning_lowers_the_kl_and_keeps_the_codes(tiny_llama_dir):
+    """calibration/e2e.py: tuning only the scales against the float model's
+    log-probs lowers the held-out KL; codes and zero points are untouched, the
+    modules are QuantLinear again, and the written fp16 scales give the KL
+    the report names (fp32 forwards, so the check is exact up to fp16 scales)."""
+    from calibration.e2e import _kl, teacher_logprobs, tune_scales
+
+    model, tok = _load_tiny(tiny_llama_dir)
+    windows = calibration_samples(tok, n=12, seq_len=64, seed=0)
+    teacher = teacher_logprobs(model, windows, progress=False)
+    quantize_causal_lm(model, F.QuantConfig(4, 32, False), "rtn", windows[:8], progress=False, batch_size=4)
+    down = model.model.layers[1].mlp.down_proj
+    before = {k: getattr(down, k).clone() for k in ("qweight", "zeros", "scales")}
+    rep = tune_scales(model, windows, teacher, probe=4, steps=40, lr=3e-3, eval_every=10,
+                      forward_dtype=torch.float32, progress=False)
+    assert rep["probe_kl_best"] < 0.95 * rep["probe_kl_start"], rep
+    assert rep["best_step"] > 0 and rep["layers"] == 14
+    down = model.model.layers[1].mlp.down_proj
+    assert isinstance(down, QuantLinear) and down.scales.dtype == torch.float16
+    assert torch.equal(down.qweight, before["qweight"]) and torch.equal(down.zeros, before["zeros"])
+    assert not torch.equal(down.scales, before["scales"])
+    with torch.no_grad():
+        kl = sum(_kl(teacher[i], model(windows[i : i + 1]).logits[0]).item() for i in range(8, 12)) / 4
+    assert kl == pytest.approx(rep["probe_kl_best"], rel=0.02)
+
+
+def test_e2e_cli_writes_a_loadable_checkpoint(tiny_llama_dir, tmp_path):
+    from calibration import cli, e2e
+
+    src, out = tmp_path / "q", tmp_path / "q_e2e"
+    assert cli.main([tiny_llama_dir, "--bits", "4", "--group-size", "32", "--asym", "--method", "rtn",
+                     "--out", str(src)]) == 0
+    assert e2e.main([str(src), "--out", str(out), "--reference", tiny_llama_dir, "--samples", "6", "--probe", "2",
+                     "--seq-len", "48", "--steps", "6", "--eval-every", "3"]) == 0
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["algorithm"] == "rtn+e2e" and qc["calibration"]["e2e"]["steps"] == 6
+    assert qc["calibration"]["e2e"]["probe_kl_best"] <= qc["calibration"]["e2e"]["probe_kl_start"]
+    assert (out / "e2e_report.json").exists()
+    model, _ = C.load_quantized(str(out), dtype=torch.float32)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, QuantLinear)
+    with pytest.raises(SystemExit, match="exists"):
+        e2e.main([str(src), "--out", str(out), "--reference", tiny_llama_dir])

@@ -1,0 +1,258 @@
+"""End-to-end scale tuning of a quantized checkpoint against its float model.
+
+    python -m calibration.e2e runs/q4 --out runs/q4-e2e [--reference default] [--steps 200]
+
+GPTQ, AWQ and SignRound each fit one linear or one decoder layer to its own
+float output.  This pass instead tunes every per-channel / per-group scale of
+the whole quantized model at once, with the integer codes and zero points
+fixed, so that its next-token distribution matches the float model's:
+
+    loss = KL(p_float || p_quantized), mean over the tokens of a window.
+
+The float model's log-probabilities on the calibration windows are computed
+once, before tuning.  The scales are trained in log space with Adam, one
+window per step, in a seeded order.  A few further windows (``--probe``) are
+held out: their KL is measured before the first step and every
+``--eval-every`` steps, and the scales that gave the lowest probe KL are the
+ones written (so the output is never worse than the input on the probe).
+The checkpoint format does not change: only the fp16 ``scales`` tensors do,
+and ``quantization_config.calibration.e2e`` records the settings and the
+probe KL before and after.
+
+The calibration windows come from the calibration split (disjoint from the
+evaluation text), as in ``qgemv-quantize``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import time
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as Fn
+
+from qgemv import checkpoint as C
+from qgemv import formats
+from qgemv.nn import QuantLinear
+
+from .data import calibration_samples
+
+
+class ScaleTuned(nn.Module):
+    """A QuantLinear as fixed codes (q - z) times trainable scales.
+
+    codes: bfloat16 [N, K] (small integers, exact); log_s: float32 [N, G]
+    (G = K / group, or 1 per channel), trainable.  forward(x [..., K]) ->
+    [..., N] in x's dtype (or the autocast dtype).
+    """
+
+    def __init__(self, q: QuantLinear):
+        super().__init__()
+        cfg, k = q.config, q.in_features
+        ones = torch.ones_like(q.scales, dtype=torch.float16)
+        codes = formats.dequantize(q.qweight, ones, q.zeros if not cfg.symmetric else None, cfg, k)
+        self.group = k if cfg.group_size is None else cfg.group_size
+        self.register_buffer("codes", codes.to(torch.bfloat16))
+        s = q.scales.float().reshape(q.out_features, -1)
+        if not torch.all(s > 0):
+            raise ValueError(f"ScaleTuned: {q.out_features}x{k} layer has non-positive scales; cannot tune in log space")
+        self.log_s = nn.Parameter(s.log())
+        self.bias = q.bias
+        self.quant = q
+
+    def weight(self) -> torch.Tensor:
+        n, k = self.codes.shape
+        s = self.log_s.exp()
+        return (self.codes.float().view(n, k // self.group, self.group) * s[..., None]).view(n, k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Fn.linear(x, self.weight().to(x.dtype), self.bias)
+
+    def write_back(self) -> None:
+        """Store exp(log_s) in the QuantLinear's fp16 scales (same shape)."""
+        s = self.log_s.detach().exp().reshape(self.quant.scales.shape)
+        s = s.clamp(max=float(torch.finfo(torch.float16).max)).to(torch.float16)
+        if not torch.all(torch.isfinite(s) & (s > 0)):
+            raise ValueError("ScaleTuned.write_back: a tuned scale is not a positive finite fp16 number")
+        self.quant.scales.copy_(s)
+
+
+def _swap(model: nn.Module, make) -> list:
+    """Replace every module m for which make(m) returns a module; returns [(parent, name, old, new)]."""
+    swaps = []
+    for name, mod in list(model.named_modules()):
+        new = make(mod)
+        if new is None:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, new)
+        swaps.append((parent, child, mod, new))
+    return swaps
+
+
+def _kl(teacher_logp: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of KL(teacher || student); teacher_logp, logits: [T, V]."""
+    lp_t = teacher_logp.float()
+    lp_s = Fn.log_softmax(logits.float(), dim=-1)
+    return (lp_t.exp() * (lp_t - lp_s)).sum(-1).mean()
+
+
+def _autocast(dtype: torch.dtype):
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=dtype)
+
+
+@torch.no_grad()
+def teacher_logprobs(model: nn.Module, windows: torch.Tensor, progress: bool = True) -> torch.Tensor:
+    """bfloat16 [n, L, V] log-probabilities of the float model on each window (fp32 forward)."""
+    it = range(windows.shape[0])
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(it, desc="float model", unit="window")
+    out = []
+    for i in it:
+        logits = model(windows[i : i + 1]).logits[0]
+        out.append(Fn.log_softmax(logits.float(), dim=-1).to(torch.bfloat16))
+    return torch.stack(out)
+
+
+def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, probe: int = 4, steps: int = 200,
+                lr: float = 1e-3, eval_every: int = 20, seed: int = 0, forward_dtype: torch.dtype = torch.bfloat16,
+                progress: bool = True) -> dict:
+    """Tune the scales of every QuantLinear in ``model`` in place (module API unchanged afterwards).
+
+    windows: int64 [n, L]; teacher: [n, L, V] log-probs of the float model on
+    them. The last ``probe`` windows are held out for selection; the rest are
+    trained on, one per step. Returns a report: probe KL before and after,
+    the step that gave it, the train KL at each evaluation, and seconds.
+    """
+    n = windows.shape[0]
+    if not 0 < probe < n:
+        raise ValueError(f"tune_scales: probe must be between 1 and n - 1 = {n - 1} windows, got {probe}")
+    if teacher.shape[:2] != windows.shape:
+        raise ValueError(f"tune_scales: teacher log-probs {list(teacher.shape)} do not match windows {list(windows.shape)}")
+    swaps = _swap(model, lambda m: ScaleTuned(m) if isinstance(m, QuantLinear) else None)
+    if not swaps:
+        raise ValueError("tune_scales: the model has no QuantLinear modules")
+    tuned = [new for *_, new in swaps]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    params = [t.log_s for t in tuned]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(params, lr=lr)
+    train = list(range(n - probe))
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
+
+    def probe_kl() -> float:
+        with torch.no_grad(), _autocast(forward_dtype):
+            return sum(_kl(teacher[i], model(windows[i : i + 1]).logits[0]).item() for i in range(n - probe, n)) / probe
+
+    t0 = time.time()
+    model.eval()
+    start = probe_kl()
+    best = (start, 0, [p.detach().clone() for p in params])
+    history = [{"step": 0, "probe_kl": start}]
+    it = range(1, steps + 1)
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(it, desc="e2e scales", unit="step")
+    running = None
+    try:
+        for step in it:
+            i = train[order[(step - 1) % len(train)]]
+            with _autocast(forward_dtype):
+                logits = model(windows[i : i + 1]).logits[0]
+            loss = _kl(teacher[i], logits)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            running = loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
+            if step % eval_every == 0 or step == steps:
+                kl = probe_kl()
+                history.append({"step": step, "probe_kl": kl, "train_kl_avg": running})
+                if kl < best[0]:
+                    best = (kl, step, [p.detach().clone() for p in params])
+                if progress:
+                    it.set_postfix(train=f"{running:.4f}", probe=f"{kl:.4f}", best=f"{best[0]:.4f}@{best[1]}")
+        with torch.no_grad():
+            for p, b in zip(params, best[2]):
+                p.copy_(b)
+            for t in tuned:
+                t.write_back()
+    finally:
+        for parent, child, old, _ in swaps:  # the QuantLinears go back, tuned or not
+            setattr(parent, child, old)
+    return {"probe_kl_start": start, "probe_kl_best": best[0], "best_step": best[1], "history": history,
+            "seconds": time.time() - t0, "layers": len(tuned)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m calibration.e2e", description=__doc__.split("\n")[0])
+    ap.add_argument("quantized", help="a qgemv checkpoint directory (qgemv-quantize --out)")
+    ap.add_argument("--out", required=True, help="output directory (written atomically)")
+    ap.add_argument("--reference", default="default",
+                    help="the float model it was quantized from (HF directory, .gguf, or 'default': SmolLM2)")
+    ap.add_argument("--calib", default="default", help="calibration text: 'default', a .txt/.json file, or hub:NAME")
+    ap.add_argument("--samples", type=int, default=32, help="training windows (default 32)")
+    ap.add_argument("--probe", type=int, default=4, help="held-out windows for choosing the best step (default 4)")
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--lr", type=float, default=1e-3, help="Adam step on log(scale) (default 1e-3)")
+    ap.add_argument("--eval-every", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--forward-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="autocast dtype of the tuning forwards (the teacher runs in float32)")
+    ap.add_argument("--overwrite", action="store_true")
+    return ap
+
+
+def main(argv: Optional[list] = None) -> int:
+    import json
+    from pathlib import Path
+
+    args = build_parser().parse_args(argv)
+    src = Path(args.quantized)
+    if Path(args.out).exists() and not args.overwrite:
+        raise SystemExit(f"{args.out} exists (pass --overwrite to replace it)")
+    cfg = json.loads((src / "config.json").read_text()) if (src / "config.json").exists() else None
+    if cfg is None:
+        raise SystemExit(f"{src}: no config.json (not a qgemv checkpoint)")
+    t0 = time.time()
+    student, tok = C.load_quantized(str(src), dtype=torch.float32)
+    if tok is None:
+        raise SystemExit(f"{src}: the checkpoint has no tokenizer files")
+    windows = calibration_samples(tok, args.calib, args.samples + args.probe, args.seq_len, args.seed)
+    ref, _ = C.load_float_model(C.resolve_model(args.reference), torch.float32)
+    teacher = teacher_logprobs(ref, windows)
+    del ref
+    rep = tune_scales(student, windows, teacher, probe=args.probe, steps=args.steps, lr=args.lr,
+                      eval_every=args.eval_every, seed=args.seed,
+                      forward_dtype=getattr(torch, args.forward_dtype))
+    qc = dict(cfg["quantization_config"])
+    qc["algorithm"] = qc.get("algorithm", "?") + "+e2e"
+    qc["calibration"] = dict(qc.get("calibration") or {})
+    qc["calibration"]["e2e"] = {"reference": args.reference, "dataset": args.calib, "samples": args.samples,
+                                "probe": args.probe, "seq_len": args.seq_len, "steps": args.steps, "lr": args.lr,
+                                "seed": args.seed, "forward_dtype": args.forward_dtype,
+                                "probe_kl_start": rep["probe_kl_start"], "probe_kl_best": rep["probe_kl_best"],
+                                "best_step": rep["best_step"]}
+    float_dtype = C._FLOAT_DTYPES.get(str(cfg.get("dtype") or cfg.get("torch_dtype") or "").replace("torch.", ""))
+    C.save_quantized(student, tok, args.out, qc, overwrite=args.overwrite, extra_json={"e2e_report.json": rep},
+                     float_dtype=float_dtype)
+    print(f"e2e scale tuning: {rep['layers']} layers, {args.steps} steps, probe KL {rep['probe_kl_start']:.4f} -> "
+          f"{rep['probe_kl_best']:.4f} (step {rep['best_step']}), {time.time() - t0:.0f} s, "
+          f"peak RSS {C.peak_rss_mb():.0f} MB -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
