@@ -22,6 +22,8 @@ three SGEMV kernels; every result is compared with the reference too.
                            where the full sweep at M > 16 takes over 10 min
     --wgmma                for M > 16, also the wgmma GEMM (csrc/gemm_wgmma.cu)
                            with each block shape forced
+    --gemv-pdl MODE        launch the GEMVs with qgemv.set_gemv_pdl(MODE)
+                           (programmatic dependent launch, sm_90; default off)
 """
 
 import itertools
@@ -44,8 +46,11 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true", help="3 formats, fp16, 3 shapes (see the docstring)")
     ap.add_argument("--wgmma", action="store_true",
                     help="for M > 16 also run the wgmma GEMM with each block shape forced (cc 9.0)")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print each case as it starts (for time-boxed runs)")
+    ap.add_argument("--gemv-pdl", type=int, default=0, help="qgemv.set_gemv_pdl mode for the GEMV launches")
     args = ap.parse_args(argv)
     ms = [int(v) for v in args.ms.split(",")]
+    qgemv.set_gemv_pdl(args.gemv_pdl)
     from qgemv import _C
 
     if args.wgmma and not _C.wgmma_available():
@@ -69,6 +74,8 @@ def main(argv=None) -> int:
             continue
         qw, s, z = F.quantize(torch.randn(n, k, device="cuda") * 0.02, cfg)
         x = torch.randn(m, k, device="cuda", dtype=dt)
+        if args.verbose:
+            print(f"case {n_runs}: {cfg.name} {n}x{k} M={m} {dt}", flush=True)
         lin = qgemv.QuantLinear.from_quantized(torch.nn.Linear(k, n, bias=False, device="meta"), cfg, qw, s, z)
         ref = x.double() @ F.dequantize(qw, s, z, cfg, k).double().t()
         forced = [(-1, -1)]  # (prefill path, wgmma shape): the dispatch's own choice
