@@ -56,6 +56,7 @@ class Metrics:
     nll_sq: float = 0.0
     kl_sum: float = 0.0
     top1: int = 0
+    win_nll: list = field(default_factory=list)  # per window: (NLL sum, tokens), for the paired s.e.
     extra: dict = field(default_factory=dict)
 
     @property
@@ -69,10 +70,30 @@ class Metrics:
         var = max(self.nll_sq / n - mean * mean, 0.0)
         return self.ppl * math.sqrt(var / n)
 
+    def paired_se(self, ref: "Metrics"):
+        """Standard error of Δppl in percent points, from per-window paired NLL differences.
+
+        Tokens inside a window are correlated, windows much less so: the difference of the two
+        models' NLL sums is taken per window and its spread across windows gives the s.e. of the
+        mean log-ratio (ratio estimator, token-weighted); the delta method maps it to Δppl %.
+        None with fewer than 2 windows or when the windows do not line up.
+        """
+        w = len(self.win_nll)
+        if w < 2 or len(ref.win_nll) != w:
+            return None
+        n = sum(t for _, t in self.win_nll)
+        diffs = [(a - b, t) for (a, t), (b, _) in zip(self.win_nll, ref.win_nll)]
+        dbar = sum(d for d, _ in diffs) / n
+        var = sum((d - t * dbar) ** 2 for d, t in diffs) * w / (w - 1)
+        return 100.0 * math.exp(dbar) * math.sqrt(var) / n
+
     def summary(self, ref: "Metrics" = None) -> dict:
         d = {"name": self.name, "tokens": self.tokens, "ppl": self.ppl, "ppl_se": self.ppl_se}
         if ref is not None and ref is not self:
             d["delta_ppl_pct"] = 100.0 * (self.ppl / ref.ppl - 1.0)
+            se = self.paired_se(ref)
+            if se is not None:
+                d["delta_ppl_se_pct"] = se
             d["kl"] = self.kl_sum / max(self.tokens, 1)
             d["top1_pct"] = 100.0 * self.top1 / max(self.tokens, 1)
         elif ref is self:
@@ -140,8 +161,12 @@ def evaluate(models: dict, tokenizer, proto: Protocol, text: str = None, batch: 
         for n in names:
             logits = models[n](x).logits[:, :-1].float()
             lp = torch.log_softmax(logits, -1)
-            nll = -lp.gather(-1, tgt[..., None])[..., 0][mask]
+            tok_nll = -lp.gather(-1, tgt[..., None])[..., 0]
+            nll = tok_nll[mask]
             m = metrics[n]
+            for i in range(tgt.shape[0]):
+                row = tok_nll[i][mask[i]].double()
+                m.win_nll.append((float(row.sum()), int(row.numel())))
             m.tokens += int(nll.numel())
             m.nll_sum += float(nll.double().sum())
             m.nll_sq += float((nll.double() ** 2).sum())
@@ -158,12 +183,18 @@ def evaluate(models: dict, tokenizer, proto: Protocol, text: str = None, batch: 
             "results": [metrics[n].summary(ref) for n in names]}
 
 
+def _fmt_se(se) -> str:
+    return f"{se:6.2f}" if se is not None else f"{'-':>6s}"
+
+
 def table(report: dict) -> str:
+    """Text table; the second +-se is Δppl's paired, window-level standard error (percent points)."""
     lines = [f"protocol: {report['protocol_text']}", "",
-             f"{'model':34s} {'tokens':>7s} {'ppl':>9s} {'+-se':>7s} {'dppl%':>8s} {'KL':>8s} {'top1%':>7s}"]
+             f"{'model':34s} {'tokens':>7s} {'ppl':>9s} {'+-se':>7s} {'dppl%':>8s} {'+-se':>6s} {'KL':>8s} {'top1%':>7s}"]
     for r in report["results"]:
         lines.append(f"{r['name'][:34]:34s} {r['tokens']:7d} {r['ppl']:9.3f} {r['ppl_se']:7.3f} "
-                     f"{r.get('delta_ppl_pct', 0):+8.2f} {r.get('kl', 0):8.4f} {r.get('top1_pct', 100):7.2f}")
+                     f"{r.get('delta_ppl_pct', 0):+8.2f} {_fmt_se(r.get('delta_ppl_se_pct'))} "
+                     f"{r.get('kl', 0):8.4f} {r.get('top1_pct', 100):7.2f}")
     return "\n".join(lines)
 
 

@@ -54,6 +54,25 @@ def test_model_against_itself_has_zero_kl_and_full_agreement(tiny_llama_dir):
     rep = evaluate({"a": model, "b": model}, tok, Protocol(ctx=64, windows=4), batch=2, progress=False)
     b = rep["results"][1]
     assert abs(b["kl"]) < 1e-6 and b["top1_pct"] == 100.0 and abs(b["delta_ppl_pct"]) < 1e-9
+    assert b["delta_ppl_se_pct"] < 1e-9
+
+
+def test_paired_se_of_delta_ppl():
+    from eval.ppl import Metrics
+
+    ref, q = Metrics("ref"), Metrics("q")
+    ref.win_nll = [(20.0, 10), (30.0, 10)]
+    q.win_nll = [(21.0, 10), (33.0, 10)]  # per-window differences 1 and 3 nats over 10 tokens each
+    ref.tokens = q.tokens = 20
+    ref.nll_sum, q.nll_sum = 50.0, 54.0
+    # mean log-ratio 0.2; window spread: ((1-2)^2 + (3-2)^2) * 2/1 = 4 -> s.e. of the mean 2/20
+    assert math.isclose(q.paired_se(ref), 100 * math.exp(0.2) * 0.1, rel_tol=1e-12)
+    assert math.isclose(q.summary(ref)["delta_ppl_pct"], 100 * (math.exp(0.2) - 1), rel_tol=1e-12)
+    # the same shift in every window: Δppl is not zero, its spread is
+    q.win_nll = [(22.0, 10), (32.0, 10)]
+    assert q.paired_se(ref) == 0.0 and q.summary(ref)["delta_ppl_pct"] > 0
+    q.win_nll = q.win_nll[:1]  # windows that do not line up give no s.e.
+    assert q.paired_se(ref) is None and "delta_ppl_se_pct" not in q.summary(ref)
 
 
 @pytest.fixture(scope="module")
