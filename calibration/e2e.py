@@ -19,6 +19,11 @@ The checkpoint format does not change: only the fp16 ``scales`` tensors do,
 and ``quantization_config.calibration.e2e`` records the settings and the
 probe KL before and after.
 
+``--tune-norms`` also tunes the RMSNorm gains (as gain x exp(u), u trained
+with the scales).  A gain multiplies one input column of every linear that
+reads the norm, which per-row or per-group scales cannot express; the gains
+are float tensors of the checkpoint, so this too leaves the format as it is.
+
 The calibration windows come from the calibration split (disjoint from the
 evaluation text), as in ``qgemv-quantize``.
 """
@@ -40,6 +45,24 @@ from qgemv import formats
 from qgemv.nn import QuantLinear
 
 from .data import calibration_samples
+
+
+class _GainTuned(nn.Module):
+    """Parametrization of an RMSNorm gain: weight = gain0 * exp(u), u trainable (starts at 0)."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.u = nn.Parameter(torch.zeros(n))
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w * self.u.exp().to(w.dtype)
+
+
+def _norm_modules(model: nn.Module) -> list:
+    """Every RMSNorm-like module (class name ending in RMSNorm, 1-D weight), in module order."""
+    return [m for m in model.modules()
+            if type(m).__name__.endswith("RMSNorm") and isinstance(getattr(m, "weight", None), torch.Tensor)
+            and m.weight.dim() == 1]
 
 
 class ScaleTuned(nn.Module):
@@ -125,13 +148,15 @@ def teacher_logprobs(model: nn.Module, windows: torch.Tensor, progress: bool = T
 
 def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, probe: int = 4, steps: int = 200,
                 lr: float = 1e-3, eval_every: int = 20, seed: int = 0, forward_dtype: torch.dtype = torch.bfloat16,
-                progress: bool = True) -> dict:
+                progress: bool = True, tune_norms: bool = False) -> dict:
     """Tune the scales of every QuantLinear in ``model`` in place (module API unchanged afterwards).
 
     windows: int64 [n, L]; teacher: [n, L, V] log-probs of the float model on
     them. The last ``probe`` windows are held out for selection; the rest are
     trained on, one per step. Returns a report: probe KL before and after,
     the step that gave it, the train KL at each evaluation, and seconds.
+    tune_norms: also tune every RMSNorm gain (multiplicatively, log space, same lr);
+    the tuned gains stay in the model's float ``weight`` tensors.
     """
     n = windows.shape[0]
     if not 0 < probe < n:
@@ -145,6 +170,14 @@ def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, 
     for p in model.parameters():
         p.requires_grad_(False)
     params = [t.log_s for t in tuned]
+    norms = _norm_modules(model) if tune_norms else []
+    if tune_norms and not norms:
+        raise ValueError("tune_scales: tune_norms=True but the model has no RMSNorm modules")
+    from torch.nn.utils import parametrize
+
+    for m in norms:
+        parametrize.register_parametrization(m, "weight", _GainTuned(m.weight.shape[0]))
+        params.append(m.parametrizations.weight[0].u)
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.Adam(params, lr=lr)
@@ -157,16 +190,17 @@ def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, 
 
     t0 = time.time()
     model.eval()
-    start = probe_kl()
-    best = (start, 0, [p.detach().clone() for p in params])
-    history = [{"step": 0, "probe_kl": start}]
-    it = range(1, steps + 1)
-    if progress:
-        from tqdm.auto import tqdm
-
-        it = tqdm(it, desc="e2e scales", unit="step")
-    running = None
+    done = False
     try:
+        start = probe_kl()
+        best = (start, 0, [p.detach().clone() for p in params])
+        history = [{"step": 0, "probe_kl": start}]
+        it = range(1, steps + 1)
+        if progress:
+            from tqdm.auto import tqdm
+
+            it = tqdm(it, desc="e2e scales", unit="step")
+        running = None
         for step in it:
             i = train[order[(step - 1) % len(train)]]
             with _autocast(forward_dtype):
@@ -188,11 +222,14 @@ def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, 
                 p.copy_(b)
             for t in tuned:
                 t.write_back()
+        done = True
     finally:
         for parent, child, old, _ in swaps:  # the QuantLinears go back, tuned or not
             setattr(parent, child, old)
+        for m in norms:  # tuned gains are kept only when tuning finished; otherwise the originals come back
+            parametrize.remove_parametrizations(m, "weight", leave_parametrized=done)
     return {"probe_kl_start": start, "probe_kl_best": best[0], "best_step": best[1], "history": history,
-            "seconds": time.time() - t0, "layers": len(tuned)}
+            "seconds": time.time() - t0, "layers": len(tuned), "norms": len(norms)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -211,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--forward-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="autocast dtype of the tuning forwards (the teacher runs in float32)")
+    ap.add_argument("--tune-norms", action="store_true",
+                    help="also tune the RMSNorm gains (per input column of the linears that read them)")
     ap.add_argument("--overwrite", action="store_true")
     return ap
 
@@ -236,13 +275,14 @@ def main(argv: Optional[list] = None) -> int:
     del ref
     rep = tune_scales(student, windows, teacher, probe=args.probe, steps=args.steps, lr=args.lr,
                       eval_every=args.eval_every, seed=args.seed,
-                      forward_dtype=getattr(torch, args.forward_dtype))
+                      forward_dtype=getattr(torch, args.forward_dtype), tune_norms=args.tune_norms)
     qc = dict(cfg["quantization_config"])
     qc["algorithm"] = qc.get("algorithm", "?") + "+e2e"
     qc["calibration"] = dict(qc.get("calibration") or {})
     qc["calibration"]["e2e"] = {"reference": args.reference, "dataset": args.calib, "samples": args.samples,
                                 "probe": args.probe, "seq_len": args.seq_len, "steps": args.steps, "lr": args.lr,
                                 "seed": args.seed, "forward_dtype": args.forward_dtype,
+                                "tune_norms": args.tune_norms, "norms_tuned": rep["norms"],
                                 "probe_kl_start": rep["probe_kl_start"], "probe_kl_best": rep["probe_kl_best"],
                                 "best_step": rep["best_step"]}
     float_dtype = C._FLOAT_DTYPES.get(str(cfg.get("dtype") or cfg.get("torch_dtype") or "").replace("torch.", ""))

@@ -521,6 +521,39 @@ def test_e2e_scale_tuning_lowers_the_kl_and_keeps_the_codes(tiny_llama_dir):
     assert kl == pytest.approx(rep["probe_kl_best"], rel=0.02)
 
 
+def test_e2e_tune_norms_moves_the_gains_and_restores_them_on_failure(tiny_llama_dir):
+    """--tune-norms: every RMSNorm gain is tuned with the scales and the written
+    model gives the reported probe KL; a run that fails leaves gains, scales
+    and modules as they were."""
+    from calibration.e2e import _kl, teacher_logprobs, tune_scales
+
+    model, tok = _load_tiny(tiny_llama_dir)
+    windows = calibration_samples(tok, n=12, seq_len=64, seed=0)
+    teacher = teacher_logprobs(model, windows, progress=False)
+    quantize_causal_lm(model, F.QuantConfig(4, 32, False), "rtn", windows[:8], progress=False, batch_size=4)
+    norm = model.model.layers[0].post_attention_layernorm
+    gain0 = norm.weight.detach().clone()
+    scales0 = model.model.layers[0].mlp.up_proj.scales.clone()
+
+    with pytest.raises(RuntimeError):  # vocabulary mismatch: fails in the first probe forward
+        tune_scales(model, windows, teacher[..., :-1], probe=4, steps=4, tune_norms=True, progress=False)
+    assert not hasattr(norm, "parametrizations") and torch.equal(norm.weight, gain0)
+    assert isinstance(model.model.layers[0].mlp.up_proj, QuantLinear)
+    assert torch.equal(model.model.layers[0].mlp.up_proj.scales, scales0)
+
+    rep = tune_scales(model, windows, teacher, probe=4, steps=40, lr=3e-3, eval_every=10,
+                      forward_dtype=torch.float32, progress=False, tune_norms=True)
+    n_layers = len(model.model.layers)
+    assert rep["norms"] == 2 * n_layers + 1 and rep["best_step"] > 0
+    assert rep["probe_kl_best"] < 0.95 * rep["probe_kl_start"], rep
+    norm = model.model.layers[0].post_attention_layernorm
+    assert not hasattr(norm, "parametrizations") and isinstance(norm.weight, torch.nn.Parameter)
+    assert not torch.equal(norm.weight, gain0) and torch.equal(torch.sign(norm.weight), torch.sign(gain0))
+    with torch.no_grad():
+        kl = sum(_kl(teacher[i], model(windows[i : i + 1]).logits[0]).item() for i in range(8, 12)) / 4
+    assert kl == pytest.approx(rep["probe_kl_best"], rel=0.02)
+
+
 def test_e2e_cli_writes_a_loadable_checkpoint(tiny_llama_dir, tmp_path):
     from calibration import cli, e2e
 
@@ -528,12 +561,15 @@ def test_e2e_cli_writes_a_loadable_checkpoint(tiny_llama_dir, tmp_path):
     assert cli.main([tiny_llama_dir, "--bits", "4", "--group-size", "32", "--asym", "--method", "rtn",
                      "--out", str(src)]) == 0
     assert e2e.main([str(src), "--out", str(out), "--reference", tiny_llama_dir, "--samples", "6", "--probe", "2",
-                     "--seq-len", "48", "--steps", "6", "--eval-every", "3"]) == 0
+                     "--seq-len", "48", "--steps", "6", "--eval-every", "3", "--tune-norms"]) == 0
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["algorithm"] == "rtn+e2e" and qc["calibration"]["e2e"]["steps"] == 6
+    assert qc["calibration"]["e2e"]["tune_norms"] is True and qc["calibration"]["e2e"]["norms_tuned"] > 0
     assert qc["calibration"]["e2e"]["probe_kl_best"] <= qc["calibration"]["e2e"]["probe_kl_start"]
     assert (out / "e2e_report.json").exists()
     model, _ = C.load_quantized(str(out), dtype=torch.float32)
     assert isinstance(model.model.layers[0].self_attn.q_proj, QuantLinear)
+    start, _ = C.load_quantized(str(src), dtype=torch.float32)  # the tuned gains were written
+    assert not torch.equal(model.model.layers[0].input_layernorm.weight, start.model.layers[0].input_layernorm.weight)
     with pytest.raises(SystemExit, match="exists"):
         e2e.main([str(src), "--out", str(out), "--reference", tiny_llama_dir])
