@@ -39,6 +39,7 @@ from typing import Optional
 import torch
 from torch import nn
 from torch.nn import functional as Fn
+from torch.nn.utils import parametrize
 
 from qgemv import checkpoint as C
 from qgemv import formats
@@ -173,8 +174,6 @@ def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, 
     norms = _norm_modules(model) if tune_norms else []
     if tune_norms and not norms:
         raise ValueError("tune_scales: tune_norms=True but the model has no RMSNorm modules")
-    from torch.nn.utils import parametrize
-
     for m in norms:
         parametrize.register_parametrization(m, "weight", _GainTuned(m.weight.shape[0]))
         params.append(m.parametrizations.weight[0].u)

@@ -161,15 +161,13 @@ def evaluate(models: dict, tokenizer, proto: Protocol, text: str = None, batch: 
         for n in names:
             logits = models[n](x).logits[:, :-1].float()
             lp = torch.log_softmax(logits, -1)
-            tok_nll = -lp.gather(-1, tgt[..., None])[..., 0]
-            nll = tok_nll[mask]
+            tok_nll = (-lp.gather(-1, tgt[..., None])[..., 0]).double() * mask
+            win_sum, win_n = tok_nll.sum(1), mask.sum(1)
             m = metrics[n]
-            for i in range(tgt.shape[0]):
-                row = tok_nll[i][mask[i]].double()
-                m.win_nll.append((float(row.sum()), int(row.numel())))
-            m.tokens += int(nll.numel())
-            m.nll_sum += float(nll.double().sum())
-            m.nll_sq += float((nll.double() ** 2).sum())
+            m.win_nll += list(zip(win_sum.tolist(), win_n.tolist()))
+            m.tokens += int(win_n.sum())
+            m.nll_sum += float(win_sum.sum())
+            m.nll_sq += float((tok_nll ** 2).sum())
             if ref_lp is None:
                 ref_lp = lp
                 ref_top = lp.argmax(-1)

@@ -23,7 +23,8 @@ three SGEMV kernels; every result is compared with the reference too.
     --wgmma                for M > 16, also the wgmma GEMM (csrc/gemm_wgmma.cu)
                            with each block shape forced
     --gemv-pdl MODE        launch the GEMVs with qgemv.set_gemv_pdl(MODE)
-                           (programmatic dependent launch, sm_90; default off)
+                           (programmatic dependent launch, sm_90; default:
+                           the library's, which is off)
 """
 
 import itertools
@@ -47,7 +48,8 @@ def main(argv=None) -> int:
     ap.add_argument("--wgmma", action="store_true",
                     help="for M > 16 also run the wgmma GEMM with each block shape forced (cc 9.0)")
     ap.add_argument("-v", "--verbose", action="store_true", help="print each case as it starts (for time-boxed runs)")
-    ap.add_argument("--gemv-pdl", type=int, default=0, help="qgemv.set_gemv_pdl mode for the GEMV launches")
+    ap.add_argument("--gemv-pdl", type=int, default=-1,
+                    help="qgemv.set_gemv_pdl mode for the GEMV launches (-1: the library's default)")
     args = ap.parse_args(argv)
     ms = [int(v) for v in args.ms.split(",")]
     qgemv.set_gemv_pdl(args.gemv_pdl)
