@@ -147,19 +147,47 @@ def teacher_logprobs(model: nn.Module, windows: torch.Tensor, progress: bool = T
     return torch.stack(out)
 
 
+class StreamedTeacher:
+    """The float model's log-probs, computed when asked for instead of stored.
+
+    Stands in for the [n, L, V] tensor of :func:`teacher_logprobs`: the last
+    ``probe`` windows' log-probs are computed once and kept (they are read at
+    every evaluation); ``teacher[i]`` for a training window runs one fp32
+    forward of ``model``.  Memory is O(probe) windows instead of O(n), so many
+    more calibration windows fit (SmolLM2: 25 MB per stored window).
+    """
+
+    def __init__(self, model: nn.Module, windows: torch.Tensor, probe: int, progress: bool = True):
+        self.model, self.windows, self.first_probe = model, windows, windows.shape[0] - probe
+        self.stored = teacher_logprobs(model, windows[self.first_probe :], progress)
+        self.shape = torch.Size((*windows.shape, self.stored.shape[-1]))
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i >= self.first_probe:
+            return self.stored[i - self.first_probe]
+        with torch.no_grad():
+            logits = self.model(self.windows[i : i + 1]).logits[0]
+            return Fn.log_softmax(logits.float(), dim=-1).to(torch.bfloat16)
+
+
 def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, probe: int = 4, steps: int = 200,
                 lr: float = 1e-3, eval_every: int = 20, seed: int = 0, forward_dtype: torch.dtype = torch.bfloat16,
-                progress: bool = True, tune_norms: bool = False) -> dict:
+                progress: bool = True, tune_norms: bool = False, schedule: str = "constant") -> dict:
     """Tune the scales of every QuantLinear in ``model`` in place (module API unchanged afterwards).
 
     windows: int64 [n, L]; teacher: [n, L, V] log-probs of the float model on
-    them. The last ``probe`` windows are held out for selection; the rest are
-    trained on, one per step. Returns a report: probe KL before and after,
-    the step that gave it, the train KL at each evaluation, and seconds.
+    them (a tensor, or a :class:`StreamedTeacher`). The last ``probe`` windows
+    are held out for selection; the rest are trained on, one per step.
+    Returns a report: probe KL before and after, the step that gave it, the
+    train KL at each evaluation, and seconds.
     tune_norms: also tune every RMSNorm gain (multiplicatively, log space, same lr);
     the tuned gains stay in the model's float ``weight`` tensors.
+    schedule: "constant" learning rates, or "cosine" (every lr decays along a
+    half cosine from its value at step 1 to 0 at the last step).
     """
     n = windows.shape[0]
+    if schedule not in ("constant", "cosine"):
+        raise ValueError(f"tune_scales: schedule must be 'constant' or 'cosine', got {schedule!r}")
     if not 0 < probe < n:
         raise ValueError(f"tune_scales: probe must be between 1 and n - 1 = {n - 1} windows, got {probe}")
     if teacher.shape[:2] != windows.shape:
@@ -180,6 +208,8 @@ def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, 
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.Adam(params, lr=lr)
+    decay = (lambda i: 0.5 * (1.0 + math.cos(math.pi * i / max(steps, 1)))) if schedule == "cosine" else (lambda i: 1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, decay)
     train = list(range(n - probe))
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -208,6 +238,7 @@ def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, 
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            sched.step()
             running = loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
             if step % eval_every == 0 or step == steps:
                 kl = probe_kl()
@@ -249,6 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="autocast dtype of the tuning forwards (the teacher runs in float32)")
     ap.add_argument("--tune-norms", action="store_true",
                     help="also tune the RMSNorm gains (per input column of the linears that read them)")
+    ap.add_argument("--schedule", default="constant", choices=["constant", "cosine"],
+                    help="learning-rate schedule: constant, or a half-cosine decay to 0 at the last step")
+    ap.add_argument("--stream-teacher", action="store_true",
+                    help="compute the float model's log-probs at each step instead of storing them for every "
+                         "window (one more fp32 forward per step; memory no longer grows with --samples)")
     ap.add_argument("--overwrite", action="store_true")
     return ap
 
@@ -270,17 +306,22 @@ def main(argv: Optional[list] = None) -> int:
         raise SystemExit(f"{src}: the checkpoint has no tokenizer files")
     windows = calibration_samples(tok, args.calib, args.samples + args.probe, args.seq_len, args.seed)
     ref, _ = C.load_float_model(C.resolve_model(args.reference), torch.float32)
-    teacher = teacher_logprobs(ref, windows)
-    del ref
+    if args.stream_teacher:
+        teacher = StreamedTeacher(ref, windows, args.probe)
+    else:
+        teacher = teacher_logprobs(ref, windows)
+        del ref
     rep = tune_scales(student, windows, teacher, probe=args.probe, steps=args.steps, lr=args.lr,
                       eval_every=args.eval_every, seed=args.seed,
-                      forward_dtype=getattr(torch, args.forward_dtype), tune_norms=args.tune_norms)
+                      forward_dtype=getattr(torch, args.forward_dtype), tune_norms=args.tune_norms,
+                      schedule=args.schedule)
     qc = dict(cfg["quantization_config"])
     qc["algorithm"] = qc.get("algorithm", "?") + "+e2e"
     qc["calibration"] = dict(qc.get("calibration") or {})
     qc["calibration"]["e2e"] = {"reference": args.reference, "dataset": args.calib, "samples": args.samples,
                                 "probe": args.probe, "seq_len": args.seq_len, "steps": args.steps, "lr": args.lr,
-                                "seed": args.seed, "forward_dtype": args.forward_dtype,
+                                "seed": args.seed, "forward_dtype": args.forward_dtype, "schedule": args.schedule,
+                                "stream_teacher": args.stream_teacher,
                                 "tune_norms": args.tune_norms, "norms_tuned": rep["norms"],
                                 "probe_kl_start": rep["probe_kl_start"], "probe_kl_best": rep["probe_kl_best"],
                                 "best_step": rep["best_step"]}

@@ -8,6 +8,11 @@ share no article.  Sizes are capped to keep the repository small.
 
     pip download --no-deps gensim==4.4.0 -d /tmp/dl
     python eval/make_text_sample.py /tmp/dl/gensim-4.4.0-*.whl
+
+``--calib-all PATH`` instead writes every calibration-side (even) article,
+uncapped, to PATH: about three times the embedded calibration text, still
+disjoint from the evaluation split, for runs that need more calibration
+windows (``python -m calibration.e2e ... --calib PATH``).
 """
 
 import bz2
@@ -59,7 +64,7 @@ def clean(wiki: str) -> str:
     return t.strip()
 
 
-def main(wheel: str) -> None:
+def main(wheel: str, calib_all: str = "") -> None:
     raw = bz2.decompress(zipfile.ZipFile(wheel).read(MEMBER)).decode("utf-8")
     articles = []
     for page in re.findall(r"<page>(.*?)</page>", raw, re.S):
@@ -70,6 +75,12 @@ def main(wheel: str) -> None:
         body = clean(m.group(1))
         if len(body) > 2000:
             articles.append(f"{title}\n\n{body}")
+    if calib_all:
+        chosen = [a for i, a in enumerate(articles) if i % 2 == 0]
+        text = "\n\n".join(chosen)
+        Path(calib_all).write_text(text + "\n", encoding="utf-8")
+        print(f"calib (all even articles): {len(chosen)} articles, {len(text)} characters -> {calib_all}")
+        return
     OUT.mkdir(parents=True, exist_ok=True)
     for name, parity in (("calib", 0), ("eval", 1)):
         chosen, size = [], 0
@@ -83,4 +94,10 @@ def main(wheel: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    import argparse
+
+    ap = argparse.ArgumentParser(description="rebuild the embedded Wikipedia text from the gensim wheel")
+    ap.add_argument("wheel")
+    ap.add_argument("--calib-all", default="", help="write all calibration-side articles (uncapped) to this file")
+    a = ap.parse_args()
+    main(a.wheel, a.calib_all)

@@ -554,6 +554,33 @@ def test_e2e_tune_norms_moves_the_gains_and_restores_them_on_failure(tiny_llama_
     assert kl == pytest.approx(rep["probe_kl_best"], rel=0.02)
 
 
+def test_e2e_streamed_teacher_equals_the_stored_one(tiny_llama_dir):
+    """--stream-teacher computes the same log-probs as the stored tensor, so a
+    cosine-schedule run with either gives bit-identical scales (and different
+    ones from a constant schedule); a bad schedule name is an error."""
+    from calibration.e2e import StreamedTeacher, teacher_logprobs, tune_scales
+
+    ref, tok = _load_tiny(tiny_llama_dir)
+    windows = calibration_samples(tok, n=10, seq_len=48, seed=0)
+    stored = teacher_logprobs(ref, windows, progress=False)
+    streamed = StreamedTeacher(ref, windows, probe=3, progress=False)
+    assert streamed.shape == stored.shape
+    for i in (0, 6, 7, 9):  # training windows computed on demand, probe windows kept
+        assert torch.equal(streamed[i], stored[i])
+    scales = []
+    for teacher, schedule in ((stored, "cosine"), (streamed, "cosine"), (stored, "constant")):
+        model, _ = _load_tiny(tiny_llama_dir)
+        quantize_causal_lm(model, F.QuantConfig(4, 32, False), "rtn", windows[:6], progress=False, batch_size=3)
+        with pytest.raises(ValueError, match="schedule"):
+            tune_scales(model, windows, teacher, probe=3, steps=2, schedule="linear", progress=False)
+        rep = tune_scales(model, windows, teacher, probe=3, steps=12, lr=3e-3, eval_every=4,
+                          forward_dtype=torch.float32, progress=False, schedule=schedule)
+        assert rep["best_step"] > 0
+        scales.append(model.model.layers[1].mlp.down_proj.scales.clone())
+    assert torch.equal(scales[0], scales[1])
+    assert not torch.equal(scales[0], scales[2])  # the decay changed the steps
+
+
 def test_e2e_cli_writes_a_loadable_checkpoint(tiny_llama_dir, tmp_path):
     from calibration import cli, e2e
 
@@ -561,11 +588,13 @@ def test_e2e_cli_writes_a_loadable_checkpoint(tiny_llama_dir, tmp_path):
     assert cli.main([tiny_llama_dir, "--bits", "4", "--group-size", "32", "--asym", "--method", "rtn",
                      "--out", str(src)]) == 0
     assert e2e.main([str(src), "--out", str(out), "--reference", tiny_llama_dir, "--samples", "6", "--probe", "2",
-                     "--seq-len", "48", "--steps", "6", "--eval-every", "3", "--tune-norms"]) == 0
+                     "--seq-len", "48", "--steps", "6", "--eval-every", "3", "--tune-norms", "--stream-teacher",
+                     "--schedule", "cosine"]) == 0
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["algorithm"] == "rtn+e2e" and qc["calibration"]["e2e"]["steps"] == 6
     assert qc["calibration"]["e2e"]["tune_norms"] is True and qc["calibration"]["e2e"]["norms_tuned"] > 0
     assert qc["calibration"]["e2e"]["probe_kl_best"] <= qc["calibration"]["e2e"]["probe_kl_start"]
+    assert qc["calibration"]["e2e"]["stream_teacher"] is True and qc["calibration"]["e2e"]["schedule"] == "cosine"
     assert (out / "e2e_report.json").exists()
     model, _ = C.load_quantized(str(out), dtype=torch.float32)
     assert isinstance(model.model.layers[0].self_attn.q_proj, QuantLinear)
