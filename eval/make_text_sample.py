@@ -17,7 +17,6 @@ windows (``python -m calibration.e2e ... --calib PATH``).
 
 import bz2
 import re
-import sys
 import zipfile
 from pathlib import Path
 
