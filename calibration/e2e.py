@@ -10,7 +10,8 @@ fixed, so that its next-token distribution matches the float model's:
     loss = KL(p_float || p_quantized), mean over the tokens of a window.
 
 The float model's log-probabilities on the calibration windows are computed
-once, before tuning.  The scales are trained in log space with Adam, one
+once, before tuning (with ``--stream-teacher``, only the probe windows' are
+stored; a training window's are computed at its step).  The scales are trained in log space with Adam, one
 window per step, in a seeded order.  A few further windows (``--probe``) are
 held out: their KL is measured before the first step and every
 ``--eval-every`` steps, and the scales that gave the lowest probe KL are the

@@ -74,17 +74,17 @@ def main(wheel: str, calib_all: str = "") -> None:
         body = clean(m.group(1))
         if len(body) > 2000:
             articles.append(f"{title}\n\n{body}")
+    sides = {"calib": articles[0::2], "eval": articles[1::2]}  # even / odd articles: no article in both
     if calib_all:
-        chosen = [a for i, a in enumerate(articles) if i % 2 == 0]
-        text = "\n\n".join(chosen)
+        text = "\n\n".join(sides["calib"])
         Path(calib_all).write_text(text + "\n", encoding="utf-8")
-        print(f"calib (all even articles): {len(chosen)} articles, {len(text)} characters -> {calib_all}")
+        print(f"calib (all even articles): {len(sides['calib'])} articles, {len(text)} characters -> {calib_all}")
         return
     OUT.mkdir(parents=True, exist_ok=True)
-    for name, parity in (("calib", 0), ("eval", 1)):
+    for name, side in sides.items():
         chosen, size = [], 0
-        for i, a in enumerate(articles):
-            if i % 2 == parity and size < CAPS[name]:
+        for a in side:
+            if size < CAPS[name]:
                 chosen.append(a)
                 size += len(a)
         text = "\n\n".join(chosen)[: CAPS[name]]
