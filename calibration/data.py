@@ -22,3 +22,71 @@ def calibration_samples(tokenizer, source: str = "default", n: int = 128, seq_le
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, ids.numel() - seq_len, (n,), generator=g)
     return torch.stack([ids[s : s + seq_len] for s in starts.tolist()])
+
+
+def train_and_probe_windows(tokenizer, source: str = "default", n_train: int = 128, n_probe: int = 8,
+                            seq_len: int = 512, seed: int = 0, probe_fraction: float = 0.1):
+    """(train int64 [n_train, seq_len], probe int64 [n_probe, seq_len]) from disjoint token ranges.
+
+    The tokenized calibration split is cut once: the last ``probe_fraction``
+    of its tokens (at least n_probe * seq_len + 1) hold the probe windows, the
+    rest the training windows, each drawn at seeded random offsets in its own
+    range.  A probe window therefore shares no token position with any
+    training window, however many training windows are drawn, so a probe KL
+    measures generalization, not recall.  Raises ValueError when the text is
+    too short for both ranges.
+    """
+    if not 0.0 < probe_fraction < 1.0:
+        raise ValueError(f"probe_fraction must be in (0, 1), got {probe_fraction}")
+    text = load_text(source, "calib")
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    n_tok = ids.numel()
+    cut = n_tok - max(int(n_tok * probe_fraction), n_probe * seq_len + 1)
+    if cut <= seq_len or n_tok - cut <= seq_len:
+        raise ValueError(f"calibration text has {n_tok} tokens: too few for a training range and a held-out "
+                         f"probe range of at least {n_probe} x {seq_len} + 1 tokens")
+    g = torch.Generator().manual_seed(seed)
+    train_starts = torch.randint(0, cut - seq_len, (n_train,), generator=g)
+    probe_span = n_tok - cut - seq_len
+    if probe_span >= n_probe * seq_len:  # room for non-overlapping probe windows: spread them evenly
+        probe_starts = cut + torch.arange(n_probe) * (probe_span // n_probe)
+    else:
+        probe_starts = cut + torch.randint(0, probe_span, (n_probe,), generator=g)
+    train = torch.stack([ids[s : s + seq_len] for s in train_starts.tolist()]) if n_train else ids.new_zeros(0, seq_len)
+    probe = torch.stack([ids[s : s + seq_len] for s in probe_starts.tolist()])
+    return train, probe
+
+
+@torch.no_grad()
+def generated_windows(model, first_tokens: torch.Tensor, seq_len: int, seed: int = 0, batch: int = 128,
+                      progress: bool = True) -> torch.Tensor:
+    """int64 [n, seq_len] windows sampled from ``model`` itself (temperature 1, no top-k / top-p).
+
+    first_tokens: int64 [n], each window's first token (e.g. drawn from the
+    calibration text, so the samples start in many places).  The other
+    seq_len - 1 tokens are drawn one at a time from the model's own
+    distribution with a seeded generator, end-of-text included (the model
+    just continues after it).  Data from the model's own distribution is
+    what a distillation loss weighs most; it is disjoint from any evaluation
+    text by construction.  Runs on the model's device, ``batch`` windows at a
+    time, with the KV cache.
+    """
+    dev = next(model.parameters()).device
+    g = torch.Generator(device=dev).manual_seed(seed)
+    out = []
+    starts = range(0, first_tokens.numel(), batch)
+    if progress:
+        from tqdm.auto import tqdm
+
+        starts = tqdm(starts, desc="sampling windows", unit="batch")
+    for b in starts:
+        ids = first_tokens[b : b + batch].to(dev)[:, None]
+        seq, past = [ids], None
+        for _ in range(seq_len - 1):
+            o = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = o.past_key_values
+            probs = torch.softmax(o.logits[:, -1].float(), dim=-1)
+            ids = torch.multinomial(probs, 1, generator=g)
+            seq.append(ids)
+        out.append(torch.cat(seq, dim=1).cpu())
+    return torch.cat(out)

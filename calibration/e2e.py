@@ -7,13 +7,16 @@ float output.  This pass instead tunes every per-channel / per-group scale of
 the whole quantized model at once, with the integer codes and zero points
 fixed, so that its next-token distribution matches the float model's:
 
-    loss = KL(p_float || p_quantized), mean over the tokens of a window.
+    loss = KL(p_float || p_quantized), mean over the tokens of a step's windows.
 
 The float model's log-probabilities on the calibration windows are computed
 once, before tuning (with ``--stream-teacher``, only the probe windows' are
-stored; a training window's are computed at its step).  The scales are trained in log space with Adam, one
-window per step, in a seeded order.  A few further windows (``--probe``) are
-held out: their KL is measured before the first step and every
+stored; a training window's are computed at its step).  The scales are
+trained in log space with Adam, ``--batch`` windows per step (default 1), in
+a seeded order.  ``--device cuda`` runs the float model, the tuning and the
+probes on the GPU.  A few further windows (``--probe``) are
+held out, drawn from the last 10% of the calibration tokens, which no
+training window touches: their KL is measured before the first step and every
 ``--eval-every`` steps, and the scales that gave the lowest probe KL are the
 ones written (so the output is never worse than the input on the probe).
 The checkpoint format does not change: only the fp16 ``scales`` tensors do,
@@ -26,7 +29,12 @@ reads the norm, which per-row or per-group scales cannot express; the gains
 are float tensors of the checkpoint, so this too leaves the format as it is.
 
 The calibration windows come from the calibration split (disjoint from the
-evaluation text), as in ``qgemv-quantize``.
+evaluation text), as in ``qgemv-quantize``.  ``--generated N`` adds N
+training windows sampled from the float model itself (more, and more varied,
+data than a small calibration text holds; tuning on a few hundred thousand
+real tokens for many passes overfits them).  ``--ce-weight W`` adds W times
+the windows' next-token cross-entropy to the KL (and to the probe score that
+picks the written scales).
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ from qgemv import checkpoint as C
 from qgemv import formats
 from qgemv.nn import QuantLinear
 
-from .data import calibration_samples
+from .data import generated_windows, train_and_probe_windows
 
 
 class _GainTuned(nn.Module):
@@ -121,16 +129,16 @@ def _swap(model: nn.Module, make) -> list:
 
 
 def _kl(teacher_logp: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """Mean over tokens of KL(teacher || student); teacher_logp, logits: [T, V]."""
+    """Mean over tokens of KL(teacher || student); teacher_logp, logits: [..., T, V] (same shape)."""
     lp_t = teacher_logp.float()
     lp_s = Fn.log_softmax(logits.float(), dim=-1)
     return (lp_t.exp() * (lp_t - lp_s)).sum(-1).mean()
 
 
-def _autocast(dtype: torch.dtype):
+def _autocast(dtype: torch.dtype, device_type: str = "cpu"):
     if dtype == torch.float32:
         return contextlib.nullcontext()
-    return torch.autocast("cpu", dtype=dtype)
+    return torch.autocast(device_type, dtype=dtype)
 
 
 @torch.no_grad()
@@ -146,8 +154,10 @@ def teacher_logprobs(model: nn.Module, windows: torch.Tensor, progress: bool = T
 
 @torch.no_grad()
 def _window_logprobs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """bfloat16 [L, V] log-probabilities of ``model`` on one window ids [1, L]."""
-    return Fn.log_softmax(model(ids).logits[0].float(), dim=-1).to(torch.bfloat16)
+    """bfloat16 [L, V] log-probabilities of ``model`` on one window ids [1, L]
+    ([B, L, V] for B > 1 windows ids [B, L])."""
+    lp = Fn.log_softmax(model(ids).logits.float(), dim=-1).to(torch.bfloat16)
+    return lp[0] if ids.shape[0] == 1 else lp
 
 
 class StreamedTeacher:
@@ -170,17 +180,38 @@ class StreamedTeacher:
             return self.stored[i - self.first_probe]
         return _window_logprobs(self.model, self.windows[i : i + 1])
 
+    def rows(self, idx: list) -> torch.Tensor:
+        """[len(idx), L, V] log-probs of training windows idx, in one batched forward."""
+        if any(i >= self.first_probe for i in idx):
+            raise IndexError("StreamedTeacher.rows: probe windows are read one at a time with teacher[i]")
+        lp = _window_logprobs(self.model, self.windows[idx])
+        return lp[None] if len(idx) == 1 else lp
+
+
+def _teacher_rows(teacher, idx: list) -> torch.Tensor:
+    """[len(idx), L, V] teacher log-probs of windows idx (a stored tensor or a StreamedTeacher)."""
+    if isinstance(teacher, StreamedTeacher):
+        return teacher.rows(idx)
+    return teacher[torch.tensor(idx)]
+
 
 def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, probe: int = 4, steps: int = 200,
                 lr: float = 1e-3, eval_every: int = 20, seed: int = 0, forward_dtype: torch.dtype = torch.bfloat16,
-                progress: bool = True, tune_norms: bool = False, schedule: str = "constant") -> dict:
+                progress: bool = True, tune_norms: bool = False, schedule: str = "constant",
+                batch: int = 1, ce_weight: float = 0.0) -> dict:
     """Tune the scales of every QuantLinear in ``model`` in place (module API unchanged afterwards).
 
     windows: int64 [n, L]; teacher: [n, L, V] log-probs of the float model on
     them (a tensor, or a :class:`StreamedTeacher`). The last ``probe`` windows
-    are held out for selection; the rest are trained on, one per step.
-    Returns a report: probe KL before and after, the step that gave it, the
-    train KL at each evaluation, and seconds.
+    are held out for selection; the rest are trained on, ``batch`` windows per
+    step (one forward over [batch, L]; the loss is the mean KL of their tokens).
+    The windows, teacher and model must be on one device; autocast follows it.
+    ce_weight: add ce_weight x the next-token cross-entropy of the windows' own
+    tokens to the training loss (0 = distillation only); the written scales
+    are those with the lowest probe KL + ce_weight x probe CE.
+    Returns a report: probe KL and cross-entropy before and after, the step
+    that gave them (the lowest probe KL + ce_weight x CE, the training loss),
+    the running train loss at each evaluation, and seconds.
     tune_norms: also tune every RMSNorm gain (multiplicatively, log space, same lr);
     the tuned gains stay in the model's float ``weight`` tensors.
     schedule: "constant" learning rates, or "cosine" (every lr decays along a
@@ -189,6 +220,10 @@ def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, 
     n = windows.shape[0]
     if schedule not in ("constant", "cosine"):
         raise ValueError(f"tune_scales: schedule must be 'constant' or 'cosine', got {schedule!r}")
+    if ce_weight < 0:
+        raise ValueError(f"tune_scales: ce_weight must be >= 0, got {ce_weight}")
+    if batch < 1 or batch > n - probe:
+        raise ValueError(f"tune_scales: batch must be between 1 and the {n - probe} training windows, got {batch}")
     if not 0 < probe < n:
         raise ValueError(f"tune_scales: probe must be between 1 and n - 1 = {n - 1} windows, got {probe}")
     if teacher.shape[:2] != windows.shape:
@@ -214,9 +249,20 @@ def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, 
     train = list(range(n - probe))
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
 
-    def probe_kl() -> float:
-        with torch.no_grad(), _autocast(forward_dtype):
-            return sum(_kl(teacher[i], model(windows[i : i + 1]).logits[0]).item() for i in range(n - probe, n)) / probe
+    dev_type = windows.device.type
+
+    def probe_kl() -> tuple:
+        """(mean KL, mean next-token cross-entropy) over the probe windows."""
+        kl = ce = 0.0
+        with torch.no_grad(), _autocast(forward_dtype, dev_type):
+            for i in range(n - probe, n):
+                logits = model(windows[i : i + 1]).logits[0]
+                kl += _kl(teacher[i], logits).item()
+                ce += Fn.cross_entropy(logits[:-1].float(), windows[i, 1:]).item()
+        return kl / probe, ce / probe
+
+    def score(kl_ce: tuple) -> float:  # the training objective, on the probe
+        return kl_ce[0] + ce_weight * kl_ce[1]
 
     t0 = time.time()
     model.eval()
@@ -224,7 +270,7 @@ def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, 
     try:
         start = probe_kl()
         best = (start, 0, [p.detach().clone() for p in params])
-        history = [{"step": 0, "probe_kl": start}]
+        history = [{"step": 0, "probe_kl": start[0], "probe_ce": start[1]}]
         it = range(1, steps + 1)
         if progress:
             from tqdm.auto import tqdm
@@ -232,10 +278,15 @@ def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, 
             it = tqdm(it, desc="e2e scales", unit="step")
         running = None
         for step in it:
-            i = train[order[(step - 1) % len(train)]]
-            with _autocast(forward_dtype):
-                logits = model(windows[i : i + 1]).logits[0]
-            loss = _kl(teacher[i], logits)
+            idx = [train[order[((step - 1) * batch + j) % len(train)]] for j in range(batch)]
+            target = _teacher_rows(teacher, idx)
+            with _autocast(forward_dtype, dev_type):
+                logits = model(windows[idx]).logits
+            loss = _kl(target, logits)
+            if ce_weight:
+                ids = windows[idx]
+                ce = Fn.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
+                loss = loss + ce_weight * ce
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -243,11 +294,12 @@ def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, 
             running = loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
             if step % eval_every == 0 or step == steps:
                 kl = probe_kl()
-                history.append({"step": step, "probe_kl": kl, "train_kl_avg": running})
-                if kl < best[0]:
+                history.append({"step": step, "probe_kl": kl[0], "probe_ce": kl[1], "train_loss_avg": running})
+                if score(kl) < score(best[0]):
                     best = (kl, step, [p.detach().clone() for p in params])
                 if progress:
-                    it.set_postfix(train=f"{running:.4f}", probe=f"{kl:.4f}", best=f"{best[0]:.4f}@{best[1]}")
+                    it.set_postfix(train=f"{running:.4f}", probe=f"{kl[0]:.4f}", ce=f"{kl[1]:.3f}",
+                                   best=f"{best[0][0]:.4f}@{best[1]}")
         with torch.no_grad():
             for p, b in zip(params, best[2]):
                 p.copy_(b)
@@ -259,8 +311,10 @@ def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, 
             setattr(parent, child, old)
         for m in norms:  # tuned gains are kept only when tuning finished; otherwise the originals come back
             parametrize.remove_parametrizations(m, "weight", leave_parametrized=done)
-    return {"probe_kl_start": start, "probe_kl_best": best[0], "best_step": best[1], "history": history,
-            "seconds": time.time() - t0, "layers": len(tuned), "norms": len(norms)}
+    return {"probe_kl_start": start[0], "probe_kl_best": best[0][0], "probe_ce_start": start[1],
+            "probe_ce_best": best[0][1], "best_step": best[1], "history": history,
+            "seconds": time.time() - t0, "layers": len(tuned), "norms": len(norms), "batch": batch,
+            "ce_weight": ce_weight}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -286,6 +340,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stream-teacher", action="store_true",
                     help="compute the float model's log-probs at each step instead of storing them for every "
                          "window (one more fp32 forward per step; memory no longer grows with --samples)")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="training windows per step, in one forward (default 1; on a GPU 4-8 use it better)")
+    ap.add_argument("--device", default="cpu", help="where the float model, the tuned model and the windows live")
+    ap.add_argument("--generated", type=int, default=0,
+                    help="add this many training windows sampled from the float model itself (temperature 1, "
+                         "seeded; each starts at a token drawn from the calibration windows)")
+    ap.add_argument("--ce-weight", type=float, default=0.0,
+                    help="add this weight x the next-token cross-entropy of the training windows to the KL loss")
     ap.add_argument("--overwrite", action="store_true")
     return ap
 
@@ -296,17 +358,27 @@ def main(argv: Optional[list] = None) -> int:
 
     args = build_parser().parse_args(argv)
     src = Path(args.quantized)
+    if args.generated < 0:
+        raise SystemExit(f"--generated must be >= 0, got {args.generated}")
     if Path(args.out).exists() and not args.overwrite:
         raise SystemExit(f"{args.out} exists (pass --overwrite to replace it)")
     cfg = json.loads((src / "config.json").read_text()) if (src / "config.json").exists() else None
     if cfg is None:
         raise SystemExit(f"{src}: no config.json (not a qgemv checkpoint)")
     t0 = time.time()
-    student, tok = C.load_quantized(str(src), dtype=torch.float32)
+    student, tok = C.load_quantized(str(src), dtype=torch.float32, device=args.device)
     if tok is None:
         raise SystemExit(f"{src}: the checkpoint has no tokenizer files")
-    windows = calibration_samples(tok, args.calib, args.samples + args.probe, args.seq_len, args.seed)
-    ref, _ = C.load_float_model(C.resolve_model(args.reference), torch.float32)
+    train, probe = train_and_probe_windows(tok, args.calib, args.samples, args.probe, args.seq_len, args.seed)
+    ref, _ = C.load_float_model(C.resolve_model(args.reference), torch.float32, device=args.device)
+    if args.generated:
+        windows_on_gpu = torch.device(args.device).type == "cuda"
+        g = torch.Generator().manual_seed(args.seed + 1)
+        pool = train.flatten()
+        first = pool[torch.randint(0, pool.numel(), (args.generated,), generator=g)]
+        train = torch.cat([train, generated_windows(ref, first, args.seq_len, seed=args.seed + 1,
+                                                        batch=256 if windows_on_gpu else 16)])
+    windows = torch.cat([train, probe]).to(args.device)
     if args.stream_teacher:
         teacher = StreamedTeacher(ref, windows, args.probe)
     else:
@@ -315,18 +387,22 @@ def main(argv: Optional[list] = None) -> int:
     rep = tune_scales(student, windows, teacher, probe=args.probe, steps=args.steps, lr=args.lr,
                       eval_every=args.eval_every, seed=args.seed,
                       forward_dtype=getattr(torch, args.forward_dtype), tune_norms=args.tune_norms,
-                      schedule=args.schedule)
+                      schedule=args.schedule, batch=args.batch, ce_weight=args.ce_weight)
     qc = dict(cfg["quantization_config"])
     qc["algorithm"] = qc.get("algorithm", "?") + "+e2e"
     qc["calibration"] = dict(qc.get("calibration") or {})
     qc["calibration"]["e2e"] = {"reference": args.reference, "dataset": args.calib, "samples": args.samples,
                                 "probe": args.probe, "seq_len": args.seq_len, "steps": args.steps, "lr": args.lr,
                                 "seed": args.seed, "forward_dtype": args.forward_dtype, "schedule": args.schedule,
-                                "stream_teacher": args.stream_teacher,
+                                "stream_teacher": args.stream_teacher, "batch": args.batch,
+                                "device": args.device, "generated": args.generated, "ce_weight": args.ce_weight,
+                                "probe_held_out": "last 10% of the calibration tokens",
                                 "tune_norms": args.tune_norms, "norms_tuned": rep["norms"],
                                 "probe_kl_start": rep["probe_kl_start"], "probe_kl_best": rep["probe_kl_best"],
+                                "probe_ce_start": rep["probe_ce_start"], "probe_ce_best": rep["probe_ce_best"],
                                 "best_step": rep["best_step"]}
     float_dtype = C._FLOAT_DTYPES.get(str(cfg.get("dtype") or cfg.get("torch_dtype") or "").replace("torch.", ""))
+    student.to("cpu")
     C.save_quantized(student, tok, args.out, qc, overwrite=args.overwrite, extra_json={"e2e_report.json": rep},
                      float_dtype=float_dtype)
     print(f"e2e scale tuning: {rep['layers']} layers, {args.steps} steps, probe KL {rep['probe_kl_start']:.4f} -> "

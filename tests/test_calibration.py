@@ -581,6 +581,136 @@ def test_e2e_streamed_teacher_equals_the_stored_one(tiny_llama_dir):
     assert not torch.equal(scales[0], scales[2])  # the decay changed the steps
 
 
+def test_e2e_batched_steps(tiny_llama_dir):
+    """--batch B: B windows per step in one forward. The streamed teacher's
+    batched rows equal the stored ones, so both give bit-identical scales;
+    a batched run lowers the probe KL, differs from a batch-1 run, and a batch
+    larger than the training set is an error naming the rule."""
+    from calibration.e2e import StreamedTeacher, _teacher_rows, teacher_logprobs, tune_scales
+
+    ref, tok = _load_tiny(tiny_llama_dir)
+    windows = calibration_samples(tok, n=11, seq_len=40, seed=3)
+    stored = teacher_logprobs(ref, windows, progress=False)
+    streamed = StreamedTeacher(ref, windows, probe=3, progress=False)
+    # one batched forward vs one window at a time: same log-probs up to bf16 rounding of fp32 noise
+    diff = (_teacher_rows(streamed, [5, 0, 7]).float() - _teacher_rows(stored, [5, 0, 7]).float()).abs().max()
+    assert diff < 0.05, diff
+    with pytest.raises(IndexError):
+        streamed.rows([1, 9])  # a probe window
+    scales, reps = [], []
+    for teacher, batch in ((stored, 3), (stored, 1)):
+        model, _ = _load_tiny(tiny_llama_dir)
+        quantize_causal_lm(model, F.QuantConfig(4, 32, False), "rtn", windows[:6], progress=False, batch_size=3)
+        with pytest.raises(ValueError, match="batch must be between 1 and the 8 training windows"):
+            tune_scales(model, windows, teacher, probe=3, steps=2, batch=9, progress=False)
+        rep = tune_scales(model, windows, teacher, probe=3, steps=16, lr=3e-3, eval_every=4,
+                          forward_dtype=torch.float32, progress=False, batch=batch)
+        assert rep["batch"] == batch and rep["best_step"] > 0
+        assert rep["probe_kl_best"] < 0.95 * rep["probe_kl_start"], rep
+        scales.append(model.model.layers[1].mlp.down_proj.scales.clone())
+    assert not torch.equal(scales[0], scales[1])
+
+
+def test_e2e_probe_windows_are_held_out(tiny_llama_dir):
+    """train_and_probe_windows: probe windows come from the last tokens of the
+    calibration text and share no position with any training window, even when
+    the training windows outnumber the text; seeded; too short a text is an error."""
+    from calibration.data import train_and_probe_windows
+    from qgemv.text import load_text
+
+    _, tok = _load_tiny(tiny_llama_dir)
+    ids = tok(load_text("default", "calib"), return_tensors="pt", add_special_tokens=False).input_ids[0]
+    train, probe = train_and_probe_windows(tok, n_train=400, n_probe=6, seq_len=64, seed=5)
+    assert train.shape == (400, 64) and probe.shape == (6, 64)
+    cut = ids.numel() - max(int(ids.numel() * 0.1), 6 * 64 + 1)
+
+    text_tail = ids[cut:]
+    for w in probe:  # every probe window is a slice of the tail ...
+        assert any(torch.equal(text_tail[s : s + 64], w) for s in range(text_tail.numel() - 63))
+    head = ids[:cut]
+    for w in train[:40]:  # ... and every training window a slice of the head
+        assert any(torch.equal(head[s : s + 64], w) for s in range(head.numel() - 63))
+    again, _ = train_and_probe_windows(tok, n_train=400, n_probe=6, seq_len=64, seed=5)
+    assert torch.equal(again, train)
+    with pytest.raises(ValueError, match="probe_fraction"):
+        train_and_probe_windows(tok, n_train=4, n_probe=2, seq_len=64, probe_fraction=1.5)
+    with pytest.raises(ValueError, match="too few"):
+        train_and_probe_windows(tok, n_train=4, n_probe=2, seq_len=ids.numel() // 2)
+
+
+def test_e2e_generated_windows_are_seeded_samples(tiny_llama_dir):
+    """generated_windows: [n, L] windows that start with the given tokens,
+    stay in the vocabulary, repeat with the seed, differ with another seed,
+    and follow the model (its own samples score a lower loss under it than
+    uniformly random tokens do)."""
+    from calibration.data import generated_windows
+
+    model, tok = _load_tiny(tiny_llama_dir)
+    first = torch.tensor([5, 17, 17, 300, 42])
+    a = generated_windows(model, first, 24, seed=1, batch=2, progress=False)
+    b = generated_windows(model, first, 24, seed=1, batch=2, progress=False)
+    c = generated_windows(model, first, 24, seed=2, batch=2, progress=False)
+    assert a.shape == (5, 24) and a.dtype == torch.int64 and torch.equal(a[:, 0], first)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    v = model.config.vocab_size
+    assert int(a.min()) >= 0 and int(a.max()) < v
+    rand = torch.randint(0, v, a.shape, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        def nll(x):
+            return torch.nn.functional.cross_entropy(model(x).logits[:, :-1].flatten(0, 1), x[:, 1:].flatten()).item()
+        assert nll(a) < nll(rand)
+
+
+def test_e2e_ce_weight(tiny_llama_dir):
+    """ce_weight > 0 adds the windows' cross-entropy to the loss: other scales
+    than pure distillation, selected by probe KL + ce_weight x probe CE; a
+    negative weight is an error."""
+    from calibration.e2e import teacher_logprobs, tune_scales
+
+    ref, tok = _load_tiny(tiny_llama_dir)
+    windows = calibration_samples(tok, n=10, seq_len=40, seed=2)
+    teacher = teacher_logprobs(ref, windows, progress=False)
+    scales = []
+    for w in (0.0, 1.0):
+        model, _ = _load_tiny(tiny_llama_dir)
+        quantize_causal_lm(model, F.QuantConfig(4, 32, False), "rtn", windows[:6], progress=False, batch_size=3)
+        with pytest.raises(ValueError, match="ce_weight"):
+            tune_scales(model, windows, teacher, probe=2, steps=2, ce_weight=-1.0, progress=False)
+        rep = tune_scales(model, windows, teacher, probe=2, steps=10, lr=3e-3, eval_every=5,
+                          forward_dtype=torch.float32, progress=False, batch=2, ce_weight=w)
+        assert rep["ce_weight"] == w  # the written scales are the best by the training objective on the probe
+        assert rep["probe_kl_best"] + w * rep["probe_ce_best"] <= rep["probe_kl_start"] + w * rep["probe_ce_start"]
+        scales.append(model.model.layers[1].mlp.down_proj.scales.clone())
+    assert not torch.equal(scales[0], scales[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_e2e_on_cuda_matches_cpu(tiny_llama_dir):
+    """tune_scales with the model, windows and teacher on the GPU (fp32 forwards)
+    lands on the same scales and probe KL as on the CPU, up to fp32 reduction
+    order (Adam moves a scale by about lr per step whatever the gradient's size,
+    so a near-zero gradient of the other sign may move one scale by up to
+    2 x lr x steps: the bound on the largest difference)."""
+    from calibration.e2e import teacher_logprobs, tune_scales
+
+    scales, kl = {}, {}
+    for dev in ("cpu", "cuda"):
+        model, tok = _load_tiny(tiny_llama_dir)
+        windows = calibration_samples(tok, n=10, seq_len=48, seed=1)
+        quantize_causal_lm(model, F.QuantConfig(4, 32, False), "rtn", windows[:6], progress=False, batch_size=3)
+        ref, _ = _load_tiny(tiny_llama_dir)
+        model, ref, windows = model.to(dev), ref.to(dev), windows.to(dev)
+        teacher = teacher_logprobs(ref, windows, progress=False)
+        rep = tune_scales(model, windows, teacher, probe=2, steps=8, lr=3e-3, eval_every=4,
+                          forward_dtype=torch.float32, progress=False, batch=2)
+        assert rep["probe_kl_best"] < rep["probe_kl_start"], rep
+        scales[dev] = model.model.layers[1].mlp.down_proj.scales.float().cpu()
+        kl[dev] = rep["probe_kl_best"]
+    rel = ((scales["cuda"] - scales["cpu"]).abs() / scales["cpu"]).flatten()
+    assert rel.median() < 1e-3 and rel.max() < 2 * 3e-3 * 8 + 1e-3, (rel.median(), rel.max())
+    assert kl["cuda"] == pytest.approx(kl["cpu"], rel=1e-2)
+
+
 def test_e2e_cli_writes_a_loadable_checkpoint(tiny_llama_dir, tmp_path):
     from calibration import cli, e2e
 
@@ -589,12 +719,14 @@ def test_e2e_cli_writes_a_loadable_checkpoint(tiny_llama_dir, tmp_path):
                      "--out", str(src)]) == 0
     assert e2e.main([str(src), "--out", str(out), "--reference", tiny_llama_dir, "--samples", "6", "--probe", "2",
                      "--seq-len", "48", "--steps", "6", "--eval-every", "3", "--tune-norms", "--stream-teacher",
-                     "--schedule", "cosine"]) == 0
+                     "--schedule", "cosine", "--batch", "2", "--generated", "3"]) == 0
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["algorithm"] == "rtn+e2e" and qc["calibration"]["e2e"]["steps"] == 6
     assert qc["calibration"]["e2e"]["tune_norms"] is True and qc["calibration"]["e2e"]["norms_tuned"] > 0
     assert qc["calibration"]["e2e"]["probe_kl_best"] <= qc["calibration"]["e2e"]["probe_kl_start"]
     assert qc["calibration"]["e2e"]["stream_teacher"] is True and qc["calibration"]["e2e"]["schedule"] == "cosine"
+    assert qc["calibration"]["e2e"]["generated"] == 3 and qc["calibration"]["e2e"]["ce_weight"] == 0.0
+    assert json.loads((out / "e2e_report.json").read_text())["batch"] == 2
     assert (out / "e2e_report.json").exists()
     model, _ = C.load_quantized(str(out), dtype=torch.float32)
     assert isinstance(model.model.layers[0].self_attn.q_proj, QuantLinear)

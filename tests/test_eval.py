@@ -1,6 +1,8 @@
 """Evaluation: ppl against a hand computation, KL / top-1 identities, the regression check."""
 
 import math
+import os
+from pathlib import Path
 import subprocess
 import sys
 
@@ -130,3 +132,40 @@ def test_evaluation_on_gpu_matches_cpu(tiny_llama_dir, int4_checkpoint):
         assert a["tokens"] == b["tokens"]
         assert math.isclose(a["ppl"], b["ppl"], rel_tol=1e-2), (a, b)
     assert r_gpu[1]["top1_pct"] > 90
+
+
+def test_ship_checkpoint_round_trip(tiny_llama_dir, tmp_path):
+    """eval/ship_checkpoint.py: pack drops the embedding and cuts the rest into
+    pieces; unpack restores it from the float model (SHA-256 checked) into a
+    checkpoint whose every tensor equals the original's. A wrong reference, a
+    missing piece or an existing OUT is an error that leaves no OUT behind."""
+    from safetensors.torch import load_file, save_file
+
+    from calibration import cli
+    from eval import ship_checkpoint as S
+
+    src = tmp_path / "q"
+    assert cli.main([tiny_llama_dir, "--bits", "4", "--group-size", "32", "--asym", "--method", "rtn",
+                     "--out", str(src)]) == 0
+    parts = S.pack(str(src), str(tmp_path / "p.part"), piece_mb=0.01)
+    assert len(parts) > 2 and all(int(p.rsplit("part", 1)[1]) == i for i, p in enumerate(parts))
+    out = S.unpack(str(tmp_path / "p.part"), str(tmp_path / "back"), reference=tiny_llama_dir)
+    a, b = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in src.iterdir())
+    model, _ = C.load_quantized(str(out), dtype=torch.float32)
+    assert model.model.embed_tokens.weight.shape[0] == a["model.embed_tokens.weight"].shape[0]
+
+    bad_ref = tmp_path / "bad_ref"
+    bad_ref.mkdir()
+    ref = load_file(str(sorted(Path(tiny_llama_dir).glob("*.safetensors"))[0]))
+    ref["model.embed_tokens.weight"] = ref["model.embed_tokens.weight"] + 1e-3
+    save_file(ref, str(bad_ref / "model.safetensors"))
+    with pytest.raises(ValueError, match="differs"):
+        S.unpack(str(tmp_path / "p.part"), str(tmp_path / "bad"), reference=str(bad_ref))
+    assert not (tmp_path / "bad").exists()
+    os.remove(parts[1])
+    with pytest.raises(FileNotFoundError, match="pieces missing"):
+        S.unpack(str(tmp_path / "p.part"), str(tmp_path / "bad"), reference=tiny_llama_dir)
+    with pytest.raises(FileExistsError):
+        S.unpack(str(tmp_path / "p.part"), str(out), reference=tiny_llama_dir)
