@@ -6,6 +6,13 @@ import torch
 
 from qgemv.text import load_text
 
+PROBE_FRACTION = 0.1  # share of the calibration tokens that only probe windows are drawn from
+
+
+def _token_ids(tokenizer, source: str) -> torch.Tensor:
+    """int64 [T]: the calibration split of ``source``, tokenized without special tokens."""
+    return tokenizer(load_text(source, "calib"), return_tensors="pt", add_special_tokens=False).input_ids[0]
+
 
 def calibration_samples(tokenizer, source: str = "default", n: int = 128, seq_len: int = 512,
                         seed: int = 0) -> torch.Tensor:
@@ -15,8 +22,7 @@ def calibration_samples(tokenizer, source: str = "default", n: int = 128, seq_le
     overlap when the text is short).  Raises ValueError if the text has fewer
     than seq_len + 1 tokens.
     """
-    text = load_text(source, "calib")
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    ids = _token_ids(tokenizer, source)
     if ids.numel() <= seq_len:
         raise ValueError(f"calibration text has {ids.numel()} tokens, need more than seq_len={seq_len}")
     g = torch.Generator().manual_seed(seed)
@@ -25,7 +31,7 @@ def calibration_samples(tokenizer, source: str = "default", n: int = 128, seq_le
 
 
 def train_and_probe_windows(tokenizer, source: str = "default", n_train: int = 128, n_probe: int = 8,
-                            seq_len: int = 512, seed: int = 0, probe_fraction: float = 0.1):
+                            seq_len: int = 512, seed: int = 0, probe_fraction: float = PROBE_FRACTION):
     """(train int64 [n_train, seq_len], probe int64 [n_probe, seq_len]) from disjoint token ranges.
 
     The tokenized calibration split is cut once: the last ``probe_fraction``
@@ -38,8 +44,7 @@ def train_and_probe_windows(tokenizer, source: str = "default", n_train: int = 1
     """
     if not 0.0 < probe_fraction < 1.0:
         raise ValueError(f"probe_fraction must be in (0, 1), got {probe_fraction}")
-    text = load_text(source, "calib")
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    ids = _token_ids(tokenizer, source)
     n_tok = ids.numel()
     cut = n_tok - max(int(n_tok * probe_fraction), n_probe * seq_len + 1)
     if cut <= seq_len or n_tok - cut <= seq_len:

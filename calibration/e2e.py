@@ -54,7 +54,7 @@ from qgemv import checkpoint as C
 from qgemv import formats
 from qgemv.nn import QuantLinear
 
-from .data import generated_windows, train_and_probe_windows
+from .data import PROBE_FRACTION, generated_windows, train_and_probe_windows
 
 
 class _GainTuned(nn.Module):
@@ -149,15 +149,13 @@ def teacher_logprobs(model: nn.Module, windows: torch.Tensor, progress: bool = T
         from tqdm.auto import tqdm
 
         it = tqdm(it, desc="float model", unit="window")
-    return torch.stack([_window_logprobs(model, windows[i : i + 1]) for i in it])
+    return torch.cat([_window_logprobs(model, windows[i : i + 1]) for i in it])
 
 
 @torch.no_grad()
 def _window_logprobs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """bfloat16 [L, V] log-probabilities of ``model`` on one window ids [1, L]
-    ([B, L, V] for B > 1 windows ids [B, L])."""
-    lp = Fn.log_softmax(model(ids).logits.float(), dim=-1).to(torch.bfloat16)
-    return lp[0] if ids.shape[0] == 1 else lp
+    """bfloat16 [B, L, V] log-probabilities of ``model`` on windows ids [B, L]."""
+    return Fn.log_softmax(model(ids).logits.float(), dim=-1).to(torch.bfloat16)
 
 
 class StreamedTeacher:
@@ -178,14 +176,13 @@ class StreamedTeacher:
     def __getitem__(self, i: int) -> torch.Tensor:
         if i >= self.first_probe:
             return self.stored[i - self.first_probe]
-        return _window_logprobs(self.model, self.windows[i : i + 1])
+        return _window_logprobs(self.model, self.windows[i : i + 1])[0]
 
     def rows(self, idx: list) -> torch.Tensor:
         """[len(idx), L, V] log-probs of training windows idx, in one batched forward."""
         if any(i >= self.first_probe for i in idx):
             raise IndexError("StreamedTeacher.rows: probe windows are read one at a time with teacher[i]")
-        lp = _window_logprobs(self.model, self.windows[idx])
-        return lp[None] if len(idx) == 1 else lp
+        return _window_logprobs(self.model, self.windows[idx])
 
 
 def _teacher_rows(teacher, idx: list) -> torch.Tensor:
@@ -279,12 +276,11 @@ def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, 
         running = None
         for step in it:
             idx = [train[order[((step - 1) * batch + j) % len(train)]] for j in range(batch)]
-            target = _teacher_rows(teacher, idx)
+            target, ids = _teacher_rows(teacher, idx), windows[idx]
             with _autocast(forward_dtype, dev_type):
-                logits = model(windows[idx]).logits
+                logits = model(ids).logits
             loss = _kl(target, logits)
             if ce_weight:
-                ids = windows[idx]
                 ce = Fn.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
                 loss = loss + ce_weight * ce
             opt.zero_grad(set_to_none=True)
@@ -396,7 +392,7 @@ def main(argv: Optional[list] = None) -> int:
                                 "seed": args.seed, "forward_dtype": args.forward_dtype, "schedule": args.schedule,
                                 "stream_teacher": args.stream_teacher, "batch": args.batch,
                                 "device": args.device, "generated": args.generated, "ce_weight": args.ce_weight,
-                                "probe_held_out": "last 10% of the calibration tokens",
+                                "probe_fraction": PROBE_FRACTION,
                                 "tune_norms": args.tune_norms, "norms_tuned": rep["norms"],
                                 "probe_kl_start": rep["probe_kl_start"], "probe_kl_best": rep["probe_kl_best"],
                                 "probe_ce_start": rep["probe_ce_start"], "probe_ce_best": rep["probe_ce_best"],
