@@ -19,9 +19,17 @@ held out, drawn from the last 10% of the calibration tokens, which no
 training window touches: their KL is measured before the first step and every
 ``--eval-every`` steps, and the scales that gave the lowest probe KL are the
 ones written (so the output is never worse than the input on the probe).
-The checkpoint format does not change: only the fp16 ``scales`` tensors do,
-and ``quantization_config.calibration.e2e`` records the settings and the
-probe KL before and after.
+The checkpoint format does not change: only the fp16 ``scales`` tensors do
+(and, with ``--code-lr``, the packed codes), and
+``quantization_config.calibration.e2e`` records the settings and the probe KL
+before and after.
+
+``--code-lr LR`` lets the integer codes move too (the zero points stay
+fixed): every weight gets a float offset in code units, trained with the
+scales through a straight-through rounding, by gradient steps of LR x the
+gradient / its RMS over the layer (:class:`CodeStep`; each code moves at most
+one step, and stays in the format's range).  The probe-selected step's
+rounded codes are written.
 
 ``--tune-norms`` also tunes the RMSNorm gains (as gain x exp(u), u trained
 with the scales).  A gain multiplies one input column of every linear that
@@ -76,14 +84,20 @@ def _norm_modules(model: nn.Module) -> list:
 
 
 class ScaleTuned(nn.Module):
-    """A QuantLinear as fixed codes (q - z) times trainable scales.
+    """A QuantLinear as integer codes (q - z) times trainable scales.
 
     codes: bfloat16 [N, K] (small integers, exact); log_s: float32 [N, G]
     (G = K / group, or 1 per channel), trainable.  forward(x [..., K]) ->
     [..., N] in x's dtype (or the autocast dtype).
+
+    tune_codes: also train a float32 offset v [N, K] (in code units, starts
+    at 0).  The forward uses round(clamp(codes + v)) with a straight-through
+    gradient, the clamp keeping every stored code q = c + z inside the
+    format's range; the zero points stay fixed.  write_back stores the rounded
+    codes as well as the scales.
     """
 
-    def __init__(self, q: QuantLinear):
+    def __init__(self, q: QuantLinear, tune_codes: bool = False):
         super().__init__()
         cfg, k = q.config, q.in_features
         ones = torch.ones_like(q.scales, dtype=torch.float16)
@@ -96,22 +110,85 @@ class ScaleTuned(nn.Module):
         self.log_s = nn.Parameter(s.log())
         self.bias = q.bias
         self.quant = q
+        self.tune_codes = tune_codes
+        if tune_codes:
+            qmin, qmax = formats.code_range(cfg)
+            if cfg.bits == 8:
+                z = torch.zeros_like(s)
+            elif cfg.symmetric:
+                z = torch.full_like(s, 8.0)
+            else:
+                z = q.zeros.float().reshape(s.shape)
+            self.register_buffer("zero", z)
+            self.register_buffer("lo", qmin - z)  # [N, G]: the code range of c = q - z
+            self.register_buffer("hi", qmax - z)
+            self.v = nn.Parameter(torch.zeros(q.out_features, k, device=s.device))
+
+    def _codes(self) -> torch.Tensor:
+        """float32 [N, G, group] codes c = q - z used by the forward (rounded, straight-through)."""
+        n, k = self.codes.shape
+        c = self.codes.float().view(n, k // self.group, self.group)
+        if not self.tune_codes:
+            return c
+        c = torch.clamp(c + self.v.view_as(c), self.lo[..., None], self.hi[..., None])
+        return c + (c.round() - c).detach()
 
     def weight(self) -> torch.Tensor:
         n, k = self.codes.shape
-        s = self.log_s.exp()
-        return (self.codes.float().view(n, k // self.group, self.group) * s[..., None]).view(n, k)
+        return (self._codes() * self.log_s.exp()[..., None]).view(n, k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return Fn.linear(x, self.weight().to(x.dtype), self.bias)
 
-    def write_back(self) -> None:
-        """Store exp(log_s) in the QuantLinear's fp16 scales (same shape)."""
+    @torch.no_grad()
+    def write_back(self) -> int:
+        """Store exp(log_s) in the QuantLinear's fp16 scales (same shape) and,
+        with tune_codes, the rounded codes in its qweight; returns how many codes changed."""
         s = self.log_s.detach().exp().reshape(self.quant.scales.shape)
         s = s.clamp(max=float(torch.finfo(torch.float16).max)).to(torch.float16)
         if not torch.all(torch.isfinite(s) & (s > 0)):
             raise ValueError("ScaleTuned.write_back: a tuned scale is not a positive finite fp16 number")
         self.quant.scales.copy_(s)
+        if not self.tune_codes:
+            return 0
+        n, k = self.codes.shape
+        c = self._codes().round()
+        changed = int((c.view(n, k) != self.codes.float()).sum())
+        q = (c + self.zero[..., None]).view(n, k)
+        cfg = self.quant.config
+        packed = formats.pack_int8(q.to(torch.int8)) if cfg.bits == 8 else formats.pack_int4(q.to(torch.uint8))
+        self.quant.qweight.copy_(packed.to(self.quant.qweight.device))
+        self.codes.copy_(c.view(n, k).to(torch.bfloat16))
+        self.v.zero_()
+        return changed
+
+
+class CodeStep(torch.optim.Optimizer):
+    """Gradient steps on ScaleTuned code offsets, normalized per tensor.
+
+    p -= lr * g / rms(g), then p is clamped to [-bound, bound] (bound = 1: a
+    code moves at most one step from where it started).  Unlike Adam, whose
+    per-element normalization moves every offset by about lr per step and so
+    flips unimportant codes as fast as important ones (all at once after
+    0.5 / lr steps), this moves each offset in proportion to its gradient, so
+    the codes whose gradient is largest cross a rounding boundary first.
+    """
+
+    def __init__(self, params, lr: float, bound: float = 1.0):
+        if lr <= 0 or bound <= 0:
+            raise ValueError(f"CodeStep: lr and bound must be > 0, got {lr}, {bound}")
+        super().__init__(params, {"lr": lr, "bound": bound})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                rms = p.grad.float().pow(2).mean().sqrt()
+                if rms > 0:
+                    p.sub_(p.grad * (group["lr"] / rms))
+                p.clamp_(-group["bound"], group["bound"])
 
 
 def _swap(model: nn.Module, make) -> list:
@@ -133,6 +210,28 @@ def _kl(teacher_logp: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     lp_t = teacher_logp.float()
     lp_s = Fn.log_softmax(logits.float(), dim=-1)
     return (lp_t.exp() * (lp_t - lp_s)).sum(-1).mean()
+
+
+def fast_bf16(device: str) -> bool:
+    """Whether bf16 matmuls beat fp32 on ``device`` (always on CUDA; on a CPU, timed once).
+
+    CPUs without native bf16 (no AVX512-BF16 / AMX) emulate it: a 2-core AMD
+    EPYC here ran a 4096x576 @ 576x1536 bf16 product at 1.2 GFLOP/s against
+    96 GFLOP/s in fp32, and an e2e step of SmolLM2 under bf16 autocast took 64 s
+    (a whole fp32 run of 3 steps, model loading included, took 50 s).
+    """
+    if torch.device(device).type != "cpu":
+        return True
+    a, b = torch.randn(256, 576), torch.randn(576, 576)
+    times = {}
+    for dt in (torch.float32, torch.bfloat16):
+        x, y = a.to(dt), b.to(dt)
+        x @ y  # warm-up
+        t0 = time.perf_counter()
+        for _ in range(3):
+            x @ y
+        times[dt] = time.perf_counter() - t0
+    return times[torch.bfloat16] < times[torch.float32]
 
 
 def _autocast(dtype: torch.dtype, device_type: str = "cpu"):
@@ -195,7 +294,8 @@ def _teacher_rows(teacher, idx: list) -> torch.Tensor:
 def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, probe: int = 4, steps: int = 200,
                 lr: float = 1e-3, eval_every: int = 20, seed: int = 0, forward_dtype: torch.dtype = torch.bfloat16,
                 progress: bool = True, tune_norms: bool = False, schedule: str = "constant",
-                batch: int = 1, ce_weight: float = 0.0) -> dict:
+                batch: int = 1, ce_weight: float = 0.0, code_lr: float = 0.0,
+                time_limit: Optional[float] = None) -> dict:
     """Tune the scales of every QuantLinear in ``model`` in place (module API unchanged afterwards).
 
     windows: int64 [n, L]; teacher: [n, L, V] log-probs of the float model on
@@ -213,10 +313,21 @@ def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, 
     the tuned gains stay in the model's float ``weight`` tensors.
     schedule: "constant" learning rates, or "cosine" (every lr decays along a
     half cosine from its value at step 1 to 0 at the last step).
+    code_lr: > 0 also trains the integer codes (zero points fixed): each
+    weight gets a float offset in code units, rounded with a straight-through
+    gradient (:class:`ScaleTuned`) and moved by :class:`CodeStep` (a step of
+    code_lr x gradient / its RMS over the layer, offsets within +-1, on the
+    same schedule); the best step's rounded codes are written to the
+    QuantLinears' qweight.  0 keeps the codes.
+    time_limit: seconds; once a step ends past it, the probe is measured one
+    last time and training stops (the schedule is not shortened; the report's
+    steps_done says where it stopped).  None: run all ``steps``.
     """
     n = windows.shape[0]
     if schedule not in ("constant", "cosine"):
         raise ValueError(f"tune_scales: schedule must be 'constant' or 'cosine', got {schedule!r}")
+    if code_lr < 0:
+        raise ValueError(f"tune_scales: code_lr must be >= 0, got {code_lr}")
     if ce_weight < 0:
         raise ValueError(f"tune_scales: ce_weight must be >= 0, got {ce_weight}")
     if batch < 1 or batch > n - probe:
@@ -225,7 +336,7 @@ def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, 
         raise ValueError(f"tune_scales: probe must be between 1 and n - 1 = {n - 1} windows, got {probe}")
     if teacher.shape[:2] != windows.shape:
         raise ValueError(f"tune_scales: teacher log-probs {list(teacher.shape)} do not match windows {list(windows.shape)}")
-    swaps = _swap(model, lambda m: ScaleTuned(m) if isinstance(m, QuantLinear) else None)
+    swaps = _swap(model, lambda m: ScaleTuned(m, tune_codes=code_lr > 0) if isinstance(m, QuantLinear) else None)
     if not swaps:
         raise ValueError("tune_scales: the model has no QuantLinear modules")
     tuned = [new for *_, new in swaps]
@@ -238,11 +349,16 @@ def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, 
     for m in norms:
         parametrize.register_parametrization(m, "weight", _GainTuned(m.weight.shape[0]))
         params.append(m.parametrizations.weight[0].u)
-    for p in params:
-        p.requires_grad_(True)
     opt = torch.optim.Adam(params, lr=lr)
     decay = (lambda i: 0.5 * (1.0 + math.cos(math.pi * i / max(steps, 1)))) if schedule == "cosine" else (lambda i: 1.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, decay)
+    opts = [opt]
+    if code_lr > 0:
+        # each layer's offsets are their own group: CodeStep normalizes per tensor
+        opts.append(CodeStep([{"params": [t.v]} for t in tuned], lr=code_lr))
+        params = params + [t.v for t in tuned]
+    for p in params:
+        p.requires_grad_(True)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, decay) for o in opts]
     train = list(range(n - probe))
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -273,7 +389,7 @@ def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, 
             from tqdm.auto import tqdm
 
             it = tqdm(it, desc="e2e scales", unit="step")
-        running = None
+        running, step = None, 0
         for step in it:
             idx = [train[order[((step - 1) * batch + j) % len(train)]] for j in range(batch)]
             target, ids = _teacher_rows(teacher, idx), windows[idx]
@@ -283,12 +399,15 @@ def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, 
             if ce_weight:
                 ce = Fn.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
                 loss = loss + ce_weight * ce
-            opt.zero_grad(set_to_none=True)
+            for o in opts:
+                o.zero_grad(set_to_none=True)
             loss.backward()
-            opt.step()
-            sched.step()
+            for o, sc in zip(opts, scheds):
+                o.step()
+                sc.step()
             running = loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
-            if step % eval_every == 0 or step == steps:
+            out_of_time = time_limit is not None and time.time() - t0 > time_limit
+            if step % eval_every == 0 or step == steps or out_of_time:
                 kl = probe_kl()
                 history.append({"step": step, "probe_kl": kl[0], "probe_ce": kl[1], "train_loss_avg": running})
                 if score(kl) < score(best[0]):
@@ -296,11 +415,12 @@ def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, 
                 if progress:
                     it.set_postfix(train=f"{running:.4f}", probe=f"{kl[0]:.4f}", ce=f"{kl[1]:.3f}",
                                    best=f"{best[0][0]:.4f}@{best[1]}")
+            if out_of_time:
+                break
         with torch.no_grad():
             for p, b in zip(params, best[2]):
                 p.copy_(b)
-            for t in tuned:
-                t.write_back()
+            codes_changed = sum(t.write_back() for t in tuned)
         done = True
     finally:
         for parent, child, old, _ in swaps:  # the QuantLinears go back, tuned or not
@@ -308,9 +428,10 @@ def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, 
         for m in norms:  # tuned gains are kept only when tuning finished; otherwise the originals come back
             parametrize.remove_parametrizations(m, "weight", leave_parametrized=done)
     return {"probe_kl_start": start[0], "probe_kl_best": best[0][0], "probe_ce_start": start[1],
-            "probe_ce_best": best[0][1], "best_step": best[1], "history": history,
+            "probe_ce_best": best[0][1], "best_step": best[1], "steps_done": step, "history": history,
             "seconds": time.time() - t0, "layers": len(tuned), "norms": len(norms), "batch": batch,
-            "ce_weight": ce_weight}
+            "ce_weight": ce_weight, "code_lr": code_lr, "codes_changed": codes_changed,
+            "codes_total": sum(t.codes.numel() for t in tuned)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -327,8 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=1e-3, help="Adam step on log(scale) (default 1e-3)")
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--forward-dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                    help="autocast dtype of the tuning forwards (the teacher runs in float32)")
+    ap.add_argument("--forward-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="autocast dtype of the tuning forwards (the teacher runs in float32); auto: bfloat16 "
+                         "on a GPU, and on a CPU where a timed bf16 matmul beats fp32, else float32")
     ap.add_argument("--tune-norms", action="store_true",
                     help="also tune the RMSNorm gains (per input column of the linears that read them)")
     ap.add_argument("--schedule", default="constant", choices=["constant", "cosine"],
@@ -344,6 +466,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "seeded; each starts at a token drawn from the calibration windows)")
     ap.add_argument("--ce-weight", type=float, default=0.0,
                     help="add this weight x the next-token cross-entropy of the training windows to the KL loss")
+    ap.add_argument("--code-lr", type=float, default=0.0,
+                    help="also train the integer codes (zero points fixed; each moves at most one step): offsets in "
+                         "code units move by this x gradient / its RMS per layer, through a straight-through "
+                         "rounding (default 0: codes fixed, scales only)")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="stop after the first step that ends past this many seconds of tuning (the probe is "
+                         "measured then and the best step so far is written); default: no limit")
     ap.add_argument("--overwrite", action="store_true")
     return ap
 
@@ -362,6 +491,8 @@ def main(argv: Optional[list] = None) -> int:
     if cfg is None:
         raise SystemExit(f"{src}: no config.json (not a qgemv checkpoint)")
     t0 = time.time()
+    if args.forward_dtype == "auto":
+        args.forward_dtype = "bfloat16" if fast_bf16(args.device) else "float32"
     student, tok = C.load_quantized(str(src), dtype=torch.float32, device=args.device)
     if tok is None:
         raise SystemExit(f"{src}: the checkpoint has no tokenizer files")
@@ -383,15 +514,18 @@ def main(argv: Optional[list] = None) -> int:
     rep = tune_scales(student, windows, teacher, probe=args.probe, steps=args.steps, lr=args.lr,
                       eval_every=args.eval_every, seed=args.seed,
                       forward_dtype=getattr(torch, args.forward_dtype), tune_norms=args.tune_norms,
-                      schedule=args.schedule, batch=args.batch, ce_weight=args.ce_weight)
+                      schedule=args.schedule, batch=args.batch, ce_weight=args.ce_weight, code_lr=args.code_lr,
+                      time_limit=args.time_limit)
     qc = dict(cfg["quantization_config"])
     qc["algorithm"] = qc.get("algorithm", "?") + "+e2e"
     qc["calibration"] = dict(qc.get("calibration") or {})
     qc["calibration"]["e2e"] = {"reference": args.reference, "dataset": args.calib, "samples": args.samples,
-                                "probe": args.probe, "seq_len": args.seq_len, "steps": args.steps, "lr": args.lr,
+                                "probe": args.probe, "seq_len": args.seq_len, "steps": args.steps,
+                                "steps_done": rep["steps_done"], "lr": args.lr,
                                 "seed": args.seed, "forward_dtype": args.forward_dtype, "schedule": args.schedule,
                                 "stream_teacher": args.stream_teacher, "batch": args.batch,
                                 "device": args.device, "generated": args.generated, "ce_weight": args.ce_weight,
+                                "code_lr": args.code_lr, "codes_changed": rep["codes_changed"],
                                 "probe_fraction": PROBE_FRACTION,
                                 "tune_norms": args.tune_norms, "norms_tuned": rep["norms"],
                                 "probe_kl_start": rep["probe_kl_start"], "probe_kl_best": rep["probe_kl_best"],
@@ -401,8 +535,9 @@ def main(argv: Optional[list] = None) -> int:
     student.to("cpu")
     C.save_quantized(student, tok, args.out, qc, overwrite=args.overwrite, extra_json={"e2e_report.json": rep},
                      float_dtype=float_dtype)
-    print(f"e2e scale tuning: {rep['layers']} layers, {args.steps} steps, probe KL {rep['probe_kl_start']:.4f} -> "
-          f"{rep['probe_kl_best']:.4f} (step {rep['best_step']}), {time.time() - t0:.0f} s, "
+    codes = (f", {rep['codes_changed']} of {rep['codes_total']} codes changed" if args.code_lr > 0 else "")
+    print(f"e2e tuning: {rep['layers']} layers, {rep['steps_done']} of {args.steps} steps, probe KL {rep['probe_kl_start']:.4f} -> "
+          f"{rep['probe_kl_best']:.4f} (step {rep['best_step']}){codes}, {time.time() - t0:.0f} s, "
           f"peak RSS {C.peak_rss_mb():.0f} MB -> {args.out}")
     return 0
 

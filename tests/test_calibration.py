@@ -1,6 +1,7 @@
 """Calibration: GPTQ / AWQ units, the layer-by-layer pipeline, checkpoints, the CLI."""
 
 import json
+import math
 import os
 import shutil
 
@@ -684,6 +685,143 @@ def test_e2e_ce_weight(tiny_llama_dir):
     assert not torch.equal(scales[0], scales[1])
 
 
+@pytest.mark.parametrize("cfg", [F.QuantConfig(4, 32, False), F.QuantConfig(4, None, True)], ids=lambda c: c.name)
+def test_e2e_code_tuning_moves_codes_in_range_and_writes_what_it_measured(tiny_llama_dir, cfg):
+    """code_lr > 0: the integer codes move too (zero points fixed). Some codes
+    change, every stored code stays in the format's range, the probe KL falls
+    further than with the scales alone in the same steps, and the written
+    QuantLinears (packed codes, fp16 scales) give the KL the report names."""
+    from calibration.e2e import _kl, teacher_logprobs, tune_scales
+
+    ref, tok = _load_tiny(tiny_llama_dir)
+    windows = calibration_samples(tok, n=12, seq_len=64, seed=0)
+    teacher = teacher_logprobs(ref, windows, progress=False)
+    reps, codes = {}, {}
+    for code_lr in (0.0, 0.03):
+        model, _ = _load_tiny(tiny_llama_dir)
+        quantize_causal_lm(model, cfg, "rtn", windows[:8], progress=False, batch_size=4)
+        down = model.model.layers[1].mlp.down_proj
+        before = {k: getattr(down, k).clone() for k in ("qweight", "scales") + (("zeros",) if down.zeros is not None else ())}
+        with pytest.raises(ValueError, match="code_lr"):
+            tune_scales(model, windows, teacher, probe=4, steps=2, code_lr=-1.0, progress=False)
+        rep = tune_scales(model, windows, teacher, probe=4, steps=40, lr=3e-3, eval_every=5,
+                          forward_dtype=torch.float32, progress=False, code_lr=code_lr, schedule="cosine")
+        reps[code_lr] = rep
+        down = model.model.layers[1].mlp.down_proj
+        assert isinstance(down, QuantLinear)
+        if down.zeros is not None:
+            assert torch.equal(down.zeros, before["zeros"])
+        stored = F.unpack_int4(down.qweight, down.in_features)
+        assert int(stored.min()) >= 0 and int(stored.max()) <= 15
+        codes[code_lr] = (before["qweight"], down.qweight.clone())
+        with torch.no_grad():
+            kl = sum(_kl(teacher[i], model(windows[i : i + 1]).logits[0]).item() for i in range(8, 12)) / 4
+        assert kl == pytest.approx(rep["probe_kl_best"], rel=0.02)
+    assert reps[0.0]["codes_changed"] == 0 and torch.equal(*codes[0.0])
+    moved = reps[0.03]
+    assert moved["best_step"] > 0 and 0 < moved["codes_changed"] < moved["codes_total"], moved
+    assert not torch.equal(*codes[0.03])
+    assert moved["probe_kl_best"] < 0.97 * reps[0.0]["probe_kl_best"], (moved, reps[0.0])
+
+
+@pytest.mark.parametrize("cfg", [F.QuantConfig(4, 32, False), F.QuantConfig(4, None, True), F.QuantConfig(8)],
+                         ids=lambda c: c.name)
+def test_scale_tuned_codes_fit_a_layer_better_than_scales_alone(cfg):
+    """ScaleTuned(tune_codes=True) moved by CodeStep on one RTN int4 layer,
+    trained to reproduce the float layer's outputs on correlated inputs: moving
+    codes reaches a lower output error than moving only the scales in the same
+    steps, no code moves more than one step, and write_back stores exactly the
+    weight the module multiplied by."""
+    from calibration.e2e import CodeStep, ScaleTuned
+
+    x = _correlated(k=128, rows=1024, seed=1)
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(2)) * 0.05
+    y = x @ w.T
+    errs = {}
+    with pytest.raises(ValueError, match="lr and bound"):
+        CodeStep([torch.nn.Parameter(torch.zeros(2))], lr=0.0)
+    for tune_codes in (False, True):
+        lin = torch.nn.Linear(128, 48, bias=False)
+        lin.weight.data.copy_(w)
+        q = QuantLinear.from_linear(lin, cfg.bits, cfg.group_size, symmetric=cfg.symmetric)
+        unpack = F.unpack_int8 if cfg.bits == 8 else F.unpack_int4
+        codes0 = unpack(q.qweight, 128).clone()
+        t = ScaleTuned(q, tune_codes=tune_codes)
+        opts = [torch.optim.Adam([t.log_s], lr=2e-3)] + ([CodeStep([t.v], lr=3e-3)] if tune_codes else [])
+        scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda i: 0.5 * (1 + math.cos(math.pi * i / 400))) for o in opts]
+        for _ in range(400):
+            loss = (t(x) - y).pow(2).mean()
+            for o in opts:
+                o.zero_grad()
+            loss.backward()
+            for o, sc in zip(opts, scheds):
+                o.step()
+                sc.step()
+        with torch.no_grad():
+            w_used = t.weight().clone()
+            changed = t.write_back()
+        codes1 = unpack(q.qweight, 128)
+        assert changed == int((codes1 != codes0).sum()) and (changed > 0) == tune_codes
+        assert int((codes1.int() - codes0.int()).abs().max()) <= 1
+        lo, hi = F.code_range(cfg)
+        assert int(codes1.min()) >= lo and int(codes1.max()) <= hi
+        assert torch.allclose(q.dequantize(), w_used, rtol=2e-3, atol=1e-6)  # fp16 scales
+        errs[tune_codes] = (x @ q.dequantize().T - y).pow(2).mean().item()
+    assert errs[True] < 0.8 * errs[False], errs
+
+
+def test_soup_averages_log_scales_and_refuses_other_codes(tiny_llama_dir, tmp_path):
+    """calibration.soup: two e2e runs (other seeds) of one start give a
+    checkpoint whose scales are the geometric mean of theirs (up to fp16
+    rounding) and whose other tensors are theirs; a checkpoint with other
+    codes is an error naming the tensor, and nothing is written."""
+    from calibration import soup
+    from calibration.e2e import teacher_logprobs, tune_scales
+
+    ref, tok = _load_tiny(tiny_llama_dir)
+    windows = calibration_samples(tok, n=10, seq_len=40, seed=2)
+    teacher = teacher_logprobs(ref, windows, progress=False)
+    dirs = []
+    for seed, method in ((0, "rtn"), (1, "rtn"), (0, "gptq")):
+        model, _ = _load_tiny(tiny_llama_dir)
+        cfg = F.QuantConfig(4, 32, False)
+        rep = quantize_causal_lm(model, cfg, method, windows[:6], progress=False, batch_size=3)
+        tune_scales(model, windows, teacher, probe=2, steps=6, lr=1e-2, eval_every=100, seed=seed,
+                    forward_dtype=torch.float32, progress=False)
+        d = tmp_path / f"{method}{seed}"
+        C.save_quantized(model, tok, str(d), C.quantization_config(model, method, {}, cfg, list(rep.skipped)))
+        dirs.append(str(d))
+    a, b = (C.load_quantized(d, dtype=torch.float32)[0] for d in dirs[:2])
+    assert soup.main([dirs[0], dirs[1], "--out", str(tmp_path / "soup")]) == 0
+    s, _ = C.load_quantized(str(tmp_path / "soup"), dtype=torch.float32)
+    up_a, up_b, up_s = (m.model.layers[0].mlp.up_proj for m in (a, b, s))
+    assert not torch.equal(up_a.scales, up_b.scales)
+    want = (up_a.scales.float().log() + up_b.scales.float().log()).div(2).exp()
+    assert torch.allclose(up_s.scales.float(), want, rtol=1e-3)
+    assert torch.equal(up_s.qweight, up_a.qweight) and torch.equal(up_s.zeros, up_a.zeros)
+    cfg = json.loads((tmp_path / "soup" / "config.json").read_text())["quantization_config"]
+    assert cfg["algorithm"] == "rtn+soup" and cfg["calibration"]["soup"]["inputs"] == dirs[:2]
+    with pytest.raises(SystemExit, match="differs between model 0 and model 1"):
+        soup.main([dirs[0], dirs[2], "--out", str(tmp_path / "bad")])
+    assert not (tmp_path / "bad").exists()
+    with pytest.raises(SystemExit, match="at least two"):
+        soup.main([dirs[0], "--out", str(tmp_path / "bad")])
+
+
+def test_e2e_time_limit_stops_early_and_writes_the_best(tiny_llama_dir):
+    """time_limit: training stops after the first step past the limit, the probe
+    is measured there, and the report says how many steps ran."""
+    from calibration.e2e import teacher_logprobs, tune_scales
+
+    model, tok = _load_tiny(tiny_llama_dir)
+    windows = calibration_samples(tok, n=8, seq_len=32, seed=4)
+    teacher = teacher_logprobs(model, windows, progress=False)
+    quantize_causal_lm(model, F.QuantConfig(4, 32, False), "rtn", windows[:6], progress=False, batch_size=3)
+    rep = tune_scales(model, windows, teacher, probe=2, steps=10_000, lr=3e-3, eval_every=1000,
+                      forward_dtype=torch.float32, progress=False, time_limit=0.0)
+    assert rep["steps_done"] == 1 and [h["step"] for h in rep["history"]] == [0, 1]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_e2e_on_cuda_matches_cpu(tiny_llama_dir):
     """tune_scales with the model, windows and teacher on the GPU (fp32 forwards)
@@ -719,13 +857,17 @@ def test_e2e_cli_writes_a_loadable_checkpoint(tiny_llama_dir, tmp_path):
                      "--out", str(src)]) == 0
     assert e2e.main([str(src), "--out", str(out), "--reference", tiny_llama_dir, "--samples", "6", "--probe", "2",
                      "--seq-len", "48", "--steps", "6", "--eval-every", "3", "--tune-norms", "--stream-teacher",
-                     "--schedule", "cosine", "--batch", "2", "--generated", "3"]) == 0
+                     "--schedule", "cosine", "--batch", "2", "--generated", "3", "--code-lr", "0.03",
+                     "--time-limit", "600"]) == 0
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["algorithm"] == "rtn+e2e" and qc["calibration"]["e2e"]["steps"] == 6
     assert qc["calibration"]["e2e"]["tune_norms"] is True and qc["calibration"]["e2e"]["norms_tuned"] > 0
     assert qc["calibration"]["e2e"]["probe_kl_best"] <= qc["calibration"]["e2e"]["probe_kl_start"]
     assert qc["calibration"]["e2e"]["stream_teacher"] is True and qc["calibration"]["e2e"]["schedule"] == "cosine"
     assert qc["calibration"]["e2e"]["generated"] == 3 and qc["calibration"]["e2e"]["ce_weight"] == 0.0
+    assert qc["calibration"]["e2e"]["code_lr"] == 0.03 and qc["calibration"]["e2e"]["steps_done"] == 6
+    assert isinstance(qc["calibration"]["e2e"]["codes_changed"], int)
+    assert qc["calibration"]["e2e"]["forward_dtype"] in ("float32", "bfloat16")  # "auto", resolved
     assert json.loads((out / "e2e_report.json").read_text())["batch"] == 2
     assert (out / "e2e_report.json").exists()
     model, _ = C.load_quantized(str(out), dtype=torch.float32)
