@@ -97,7 +97,7 @@ class ScaleTuned(nn.Module):
     codes as well as the scales.
     """
 
-    def __init__(self, q: QuantLinear, tune_codes: bool = False):
+    def __init__(self, q: QuantLinear, tune_codes: bool = False, tune_bias: bool = False):
         super().__init__()
         cfg, k = q.config, q.in_features
         ones = torch.ones_like(q.scales, dtype=torch.float16)
@@ -110,6 +110,8 @@ class ScaleTuned(nn.Module):
         self.log_s = nn.Parameter(s.log())
         self.bias = q.bias
         self.quant = q
+        # tune_bias: a float32 [N] offset added to the output (starts at 0)
+        self.bias_delta = nn.Parameter(torch.zeros(q.out_features, device=s.device)) if tune_bias else None
         self.tune_codes = tune_codes
         if tune_codes:
             qmin, qmax = formats.code_range(cfg)
@@ -138,7 +140,10 @@ class ScaleTuned(nn.Module):
         return (self._codes() * self.log_s.exp()[..., None]).view(n, k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return Fn.linear(x, self.weight().to(x.dtype), self.bias)
+        b = self.bias
+        if self.bias_delta is not None:
+            b = self.bias_delta if b is None else b + self.bias_delta
+        return Fn.linear(x, self.weight().to(x.dtype), None if b is None else b.to(x.dtype))
 
     @torch.no_grad()
     def write_back(self) -> int:
@@ -149,6 +154,15 @@ class ScaleTuned(nn.Module):
         if not torch.all(torch.isfinite(s) & (s > 0)):
             raise ValueError("ScaleTuned.write_back: a tuned scale is not a positive finite fp16 number")
         self.quant.scales.copy_(s)
+        if self.bias_delta is not None:
+            old = self.quant.bias
+            new = self.bias_delta.detach() + (0.0 if old is None else old.float())
+            dtype = old.dtype if old is not None else torch.float32
+            if old is None:
+                del self.quant.bias  # a plain None attribute; the tuned bias is a persistent buffer
+                self.quant.register_buffer("bias", new.to(dtype))
+            else:
+                old.copy_(new.to(dtype))
         if not self.tune_codes:
             return 0
         n, k = self.codes.shape
@@ -295,7 +309,7 @@ def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, 
                 lr: float = 1e-3, eval_every: int = 20, seed: int = 0, forward_dtype: torch.dtype = torch.bfloat16,
                 progress: bool = True, tune_norms: bool = False, schedule: str = "constant",
                 batch: int = 1, ce_weight: float = 0.0, code_lr: float = 0.0,
-                time_limit: Optional[float] = None) -> dict:
+                time_limit: Optional[float] = None, bias_lr: float = 0.0) -> dict:
     """Tune the scales of every QuantLinear in ``model`` in place (module API unchanged afterwards).
 
     windows: int64 [n, L]; teacher: [n, L, V] log-probs of the float model on
@@ -319,6 +333,10 @@ def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, 
     code_lr x gradient / its RMS over the layer, offsets within +-1, on the
     same schedule); the best step's rounded codes are written to the
     QuantLinears' qweight.  0 keeps the codes.
+    bias_lr: > 0 also trains a float offset of every QuantLinear's output
+    (a bias; Adam, step bias_lr), written as the module's ``bias`` buffer
+    (created where there was none).  The checkpoint must then declare the
+    biases: see :func:`declare_biases`.
     time_limit: seconds; once a step ends past it, the probe is measured one
     last time and training stops (the schedule is not shortened; the report's
     steps_done says where it stopped).  None: run all ``steps``.
@@ -328,6 +346,8 @@ def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, 
         raise ValueError(f"tune_scales: schedule must be 'constant' or 'cosine', got {schedule!r}")
     if code_lr < 0:
         raise ValueError(f"tune_scales: code_lr must be >= 0, got {code_lr}")
+    if bias_lr < 0:
+        raise ValueError(f"tune_scales: bias_lr must be >= 0, got {bias_lr}")
     if ce_weight < 0:
         raise ValueError(f"tune_scales: ce_weight must be >= 0, got {ce_weight}")
     if batch < 1 or batch > n - probe:
@@ -336,7 +356,8 @@ def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, 
         raise ValueError(f"tune_scales: probe must be between 1 and n - 1 = {n - 1} windows, got {probe}")
     if teacher.shape[:2] != windows.shape:
         raise ValueError(f"tune_scales: teacher log-probs {list(teacher.shape)} do not match windows {list(windows.shape)}")
-    swaps = _swap(model, lambda m: ScaleTuned(m, tune_codes=code_lr > 0) if isinstance(m, QuantLinear) else None)
+    swaps = _swap(model, lambda m: ScaleTuned(m, tune_codes=code_lr > 0, tune_bias=bias_lr > 0)
+                  if isinstance(m, QuantLinear) else None)
     if not swaps:
         raise ValueError("tune_scales: the model has no QuantLinear modules")
     tuned = [new for *_, new in swaps]
@@ -349,7 +370,11 @@ def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, 
     for m in norms:
         parametrize.register_parametrization(m, "weight", _GainTuned(m.weight.shape[0]))
         params.append(m.parametrizations.weight[0].u)
-    opt = torch.optim.Adam(params, lr=lr)
+    groups = [{"params": params, "lr": lr}]
+    if bias_lr > 0:
+        groups.append({"params": [t.bias_delta for t in tuned], "lr": bias_lr})
+        params = params + [t.bias_delta for t in tuned]
+    opt = torch.optim.Adam(groups)
     decay = (lambda i: 0.5 * (1.0 + math.cos(math.pi * i / max(steps, 1)))) if schedule == "cosine" else (lambda i: 1.0)
     opts = [opt]
     if code_lr > 0:
@@ -430,8 +455,34 @@ def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, 
     return {"probe_kl_start": start[0], "probe_kl_best": best[0][0], "probe_ce_start": start[1],
             "probe_ce_best": best[0][1], "best_step": best[1], "steps_done": step, "history": history,
             "seconds": time.time() - t0, "layers": len(tuned), "norms": len(norms), "batch": batch,
-            "ce_weight": ce_weight, "code_lr": code_lr, "codes_changed": codes_changed,
+            "ce_weight": ce_weight, "code_lr": code_lr, "bias_lr": bias_lr, "codes_changed": codes_changed,
             "codes_total": sum(t.codes.numel() for t in tuned)}
+
+
+_BIAS_FLAGS = ("attention_bias", "mlp_bias")  # Llama-style configs: one switch per block
+
+
+def declare_biases(model: nn.Module) -> None:
+    """Make ``model.config`` say that every attention and MLP projection has a bias.
+
+    After ``tune_scales(..., bias_lr > 0)`` every QuantLinear has one; a
+    checkpoint is rebuilt from its config, so the config must declare them or
+    the loader would build the linears without.  Needs a config with
+    ``attention_bias`` and ``mlp_bias`` (Llama and its relatives) and every
+    linear of the decoder layers quantized (a float one would have no bias
+    tensor); ValueError naming the rule otherwise.
+    """
+    cfg = model.config
+    if not all(hasattr(cfg, f) for f in _BIAS_FLAGS):
+        raise ValueError(f"tuned biases need a config with {' and '.join(_BIAS_FLAGS)} "
+                         f"({type(cfg).__name__} has no such switches)")
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and ".layers." in f".{name}":
+            raise ValueError(f"tuned biases need every decoder-layer linear quantized; {name} is not")
+        if isinstance(mod, QuantLinear) and mod.bias is None:
+            raise ValueError(f"tuned biases: {name} has no bias (was it tuned with bias_lr > 0?)")
+    for f in _BIAS_FLAGS:
+        setattr(cfg, f, True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -470,6 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also train the integer codes (zero points fixed; each moves at most one step): offsets in "
                          "code units move by this x gradient / its RMS per layer, through a straight-through "
                          "rounding (default 0: codes fixed, scales only)")
+    ap.add_argument("--bias-lr", type=float, default=0.0,
+                    help="also train a float bias on every quantized linear's output (Adam step; default 0: off). "
+                         "The checkpoint's config then declares attention and MLP biases (Llama-style models)")
     ap.add_argument("--time-limit", type=float, default=None,
                     help="stop after the first step that ends past this many seconds of tuning (the probe is "
                          "measured then and the best step so far is written); default: no limit")
@@ -515,7 +569,7 @@ def main(argv: Optional[list] = None) -> int:
                       eval_every=args.eval_every, seed=args.seed,
                       forward_dtype=getattr(torch, args.forward_dtype), tune_norms=args.tune_norms,
                       schedule=args.schedule, batch=args.batch, ce_weight=args.ce_weight, code_lr=args.code_lr,
-                      time_limit=args.time_limit)
+                      time_limit=args.time_limit, bias_lr=args.bias_lr)
     qc = dict(cfg["quantization_config"])
     qc["algorithm"] = qc.get("algorithm", "?") + "+e2e"
     qc["calibration"] = dict(qc.get("calibration") or {})
@@ -526,12 +580,15 @@ def main(argv: Optional[list] = None) -> int:
                                 "stream_teacher": args.stream_teacher, "batch": args.batch,
                                 "device": args.device, "generated": args.generated, "ce_weight": args.ce_weight,
                                 "code_lr": args.code_lr, "codes_changed": rep["codes_changed"],
+                                "bias_lr": args.bias_lr,
                                 "probe_fraction": PROBE_FRACTION,
                                 "tune_norms": args.tune_norms, "norms_tuned": rep["norms"],
                                 "probe_kl_start": rep["probe_kl_start"], "probe_kl_best": rep["probe_kl_best"],
                                 "probe_ce_start": rep["probe_ce_start"], "probe_ce_best": rep["probe_ce_best"],
                                 "best_step": rep["best_step"]}
     float_dtype = C._FLOAT_DTYPES.get(str(cfg.get("dtype") or cfg.get("torch_dtype") or "").replace("torch.", ""))
+    if args.bias_lr > 0:
+        declare_biases(student)
     student.to("cpu")
     C.save_quantized(student, tok, args.out, qc, overwrite=args.overwrite, extra_json={"e2e_report.json": rep},
                      float_dtype=float_dtype)

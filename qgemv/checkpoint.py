@@ -316,6 +316,10 @@ def load_quantized(path: str, device: str = "cpu", dtype: torch.dtype = torch.fl
     missing = expected - set(state)
     if missing:
         raise CheckpointError(f"{path}: {len(missing)} tensor(s) missing, e.g. {sorted(missing)[:3]}")
+    unexpected = set(state) - set(model.state_dict().keys())
+    if unexpected:  # load_state_dict(strict=False) would drop them without a word
+        raise CheckpointError(f"{path}: {len(unexpected)} tensor(s) that the config's model does not have, "
+                              f"e.g. {sorted(unexpected)[:3]} (a config that does not match the weights)")
     for k, v in state.items():
         if _kept_float(k, v):
             state[k] = v.to(dtype)

@@ -808,6 +808,45 @@ def test_soup_averages_log_scales_and_refuses_other_codes(tiny_llama_dir, tmp_pa
         soup.main([dirs[0], "--out", str(tmp_path / "bad")])
 
 
+def test_e2e_bias_tuning_round_trips_and_undeclared_biases_are_refused(tiny_llama_dir, tmp_path):
+    """bias_lr > 0: every QuantLinear gets a trained output bias; the probe KL
+    falls below the start; declare_biases makes the config say so, and the
+    saved checkpoint loads with the biases and gives the same logits. The same
+    tensors under a config without the switches are a load error naming them
+    (they were dropped silently before)."""
+    from calibration.e2e import declare_biases, teacher_logprobs, tune_scales
+
+    ref, tok = _load_tiny(tiny_llama_dir)
+    windows = calibration_samples(tok, n=10, seq_len=48, seed=1)
+    teacher = teacher_logprobs(ref, windows, progress=False)
+    model, _ = _load_tiny(tiny_llama_dir)
+    cfg = F.QuantConfig(4, 32, False)
+    qrep = quantize_causal_lm(model, cfg, "rtn", windows[:6], progress=False, batch_size=3)
+    with pytest.raises(ValueError, match="bias_lr"):
+        tune_scales(model, windows, teacher, probe=2, steps=2, bias_lr=-1.0, progress=False)
+    with pytest.raises(ValueError, match="has no bias"):
+        declare_biases(model)
+    rep = tune_scales(model, windows, teacher, probe=2, steps=20, lr=3e-3, eval_every=5, bias_lr=1e-4,
+                      forward_dtype=torch.float32, progress=False)
+    assert rep["best_step"] > 0 and rep["probe_kl_best"] < rep["probe_kl_start"] and rep["bias_lr"] == 1e-4
+    down = model.model.layers[1].mlp.down_proj
+    assert isinstance(down, QuantLinear) and down.bias is not None and down.bias.abs().max() > 0
+    assert "model.layers.1.mlp.down_proj.bias" in model.state_dict()
+    declare_biases(model)
+    assert model.config.attention_bias and model.config.mlp_bias
+    qc = C.quantization_config(model, "rtn", {}, cfg, list(qrep.skipped))
+    C.save_quantized(model, tok, str(tmp_path / "b"), qc)
+    loaded, _ = C.load_quantized(str(tmp_path / "b"), dtype=torch.float32)
+    assert torch.equal(loaded.model.layers[1].mlp.down_proj.bias, down.bias)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(windows[:2]).logits, model(windows[:2]).logits, rtol=1e-5, atol=1e-5)
+    conf = json.loads((tmp_path / "b" / "config.json").read_text())
+    conf["attention_bias"] = conf["mlp_bias"] = False
+    (tmp_path / "b" / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(C.CheckpointError, match="does not have"):
+        C.load_quantized(str(tmp_path / "b"), dtype=torch.float32)
+
+
 def test_e2e_time_limit_stops_early_and_writes_the_best(tiny_llama_dir):
     """time_limit: training stops after the first step past the limit, the probe
     is measured there, and the report says how many steps ran."""
@@ -858,7 +897,7 @@ def test_e2e_cli_writes_a_loadable_checkpoint(tiny_llama_dir, tmp_path):
     assert e2e.main([str(src), "--out", str(out), "--reference", tiny_llama_dir, "--samples", "6", "--probe", "2",
                      "--seq-len", "48", "--steps", "6", "--eval-every", "3", "--tune-norms", "--stream-teacher",
                      "--schedule", "cosine", "--batch", "2", "--generated", "3", "--code-lr", "0.03",
-                     "--time-limit", "600"]) == 0
+                     "--time-limit", "600", "--bias-lr", "1e-5"]) == 0
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["algorithm"] == "rtn+e2e" and qc["calibration"]["e2e"]["steps"] == 6
     assert qc["calibration"]["e2e"]["tune_norms"] is True and qc["calibration"]["e2e"]["norms_tuned"] > 0
@@ -868,10 +907,14 @@ def test_e2e_cli_writes_a_loadable_checkpoint(tiny_llama_dir, tmp_path):
     assert qc["calibration"]["e2e"]["code_lr"] == 0.03 and qc["calibration"]["e2e"]["steps_done"] == 6
     assert isinstance(qc["calibration"]["e2e"]["codes_changed"], int)
     assert qc["calibration"]["e2e"]["forward_dtype"] in ("float32", "bfloat16")  # "auto", resolved
+    assert qc["calibration"]["e2e"]["bias_lr"] == 1e-5
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["attention_bias"] is True and conf["mlp_bias"] is True
     assert json.loads((out / "e2e_report.json").read_text())["batch"] == 2
     assert (out / "e2e_report.json").exists()
     model, _ = C.load_quantized(str(out), dtype=torch.float32)
     assert isinstance(model.model.layers[0].self_attn.q_proj, QuantLinear)
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
     start, _ = C.load_quantized(str(src), dtype=torch.float32)  # the tuned gains were written
     assert not torch.equal(model.model.layers[0].input_layernorm.weight, start.model.layers[0].input_layernorm.weight)
     with pytest.raises(SystemExit, match="exists"):
