@@ -472,6 +472,18 @@ def declare_biases(model: nn.Module) -> None:
     linear of the decoder layers quantized (a float one would have no bias
     tensor); ValueError naming the rule otherwise.
     """
+    check_bias_target(model)
+    for name, mod in model.named_modules():
+        if isinstance(mod, QuantLinear) and mod.bias is None:
+            raise ValueError(f"tuned biases: {name} has no bias (was it tuned with bias_lr > 0?)")
+    for f in _BIAS_FLAGS:
+        setattr(model.config, f, True)
+
+
+def check_bias_target(model: nn.Module) -> None:
+    """ValueError unless :func:`declare_biases` can work on ``model`` (checked before tuning,
+    so a run is not lost at the end): a config with the bias switches, and no
+    float linear inside the decoder layers."""
     cfg = model.config
     if not all(hasattr(cfg, f) for f in _BIAS_FLAGS):
         raise ValueError(f"tuned biases need a config with {' and '.join(_BIAS_FLAGS)} "
@@ -479,10 +491,6 @@ def declare_biases(model: nn.Module) -> None:
     for name, mod in model.named_modules():
         if isinstance(mod, nn.Linear) and ".layers." in f".{name}":
             raise ValueError(f"tuned biases need every decoder-layer linear quantized; {name} is not")
-        if isinstance(mod, QuantLinear) and mod.bias is None:
-            raise ValueError(f"tuned biases: {name} has no bias (was it tuned with bias_lr > 0?)")
-    for f in _BIAS_FLAGS:
-        setattr(cfg, f, True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -548,6 +556,11 @@ def main(argv: Optional[list] = None) -> int:
     if args.forward_dtype == "auto":
         args.forward_dtype = "bfloat16" if fast_bf16(args.device) else "float32"
     student, tok = C.load_quantized(str(src), dtype=torch.float32, device=args.device)
+    if args.bias_lr > 0:
+        try:
+            check_bias_target(student)
+        except ValueError as e:
+            raise SystemExit(f"--bias-lr: {e}")
     if tok is None:
         raise SystemExit(f"{src}: the checkpoint has no tokenizer files")
     train, probe = train_and_probe_windows(tok, args.calib, args.samples, args.probe, args.seq_len, args.seed)

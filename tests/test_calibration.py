@@ -814,7 +814,7 @@ def test_e2e_bias_tuning_round_trips_and_undeclared_biases_are_refused(tiny_llam
     saved checkpoint loads with the biases and gives the same logits. The same
     tensors under a config without the switches are a load error naming them
     (they were dropped silently before)."""
-    from calibration.e2e import declare_biases, teacher_logprobs, tune_scales
+    from calibration.e2e import check_bias_target, declare_biases, teacher_logprobs, tune_scales
 
     ref, tok = _load_tiny(tiny_llama_dir)
     windows = calibration_samples(tok, n=10, seq_len=48, seed=1)
@@ -826,6 +826,12 @@ def test_e2e_bias_tuning_round_trips_and_undeclared_biases_are_refused(tiny_llam
         tune_scales(model, windows, teacher, probe=2, steps=2, bias_lr=-1.0, progress=False)
     with pytest.raises(ValueError, match="has no bias"):
         declare_biases(model)
+    check_bias_target(model)  # a Llama config, every decoder linear quantized
+    float_one = model.model.layers[0].mlp.up_proj
+    model.model.layers[0].mlp.up_proj = torch.nn.Linear(float_one.in_features, float_one.out_features, bias=False)
+    with pytest.raises(ValueError, match="layers.0.mlp.up_proj is not"):
+        check_bias_target(model)
+    model.model.layers[0].mlp.up_proj = float_one
     rep = tune_scales(model, windows, teacher, probe=2, steps=20, lr=3e-3, eval_every=5, bias_lr=1e-4,
                       forward_dtype=torch.float32, progress=False)
     assert rep["best_step"] > 0 and rep["probe_kl_best"] < rep["probe_kl_start"] and rep["bias_lr"] == 1e-4
