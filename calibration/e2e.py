@@ -121,9 +121,8 @@ class ScaleTuned(nn.Module):
                 z = torch.full_like(s, 8.0)
             else:
                 z = q.zeros.float().reshape(s.shape)
-            self.register_buffer("zero", z)
-            self.register_buffer("lo", qmin - z)  # [N, G]: the code range of c = q - z
-            self.register_buffer("hi", qmax - z)
+            self.register_buffer("zero", z)  # [N, G]; c = q - z must stay in [qmin - z, qmax - z]
+            self.qrange = (qmin, qmax)
             self.v = nn.Parameter(torch.zeros(q.out_features, k, device=s.device))
 
     def _codes(self) -> torch.Tensor:
@@ -132,7 +131,9 @@ class ScaleTuned(nn.Module):
         c = self.codes.float().view(n, k // self.group, self.group)
         if not self.tune_codes:
             return c
-        c = torch.clamp(c + self.v.view_as(c), self.lo[..., None], self.hi[..., None])
+        qmin, qmax = self.qrange
+        z = self.zero[..., None]
+        c = torch.clamp(c + self.v.view_as(c), qmin - z, qmax - z)
         return c + (c.round() - c).detach()
 
     def weight(self) -> torch.Tensor:
@@ -172,8 +173,6 @@ class ScaleTuned(nn.Module):
         cfg = self.quant.config
         packed = formats.pack_int8(q.to(torch.int8)) if cfg.bits == 8 else formats.pack_int4(q.to(torch.uint8))
         self.quant.qweight.copy_(packed.to(self.quant.qweight.device))
-        self.codes.copy_(c.view(n, k).to(torch.bfloat16))
-        self.v.zero_()
         return changed
 
 
@@ -599,7 +598,7 @@ def main(argv: Optional[list] = None) -> int:
                                 "probe_kl_start": rep["probe_kl_start"], "probe_kl_best": rep["probe_kl_best"],
                                 "probe_ce_start": rep["probe_ce_start"], "probe_ce_best": rep["probe_ce_best"],
                                 "best_step": rep["best_step"]}
-    float_dtype = C._FLOAT_DTYPES.get(str(cfg.get("dtype") or cfg.get("torch_dtype") or "").replace("torch.", ""))
+    float_dtype = C.source_dtype(str(src))
     if args.bias_lr > 0:
         declare_biases(student)
     student.to("cpu")

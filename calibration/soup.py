@@ -89,7 +89,7 @@ def main(argv: Optional[list] = None) -> int:
     qc["algorithm"] = qc.get("algorithm", "?") + "+soup"
     qc["calibration"] = dict(qc.get("calibration") or {})
     qc["calibration"]["soup"] = {"inputs": [str(p) for p in args.checkpoints], "scale_tensors": n}
-    float_dtype = C._FLOAT_DTYPES.get(str(cfg.get("dtype") or cfg.get("torch_dtype") or "").replace("torch.", ""))
+    float_dtype = C.source_dtype(args.checkpoints[0])
     C.save_quantized(models[0], loaded[0][1], args.out, qc, overwrite=args.overwrite, float_dtype=float_dtype)
     print(f"soup: geometric mean of {n} scale tensors over {len(models)} checkpoints, "
           f"{time.time() - t0:.0f} s -> {args.out}")

@@ -40,6 +40,9 @@ def pack(src: str, prefix: str, drop=("model.embed_tokens.weight",), piece_mb: f
     """Write ``src`` (a qgemv checkpoint directory) minus ``drop`` as pieces PREFIX0..; returns their paths."""
     from safetensors.torch import load_file, save
 
+    step = int(piece_mb * 1e6)
+    if step <= 0:
+        raise ValueError(f"piece_mb must be > 0, got {piece_mb}")
     src_p = Path(src)
     files = sorted(src_p.glob("*.safetensors"))
     if len(files) != 1:
@@ -64,9 +67,7 @@ def pack(src: str, prefix: str, drop=("model.embed_tokens.weight",), piece_mb: f
         for f in sorted(src_p.iterdir()):
             if f.is_file() and f != files[0]:
                 add(f.name, f.read_bytes())
-    data, step = buf.getvalue(), int(piece_mb * 1e6)
-    if step <= 0:
-        raise ValueError(f"piece_mb must be > 0, got {piece_mb}")
+    data = buf.getvalue()
     out = []
     for i in range(0, len(data), step):
         p = Path(f"{prefix}{i // step}")

@@ -310,13 +310,14 @@ def load_quantized(path: str, device: str = "cpu", dtype: torch.dtype = torch.fl
                 )
         if version == 1:  # row-major qweight: same shape, reorder into panels
             state[f"{name}.qweight"] = formats.to_panels(state[f"{name}.qweight"])
-    expected = set(model.state_dict().keys())
+    model_keys = set(model.state_dict().keys())
+    expected = set(model_keys)
     if getattr(config, "tie_word_embeddings", False):
         expected.discard("lm_head.weight")
     missing = expected - set(state)
     if missing:
         raise CheckpointError(f"{path}: {len(missing)} tensor(s) missing, e.g. {sorted(missing)[:3]}")
-    unexpected = set(state) - set(model.state_dict().keys())
+    unexpected = set(state) - model_keys
     if unexpected:  # load_state_dict(strict=False) would drop them without a word
         raise CheckpointError(f"{path}: {len(unexpected)} tensor(s) that the config's model does not have, "
                               f"e.g. {sorted(unexpected)[:3]} (a config that does not match the weights)")
