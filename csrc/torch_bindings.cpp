@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <memory>
 #include <vector>
 
 #include "qgemv.h"
@@ -78,16 +79,34 @@ void check_same_device(const at::Tensor& x, const at::Tensor& t, const char* nam
            "), got ", t.device());
 }
 
-// Common checks; returns the [M, K] view of x that the kernels read (a copy
+// The rules of qgemv/ops.py's _check_x, in its order: x's dtype, rank and
+// device, then K.  Returns the [M, K] view of x that the kernels read (a copy
 // when x is not contiguous or its rows are not 16-byte aligned).
 at::Tensor prepare_x(const at::Tensor& x, int64_t K, const char* op) {
   QG_CHECK(x.is_cuda(), op, "x must be a CUDA tensor, got ", x.device());
   QG_CHECK(x.dim() >= 1, op, "x must have at least 1 dimension");
-  QG_CHECK(x.size(-1) == K, op, "x.shape[-1] must equal in_features (", K, "), got ", x.size(-1));
   at::Tensor x2 = x.reshape({-1, K});
   if (!x2.is_contiguous()) x2 = x2.contiguous();
   if (reinterpret_cast<uintptr_t>(x2.data_ptr()) % 16 != 0) x2 = x2.clone();
   return x2;
+}
+
+void check_in_features(const at::Tensor& x, int64_t K, const char* op) {
+  QG_CHECK(K > 0 && K % 8 == 0, op, "in_features must be a positive multiple of 8, got ", K);
+  QG_CHECK(x.dim() >= 1, op, "x must have at least 1 dimension");
+  QG_CHECK(x.size(-1) == K, op, "x.shape[-1] must equal in_features (", K, "), got ", x.size(-1));
+}
+
+// The kernels read qweight with 16-byte loads (cp.async, bulk copies) and
+// scales as 2-byte halves.  A view that starts elsewhere (a storage offset
+// of 4 bytes, say) would raise "misaligned address" inside the kernel, and
+// that error poisons the CUDA context for the rest of the process: refuse it
+// here, before any launch.
+void check_aligned(const at::Tensor& t, int64_t bytes, const char* name, const char* op) {
+  const auto addr = reinterpret_cast<uintptr_t>(t.data_ptr());
+  QG_CHECK(addr % bytes == 0, op, name, " must start on a ", bytes, "-byte boundary (its data pointer is ",
+           addr % bytes, " bytes past one, storage offset ", t.storage_offset(), " elements); pass ", name,
+           ".clone()");
 }
 
 std::vector<int64_t> out_shape(const at::Tensor& x, int64_t N) {
@@ -171,6 +190,7 @@ void check_scales(const at::Tensor& x, const at::Tensor& scales, int64_t N, int6
   check_same_device(x, scales, "scales", op);
   QG_CHECK(scales.scalar_type() == at::kHalf, op, "scales must be float16, got ", scales.scalar_type());
   QG_CHECK(scales.is_contiguous(), op, "scales must be contiguous");
+  check_aligned(scales, 2, "scales", op);
   if (groups == 0) {
     QG_CHECK(scales.dim() == 1 && scales.size(0) == N, op, "scales must have shape [", N, "], got ",
              scales.sizes());
@@ -180,33 +200,41 @@ void check_scales(const at::Tensor& x, const at::Tensor& scales, int64_t N, int6
   }
 }
 
-at::Tensor linear_int8_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
+at::Tensor linear_int8_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                            int64_t in_features) {
   const char* op = "linear_int8";
+  act_type(x, op);
   check_same_device(x, qweight, "qweight", op);
+  check_same_device(x, scales, "scales", op);
+  check_in_features(x, in_features, op);
   QG_CHECK(qweight.scalar_type() == at::kChar, op, "qweight must be int8, got ", qweight.scalar_type());
-  QG_CHECK(qweight.dim() == 2, op, "qweight must be 2-D [N, Kp], got ", qweight.dim(), "-D");
+  QG_CHECK(qweight.dim() == 2, op, "qweight must be 2-D, got ", qweight.dim(), "-D");
   QG_CHECK(qweight.is_contiguous(), op, "qweight must be contiguous");
-  const int64_t N = qweight.size(0), K = x.size(-1), Kp = qweight.size(1);
-  QG_CHECK(K % 8 == 0, op, "in_features (x.shape[-1] = ", K, ") must be a multiple of 8");
+  const int64_t N = qweight.size(0), K = in_features, Kp = qweight.size(1);
   QG_CHECK(Kp == (K + 15) / 16 * 16, op, "qweight.shape[1] must be round_up(K, 16) = ",
            (K + 15) / 16 * 16, ", got ", Kp);
   check_scales(x, scales, N, 0, op);
+  check_aligned(qweight, 16, "qweight", op);
   GemvParams p = base_params(x, qweight, scales, N, K, Kp);
   return run_linear(x, p, 8, gemv_int8, gemm_int8, wgmma_int8, dequant_int8, op);
 }
 
 at::Tensor linear_int4_impl(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                            const c10::optional<at::Tensor>& zeros, int64_t group_size, const char* op) {
+                            const c10::optional<at::Tensor>& zeros, bool grouped, int64_t group_size,
+                            int64_t in_features, const char* op) {
+  act_type(x, op);
   check_same_device(x, qweight, "qweight", op);
+  check_same_device(x, scales, "scales", op);
+  if (zeros.has_value()) check_same_device(x, *zeros, "zeros", op);
+  check_in_features(x, in_features, op);
   QG_CHECK(qweight.scalar_type() == at::kInt, op, "qweight must be int32, got ", qweight.scalar_type());
-  QG_CHECK(qweight.dim() == 2, op, "qweight must be 2-D [N, Kp/8], got ", qweight.dim(), "-D");
+  QG_CHECK(qweight.dim() == 2, op, "qweight must be 2-D, got ", qweight.dim(), "-D");
   QG_CHECK(qweight.is_contiguous(), op, "qweight must be contiguous");
-  const int64_t N = qweight.size(0), K = x.size(-1), Kp = qweight.size(1) * 8;
-  QG_CHECK(K % 8 == 0, op, "in_features (x.shape[-1] = ", K, ") must be a multiple of 8");
+  const int64_t N = qweight.size(0), K = in_features, Kp = qweight.size(1) * 8;
   QG_CHECK(Kp == (K + 31) / 32 * 32, op, "qweight.shape[1] must be round_up(K, 32) / 8 = ",
            (K + 31) / 32 * 4, ", got ", qweight.size(1));
   int64_t groups = 0;
-  if (group_size > 0) {
+  if (grouped) {
     QG_CHECK(group_size == 32 || group_size == 64 || group_size == 128, op,
              "group_size must be 32, 64 or 128, got ", group_size);
     QG_CHECK(K % group_size == 0, op, "in_features (", K, ") must be divisible by group_size (",
@@ -218,24 +246,25 @@ at::Tensor linear_int4_impl(const at::Tensor& x, const at::Tensor& qweight, cons
   p.group_size = static_cast<int>(group_size);
   if (zeros.has_value()) {
     const at::Tensor& z = *zeros;
-    check_same_device(x, z, "zeros", op);
     QG_CHECK(z.scalar_type() == at::kByte, op, "zeros must be uint8, got ", z.scalar_type());
     QG_CHECK(z.is_contiguous(), op, "zeros must be contiguous");
     QG_CHECK(z.dim() == 2 && z.size(0) == N && z.size(1) == groups, op, "zeros must have shape [", N,
              ", ", groups, "], got ", z.sizes());
     p.zeros = z.data_ptr<uint8_t>();
   }
+  check_aligned(qweight, 16, "qweight", op);
   return run_linear(x, p, 4, gemv_int4, gemm_int4, wgmma_int4, dequant_int4, op);
 }
 
-at::Tensor linear_int4_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
-  return linear_int4_impl(x, qweight, scales, c10::nullopt, 0, "linear_int4");
+at::Tensor linear_int4_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                            int64_t in_features) {
+  return linear_int4_impl(x, qweight, scales, c10::nullopt, false, 0, in_features, "linear_int4");
 }
 
 at::Tensor linear_int4_grouped_cuda(const at::Tensor& x, const at::Tensor& qweight,
                                     const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
-                                    int64_t group_size) {
-  return linear_int4_impl(x, qweight, scales, zeros, group_size, "linear_int4_grouped");
+                                    int64_t group_size, int64_t in_features) {
+  return linear_int4_impl(x, qweight, scales, zeros, true, group_size, in_features, "linear_int4_grouped");
 }
 
 at::Tensor sgemv_cuda(const at::Tensor& A, const at::Tensor& x, int64_t kernel) {
@@ -262,20 +291,36 @@ at::Tensor sgemv_cuda(const at::Tensor& A, const at::Tensor& x, int64_t kernel) 
   return y;
 }
 
-}  // namespace
+// The op schemas live in qgemv/ops.py; this number changes with them, and
+// qgemv/_ext.py registers these kernels only when its own number matches.
+// (TORCH_LIBRARY_IMPL would register them while the library loads, and a
+// schema mismatch there, e.g. a stale build after an upgrade, aborts the
+// process; registered from a call, it is an exception the loader turns into
+// "rebuild the extension" and the reference backend.)
+constexpr int kOpsVersion = 2;
 
-TORCH_LIBRARY_IMPL(qgemv, CUDA, m) {
-  m.impl("linear_int8", &linear_int8_cuda);
-  m.impl("linear_int4", &linear_int4_cuda);
-  m.impl("linear_int4_grouped", &linear_int4_grouped_cuda);
-  m.impl("sgemv", &sgemv_cuda);
+void register_cuda_kernels() {
+  static std::unique_ptr<torch::Library> lib;
+  if (lib) return;
+  auto l = std::make_unique<torch::Library>(torch::Library::IMPL, "qgemv", c10::DispatchKey::CUDA, __FILE__,
+                                            __LINE__);
+  l->impl("linear_int8", &linear_int8_cuda);
+  l->impl("linear_int4", &linear_int4_cuda);
+  l->impl("linear_int4_grouped", &linear_int4_grouped_cuda);
+  l->impl("sgemv", &sgemv_cuda);
+  lib = std::move(l);
 }
+
+}  // namespace
 
 }  // namespace qgemv
 
-// A Python module only so that `import qgemv._C` loads the library and runs
-// the registrations above; the ops themselves are reached via torch.ops.qgemv.
+// The Python module: register_kernels() and the dispatch's constants and
+// knobs; the ops themselves are reached via torch.ops.qgemv.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("OPS_VERSION") = qgemv::kOpsVersion;
+  m.def("register_kernels", &qgemv::register_cuda_kernels,
+        "Register the CUDA kernels of the qgemv ops (their schemas must already be defined).");
   m.attr("tiled_max_tokens") = qgemv::kTiledMaxTokens;
   m.attr("PREFILL_CHUNKS") = static_cast<int>(qgemv::Prefill::kChunks);
   m.attr("PREFILL_TILED") = static_cast<int>(qgemv::Prefill::kTiled);

@@ -76,6 +76,19 @@ def _register_reference_for_cuda():
         wrap(name, ref)
 
 
+def _register(module, what: str) -> None:
+    """Register ``module``'s CUDA kernels if it was built for these op schemas.
+
+    Raises RuntimeError naming the mismatch (a build older or newer than this
+    qgemv's ops.py) or the dispatcher's complaint.
+    """
+    built = getattr(module, "OPS_VERSION", None)
+    if built != ops.OPS_VERSION:
+        raise RuntimeError(f"{what} was built for op schema version {built}, this qgemv defines version "
+                           f"{ops.OPS_VERSION}: rebuild it (pip install ., or python setup.py build_ext --inplace)")
+    module.register_kernels()
+
+
 def load() -> str:
     """Pick the backend once; returns BACKEND."""
     global BACKEND, REASON, MODULE
@@ -83,13 +96,17 @@ def load() -> str:
         BACKEND, REASON = "reference", f"torch {torch.__version__} is a CPU-only build"
     else:
         try:
-            MODULE = _try_aot()
+            mod = _try_aot()
+            _register(mod, "qgemv._C")
+            MODULE = mod
             BACKEND, REASON = "aot", "qgemv._C (built by setup.py)"
-        except ImportError as e:
-            REASON = f"qgemv._C not importable: {e}"
+        except (ImportError, RuntimeError) as e:
+            REASON = f"qgemv._C not usable: {e}"
             if os.environ.get("QGEMV_JIT") == "1":
                 try:
-                    MODULE = _try_jit()
+                    mod = _try_jit()
+                    _register(mod, "the JIT build")
+                    MODULE = mod
                     BACKEND, REASON = "jit", "built from csrc/ with ninja (QGEMV_JIT=1)"
                 except Exception as e2:  # a failed compile must not break import
                     REASON += f"; JIT build failed: {e2}"

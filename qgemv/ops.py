@@ -2,11 +2,16 @@
 
 Every op lives in the ``qgemv`` torch.library namespace:
 
-* ``qgemv::linear_int8(Tensor x, Tensor qweight, Tensor scales) -> Tensor``
-* ``qgemv::linear_int4(Tensor x, Tensor qweight, Tensor scales) -> Tensor``
+* ``qgemv::linear_int8(Tensor x, Tensor qweight, Tensor scales, int in_features) -> Tensor``
+* ``qgemv::linear_int4(Tensor x, Tensor qweight, Tensor scales, int in_features) -> Tensor``
 * ``qgemv::linear_int4_grouped(Tensor x, Tensor qweight, Tensor scales,
-  Tensor? zeros, int group_size) -> Tensor``
+  Tensor? zeros, int group_size, int in_features) -> Tensor``
 * ``qgemv::sgemv(Tensor A, Tensor x, int kernel=0) -> Tensor``
+
+``in_features`` is the K the weight was packed for.  The packed rows are
+padded (to 16 k for int8, 32 k for int4), so the packed width alone cannot
+tell K = 56 from K = 64: every op takes K and refuses an x whose last
+dimension differs from it.
 
 The reference below is registered for the CPU key and is what the tests
 compare the CUDA kernels against.  The CUDA key is served by the compiled
@@ -24,11 +29,15 @@ from . import formats
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-torch.library.define("qgemv::linear_int8", "(Tensor x, Tensor qweight, Tensor scales) -> Tensor")
-torch.library.define("qgemv::linear_int4", "(Tensor x, Tensor qweight, Tensor scales) -> Tensor")
+#: Version of the schemas below; csrc/torch_bindings.cpp's kOpsVersion must equal it
+#: for the compiled kernels to be registered (qgemv/_ext.py).
+OPS_VERSION = 2
+
+torch.library.define("qgemv::linear_int8", "(Tensor x, Tensor qweight, Tensor scales, int in_features) -> Tensor")
+torch.library.define("qgemv::linear_int4", "(Tensor x, Tensor qweight, Tensor scales, int in_features) -> Tensor")
 torch.library.define(
     "qgemv::linear_int4_grouped",
-    "(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, int group_size) -> Tensor",
+    "(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, int group_size, int in_features) -> Tensor",
 )
 torch.library.define("qgemv::sgemv", "(Tensor A, Tensor x, int kernel=0) -> Tensor")
 
@@ -41,7 +50,7 @@ def _fail(op: str, msg: str):
     raise ValueError(f"qgemv.{op}: {msg}")
 
 
-def _check_x(op: str, x: torch.Tensor, tensors: dict) -> int:
+def _check_x(op: str, x: torch.Tensor, tensors: dict, in_features: int) -> int:
     if x.dtype not in _FLOAT_DTYPES:
         _fail(op, f"x must be float16, bfloat16 or float32, got {x.dtype}")
     if x.dim() < 1:
@@ -49,10 +58,11 @@ def _check_x(op: str, x: torch.Tensor, tensors: dict) -> int:
     for name, t in tensors.items():
         if t is not None and t.device != x.device:
             _fail(op, f"{name} must be on the same device as x ({x.device}), got {t.device}")
-    k = x.shape[-1]
-    if k % 8 != 0:
-        _fail(op, f"in_features (x.shape[-1] = {k}) must be a multiple of 8")
-    return k
+    if isinstance(in_features, bool) or not isinstance(in_features, int) or in_features <= 0 or in_features % 8:
+        _fail(op, f"in_features must be a positive multiple of 8, got {in_features!r}")
+    if x.shape[-1] != in_features:
+        _fail(op, f"x.shape[-1] must equal in_features ({in_features}), got {x.shape[-1]}")
+    return in_features
 
 
 def _check_qweight(op: str, qweight: torch.Tensor, dtype: torch.dtype, expected_cols: int, rule: str):
@@ -76,19 +86,19 @@ def _check_scales(op: str, scales: torch.Tensor, n: int, groups: int):
         _fail(op, f"scales must have shape {list(want)}, got {list(scales.shape)}")
 
 
-def check_linear_int8(x, qweight, scales) -> None:
+def check_linear_int8(x, qweight, scales, in_features) -> None:
     op = "linear_int8"
-    k = _check_x(op, x, {"qweight": qweight, "scales": scales})
+    k = _check_x(op, x, {"qweight": qweight, "scales": scales}, in_features)
     _check_qweight(op, qweight, torch.int8, (k + 15) // 16 * 16, "round_up(K, 16)")
     _check_scales(op, scales, qweight.shape[0], 0)
 
 
-def check_linear_int4(x, qweight, scales, zeros=None, group_size=0, op="linear_int4") -> None:
-    k = _check_x(op, x, {"qweight": qweight, "scales": scales, "zeros": zeros})
+def check_linear_int4(x, qweight, scales, in_features, zeros=None, group_size=0, op="linear_int4") -> None:
+    k = _check_x(op, x, {"qweight": qweight, "scales": scales, "zeros": zeros}, in_features)
     _check_qweight(op, qweight, torch.int32, (k + 31) // 32 * 4, "round_up(K, 32) / 8")
     groups = 0
-    if group_size:
-        if group_size not in formats.GROUP_SIZES:
+    if op == "linear_int4_grouped":
+        if isinstance(group_size, bool) or group_size not in formats.GROUP_SIZES:
             _fail(op, f"group_size must be 32, 64 or 128, got {group_size}")
         if k % group_size != 0:
             _fail(op, f"in_features ({k}) must be divisible by group_size ({group_size})")
@@ -128,22 +138,22 @@ def _ref_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y.to(x.dtype)
 
 
-def ref_linear_int8(x, qweight, scales):
+def ref_linear_int8(x, qweight, scales, in_features):
     """Reference for qgemv::linear_int8; x [..., K] -> [..., N] in x.dtype."""
-    check_linear_int8(x, qweight, scales)
-    return _ref_matmul(x, formats.dequantize_int8(qweight, scales, x.shape[-1]))
+    check_linear_int8(x, qweight, scales, in_features)
+    return _ref_matmul(x, formats.dequantize_int8(qweight, scales, in_features))
 
 
-def ref_linear_int4(x, qweight, scales):
+def ref_linear_int4(x, qweight, scales, in_features):
     """Reference for qgemv::linear_int4 (per-channel, symmetric)."""
-    check_linear_int4(x, qweight, scales)
-    return _ref_matmul(x, formats.dequantize_int4(qweight, scales, None, None, x.shape[-1]))
+    check_linear_int4(x, qweight, scales, in_features)
+    return _ref_matmul(x, formats.dequantize_int4(qweight, scales, None, None, in_features))
 
 
-def ref_linear_int4_grouped(x, qweight, scales, zeros, group_size):
+def ref_linear_int4_grouped(x, qweight, scales, zeros, group_size, in_features):
     """Reference for qgemv::linear_int4_grouped."""
-    check_linear_int4(x, qweight, scales, zeros, group_size, op="linear_int4_grouped")
-    w = formats.dequantize_int4(qweight, scales, zeros, group_size, x.shape[-1])
+    check_linear_int4(x, qweight, scales, in_features, zeros, group_size, op="linear_int4_grouped")
+    w = formats.dequantize_int4(qweight, scales, zeros, group_size, in_features)
     return _ref_matmul(x, w)
 
 
@@ -166,20 +176,20 @@ for _name, _ref in (
 # Fakes: the same checks, then an empty result of the right shape.
 # --------------------------------------------------------------------------
 @torch.library.register_fake("qgemv::linear_int8")
-def _fake_linear_int8(x, qweight, scales):
-    check_linear_int8(x, qweight, scales)
+def _fake_linear_int8(x, qweight, scales, in_features):
+    check_linear_int8(x, qweight, scales, in_features)
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 
 @torch.library.register_fake("qgemv::linear_int4")
-def _fake_linear_int4(x, qweight, scales):
-    check_linear_int4(x, qweight, scales)
+def _fake_linear_int4(x, qweight, scales, in_features):
+    check_linear_int4(x, qweight, scales, in_features)
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 
 @torch.library.register_fake("qgemv::linear_int4_grouped")
-def _fake_linear_int4_grouped(x, qweight, scales, zeros, group_size):
-    check_linear_int4(x, qweight, scales, zeros, group_size, op="linear_int4_grouped")
+def _fake_linear_int4_grouped(x, qweight, scales, zeros, group_size, in_features):
+    check_linear_int4(x, qweight, scales, in_features, zeros, group_size, op="linear_int4_grouped")
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 
@@ -200,30 +210,64 @@ REFERENCES = {
 # --------------------------------------------------------------------------
 # Python API.
 # --------------------------------------------------------------------------
-def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def _check_cuda_pointers(op: str, **tensors) -> None:
+    """The kernels load qweight with 16-byte accesses and scales as 2-byte halves.
+
+    A view at another offset would fault inside the kernel ("misaligned
+    address"), which poisons the CUDA context for the whole process.
+    """
+    for name, (t, align) in tensors.items():
+        if t is not None and t.data_ptr() % align:
+            _fail(op, f"{name} must start on a {align}-byte boundary (its data pointer is {t.data_ptr() % align} "
+                      f"bytes past one, storage offset {t.storage_offset()} elements); pass {name}.clone()")
+
+
+def _precheck_cuda(*tensors) -> bool:
+    """Whether the wrapper runs the reference's checks itself before calling a CUDA kernel.
+
+    On torch 2.11 (the lent H200) an exception thrown inside the extension's
+    kernels killed the process with a segmentation fault instead of reaching
+    Python (issue 20; not seen with torch 2.14 on the CPU build).  So for
+    CUDA tensors every check the CPU path makes runs here first, in Python,
+    with the same messages; the C++ checks stay behind them for direct
+    torch.ops.qgemv calls.  Under torch.compile the fake kernel makes the same
+    checks at trace time.
+    """
+    return any(t is not None and t.is_cuda for t in tensors) and not torch.compiler.is_compiling()
+
+
+def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, in_features: int) -> torch.Tensor:
     """y = x @ dequant(W)^T for the int8 per-channel format.
 
     Args:
-        x: [..., K] float16, bfloat16 or float32 (K % 8 == 0).
+        x: [..., K] float16, bfloat16 or float32, K == in_features.
         qweight: int8 [N, round_up(K, 16)] from :func:`qgemv.formats.quantize_int8`.
         scales: float16 [N].
+        in_features: K, the width the weight was packed for (a multiple of 8).
     Returns:
         [..., N] in x.dtype, accumulated in fp32.
     """
-    return torch.ops.qgemv.linear_int8(x, qweight, scales)
+    if _precheck_cuda(x, qweight, scales):
+        check_linear_int8(x, qweight, scales, in_features)
+        _check_cuda_pointers("linear_int8", qweight=(qweight, 16), scales=(scales, 2))
+    return torch.ops.qgemv.linear_int8(x, qweight, scales, in_features)
 
 
-def linear_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def linear_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, in_features: int) -> torch.Tensor:
     """y = x @ dequant(W)^T for the int4 per-channel symmetric format.
 
     Args:
-        x: [..., K] float16, bfloat16 or float32 (K % 8 == 0).
+        x: [..., K] float16, bfloat16 or float32, K == in_features.
         qweight: int32 [N, round_up(K, 32) / 8] from :func:`qgemv.formats.quantize_int4`.
         scales: float16 [N].
+        in_features: K, the width the weight was packed for (a multiple of 8).
     Returns:
         [..., N] in x.dtype, accumulated in fp32.
     """
-    return torch.ops.qgemv.linear_int4(x, qweight, scales)
+    if _precheck_cuda(x, qweight, scales):
+        check_linear_int4(x, qweight, scales, in_features)
+        _check_cuda_pointers("linear_int4", qweight=(qweight, 16), scales=(scales, 2))
+    return torch.ops.qgemv.linear_int4(x, qweight, scales, in_features)
 
 
 def linear_int4_grouped(
@@ -232,19 +276,24 @@ def linear_int4_grouped(
     scales: torch.Tensor,
     zeros: Optional[torch.Tensor],
     group_size: int,
+    in_features: int,
 ) -> torch.Tensor:
     """y = x @ dequant(W)^T for the group-wise int4 format.
 
     Args:
-        x: [..., K] float16, bfloat16 or float32 (K % group_size == 0).
-        qweight: int32 [N, K / 8] (K is a multiple of 32 here).
+        x: [..., K] float16, bfloat16 or float32, K == in_features.
+        qweight: int32 [N, round_up(K, 32) / 8].
         scales: float16 [N, K / group_size].
-        zeros: uint8 [N, K / group_size] zero points, or None for symmetric (zero 8).
-        group_size: 32, 64 or 128.
+        zeros: uint8 [N, K / group_size] zero points in [0, 15], or None for symmetric (zero 8).
+        group_size: 32, 64 or 128, dividing K.
+        in_features: K, the width the weight was packed for.
     Returns:
         [..., N] in x.dtype, accumulated in fp32.
     """
-    return torch.ops.qgemv.linear_int4_grouped(x, qweight, scales, zeros, group_size)
+    if _precheck_cuda(x, qweight, scales, zeros):
+        check_linear_int4(x, qweight, scales, in_features, zeros, group_size, op="linear_int4_grouped")
+        _check_cuda_pointers("linear_int4_grouped", qweight=(qweight, 16), scales=(scales, 2))
+    return torch.ops.qgemv.linear_int4_grouped(x, qweight, scales, zeros, group_size, in_features)
 
 
 def sgemv(A: torch.Tensor, x: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
@@ -256,6 +305,8 @@ def sgemv(A: torch.Tensor, x: torch.Tensor, kernel: str = "auto") -> torch.Tenso
     codes = {"auto": 0, "k32": 1, "k128": 2, "k16": 3}
     if kernel not in codes:
         raise ValueError(f"qgemv.sgemv: kernel must be one of {sorted(codes)}, got {kernel!r}")
+    if _precheck_cuda(A, x):
+        check_sgemv(A, x, codes[kernel])
     return torch.ops.qgemv.sgemv(A, x, codes[kernel])
 
 

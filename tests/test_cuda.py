@@ -49,11 +49,12 @@ def _fits(cfg, k):
 
 
 def _call(cfg, x, qw, s, z):
+    k = x.shape[-1]
     if cfg.bits == 8:
-        return qgemv.linear_int8(x, qw, s)
+        return qgemv.linear_int8(x, qw, s, k)
     if cfg.group_size is None:
-        return qgemv.linear_int4(x, qw, s)
-    return qgemv.linear_int4_grouped(x, qw, s, z, cfg.group_size)
+        return qgemv.linear_int4(x, qw, s, k)
+    return qgemv.linear_int4_grouped(x, qw, s, z, cfg.group_size, k)
 
 
 def _quantized(cfg, n, k):
@@ -483,9 +484,9 @@ def test_cuda_errors_name_tensor_and_rule():
     qw, s, z = _quantized(CFGS["int8"], 64, 128)
     x = torch.randn(2, 128, device="cuda", dtype=torch.float16)
     with pytest.raises((RuntimeError, ValueError), match="qweight must be on the same device as x"):
-        qgemv.linear_int8(x, qw.cpu(), s)
+        qgemv.linear_int8(x, qw.cpu(), s, 128)
     with pytest.raises((RuntimeError, ValueError), match="scales must be float16"):
-        qgemv.linear_int8(x, qw, s.float())
+        qgemv.linear_int8(x, qw, s.float(), 128)
 
 
 SGEMV_SHAPES = [(1, 1), (7, 5), (33, 16), (65, 17), (129, 128), (4097, 130), (300, 4100), (28, 8192)]

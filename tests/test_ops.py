@@ -23,11 +23,12 @@ CFGS = {
 
 
 def _call(cfg, x, qw, s, z):
+    k = x.shape[-1]
     if cfg.bits == 8:
-        return qgemv.linear_int8(x, qw, s)
+        return qgemv.linear_int8(x, qw, s, k)
     if cfg.group_size is None:
-        return qgemv.linear_int4(x, qw, s)
-    return qgemv.linear_int4_grouped(x, qw, s, z, cfg.group_size)
+        return qgemv.linear_int4(x, qw, s, k)
+    return qgemv.linear_int4_grouped(x, qw, s, z, cfg.group_size, k)
 
 
 @pytest.mark.parametrize("name", list(CFGS))
@@ -71,48 +72,77 @@ def _int4g_args(k=64, n=8):
 
 def test_errors_int8():
     x, qw, s = _int8_args()
+    op = qgemv.linear_int8
     with pytest.raises(ValueError, match=r"qgemv.linear_int8: x must be float16, bfloat16 or float32, got torch.int32"):
-        qgemv.linear_int8(x.int(), qw, s)
+        op(x.int(), qw, s, 64)
     with pytest.raises(ValueError, match=r"qgemv.linear_int8: qweight must be int8, got torch.int32"):
-        qgemv.linear_int8(x, qw.int(), s)
+        op(x, qw.int(), s, 64)
     with pytest.raises(ValueError, match=r"qgemv.linear_int8: scales must be float16, got torch.float32"):
-        qgemv.linear_int8(x, qw, s.float())
+        op(x, qw, s.float(), 64)
     with pytest.raises(ValueError, match=r"qgemv.linear_int8: qweight.shape\[1\] must be round_up\(K, 16\) = 80, got 64"):
-        qgemv.linear_int8(torch.randn(3, 72, dtype=torch.float16), qw, s)
-    with pytest.raises(ValueError, match=r"qgemv.linear_int8: in_features \(x.shape\[-1\] = 60\) must be a multiple of 8"):
-        qgemv.linear_int8(torch.randn(3, 60, dtype=torch.float16), qw, s)
+        op(torch.randn(3, 72, dtype=torch.float16), qw, s, 72)
+    with pytest.raises(ValueError, match=r"qgemv.linear_int8: in_features must be a positive multiple of 8, got 60"):
+        op(torch.randn(3, 60, dtype=torch.float16), qw, s, 60)
     with pytest.raises(ValueError, match=r"qgemv.linear_int8: qweight must be contiguous"):
-        qgemv.linear_int8(x, torch.cat([qw, qw], 1)[:, ::2], s)
+        op(x, torch.cat([qw, qw], 1)[:, ::2], s, 64)
     with pytest.raises(ValueError, match=r"qgemv.linear_int8: scales must have shape \[8\], got \[4\]"):
-        qgemv.linear_int8(x, qw, s[:4])
+        op(x, qw, s[:4], 64)
 
 
 def test_errors_int4():
     x, qw, s, z = _int4g_args()
     op = qgemv.linear_int4_grouped
     with pytest.raises(ValueError, match=r"linear_int4_grouped: qweight must be int32, got torch.int64"):
-        op(x, qw.long(), s, z, 32)
-    with pytest.raises(ValueError, match=r"linear_int4_grouped: group_size must be 32, 64 or 128, got 16"):
-        op(x, qw, s, z, 16)
+        op(x, qw.long(), s, z, 32, 64)
+    for bad in (16, 96, 0, -32):
+        with pytest.raises(ValueError, match=rf"linear_int4_grouped: group_size must be 32, 64 or 128, got {bad}"):
+            op(x, qw, s, z, bad, 64)
     with pytest.raises(ValueError, match=r"linear_int4_grouped: zeros must be uint8, got torch.int32"):
-        op(x, qw, s, z.int(), 32)
+        op(x, qw, s, z.int(), 32, 64)
     with pytest.raises(ValueError, match=r"linear_int4_grouped: zeros must have shape \[8, 2\], got \[8, 1\]"):
-        op(x, qw, s, z[:, :1].contiguous(), 32)
+        op(x, qw, s, z[:, :1].contiguous(), 32, 64)
     with pytest.raises(ValueError, match=r"linear_int4_grouped: scales must have shape \[8, 2\], got \[8, 1\]"):
-        op(x, qw, s[:, :1].contiguous(), z, 32)
+        op(x, qw, s[:, :1].contiguous(), z, 32, 64)
     with pytest.raises(ValueError, match=r"linear_int4_grouped: qweight must be contiguous"):
-        op(x, qw.t().contiguous().t(), s, z, 32)
+        op(x, qw.t().contiguous().t(), s, z, 32, 64)
     with pytest.raises(ValueError, match=r"linear_int4_grouped: qweight.shape\[1\] must be round_up\(K, 32\) / 8 = 12"):
-        op(torch.randn(3, 96, dtype=torch.float16), qw, s, z, 32)
+        op(torch.randn(3, 96, dtype=torch.float16), qw, s, z, 32, 96)
     qw4, s4, _ = F.quantize_int4(torch.randn(8, 64))
     with pytest.raises(ValueError, match=r"qgemv.linear_int4: scales must have shape \[8\], got \[8, 1\]"):
-        qgemv.linear_int4(x, qw4, s4[:, None])
+        qgemv.linear_int4(x, qw4, s4[:, None], 64)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int4g64a"])
+@pytest.mark.parametrize("width", [40, 48, 56, 72])
+def test_x_width_other_than_the_packed_k_is_refused(name, width):
+    """Issue 20: a weight packed for K = 64 pads its rows to 64 (int8: 16-k
+    steps) or 64 (int4: 32-k steps) k, so the packed width cannot tell K = 56
+    from 64.  The ops take K and refuse any x whose width differs, instead of
+    computing x . W[:, :56]^T."""
+    cfg = CFGS[name]
+    qw, s, z = F.quantize(torch.randn(8, 64), cfg)
+    x = torch.randn(2, width)
+    args = (x, qw, s, 64) if cfg.group_size is None else (x, qw, s, z, cfg.group_size, 64)
+    fn = {8: qgemv.linear_int8, 4: qgemv.linear_int4}[cfg.bits] if cfg.group_size is None else qgemv.linear_int4_grouped
+    with pytest.raises(ValueError, match=rf"x.shape\[-1\] must equal in_features \(64\), got {width}"):
+        fn(*args)
+
+
+@pytest.mark.parametrize("bits,group", [(8, None), (4, None), (4, 128)])
+def test_quantlinear_refuses_other_input_widths(bits, group):
+    """QuantLinear(1024 -> 768, bits=4) used to accept x of width 1000 (the
+    packed width of 1000 and 1024 is the same)."""
+    q = qgemv.QuantLinear.from_linear(torch.nn.Linear(1024, 768, bias=False), bits, group)
+    assert q(torch.randn(1, 1024)).shape == (1, 768)
+    for width in (1000, 1016, 1008, 1032):
+        with pytest.raises(ValueError, match=rf"x.shape\[-1\] must equal in_features \(1024\), got {width}"):
+            q(torch.randn(1, width))
 
 
 def test_errors_wrong_device():
     x, qw, s = _int8_args()
     with pytest.raises(ValueError, match=r"qgemv.linear_int8: qweight must be on the same device as x \(cpu\), got meta"):
-        qgemv.linear_int8(x, qw.to("meta"), s)
+        qgemv.linear_int8(x, qw.to("meta"), s, 64)
 
 
 def test_errors_sgemv():
@@ -133,12 +163,12 @@ def test_sgemv_reference():
 def _opcheck_cases():
     torch.manual_seed(1)
     x, qw, s = _int8_args(k=72, n=9)
-    yield "int8", torch.ops.qgemv.linear_int8.default, (x, qw, s)
+    yield "int8", torch.ops.qgemv.linear_int8.default, (x, qw, s, 72)
     qw4, s4, _ = F.quantize_int4(torch.randn(9, 72))
-    yield "int4", torch.ops.qgemv.linear_int4.default, (torch.randn(2, 4, 72), qw4, s4)
+    yield "int4", torch.ops.qgemv.linear_int4.default, (torch.randn(2, 4, 72), qw4, s4, 72)
     x, qw, s, z = _int4g_args()
-    yield "int4g_asym", torch.ops.qgemv.linear_int4_grouped.default, (x, qw, s, z, 32)
-    yield "int4g_sym", torch.ops.qgemv.linear_int4_grouped.default, (x.bfloat16(), qw, s, None, 32)
+    yield "int4g_asym", torch.ops.qgemv.linear_int4_grouped.default, (x, qw, s, z, 32, 64)
+    yield "int4g_sym", torch.ops.qgemv.linear_int4_grouped.default, (x.bfloat16(), qw, s, None, 32, 64)
     yield "sgemv", torch.ops.qgemv.sgemv.default, (torch.randn(6, 20), torch.randn(20), 0)
 
 
@@ -152,7 +182,7 @@ def test_fake_shapes_on_meta():
     x = torch.empty(2, 3, 128, dtype=torch.bfloat16, device="meta")
     qw = torch.empty(40, 16, dtype=torch.int32, device="meta")
     s = torch.empty(40, 2, dtype=torch.float16, device="meta")
-    y = torch.ops.qgemv.linear_int4_grouped(x, qw, s, None, 64)
+    y = torch.ops.qgemv.linear_int4_grouped(x, qw, s, None, 64, 128)
     assert y.shape == (2, 3, 40) and y.dtype == torch.bfloat16 and y.device.type == "meta"
 
 
