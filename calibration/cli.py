@@ -12,31 +12,52 @@ asymmetric looks unrealistically good on it.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from eval.ppl import device_arg, int_at_least  # noqa: E402
+
+
+def positive_float(v: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        x = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {v!r}") from None
+    if not (math.isfinite(x) and x > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {v!r}")
+    return x
+
 
 def _overrides(values):
-    """--override 'REGEX=bits:4,group_size:64' -> {regex: dict}."""
+    """--override 'REGEX=bits:4,group_size:64' -> {regex: dict}; ValueError naming the bad value."""
     out = {}
     for v in values or []:
         if "=" not in v:
-            raise argparse.ArgumentTypeError(f"--override needs REGEX=key:value,..., got {v!r}")
+            raise ValueError(f"--override needs REGEX=key:value,..., got {v!r}")
         pat, spec = v.split("=", 1)
         kw = {}
         for item in spec.split(","):
-            k, _, val = item.partition(":")
-            if k == "bits":
-                kw[k] = int(val)
-            elif k == "group_size":
-                kw[k] = None if val in ("none", "None", "") else int(val)
-            elif k == "symmetric":
-                kw[k] = val.lower() in ("1", "true", "yes")
-            else:
-                raise argparse.ArgumentTypeError(f"--override: unknown key {k!r} (bits, group_size, symmetric)")
+            k, sep, val = item.partition(":")
+            if not sep:
+                raise ValueError(f"--override {v!r}: {item!r} is not key:value")
+            try:
+                if k == "bits":
+                    kw[k] = int(val)
+                elif k == "group_size":
+                    kw[k] = None if val in ("none", "None", "") else int(val)
+                elif k == "symmetric":
+                    if val.lower() not in ("1", "true", "yes", "0", "false", "no"):
+                        raise ValueError
+                    kw[k] = val.lower() in ("1", "true", "yes")
+                else:
+                    raise ValueError(f"--override {v!r}: unknown key {k!r} (bits, group_size, symmetric)")
+            except ValueError as e:
+                raise ValueError(str(e) or f"--override {v!r}: bad value {val!r} for {k}") from None
         out[pat] = kw
     return out
 
@@ -52,19 +73,19 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--method", choices=("rtn", "gptq", "awq", "awq_gptq", "signround", "gptq_signround"), default="gptq",
                     help="awq_gptq: AWQ scales folded in first, then GPTQ; signround: rounding and clipping "
                          "tuned per decoder layer by signed gradient descent (see --signround-steps)")
-    ap.add_argument("--signround-steps", type=int, default=50,
+    ap.add_argument("--signround-steps", type=int_at_least(1), default=50,
                     help="signround: gradient steps per decoder layer (each on about 2048 calibration tokens)")
     ap.add_argument("--calib", default="default",
                     help="calibration text: 'default' (embedded Wikipedia sample), a .txt/.json file, or hub:NAME[:CONFIG[:SPLIT]]")
-    ap.add_argument("--samples", type=int, default=128)
-    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--samples", type=int_at_least(1), default=128, help="calibration windows (>= 1)")
+    ap.add_argument("--seq-len", type=int_at_least(2), default=512, help="tokens per calibration window (>= 2)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, fraction of mean(diag(H))")
+    ap.add_argument("--damp", type=positive_float, default=0.01, help="GPTQ dampening, fraction of mean(diag(H))")
     ap.add_argument("--act-order", action="store_true", help="GPTQ columns by decreasing Hessian diagonal")
     ap.add_argument("--true-sequential", action="store_true",
                     help="GPTQ: quantize q/k/v, o, gate/up, down in turn, each with Hessians taken after the "
                          "earlier ones are quantized (default: all of a layer's Hessians from one float pass)")
-    ap.add_argument("--clip-grid", type=int, default=20,
+    ap.add_argument("--clip-grid", type=int_at_least(0), default=20,
                     help="GPTQ and AWQ: search this many shrunk ranges per row/group for the scale, judged by "
                          "output-weighted error (0 = min/max)")
     ap.add_argument("--skip", action="append", default=None,
@@ -73,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="per-module format, e.g. 'down_proj=bits:8' or 'mlp=group_size:64' (repeatable)")
     ap.add_argument("--no-group-fallback", action="store_true",
                     help="skip layers whose in_features the group size does not divide, instead of using a smaller group")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", type=device_arg, default="cpu",
+                    help="where each layer is quantized (cpu, cuda): RTN, GPTQ and AWQ all honour it")
     ap.add_argument("--forward-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                     help="dtype of the calibration forward passes' matmuls (autocast); Hessians and quantized "
                          "weights stay fp32. bfloat16 is about 2x faster on CPUs with AVX512-BF16")
@@ -84,8 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--save-dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
                     help="dtype of the tensors kept in float (embeddings, norms, lm_head) in the checkpoint; "
                          "auto = the source checkpoint's config dtype (float32 for a .gguf file)")
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--overwrite", action="store_true")
+    ap.add_argument("--batch-size", type=int_at_least(1), default=8)
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace --out if it is a qgemv checkpoint (nothing else is ever replaced)")
     return ap
 
 
@@ -120,37 +143,54 @@ def summary_table(rep, cfg, method: str, seconds: float, out: str, fp16_bytes: i
     return "\n".join(lines)
 
 
+def _fail(msg) -> int:
+    print(f"qgemv-quantize: {msg}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
+    """Exit 0 on success, 2 for bad input (arguments, files, --out), checked before any work."""
     args = build_parser().parse_args(argv)
     import torch
 
     from qgemv import checkpoint as C
     from qgemv.formats import QuantConfig
-    from qgemv.nn import QuantLinear
+    from qgemv.nn import QuantLinear, check_rules
+    from qgemv.text import TextError, load_text
 
     from .data import calibration_samples
     from .quantize import quantize_causal_lm
 
+    # 1. everything that needs no model: formats, rules, text, the paths
+    skip = args.skip if args.skip is not None else [r"lm_head", r"embed"]
     try:
         cfg = QuantConfig(args.bits, args.group_size, not args.asym)
-    except ValueError as e:
-        print(f"qgemv-quantize: {e}", file=sys.stderr)
-        return 2
-    if os.path.exists(args.out) and not args.overwrite:
-        print(f"qgemv-quantize: {args.out} exists (use --overwrite)", file=sys.stderr)
-        return 2
+        overrides = _overrides(args.override)
+        check_rules(cfg, skip, overrides)
+        if args.method != "rtn":
+            load_text(args.calib, "calib")
+        source = C.default_model_dir() if args.model in (None, "", "default", "smollm2") else args.model
+        sources = [source, C.default_gguf_file()] if source == C.default_model_dir() else [source]
+        C.check_output_dir(args.out, args.overwrite, sources=sources)
+        if source != C.default_model_dir():
+            C.check_float_model(source)
+    except (ValueError, TextError, FileNotFoundError, FileExistsError, C.CheckpointError) as e:
+        return _fail(e)
+    # 2. the model
     t0 = time.time()
     try:
         path = C.resolve_model(args.model)
         save_dtype = (C.source_dtype(path) or torch.float32) if args.save_dtype == "auto" else getattr(torch, args.save_dtype)
         model, tok = C.load_float_model(path, device="cpu")
-    except (FileNotFoundError, ValueError) as e:
-        print(f"qgemv-quantize: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:  # noqa: BLE001 - any failure to load the user's model is bad input, not a crash
+        return _fail(f"cannot load {args.model}: {type(e).__name__}: {e}")
     samples = None
     calib = None
     if args.method != "rtn":
-        samples = calibration_samples(tok, args.calib, args.samples, args.seq_len, args.seed)
+        try:
+            samples = calibration_samples(tok, args.calib, args.samples, args.seq_len, args.seed)
+        except ValueError as e:
+            return _fail(e)
         calib = {"dataset": args.calib, "samples": args.samples, "seq_len": args.seq_len, "seed": args.seed,
                  "damp": args.damp if "gptq" in args.method else None,
                  "act_order": args.act_order if "gptq" in args.method else None,
@@ -158,8 +198,7 @@ def main(argv=None) -> int:
                  "true_sequential": args.true_sequential if "gptq" in args.method else None,
                  "forward_dtype": args.forward_dtype,
                  "signround_steps": args.signround_steps if "signround" in args.method else None}
-    skip = args.skip if args.skip is not None else [r"lm_head", r"embed"]
-    rep = quantize_causal_lm(model, cfg, args.method, samples, skip=skip, overrides=_overrides(args.override),
+    rep = quantize_causal_lm(model, cfg, args.method, samples, skip=skip, overrides=overrides,
                              damp=args.damp, act_order=args.act_order, batch_size=args.batch_size,
                              device=args.device, group_fallback=not args.no_group_fallback,
                              clip_grid=args.clip_grid, true_sequential=args.true_sequential,

@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import sys
 import time
 from typing import Optional
 
@@ -546,8 +547,11 @@ def main(argv: Optional[list] = None) -> int:
     src = Path(args.quantized)
     if args.generated < 0:
         raise SystemExit(f"--generated must be >= 0, got {args.generated}")
-    if Path(args.out).exists() and not args.overwrite:
-        raise SystemExit(f"{args.out} exists (pass --overwrite to replace it)")
+    try:
+        C.check_output_dir(args.out, args.overwrite, sources=[args.quantized])
+    except (FileExistsError, ValueError) as e:
+        print(f"calibration.e2e: {e}", file=sys.stderr)
+        return 2
     cfg = json.loads((src / "config.json").read_text()) if (src / "config.json").exists() else None
     if cfg is None:
         raise SystemExit(f"{src}: no config.json (not a qgemv checkpoint)")

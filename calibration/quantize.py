@@ -20,7 +20,6 @@ BENCHMARKS.md are from the CPU path.
 from __future__ import annotations
 
 import contextlib
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -31,7 +30,7 @@ from torch import nn
 from qgemv import formats
 from qgemv.checkpoint import peak_rss_mb
 from qgemv.formats import QuantConfig
-from qgemv.nn import QuantLinear, QuantizeReport, quantize_model, set_submodule
+from qgemv.nn import QuantLinear, QuantizeReport, check_rules, layer_format, quantize_model, set_submodule
 
 from . import awq
 from .gptq import Hessian, gptq_quantize
@@ -61,29 +60,6 @@ def _decoder_layers(model: nn.Module):
     raise ValueError(f"{type(model).__name__}: no decoder layers found (Llama-style model.layers expected)")
 
 
-def config_for(name: str, in_features: int, default: QuantConfig, overrides: Optional[dict] = None,
-               group_fallback: bool = True) -> QuantConfig:
-    """The format of one linear: the first matching override, else the default.
-
-    With ``group_fallback``, a group size that does not divide in_features is
-    replaced by the largest of 128 / 64 / 32 that does (SmolLM2's K = 576 is
-    not a multiple of 128); the checkpoint records it per module.
-    """
-    cfg = default
-    if overrides:
-        for pat, kw in overrides.items():
-            if re.search(pat, name):
-                d = dict(bits=default.bits, group_size=default.group_size, symmetric=default.symmetric)
-                d.update(kw)
-                cfg = QuantConfig(**d)
-                break
-    if group_fallback and cfg.group_size and in_features % cfg.group_size != 0:
-        g = formats.fallback_group_size(in_features, cfg.group_size)
-        if g is not None:
-            return QuantConfig(cfg.bits, g, cfg.symmetric)
-    return cfg
-
-
 # Linears with the same input tensor share one Hessian (off only in a test
 # that checks the shared one gives the same result).
 _SHARE_HESSIANS = True
@@ -103,16 +79,6 @@ def _sequential_stages(names: list) -> list:
     if left:
         stages.append(left)
     return stages
-
-
-def _skip_reason(name: str, lin: nn.Linear, cfg: QuantConfig, skip) -> Optional[str]:
-    for p in skip:
-        if re.search(p, name):
-            return f"matches skip pattern {p!r}"
-    k = lin.in_features
-    if k % 8 != 0 or (cfg.group_size and k % cfg.group_size != 0):
-        return f"in_features={k} does not fit {cfg.name}"
-    return None
 
 
 @torch.no_grad()
@@ -177,6 +143,8 @@ def quantize_causal_lm(
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if forward_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"forward_dtype must be None, float32, bfloat16 or float16, got {forward_dtype}")
+    skip = tuple(skip)
+    check_rules(cfg, skip, overrides)
     t0 = time.time()
     rotation = None
     if rotate:
@@ -185,7 +153,8 @@ def quantize_causal_lm(
         rotation = rotate_llama(model, seed=rotate_seed)
     if method == "rtn":
         base = quantize_model(model, cfg.bits, cfg.group_size, cfg.symmetric, skip=skip,
-                              overrides=overrides, progress=progress, group_fallback=group_fallback)
+                              overrides=overrides, progress=progress, group_fallback=group_fallback,
+                              device=device)
         rep = CalibReport(**vars(base))
         rep.method, rep.peak_rss_mb, rep.rotation = method, peak_rss_mb(), rotation
         return rep
@@ -198,8 +167,7 @@ def quantize_causal_lm(
     # Linears outside the decoder layers (lm_head, ...) follow the skip rules / RTN.
     for name, m in list(model.named_modules()):
         if isinstance(m, nn.Linear) and not name.startswith(layers_path + "."):
-            lcfg = config_for(name, m.in_features, cfg, overrides, group_fallback)
-            why = _skip_reason(name, m, lcfg, skip)
+            lcfg, why = layer_format(name, m, cfg, skip, overrides, group_fallback)
             if why:
                 rep.skipped[name] = why
             else:
@@ -266,8 +234,7 @@ def quantize_causal_lm(
         for name, m in layer.named_modules():
             if isinstance(m, nn.Linear):
                 full = prefix + name
-                lcfg = config_for(full, m.in_features, cfg, overrides, group_fallback)
-                why = _skip_reason(full, m, lcfg, skip)
+                lcfg, why = layer_format(full, m, cfg, skip, overrides, group_fallback)
                 if why:
                     rep.skipped[full] = why
                 else:

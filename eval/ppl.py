@@ -103,8 +103,14 @@ class Metrics:
 
 
 def make_windows(ids: torch.Tensor, proto: Protocol):
-    """[(window token ids, number of trailing tokens to score)] per the protocol."""
+    """[(window token ids, number of trailing tokens to score)] per the protocol.
+
+    Raises ValueError when the text holds no whole window, or fewer windows
+    than ``proto.windows`` asks for.
+    """
     span = proto.ctx - (1 if proto.bos else 0)
+    if span < 1 or proto.stride < 0:
+        raise ValueError(f"ctx={proto.ctx} and stride={proto.stride} leave no tokens to score")
     out = []
     if not proto.stride:
         for s in range(0, ids.numel() - span + 1, span):
@@ -116,11 +122,25 @@ def make_windows(ids: torch.Tensor, proto: Protocol):
             first = False
     if not out:
         raise ValueError(f"text has {ids.numel()} tokens, fewer than one window of {span}")
+    if proto.windows > len(out):
+        raise ValueError(f"text gives {len(out)} windows of {span} tokens, fewer than the {proto.windows} asked for")
     if proto.windows and proto.windows < len(out):
         g = torch.Generator().manual_seed(proto.seed)
         pick = sorted(torch.randperm(len(out), generator=g)[: proto.windows].tolist())
         out = [out[i] for i in pick]
     return out
+
+
+def prepare_windows(tokenizer, proto: Protocol, text: str):
+    """Tokenize ``text`` and cut it per the protocol; returns (windows, BOS id or None).
+
+    A tokenizer without a BOS token turns ``proto.bos`` off.
+    """
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    bos = tokenizer.bos_token_id if proto.bos else None
+    if proto.bos and bos is None:
+        proto.bos = False
+    return make_windows(ids, proto), bos
 
 
 @torch.no_grad()
@@ -134,11 +154,7 @@ def evaluate(models: dict, tokenizer, proto: Protocol, text: str = None, batch: 
 
     if text is None:
         text = load_text(proto.text, "eval")
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
-    bos = tokenizer.bos_token_id if proto.bos else None
-    if proto.bos and bos is None:
-        proto.bos = False
-    wins = make_windows(ids, proto)
+    wins, bos = prepare_windows(tokenizer, proto, text)
     names = list(models)
     metrics = {n: Metrics(n) for n in names}
     it = range(0, len(wins), batch)
@@ -216,10 +232,22 @@ def bar_chart(report: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _json_safe(obj):
+    """``obj`` with every non-finite float replaced by None, so that the JSON stays valid (no bare NaN)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
 def write_report(report: dict, out: str) -> None:
+    """<out>.json (non-finite numbers written as null), <out>.txt and, with matplotlib, <out>.png."""
     os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
     with open(out + ".json", "w") as f:
-        json.dump(report, f, indent=1)
+        json.dump(_json_safe(report), f, indent=1, allow_nan=False)
     with open(out + ".txt", "w") as f:
         f.write(table(report) + "\n")
     try:
@@ -242,33 +270,74 @@ def load_models(reference: str, quantized: list, device: str):
     return models, tok
 
 
+def int_at_least(lo: int):
+    """An argparse type: an integer >= lo."""
+    def parse(v: str) -> int:
+        try:
+            x = int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {v!r}") from None
+        if x < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {x}")
+        return x
+    return parse
+
+
+def device_arg(v: str) -> str:
+    """An argparse type: a torch device that exists here ("cpu", "cuda", "cuda:1")."""
+    try:
+        d = torch.device(v)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a device: {v!r}") from None
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{v}: no CUDA GPU is available here")
+    if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{v}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if d.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{v}: qgemv runs on cpu or cuda")
+    return v
+
+
 def add_protocol_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--text", default="default",
                     help="'default' (embedded Wikipedia sample), a .txt/.json file or directory, or hub:NAME[:CONFIG[:SPLIT]]")
-    ap.add_argument("--ctx", type=int, default=512)
-    ap.add_argument("--stride", type=int, default=0, help="sliding-window stride (0 = non-overlapping)")
-    ap.add_argument("--windows", type=int, default=8, help="seeded random subset of windows (0 = all)")
+    ap.add_argument("--ctx", type=int_at_least(2), default=512, help="tokens per window, BOS included (>= 2)")
+    ap.add_argument("--stride", type=int_at_least(0), default=0, help="sliding-window stride (0 = non-overlapping)")
+    ap.add_argument("--windows", type=int_at_least(0), default=8, help="seeded random subset of windows (0 = all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-bos", action="store_true", help="do not prepend BOS to each window")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batch", type=int_at_least(1), default=4)
+    ap.add_argument("--device", type=device_arg, default="cpu")
 
 
 def protocol_from(args) -> Protocol:
-    return Protocol(text=args.text, ctx=args.ctx, stride=args.stride, windows=args.windows, seed=args.seed,
-                    bos=not args.no_bos)
+    """The Protocol of parsed arguments; ValueError for combinations no single flag rules out."""
+    proto = Protocol(text=args.text, ctx=args.ctx, stride=args.stride, windows=args.windows, seed=args.seed,
+                     bos=not args.no_bos)
+    span = proto.ctx - (1 if proto.bos else 0)
+    if proto.stride > span:
+        raise ValueError(f"--stride {proto.stride} is longer than a window's {span} text tokens")
+    return proto
 
 
 def main(argv=None) -> int:
+    from qgemv.checkpoint import CheckpointError
+    from qgemv.text import TextError, load_text
+
     ap = argparse.ArgumentParser(prog="qgemv-ppl", description="perplexity / KL / top-1 vs a reference model")
     ap.add_argument("--model", default="default", help="reference model: HF directory, .gguf, or 'default'")
     ap.add_argument("--quantized", nargs="*", default=[], help="qgemv checkpoint directories")
     ap.add_argument("--out", default="runs/ppl", help="report path prefix (.json, .txt, .png)")
     add_protocol_args(ap)
     args = ap.parse_args(argv)
-    proto = protocol_from(args)
-    models, tok = load_models(args.model, args.quantized, args.device)
-    report = evaluate(models, tok, proto, batch=args.batch, device=args.device)
+    try:
+        proto = protocol_from(args)
+        text = load_text(args.text, "eval")
+        models, tok = load_models(args.model, args.quantized, args.device)
+        report = evaluate(models, tok, proto, text=text, batch=args.batch, device=args.device)
+    except (TextError, CheckpointError, FileNotFoundError, ValueError, OSError) as e:
+        print(f"qgemv-ppl: {e}", file=sys.stderr)
+        return 2
     write_report(report, args.out)
     print(table(report))
     return 0

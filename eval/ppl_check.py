@@ -2,30 +2,62 @@
 
     qgemv-ppl-check --reference MODEL --quantized QDIR [--max-ppl-increase 2%] [--max-kl 0.05] [--min-top1 95%]
 
-Exit status: 0 when every threshold holds, 1 when any fails (each failure is
-printed with its margin), 2 for bad arguments or missing / unreadable files.
+Exit status:
+  0  every threshold holds for every checkpoint;
+  1  a threshold failed (each failure is printed with its margin), or a
+     metric is not finite (NaN logits fail; they never pass);
+  2  anything else: bad arguments or thresholds (NaN, infinite, negative,
+     top-1 outside 0..100%), a missing, empty, binary, non-UTF-8 or
+     too-short text, a directory that is not a qgemv checkpoint, a model
+     that does not load, or an internal error (printed with its traceback).
+Arguments, checkpoints and the text are all checked before either model
+is loaded.  Each verdict prints Δppl with its paired, window-level standard
+error, and warns when a limit lies within two standard errors of the
+measured value (a verdict the noise could flip: use more --windows).
 The evaluation protocol is eval/ppl.py's and is printed with the result.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+def _threshold(what: str, hi: float = math.inf, pct: bool = False):
+    """An argparse type: a finite number in [0, hi], optionally written with a % sign."""
+    def parse(v: str) -> float:
+        try:
+            x = float(v.rstrip("%") if pct else v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'a percentage like 2% or 2' if pct else 'a number'}, "
+                                             f"got {v!r}") from None
+        if not math.isfinite(x) or x < 0 or x > hi:
+            rng = f"0..{hi:g}" if math.isfinite(hi) else ">= 0"
+            raise argparse.ArgumentTypeError(f"{what} must be a finite number {rng}, got {v!r}")
+        return x
+    return parse
 
 
-def _pct(v: str) -> float:
-    try:
-        return float(v.rstrip("%"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a percentage like 2% or 2, got {v!r}")
+def _finite(*vals) -> bool:
+    return all(v is not None and math.isfinite(v) for v in vals)
 
 
 def check(result: dict, max_ppl_increase: float, max_kl: float, min_top1: float) -> list:
-    """Failed thresholds of one quantized result, as human-readable lines."""
+    """Failed thresholds of one quantized result, as human-readable lines.
+
+    A metric that is not a finite number (NaN logits give NaN perplexity and
+    KL) is itself a failure, whatever the thresholds.
+    """
     fails = []
+    for key, what in (("ppl", "perplexity"), ("delta_ppl_pct", "ppl increase"), ("kl", "KL"),
+                      ("top1_pct", "top-1 agreement")):
+        if not _finite(result.get(key)):
+            fails.append(f"{what} is {result.get(key)} (not a finite number): the model's logits are not usable")
+    if fails:
+        return fails
     d = result["delta_ppl_pct"]
     if d > max_ppl_increase:
         fails.append(f"ppl increase {d:+.3f}% > allowed {max_ppl_increase:.3f}% (by {d - max_ppl_increase:.3f} points)")
@@ -37,36 +69,88 @@ def check(result: dict, max_ppl_increase: float, max_kl: float, min_top1: float)
     return fails
 
 
-def main(argv=None) -> int:
-    from eval.ppl import add_protocol_args, evaluate, load_models, protocol_from, table, write_report
+def noise_note(result: dict, max_ppl_increase: float) -> str:
+    """'Δppl +0.26% ± 0.19' and, when the limit is within two standard errors of it, a warning line."""
+    d, se = result.get("delta_ppl_pct"), result.get("delta_ppl_se_pct")
+    if not _finite(d):
+        return ""
+    text = f"Δppl {d:+.3f}%" + (f" ± {se:.3f} (paired s.e. over windows)" if _finite(se) else " (no s.e.: one window)")
+    if _finite(se) and abs(max_ppl_increase - d) < 2 * se:
+        text += (f"\n  warning: the limit {max_ppl_increase:.3f}% is within 2 standard errors of the measured "
+                 f"{d:+.3f}%; noise could flip this verdict (use more --windows)")
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .ppl import add_protocol_args
 
     ap = argparse.ArgumentParser(prog="qgemv-ppl-check", description=__doc__.split("\n")[0])
     ap.add_argument("--reference", required=True, help="reference model: HF directory, .gguf, or 'default'")
     ap.add_argument("--quantized", required=True, nargs="+", help="qgemv checkpoint directory (or several)")
-    ap.add_argument("--max-ppl-increase", type=_pct, default=2.0, help="percent (default 2%%)")
-    ap.add_argument("--max-kl", type=float, default=0.05, help="nats per token (default 0.05)")
-    ap.add_argument("--min-top1", type=_pct, default=95.0, help="percent (default 95%%)")
+    ap.add_argument("--max-ppl-increase", type=_threshold("--max-ppl-increase", pct=True), default=2.0,
+                    help="percent, >= 0 (default 2%%)")
+    ap.add_argument("--max-kl", type=_threshold("--max-kl"), default=0.05, help="nats per token, >= 0 (default 0.05)")
+    ap.add_argument("--min-top1", type=_threshold("--min-top1", hi=100.0, pct=True), default=95.0,
+                    help="percent, 0..100 (default 95%%)")
     ap.add_argument("--out", default=None, help="optional report path prefix")
     add_protocol_args(ap)
-    args = ap.parse_args(argv)
+    return ap
+
+
+class _BadInput(Exception):
+    pass
+
+
+def _prepare(args):
+    """Everything that can be checked before a model is loaded; returns (reference path, text, proto)."""
+    from qgemv import checkpoint as C
+    from qgemv.text import load_text
+
+    from .ppl import prepare_windows, protocol_from
+
     for q in args.quantized:
         if not os.path.isdir(q) or not os.path.exists(os.path.join(q, "config.json")):
-            print(f"qgemv-ppl-check: {q}: not a checkpoint directory (no config.json)", file=sys.stderr)
-            return 2
+            raise _BadInput(f"{q}: not a checkpoint directory (no config.json)")
+        if not C.is_qgemv_checkpoint(q):
+            raise _BadInput(f"{q}: config.json has no qgemv quantization_config")
+    proto = protocol_from(args)
+    text = load_text(args.text, "eval")
+    ref_path = C.resolve_model(args.reference)
+    C.check_float_model(ref_path)
+    for path in [ref_path] + list(args.quantized):
+        n = C.max_positions(path)
+        if n is not None and args.ctx > n:
+            raise _BadInput(f"--ctx {args.ctx} exceeds the {n} positions of {path}")
+    tok = C.load_tokenizer(ref_path)
+    prepare_windows(tok, proto, text)  # raises for a text too short for the protocol
+    return ref_path, text, proto
+
+
+def main(argv=None) -> int:
+    from qgemv.checkpoint import CheckpointError
+    from qgemv.text import TextError
+
+    from .ppl import evaluate, load_models, table, write_report
+
+    args = build_parser().parse_args(argv)
     try:
-        models, tok = load_models(args.reference, args.quantized, args.device)
-    except (FileNotFoundError, ValueError, OSError) as e:
+        ref_path, text, proto = _prepare(args)
+        models, tok = load_models(ref_path, args.quantized, args.device)
+        report = evaluate(models, tok, proto, text=text, batch=args.batch, device=args.device, progress=False)
+    except (_BadInput, TextError, CheckpointError, FileNotFoundError, ValueError, OSError) as e:
         print(f"qgemv-ppl-check: {e}", file=sys.stderr)
         return 2
-    report = evaluate(models, tok, protocol_from(args), batch=args.batch, device=args.device, progress=False)
+    except Exception:  # exit 1 means "a threshold failed" and nothing else
+        traceback.print_exc()
+        print("qgemv-ppl-check: internal error (exit 2, not a threshold failure)", file=sys.stderr)
+        return 2
     if args.out:
         write_report(report, args.out)
     print(table(report))
     failed = False
     for r in report["results"][1:]:
         fails = check(r, args.max_ppl_increase, args.max_kl, args.min_top1)
-        status = "FAIL" if fails else "pass"
-        print(f"{status}: {r['name']}")
+        print(f"{'FAIL' if fails else 'pass'}: {r['name']}  {noise_note(r, args.max_ppl_increase)}")
         for f in fails:
             print(f"  {f}")
         failed |= bool(fails)

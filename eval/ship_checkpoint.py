@@ -83,9 +83,7 @@ def unpack(prefix: str, out: str, reference: str = "default") -> Path:
     from qgemv import checkpoint as C
     from qgemv import formats
 
-    out_p = Path(out)
-    if out_p.exists():
-        raise FileExistsError(f"{out} exists")
+    out_p = C.check_output_dir(out)
     parts = [p for p in glob.glob(glob.escape(prefix) + "*") if p[len(prefix):].isdigit()]
     parts.sort(key=lambda p: int(p[len(prefix):]))
     if not parts or [int(p[len(prefix):]) for p in parts] != list(range(len(parts))):
@@ -99,6 +97,9 @@ def unpack(prefix: str, out: str, reference: str = "default") -> Path:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
             tar.extractall(tmp, filter="data")
         manifest = json.loads((tmp / MANIFEST).read_text())
+        name = manifest.get("file") if isinstance(manifest, dict) else None
+        if not isinstance(name, str) or name in ("", ".", "..") or name != Path(name).name or "\\" in name:
+            raise ValueError(f"{prefix}: the manifest's file {name!r} is not a plain file name inside OUT")
         state = load((tmp / PAYLOAD).read_bytes())
         ref = {}
         for f in ref_files:

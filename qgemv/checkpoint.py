@@ -20,11 +20,16 @@ other version is refused with a clear error.
 from __future__ import annotations
 
 import contextlib
+import glob
 import importlib.util
 import json
 import os
 import shutil
+import signal
 import tempfile
+import threading
+import time
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -45,23 +50,184 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt, or does not match its config."""
 
 
+_RUN_STARTED = time.time()  # "older than this run", for temporary directories left by earlier runs
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where Linux allows (os.umask would race)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _clean_stale(out: Path) -> None:
+    """Remove what interrupted writes of ``out`` left beside it.
+
+    Temporary directories are named ``.NAME.tmp-PID-*`` (a write in progress)
+    and ``.NAME.old-PID-*`` (the previous checkpoint, moved aside while the new
+    one is renamed in).  One whose PID is dead, or whose name carries no PID
+    and that is older than this run (written by an earlier qgemv), is stale:
+    a stale ``.old`` directory is renamed back to ``out`` when ``out`` is
+    missing (the write was killed between the two renames), else removed.
+    """
+    parent = out.parent
+    if not parent.is_dir():
+        return
+    for kind in ("old", "tmp"):  # old first: it may have to become out again
+        prefix = f".{out.name}.{kind}-"
+        for d in sorted(parent.glob(glob.escape(prefix) + "*")):
+            if not d.is_dir() or d.is_symlink():
+                continue
+            pid = d.name[len(prefix):].split("-", 1)[0]
+            if pid.isdigit():
+                if int(pid) == os.getpid() or _pid_alive(int(pid)):
+                    continue
+            elif d.stat().st_mtime >= _RUN_STARTED:
+                continue
+            if kind == "old" and not os.path.lexists(out):
+                os.rename(d, out)
+                warnings.warn(f"qgemv: {out} was being replaced when its writer died; the previous "
+                              f"checkpoint ({d.name}) is restored", RuntimeWarning, stacklevel=3)
+            else:
+                shutil.rmtree(d, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _terminate_raises():
+    """Within the block SIGTERM raises SystemExit(143), so that cleanup code runs (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` to ``out``.  An existing ``out`` is moved aside first and deleted only once
+    the new one is in place; if anything fails in between, it is moved back, whole."""
+    if not os.path.lexists(out):
+        os.rename(tmp, out)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=out.parent))
+    os.rmdir(old)
+    os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def _atomic_dir(out: Path):
-    """Yield a temporary sibling of ``out``; on success it replaces ``out``.
+    """Yield a temporary sibling directory of ``out``; on success it replaces ``out``.
 
-    On any error (or interruption) the temporary directory is removed and
-    ``out`` is left as it was.
+    The new directory is renamed in and any previous ``out`` moved aside
+    first, then deleted (:func:`_swap_in`).  On any error, Ctrl-C or SIGTERM
+    the temporary directory is removed and ``out`` is as it was.  Stale
+    temporaries of earlier, killed runs are removed first (:func:`_clean_stale`).
+    The directory gets the permissions of the umask (mkdtemp's are 0700).
     """
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    _clean_stale(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     try:
-        yield tmp
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        with _terminate_raises():
+            os.chmod(tmp, 0o777 & ~_umask())
+            yield tmp
+            _swap_in(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def is_qgemv_checkpoint(path) -> bool:
+    """True when ``path`` is a directory whose config.json says ``quant_method: "qgemv"``."""
+    cfg = Path(path) / "config.json"
+    try:
+        d = json.loads(cfg.read_text())
+    except (OSError, ValueError):
+        return False
+    qc = d.get("quantization_config") if isinstance(d, dict) else None
+    return isinstance(qc, dict) and qc.get("quant_method") == "qgemv"
+
+
+class OutputDirError(ValueError):
+    """An output directory that qgemv refuses to write or replace."""
+
+
+def check_output_dir(out, overwrite: bool = False, sources=()) -> Path:
+    """Check, before any work, that ``out`` can receive a checkpoint; returns it as a Path.
+
+    A missing ``out`` is fine if its nearest existing ancestor is a writable
+    directory (probed by creating and removing a directory there).  An
+    existing ``out`` needs ``overwrite``, and even then may only be a qgemv
+    checkpoint directory (:func:`is_qgemv_checkpoint`): never a file or a
+    symbolic link, the current directory or one of its ancestors, the home
+    directory, ``/``, or a directory holding one of ``sources`` (the model
+    being quantized).  Raises FileExistsError or OutputDirError naming the rule.
+    """
+    out = Path(out)
+    if str(out).strip() == "":
+        raise OutputDirError("the output directory must not be empty")
+    if os.path.lexists(out):
+        if not overwrite:
+            raise FileExistsError(f"{out} exists (pass overwrite=True / --overwrite to replace it)")
+        if out.is_symlink():
+            raise OutputDirError(f"{out} is a symbolic link; refusing to replace it")
+        if not out.is_dir():
+            raise OutputDirError(f"{out} is not a directory; refusing to replace it")
+        real = out.resolve()
+        cwd = Path.cwd().resolve()
+        if real == cwd or real in cwd.parents:
+            raise OutputDirError(f"{out} is the current directory or one of its ancestors; refusing to replace it")
+        if real == Path.home().resolve() or real.parent == real:
+            raise OutputDirError(f"{out} is the home directory or /; refusing to replace it")
+        for src in sources:
+            if src is None:
+                continue
+            s = Path(src).resolve()
+            if s == real or real in s.parents:
+                raise OutputDirError(f"{out} holds the source model {src}; refusing to replace it")
+        if not is_qgemv_checkpoint(out):
+            raise OutputDirError(f"{out} is not a qgemv checkpoint (no config.json with quantization_config."
+                                 "quant_method 'qgemv'); --overwrite replaces only qgemv checkpoints")
+    anc = out.absolute().parent
+    while not anc.exists():
+        anc = anc.parent
+    if not anc.is_dir():
+        raise OutputDirError(f"{out}: {anc} is not a directory")
+    try:
+        probe = tempfile.mkdtemp(prefix=f".{out.name}.probe-", dir=anc)
+        os.rmdir(probe)
+    except OSError as e:
+        raise OutputDirError(f"{out}: cannot create directories in {anc} ({e.strerror})") from None
+    return out
 
 
 def _require_transformers():
@@ -85,6 +251,11 @@ def default_gguf_file() -> Path:
     return path
 
 
+def default_model_dir() -> Path:
+    """Where :func:`default_model_path` keeps the converted default model (it may not exist yet)."""
+    return CACHE_DIR / "smollm2-135m-instruct"
+
+
 def default_model_path() -> Path:
     """A safetensors copy of the default model, converted from GGUF on first use.
 
@@ -92,8 +263,8 @@ def default_model_path() -> Path:
     of 32), so int4 g32 asymmetric quantization is nearly lossless on it and
     says little; compare per-channel and g128 instead.
     """
-    out = CACHE_DIR / "smollm2-135m-instruct"
-    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+    out = default_model_dir()
+    if (out / "config.json").exists() and (out / _SINGLE).exists():
         return out
     model, tok = load_float_model(str(default_gguf_file()))
     with _atomic_dir(out) as tmp:
@@ -136,35 +307,78 @@ def source_dtype(path: str) -> Optional[torch.dtype]:
     p = Path(path)
     if not (p.is_dir() and (p / "config.json").exists()):
         return None
-    cfg = json.loads((p / "config.json").read_text())
+    cfg = _read_json(p / "config.json", "config.json")
     name = cfg.get("dtype") or cfg.get("torch_dtype")
     return _FLOAT_DTYPES.get(str(name).replace("torch.", "")) if name else None
+
+
+def check_float_model(path) -> None:
+    """Check a float model path before loading it: FileNotFoundError, or CheckpointError naming the file.
+
+    A .gguf file; or a directory with a config.json that is a JSON object
+    (and not a qgemv checkpoint) and weights: every safetensors file it names
+    (:func:`checkpoint_files`) must have a readable header whose tensors fill
+    the file exactly (a truncated or corrupt file is caught here, not halfway
+    through loading), or else ``*.bin`` files.
+    """
+    from safetensors import safe_open
+
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"model not found: {path}")
+    if p.is_file():
+        if p.suffix != ".gguf":
+            raise CheckpointError(f"{path}: expected a directory or a .gguf file")
+        return
+    if not (p / "config.json").exists():
+        raise CheckpointError(f"{path}: no config.json")
+    _read_json(p / "config.json", "config.json")
+    if is_qgemv_checkpoint(p):
+        raise CheckpointError(f"{path} is a qgemv quantized checkpoint; use qgemv.load_quantized")
+    if not (p / _SINGLE).exists() and not (p / _INDEX).exists():
+        if not list(p.glob("*.bin")):
+            raise CheckpointError(f"{path}: no {_SINGLE}, {_INDEX} or *.bin weights")
+        return
+    for f in checkpoint_files(p):
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                h.keys()
+        except Exception as e:  # safetensors' own error types
+            raise CheckpointError(f"{f}: cannot read safetensors file (corrupt or truncated?): {e}") from None
+
+
+def max_positions(path) -> Optional[int]:
+    """``max_position_embeddings`` from a model directory's config.json (None if absent, or for a .gguf)."""
+    p = Path(path)
+    if not (p.is_dir() and (p / "config.json").exists()):
+        return None
+    n = _read_json(p / "config.json", "config.json").get("max_position_embeddings")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def load_tokenizer(path):
+    """The tokenizer of a Hugging Face directory or .gguf file, alone (no weights loaded)."""
+    transformers = _require_transformers()
+    p = Path(path)
+    if p.is_file():
+        return transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    return transformers.AutoTokenizer.from_pretrained(str(p))
 
 
 def load_float_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """(model, tokenizer) from a Hugging Face directory or a .gguf file.
 
     Raises FileNotFoundError for a missing path and CheckpointError for a
-    directory without config.json or weights.
+    bad directory (see :func:`check_float_model`).
     """
     transformers = _require_transformers()
+    check_float_model(path)
     p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"model not found: {path}")
     kw = dict(dtype=dtype)
     if p.is_file():
-        if p.suffix != ".gguf":
-            raise CheckpointError(f"{path}: expected a directory or a .gguf file")
         model = transformers.AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, **kw)
         tok = transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
     else:
-        if not (p / "config.json").exists():
-            raise CheckpointError(f"{path}: no config.json")
-        cfg = json.loads((p / "config.json").read_text())
-        if "quantization_config" in cfg and cfg["quantization_config"].get("quant_method") == "qgemv":
-            raise CheckpointError(f"{path} is a qgemv quantized checkpoint; use qgemv.load_quantized")
-        if not list(p.glob("*.safetensors")) and not list(p.glob("*.bin")):
-            raise CheckpointError(f"{path}: no *.safetensors weights")
         model = transformers.AutoModelForCausalLM.from_pretrained(str(p), **kw)
         tok = transformers.AutoTokenizer.from_pretrained(str(p))
     return model.to(device).eval(), tok
@@ -207,7 +421,10 @@ def save_quantized(model: nn.Module, tokenizer, out_dir: str, qconfig: dict, ove
     """Write config.json, model.safetensors and the tokenizer to out_dir, atomically.
 
     Everything goes to a temporary sibling directory first and is renamed into
-    place at the end, so an interrupted run leaves no directory that loads.
+    place at the end, so an interrupted run leaves no directory that loads;
+    with ``overwrite`` a previous checkpoint there is replaced only when the
+    new one is complete (see :func:`_atomic_dir`), and only a qgemv
+    checkpoint may be replaced (:func:`check_output_dir`).
     ``extra_json`` ({file name: object}) adds reports to the same directory.
     ``float_dtype`` stores the tensors that stay in float (embeddings, norms,
     lm_head, biases) in that dtype, and config.json says so; None keeps the
@@ -218,9 +435,7 @@ def save_quantized(model: nn.Module, tokenizer, out_dir: str, qconfig: dict, ove
         raise ValueError(f"float_dtype must be None, float32, float16 or bfloat16, got {float_dtype}")
     from safetensors.torch import save_file
 
-    out = Path(out_dir)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists (pass overwrite=True / --overwrite to replace it)")
+    out = check_output_dir(out_dir, overwrite)
     with _atomic_dir(out) as tmp:
         cfg = model.config.to_dict()
         cfg["quantization_config"] = qconfig
@@ -243,13 +458,174 @@ def save_quantized(model: nn.Module, tokenizer, out_dir: str, qconfig: dict, ove
     return out
 
 
-def _read_safetensors(path: Path) -> dict:
-    from safetensors.torch import load_file
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot read {what} ({e})") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{path}: {what} must be a JSON object, got {type(d).__name__}")
+    return d
+
+
+def _read_safetensors(path: Path) -> tuple:
+    """(tensors, metadata) of one safetensors file; CheckpointError naming the file if it is unreadable."""
+    from safetensors import safe_open
 
     try:
-        return load_file(str(path))
-    except Exception as e:  # safetensors raises its own error type for bad headers / short files
-        raise CheckpointError(f"{path}: cannot read safetensors file (corrupt or truncated?): {e}") from e
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            return {k: f.get_tensor(k) for k in f.keys()}, meta
+    except Exception as e:  # safetensors raises its own error types for bad headers / short files
+        raise CheckpointError(f"{path}: cannot read safetensors file (corrupt or truncated?): {e}") from None
+
+
+def checkpoint_files(path) -> list:
+    """The safetensors files of a checkpoint directory, exactly as it names them.
+
+    ``model.safetensors``, or the files that ``model.safetensors.index.json``'s
+    ``weight_map`` names (plain file names inside the directory).  Any other
+    ``*.safetensors`` beside them (a backup, say) is never read.  Raises
+    CheckpointError when neither exists, when both do, or for a bad index.
+    """
+    p = Path(path)
+    index, single = p / _INDEX, p / _SINGLE
+    if index.exists() and single.exists():
+        raise CheckpointError(f"{path}: has both {_SINGLE} and {_INDEX}; keep one")
+    if single.exists():
+        return [single]
+    if not index.exists():
+        raise CheckpointError(f"{path}: no {_SINGLE} and no {_INDEX}")
+    wm = _read_json(index, "the shard index").get("weight_map")
+    if not isinstance(wm, dict) or not wm:
+        raise CheckpointError(f"{index}: needs a non-empty 'weight_map' object")
+    files = []
+    for name in wm.values():
+        if not isinstance(name, str) or name != Path(name).name or name in ("", ".", ".."):
+            raise CheckpointError(f"{index}: weight_map names {name!r}, not a plain file name in the directory")
+        if name not in files:
+            files.append(name)
+    for name in files:
+        if not (p / name).is_file():
+            raise CheckpointError(f"{index}: names {name}, which is missing")
+    return [p / n for n in files]
+
+
+def read_checkpoint_tensors(path) -> tuple:
+    """(tensors, metadata of each file) of a checkpoint directory (see :func:`checkpoint_files`).
+
+    A key stored in two files, or stored in a file the index does not map it
+    to, or mapped by the index but absent, is a CheckpointError.
+    """
+    files = checkpoint_files(path)
+    index = Path(path) / _INDEX
+    wm = _read_json(index, "the shard index")["weight_map"] if index.exists() else None
+    state, metas, where = {}, {}, {}
+    for f in files:
+        tensors, meta = _read_safetensors(f)
+        metas[f.name] = meta
+        for k, t in tensors.items():
+            if k in where:
+                raise CheckpointError(f"{path}: tensor {k} is stored twice, in {where[k]} and {f.name}")
+            if wm is not None and wm.get(k) != f.name:
+                raise CheckpointError(f"{path}: tensor {k} is in {f.name}, but {_INDEX} maps it to {wm.get(k)}")
+            where[k] = f.name
+            state[k] = t
+    if wm is not None:
+        absent = sorted(set(wm) - set(state))
+        if absent:
+            raise CheckpointError(f"{path}: {len(absent)} tensor(s) in {_INDEX} are in no file, e.g. {absent[:3]}")
+    return state, metas
+
+
+def _parse_qconfig(qc, path) -> tuple:
+    """(format_version, default QuantConfig, {module: QuantConfig} overrides, converted names) of a
+    ``quantization_config`` block; CheckpointError naming the field for anything malformed."""
+    where = f"{path}: config.json quantization_config"
+    if not isinstance(qc, dict) or qc.get("quant_method") != "qgemv":
+        raise CheckpointError(f"{path}: config.json has no qgemv quantization_config")
+    version = qc.get("format_version")
+    if isinstance(version, bool) or version not in _READABLE_VERSIONS:
+        raise CheckpointError(
+            f"{path}: format_version {version!r} is not supported by this qgemv "
+            f"(it reads format_version {', '.join(map(str, _READABLE_VERSIONS))})")
+
+    def cfg_of(d, what):
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{where}: {what} must be an object, got {d!r}")
+        extra = sorted(set(d) - {"bits", "group_size", "symmetric"})
+        if extra:
+            raise CheckpointError(f"{where}: {what} has unknown key(s) {extra}")
+        for key in ("bits", "group_size", "symmetric"):
+            if key not in d:
+                raise CheckpointError(f"{where}: {what} is missing {key!r}")
+        bits, g, sym = d["bits"], d["group_size"], d["symmetric"]
+        if isinstance(bits, bool) or not isinstance(bits, int) or not isinstance(sym, bool) or not (
+                g is None or (isinstance(g, int) and not isinstance(g, bool))):
+            raise CheckpointError(f"{where}: {what} needs bits: int, group_size: int or null, symmetric: bool; "
+                                  f"got {d!r}")
+        try:
+            return QuantConfig(bits, g, sym)
+        except ValueError as e:
+            raise CheckpointError(f"{where}: {what}: {e}") from None
+
+    default = cfg_of({k: qc[k] for k in ("bits", "group_size", "symmetric") if k in qc}, "the default format")
+    overrides = qc.get("module_overrides") or {}
+    if not isinstance(overrides, dict):
+        raise CheckpointError(f"{where}: module_overrides must be an object")
+    overrides = {name: cfg_of(d, f"module_overrides[{name!r}]") for name, d in overrides.items()}
+    converted = qc.get("converted")
+    if not isinstance(converted, list) or not all(isinstance(n, str) for n in converted):
+        raise CheckpointError(f"{where}: 'converted' must be a list of module names")
+    stray = sorted(set(overrides) - set(converted))
+    if stray:
+        raise CheckpointError(f"{where}: module_overrides names modules that are not converted: {stray[:3]}")
+    return version, default, overrides, converted
+
+
+_PACKED_DTYPES = {"qweight": (torch.int8, torch.int32), "scales": (torch.float16,), "zeros": (torch.uint8,)}
+
+
+def _check_quantized_tensors(path, name: str, c: QuantConfig, state: dict) -> None:
+    """dtypes, code / zero-point ranges and scales of one converted module's tensors."""
+    qw, sc = state[f"{name}.qweight"], state[f"{name}.scales"]
+    want = torch.int8 if c.bits == 8 else torch.int32
+    if qw.dtype != want:
+        raise CheckpointError(f"{path}: {name}.qweight is {qw.dtype}, but {c.name} stores {want}")
+    if sc.dtype != torch.float16:
+        raise CheckpointError(f"{path}: {name}.scales is {sc.dtype}, but qgemv stores float16 scales")
+    if c.bits == 8 and qw.numel() and int(qw.min()) < -127:
+        raise CheckpointError(f"{path}: {name}.qweight holds the int8 code -128; int8 codes lie in [-127, 127]")
+    bad = ~(torch.isfinite(sc) & (sc > 0))
+    if bool(bad.any()):
+        example = float(sc[bad][0])
+        raise CheckpointError(f"{path}: {name}.scales has {int(bad.sum())} value(s) that are not finite and "
+                              f"positive (e.g. {example:g})")
+    if not c.symmetric:
+        z = state[f"{name}.zeros"]
+        if z.dtype != torch.uint8:
+            raise CheckpointError(f"{path}: {name}.zeros is {z.dtype}, but qgemv stores uint8 zero points")
+        if z.numel() and int(z.max()) > 15:
+            raise CheckpointError(f"{path}: {name}.zeros holds {int(z.max())}; int4 zero points lie in [0, 15]")
+
+
+def _load_tokenizer(transformers, p: Path):
+    """The checkpoint's tokenizer, or None with a printed warning saying why."""
+    if not any((p / f).exists() for f in _TOKENIZER_FILES):
+        warnings.warn(f"qgemv: {p} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); tokenizer is None",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(p))
+    except Exception as e:  # noqa: BLE001 - a broken tokenizer must not hide the weights; it is reported
+        warnings.warn(f"qgemv: {p}: the tokenizer files did not load ({type(e).__name__}: {e}); tokenizer is None",
+                      RuntimeWarning, stacklevel=3)
+        return None
 
 
 def load_quantized(path: str, device: str = "cpu", dtype: torch.dtype = torch.float16):
@@ -259,42 +635,46 @@ def load_quantized(path: str, device: str = "cpu", dtype: torch.dtype = torch.fl
     converted linears; tensors are loaded with ``assign=True``.  Non-quantized
     tensors are cast to ``dtype`` (float16 by default; use float32 on CPU for
     reference-accurate evaluation).
+
+    Everything is checked before the model is returned, each failure a
+    CheckpointError naming the file, tensor or field: config.json and its
+    ``quantization_config``; exactly the files ``model.safetensors`` or its
+    shard index name (:func:`read_checkpoint_tensors`); each file's
+    ``qgemv_format_version`` against config.json; every tensor present, none
+    extra, shapes and dtypes as the format says, int8 codes in [-127, 127],
+    zero points in [0, 15], scales finite and positive.  A missing or broken
+    tokenizer gives a warning and tokenizer None.
     """
     transformers = _require_transformers()
     p = Path(path)
     cfg_path = p / "config.json"
     if not cfg_path.exists():
         raise CheckpointError(f"{path}: no config.json (not a qgemv checkpoint, or an interrupted write)")
-    cfg = json.loads(cfg_path.read_text())
-    qc = cfg.get("quantization_config")
-    if not qc or qc.get("quant_method") != "qgemv":
-        raise CheckpointError(f"{path}: config.json has no qgemv quantization_config")
-    version = qc.get("format_version")
-    if version not in _READABLE_VERSIONS:
-        raise CheckpointError(
-            f"{path}: format_version {version} is not supported by this qgemv "
-            f"(it reads format_version {', '.join(map(str, _READABLE_VERSIONS))})"
-        )
-    files = sorted(p.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{path}: no *.safetensors file")
-    state = {}
-    for f in files:
-        state.update(_read_safetensors(f))
+    cfg = _read_json(cfg_path, "config.json")
+    version, default, overrides, converted = _parse_qconfig(cfg.get("quantization_config"), path)
+    state, metas = read_checkpoint_tensors(p)
+    for fname, meta in metas.items():
+        got = meta.get("qgemv_format_version")
+        if got != str(version):
+            raise CheckpointError(f"{path}: {fname} records qgemv_format_version {got!r}, but config.json says "
+                                  f"format_version {version}: the file and the config do not belong together")
 
-    config = transformers.AutoConfig.from_pretrained(str(p))
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(p))
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad config
+        raise CheckpointError(f"{path}: transformers cannot read config.json ({type(e).__name__}: {e})") from None
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")  # ours, not a transformers quantizer's
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    default = QuantConfig(qc["bits"], qc["group_size"], qc["symmetric"])
-    overrides = qc.get("module_overrides", {})
-    for name in qc["converted"]:
+    for name in converted:
         try:
             lin = model.get_submodule(name)
-        except AttributeError as e:
-            raise CheckpointError(f"{path}: converted module {name} does not exist in the model config") from e
-        c = QuantConfig(**overrides[name]) if name in overrides else default
+        except AttributeError:
+            raise CheckpointError(f"{path}: converted module {name} does not exist in the model config") from None
+        if not isinstance(lin, nn.Linear):
+            raise CheckpointError(f"{path}: converted module {name} is a {type(lin).__name__}, not a linear layer")
+        c = overrides.get(name, default)
         q = QuantLinear(lin.in_features, lin.out_features, c.bits, c.group_size, c.symmetric,
                         bias=lin.bias is not None, device="meta", bias_dtype=dtype)
         set_submodule(model, name, q)
@@ -308,6 +688,7 @@ def load_quantized(path: str, device: str = "cpu", dtype: torch.dtype = torch.fl
                     f"{path}: {name}.{key} has shape {list(got)} but the config ({c.name}, "
                     f"in={lin.in_features}, out={lin.out_features}) needs {list(want)}"
                 )
+        _check_quantized_tensors(path, name, c, state)
         if version == 1:  # row-major qweight: same shape, reorder into panels
             state[f"{name}.qweight"] = formats.to_panels(state[f"{name}.qweight"])
     model_keys = set(model.state_dict().keys())
@@ -336,12 +717,7 @@ def load_quantized(path: str, device: str = "cpu", dtype: torch.dtype = torch.fl
             else:
                 raise CheckpointError(f"{path}: module {name} still has uninitialised buffers")
     model = model.to(device).eval()
-    tok = None
-    try:
-        tok = transformers.AutoTokenizer.from_pretrained(str(p))
-    except Exception:  # a checkpoint without tokenizer files still loads
-        tok = None
-    return model, tok
+    return model, _load_tokenizer(transformers, p)
 
 
 def peak_rss_mb() -> float:
@@ -353,9 +729,17 @@ def peak_rss_mb() -> float:
 
 __all__ = [
     "CheckpointError",
+    "OutputDirError",
+    "check_output_dir",
+    "is_qgemv_checkpoint",
+    "checkpoint_files",
+    "read_checkpoint_tensors",
     "default_gguf_file",
     "default_model_path",
     "resolve_model",
+    "check_float_model",
+    "max_positions",
+    "load_tokenizer",
     "load_float_model",
     "quantization_config",
     "save_quantized",

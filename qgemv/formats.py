@@ -45,6 +45,7 @@ load by :func:`to_panels`.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -110,12 +111,44 @@ def check_weight(w: torch.Tensor, name: str = "weight", group_size: Optional[int
         raise ValueError(f"{name}: weight contains {bad} NaN or Inf value(s); cannot quantize")
 
 
+class QuantizationWarning(UserWarning):
+    """A weight that quantizes badly in the chosen format (e.g. too small for fp16 scales)."""
+
+
 def _finish_scale(scale: torch.Tensor, name: str) -> torch.Tensor:
-    """fp32 scale -> fp16 scale with the documented clamping."""
+    """fp32 scale -> fp16 scale with the documented clamping.
+
+    Warns (QuantizationWarning, naming ``name``) when a non-zero row or group
+    needs a scale below 2**-24, the smallest fp16: its codes then round to
+    zero, so the weights it covers are lost.
+    """
     if bool((scale > _MAX_SCALE).any()):
         raise ValueError(f"{name}: a quantization scale exceeds the fp16 range (weights too large)")
+    tiny = int(((scale > 0) & (scale < _MIN_SCALE)).sum())
+    if tiny:
+        warnings.warn(f"{name}: {tiny} of {scale.numel()} scale groups need a scale below 2^-24, the smallest "
+                      "fp16 value; their weights quantize to zero (keep this layer in float)",
+                      QuantizationWarning, stacklevel=3)
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     return scale.clamp(min=_MIN_SCALE).to(torch.float16)
+
+
+def tiny_weight_groups(w: torch.Tensor, config: "QuantConfig") -> tuple:
+    """(groups whose round-to-nearest scale underflows fp16, all groups) of w [N, K] in ``config``.
+
+    Such a row or group is not all zero, yet its max |w| divided by the
+    format's code range is below 2**-24, the smallest fp16 scale: every code
+    rounds to 0 (e.g. a layer multiplied by 1e-8).  quantize_model and
+    calibration keep layers with any such group in float and report them.
+    """
+    n, k = w.shape
+    g = config.group_size or k
+    wf = w.detach().float().reshape(n, k // g, g)
+    if config.bits == 8 or config.symmetric:
+        scale = wf.abs().amax(dim=2) / (127.0 if config.bits == 8 else 7.0)
+    else:
+        scale = (wf.amax(dim=2).clamp(min=0) - wf.amin(dim=2).clamp(max=0)) / 15.0
+    return int(((scale > 0) & (scale < _MIN_SCALE)).sum()), scale.numel()
 
 
 # --------------------------------------------------------------------------
@@ -517,6 +550,8 @@ __all__ = [
     "to_panels",
     "fallback_group_size",
     "check_weight",
+    "QuantizationWarning",
+    "tiny_weight_groups",
     "pack_int8",
     "unpack_int8",
     "quantize_int8",

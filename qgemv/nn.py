@@ -23,7 +23,12 @@ class QuantLinear(nn.Module):
         zeros:   uint8 [N, K / group_size] (asymmetric int4 only)
         bias:    [N] in the original linear's dtype (optional)
 
-    forward(x): x [..., K] (float16 / bfloat16 / float32) -> [..., N] in x.dtype.
+    forward(x): x [..., K] (float16 / bfloat16 / float32; float64 is computed in
+    float32) -> [..., N] in x.dtype.
+
+    ``module.to(dtype)`` / ``.half()`` / ``.bfloat16()`` / ``.double()`` cast the
+    bias only: qweight and zeros are integers, and the scales stay float16
+    (see ``_apply``).
     """
 
     def __init__(
@@ -82,11 +87,19 @@ class QuantLinear(nn.Module):
         group_size: Optional[int] = None,
         symmetric: bool = True,
         name: str = "weight",
+        device=None,
     ) -> "QuantLinear":
-        """Round-to-nearest quantization of ``linear`` (kept on its device)."""
+        """Round-to-nearest quantization of ``linear``.
+
+        The weight is quantized on ``device`` (default: where it is) and the
+        module is returned on the linear's own device.
+        """
         cfg = QuantConfig(bits, group_size, symmetric)
-        qw, s, z = formats.quantize(linear.weight, cfg, name)
-        return cls.from_quantized(linear, cfg, qw, s, z)
+        w = linear.weight if device is None else linear.weight.to(device)
+        qw, s, z = formats.quantize(w, cfg, name)
+        dev = linear.weight.device
+        z = z.to(dev) if z is not None else None
+        return cls.from_quantized(linear, cfg, qw.to(dev), s.to(dev), z)
 
     @classmethod
     def from_quantized(cls, linear: nn.Linear, cfg: QuantConfig, qweight, scales, zeros) -> "QuantLinear":
@@ -110,18 +123,33 @@ class QuantLinear(nn.Module):
             m.bias = linear.bias.detach().clone()
         return m
 
+    def _apply(self, fn, recurse=True):
+        # Module.to(dtype), .half(), .bfloat16(), .double() cast every floating
+        # point buffer, and the fp16 scales are one: after model.to(torch.bfloat16)
+        # each forward failed with "scales must be float16", and casting them
+        # back would round them through bf16.  Seen as int16 for the duration,
+        # the scales move between devices with the module but are never cast.
+        self._buffers["scales"] = self._buffers["scales"].view(torch.int16)
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._buffers["scales"] = self._buffers["scales"].view(torch.float16)
+
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] this module multiplies by."""
         return formats.dequantize(self.qweight, self.scales, self.zeros, self.config, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.config
+        k = self.in_features
+        if x.dtype == torch.float64:  # a model cast with .double(): the ops run in fp32 at most
+            return self.forward(x.float()).double()
         if cfg.bits == 8:
-            y = ops.linear_int8(x, self.qweight, self.scales)
+            y = ops.linear_int8(x, self.qweight, self.scales, k)
         elif cfg.group_size is None:
-            y = ops.linear_int4(x, self.qweight, self.scales)
+            y = ops.linear_int4(x, self.qweight, self.scales, k)
         else:
-            y = ops.linear_int4_grouped(x, self.qweight, self.scales, self.zeros, cfg.group_size)
+            y = ops.linear_int4_grouped(x, self.qweight, self.scales, self.zeros, cfg.group_size, k)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
@@ -163,6 +191,75 @@ def _matches(name: str, patterns: Iterable[str]) -> Optional[str]:
     return None
 
 
+_CONFIG_KEYS = ("bits", "group_size", "symmetric")
+
+
+def check_rules(default: QuantConfig, skip: Iterable[str] = (), overrides: Optional[dict] = None) -> None:
+    """ValueError naming the rule unless every skip pattern and override is usable.
+
+    skip: regular expressions; overrides: {regex: {bits/group_size/symmetric: value}},
+    each override merged into ``default`` must be a valid QuantConfig.  Run before
+    any work, so that a bad rule is not found after half a model is quantized.
+    """
+    for p in skip:
+        try:
+            re.compile(p)
+        except (re.error, TypeError) as e:
+            raise ValueError(f"skip pattern {p!r} is not a regular expression: {e}") from None
+    for p, kw in (overrides or {}).items():
+        try:
+            re.compile(p)
+        except (re.error, TypeError) as e:
+            raise ValueError(f"override pattern {p!r} is not a regular expression: {e}") from None
+        if not isinstance(kw, dict) or any(k not in _CONFIG_KEYS for k in kw):
+            raise ValueError(f"override {p!r}: expected a dict with keys from {_CONFIG_KEYS}, got {kw!r}")
+        try:
+            _merged(default, kw)
+        except ValueError as e:
+            raise ValueError(f"override {p!r}: {e}") from None
+
+
+def _merged(default: QuantConfig, kw: dict) -> QuantConfig:
+    d = dict(bits=default.bits, group_size=default.group_size, symmetric=default.symmetric)
+    d.update(kw)
+    return QuantConfig(**d)
+
+
+def layer_format(name: str, linear: nn.Linear, default: QuantConfig, skip: Iterable[str] = (),
+                 overrides: Optional[dict] = None, group_fallback: bool = False):
+    """The format one linear is quantized in, or why it stays in float.
+
+    The one rule shared by :func:`quantize_model` and calibration: a module
+    whose qualified ``name`` matches a ``skip`` regex stays float; otherwise
+    the first matching ``overrides`` regex (merged into ``default``) gives its
+    format, else ``default``.  With ``group_fallback`` a group size that does
+    not divide in_features becomes the largest of 128 / 64 / 32 that does.  A
+    layer that still does not fit (K % 8, K % group), or whose weights are so
+    small that a scale would underflow fp16 (:func:`formats.tiny_weight_groups`),
+    stays float.  Returns (QuantConfig, None) or (None, reason).
+    """
+    pat = _matches(name, skip)
+    if pat is not None:
+        return None, f"matches skip pattern {pat!r}"
+    cfg = default
+    op = _matches(name, overrides or {})
+    if op is not None:
+        cfg = _merged(default, overrides[op])
+    k = linear.in_features
+    if group_fallback and cfg.group_size and k % cfg.group_size != 0:
+        g = formats.fallback_group_size(k, cfg.group_size)
+        if g is not None:
+            cfg = QuantConfig(cfg.bits, g, cfg.symmetric)
+    if k % 8 != 0 or (cfg.group_size and k % cfg.group_size != 0):
+        return None, f"in_features={k} does not fit {cfg.name}"
+    if not linear.weight.is_meta:
+        tiny, total = formats.tiny_weight_groups(linear.weight, cfg)
+        if tiny:
+            return None, (f"weights too small for {cfg.name}: {tiny} of {total} scale groups would need a scale "
+                          "below 2^-24 (the smallest fp16) and quantize to zero; kept in float")
+    return cfg, None
+
+
 def quantize_model(
     model: nn.Module,
     bits: int = 8,
@@ -172,6 +269,7 @@ def quantize_model(
     overrides: Optional[dict] = None,
     progress: bool = False,
     group_fallback: bool = False,
+    device=None,
 ) -> QuantizeReport:
     """Replace every ``nn.Linear`` in ``model`` by a RTN :class:`QuantLinear`, in place.
 
@@ -184,13 +282,18 @@ def quantize_model(
         progress: show a tqdm bar.
         group_fallback: when group_size does not divide a layer's in_features,
             use the largest of 128/64/32 that does instead of skipping it.
+        device: quantize each weight on this device (e.g. "cuda"), one layer
+            at a time; the packed tensors go back to the layer's own device.
+            None: where the weight is.
+    Layers that stay float, and why, are in the report (see :func:`layer_format`).
     Returns:
         A QuantizeReport (converted / skipped layers, bytes before and after).
     """
     t0 = time.time()
     report = QuantizeReport()
-    default = dict(bits=bits, group_size=group_size, symmetric=symmetric)
-    QuantConfig(**default)  # validate early, before touching the model
+    skip = tuple(skip)
+    default = QuantConfig(bits, group_size, symmetric)  # validate early, before touching the model
+    check_rules(default, skip, overrides)
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     it = targets
     if progress:
@@ -198,25 +301,11 @@ def quantize_model(
 
         it = tqdm(targets, desc="quantize", unit="layer")
     for name, lin in it:
-        pat = _matches(name, skip)
-        if pat is not None:
-            report.skipped[name] = f"matches skip pattern {pat!r}"
+        cfg, why = layer_format(name, lin, default, skip, overrides, group_fallback)
+        if cfg is None:
+            report.skipped[name] = why
             continue
-        kw = dict(default)
-        if overrides:
-            op = _matches(name, overrides)
-            if op is not None:
-                kw.update(overrides[op])
-        cfg = QuantConfig(**kw)
-        k = lin.in_features
-        if group_fallback and cfg.group_size and k % cfg.group_size != 0:
-            g = formats.fallback_group_size(k, cfg.group_size)
-            if g is not None:
-                cfg = QuantConfig(cfg.bits, g, cfg.symmetric)
-        if k % 8 != 0 or (cfg.group_size and k % cfg.group_size != 0):
-            report.skipped[name] = f"in_features={k} does not fit {cfg.name}"
-            continue
-        q = QuantLinear.from_linear(lin, cfg.bits, cfg.group_size, cfg.symmetric, name=name)
+        q = QuantLinear.from_linear(lin, cfg.bits, cfg.group_size, cfg.symmetric, name=name, device=device)
         report.bytes_before += lin.weight.numel() * lin.weight.element_size()
         report.bytes_after += formats.nbytes(q.qweight, q.scales, q.zeros)
         set_submodule(model, name, q)
@@ -231,7 +320,7 @@ def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, child, module)
 
 
-__all__ = ["QuantLinear", "QuantizeReport", "quantize_model", "set_submodule"]
+__all__ = ["QuantLinear", "QuantizeReport", "quantize_model", "layer_format", "check_rules", "set_submodule"]
 
 
 # --------------------------------------------------------------------------
