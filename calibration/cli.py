@@ -12,25 +12,11 @@ asymmetric looks unrealistically good on it.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from eval.ppl import device_arg, int_at_least  # noqa: E402
-
-
-def positive_float(v: str) -> float:
-    """An argparse type: a finite number > 0."""
-    try:
-        x = float(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {v!r}") from None
-    if not (math.isfinite(x) and x > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {v!r}")
-    return x
+from .._args import device_arg, int_at_least, positive_float
 
 
 def _overrides(values):
@@ -70,11 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--group-size", type=int, default=None, choices=(32, 64, 128),
                     help="int4 group size along K (default: one scale per output channel)")
     ap.add_argument("--asym", action="store_true", help="int4 group-wise with zero points")
-    ap.add_argument("--method", choices=("rtn", "gptq", "awq", "awq_gptq", "signround", "gptq_signround"), default="gptq",
-                    help="awq_gptq: AWQ scales folded in first, then GPTQ; signround: rounding and clipping "
-                         "tuned per decoder layer by signed gradient descent (see --signround-steps)")
-    ap.add_argument("--signround-steps", type=int_at_least(1), default=50,
-                    help="signround: gradient steps per decoder layer (each on about 2048 calibration tokens)")
+    ap.add_argument("--method", choices=("rtn", "gptq", "awq", "awq_gptq"), default="gptq",
+                    help="awq_gptq: AWQ scales folded in first, then GPTQ")
     ap.add_argument("--calib", default="default",
                     help="calibration text: 'default' (embedded Wikipedia sample), a .txt/.json file, or hub:NAME[:CONFIG[:SPLIT]]")
     ap.add_argument("--samples", type=int_at_least(1), default=128, help="calibration windows (>= 1)")
@@ -153,7 +136,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
-    from qgemv import checkpoint as C
+    from qgemv import checkpoint
     from qgemv.formats import QuantConfig
     from qgemv.nn import QuantLinear, check_rules
     from qgemv.text import TextError, load_text
@@ -169,19 +152,19 @@ def main(argv=None) -> int:
         check_rules(cfg, skip, overrides)
         if args.method != "rtn":
             load_text(args.calib, "calib")
-        source = C.default_model_dir() if args.model in (None, "", "default", "smollm2") else args.model
-        sources = [source, C.default_gguf_file()] if source == C.default_model_dir() else [source]
-        C.check_output_dir(args.out, args.overwrite, sources=sources)
-        if source != C.default_model_dir():
-            C.check_float_model(source)
-    except (ValueError, TextError, FileNotFoundError, FileExistsError, C.CheckpointError) as e:
+        source = checkpoint.default_model_dir() if args.model in (None, "", "default", "smollm2") else args.model
+        sources = [source, checkpoint.default_gguf_file()] if source == checkpoint.default_model_dir() else [source]
+        checkpoint.check_output_dir(args.out, args.overwrite, sources=sources)
+        if source != checkpoint.default_model_dir():
+            checkpoint.check_float_model(source)
+    except (ValueError, TextError, FileNotFoundError, FileExistsError, checkpoint.CheckpointError) as e:
         return _fail(e)
     # 2. the model
     t0 = time.time()
     try:
-        path = C.resolve_model(args.model)
-        save_dtype = (C.source_dtype(path) or torch.float32) if args.save_dtype == "auto" else getattr(torch, args.save_dtype)
-        model, tok = C.load_float_model(path, device="cpu")
+        path = checkpoint.resolve_model(args.model)
+        save_dtype = (checkpoint.source_dtype(path) or torch.float32) if args.save_dtype == "auto" else getattr(torch, args.save_dtype)
+        model, tok = checkpoint.load_float_model(path, device="cpu")
     except Exception as e:  # noqa: BLE001 - any failure to load the user's model is bad input, not a crash
         return _fail(f"cannot load {args.model}: {type(e).__name__}: {e}")
     samples = None
@@ -196,21 +179,20 @@ def main(argv=None) -> int:
                  "act_order": args.act_order if "gptq" in args.method else None,
                  "clip_grid": args.clip_grid,
                  "true_sequential": args.true_sequential if "gptq" in args.method else None,
-                 "forward_dtype": args.forward_dtype,
-                 "signround_steps": args.signround_steps if "signround" in args.method else None}
+                 "forward_dtype": args.forward_dtype}
     rep = quantize_causal_lm(model, cfg, args.method, samples, skip=skip, overrides=overrides,
                              damp=args.damp, act_order=args.act_order, batch_size=args.batch_size,
                              device=args.device, group_fallback=not args.no_group_fallback,
                              clip_grid=args.clip_grid, true_sequential=args.true_sequential,
                              forward_dtype=getattr(torch, args.forward_dtype), rotate=args.rotate,
-                             rotate_seed=args.seed, signround_steps=args.signround_steps)
+                             rotate_seed=args.seed)
     rep.formats = {n: m.config.name for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     fp16_bytes = sum(m.in_features * m.out_features * 2 for _, m in model.named_modules() if isinstance(m, QuantLinear))
-    qc = C.quantization_config(model, args.method, calib, cfg, list(rep.skipped), rotation=rep.rotation)
+    qc = checkpoint.quantization_config(model, args.method, calib, cfg, list(rep.skipped), rotation=rep.rotation)
     qc["source_model"] = str(args.model)
     report = {"per_layer": rep.per_layer, "seconds": time.time() - t0, "peak_rss_mb": rep.peak_rss_mb,
               "skipped": rep.skipped, "formats": rep.formats}
-    C.save_quantized(model, tok, args.out, qc, overwrite=args.overwrite,
+    checkpoint.save_quantized(model, tok, args.out, qc, overwrite=args.overwrite,
                      extra_json={"quantize_report.json": report}, float_dtype=save_dtype)
     print(summary_table(rep, cfg, args.method, time.time() - t0, args.out, fp16_bytes,
                         float_dtype=str(save_dtype).replace("torch.", "")))

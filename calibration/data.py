@@ -60,38 +60,3 @@ def train_and_probe_windows(tokenizer, source: str = "default", n_train: int = 1
     train = torch.stack([ids[s : s + seq_len] for s in train_starts.tolist()]) if n_train else ids.new_zeros(0, seq_len)
     probe = torch.stack([ids[s : s + seq_len] for s in probe_starts.tolist()])
     return train, probe
-
-
-@torch.no_grad()
-def generated_windows(model, first_tokens: torch.Tensor, seq_len: int, seed: int = 0, batch: int = 128,
-                      progress: bool = True) -> torch.Tensor:
-    """int64 [n, seq_len] windows sampled from ``model`` itself (temperature 1, no top-k / top-p).
-
-    first_tokens: int64 [n], each window's first token (e.g. drawn from the
-    calibration text, so the samples start in many places).  The other
-    seq_len - 1 tokens are drawn one at a time from the model's own
-    distribution with a seeded generator, end-of-text included (the model
-    just continues after it).  Data from the model's own distribution is
-    what a distillation loss weighs most; it is disjoint from any evaluation
-    text by construction.  Runs on the model's device, ``batch`` windows at a
-    time, with the KV cache.
-    """
-    dev = next(model.parameters()).device
-    g = torch.Generator(device=dev).manual_seed(seed)
-    out = []
-    starts = range(0, first_tokens.numel(), batch)
-    if progress:
-        from tqdm.auto import tqdm
-
-        starts = tqdm(starts, desc="sampling windows", unit="batch")
-    for b in starts:
-        ids = first_tokens[b : b + batch].to(dev)[:, None]
-        seq, past = [ids], None
-        for _ in range(seq_len - 1):
-            o = model(input_ids=ids, past_key_values=past, use_cache=True)
-            past = o.past_key_values
-            probs = torch.softmax(o.logits[:, -1].float(), dim=-1)
-            ids = torch.multinomial(probs, 1, generator=g)
-            seq.append(ids)
-        out.append(torch.cat(seq, dim=1).cpu())
-    return torch.cat(out)

@@ -160,3 +160,27 @@ def gptq_quantize(
     Q = Q[:, inv]
     qweight = formats.quantize_with_params(Q, scales, zeros, cfg)
     return qweight, scales, zeros, {"damp": used_damp, "loss": float(loss.sum())}
+
+
+class GPTQ:
+    """The GPTQ method for calibration.quantize: input Hessians, then :func:`gptq_quantize`.
+
+    Protocol (shared by every method of calibration/): ``new_stats(k, device)``
+    makes the per-input statistic that the driver feeds each calibration
+    batch's input with ``.add(x)`` (None: the method collects nothing);
+    ``before(layer, targets, hidden, run)`` may change the float layer first
+    and returns precomputed statistics per linear; ``quantize(name, weight,
+    cfg, stat)`` returns (qweight, scales, zeros or None, info).
+    """
+
+    new_stats = Hessian
+
+    def __init__(self, damp: float = 0.01, act_order: bool = False, clip_grid: int = 20):
+        self.damp, self.act_order, self.clip_grid = damp, act_order, clip_grid
+
+    def before(self, layer, targets, hidden, run) -> dict:
+        return {}
+
+    def quantize(self, name: str, weight: torch.Tensor, cfg: QuantConfig, stat: Hessian):
+        return gptq_quantize(weight, stat.H, cfg, damp=self.damp, act_order=self.act_order, name=name,
+                             clip_grid=self.clip_grid)

@@ -33,9 +33,9 @@ from qgemv.formats import QuantConfig
 from qgemv.nn import QuantLinear, QuantizeReport, check_rules, layer_format, quantize_model, set_submodule
 
 from . import awq
-from .gptq import Hessian, gptq_quantize
+from .gptq import GPTQ
 
-METHODS = ("rtn", "gptq", "awq", "awq_gptq", "signround", "gptq_signround")
+METHODS = ("rtn", "gptq", "awq", "awq_gptq")
 
 
 @dataclass
@@ -81,6 +81,90 @@ def _sequential_stages(names: list) -> list:
     return stages
 
 
+def make_method(method: str, damp: float = 0.01, act_order: bool = False, clip_grid: int = 20):
+    """The method object for a name of METHODS other than "rtn" (protocol: calibration.gptq.GPTQ)."""
+    if method == "gptq":
+        return GPTQ(damp, act_order, clip_grid)
+    if method == "awq":
+        return awq.AWQ(clip_grid)
+    if method == "awq_gptq":
+        return awq.AWQThenGPTQ(GPTQ(damp, act_order, clip_grid))
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+
+
+def _catch_layer0_inputs(model, layer0, samples, batch_size, device):
+    """(hidden states entering decoder layer 0, one per batch, and its keyword arguments), on ``device``."""
+    cache = {"hidden": [], "kwargs": None}
+
+    def catch(_mod, args, kwargs):
+        cache["hidden"].append(args[0] if args else kwargs.pop("hidden_states"))
+        if cache["kwargs"] is None:
+            cache["kwargs"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        raise _Stop
+
+    handle = layer0.register_forward_pre_hook(catch, with_kwargs=True)
+    model_device = next(model.parameters()).device
+    try:
+        for b in range(0, samples.shape[0], batch_size):
+            try:
+                model(samples[b : b + batch_size].to(model_device), use_cache=False)
+            except _Stop:
+                pass
+    finally:
+        handle.remove()
+
+    def to_dev(v):
+        if torch.is_tensor(v):
+            return v.to(device)
+        if isinstance(v, tuple) and all(torch.is_tensor(t) for t in v):
+            return tuple(t.to(device) for t in v)
+        return v
+
+    return [h.to(device) for h in cache["hidden"]], {k: to_dev(v) for k, v in cache["kwargs"].items()}
+
+
+def _collect(layer, stage: list, targets: dict, hidden: list, kwargs: dict, new_stats, device, fwd, stop: bool,
+             prefix: str) -> tuple:
+    """Feed each stage linear's input of every batch to a statistic (new_stats(k, device)).
+
+    Linears fed by the very same tensor (q/k/v; gate/up) share one statistic:
+    decided on the first batch by identity of the input and checked on every
+    later one.  With ``stop`` each pass ends once the stage has its inputs.
+    Returns ({owner name: statistic}, {linear name: owner name}).
+    """
+    stats, owner, cur, seen = {}, {}, {}, set()
+
+    def collect(n, x):
+        cur[n] = x
+        if n not in owner:
+            twin = next((m for m in seen if cur.get(m) is x), None) if _SHARE_HESSIANS else None
+            owner[n] = owner[twin] if twin is not None else n
+            if owner[n] == n:
+                stats[n] = new_stats(targets[n][0].in_features, device)
+        elif owner[n] != n and cur.get(owner[n]) is not x:
+            raise RuntimeError(f"{prefix}{n}: its input stopped being {owner[n]}'s input")
+        if owner[n] == n:
+            stats[n].add(x)
+        seen.add(n)
+        if stop and len(seen) == len(stage):
+            raise _Stop  # the rest of the layer is not needed for this stage
+
+    hooks = [targets[n][0].register_forward_hook(lambda mod, inp, out, n=n: collect(n, inp[0])) for n in stage]
+    try:
+        for x in hidden:
+            seen.clear()
+            cur.clear()
+            try:
+                with fwd():
+                    layer(x, **kwargs)
+            except _Stop:
+                pass
+    finally:
+        for h in hooks:
+            h.remove()
+    return stats, owner
+
+
 @torch.no_grad()
 def quantize_causal_lm(
     model: nn.Module,
@@ -100,12 +184,12 @@ def quantize_causal_lm(
     forward_dtype: Optional[torch.dtype] = None,
     rotate: bool = False,
     rotate_seed: int = 0,
-    signround_steps: int = 50,
 ) -> CalibReport:
     """Quantize ``model``'s linear layers in place; returns a CalibReport.
 
     Args:
-        cfg: default format; ``overrides`` maps regexes to dict(bits=..., ...).
+        cfg: default format; ``overrides`` maps regexes to dict(bits=..., ...);
+            each layer's format comes from :func:`qgemv.nn.layer_format`.
         method: "rtn" (no calibration data), "gptq", "awq", or "awq_gptq" (AWQ
             scales folded in first, then GPTQ on the scaled weights).
         clip_grid: clipping search for GPTQ's and AWQ's scales
@@ -122,22 +206,16 @@ def quantize_causal_lm(
             so it is opt-in.
         forward_dtype: run the calibration forward passes under autocast to
             this dtype (torch.bfloat16 or torch.float16); None runs them in
-            the model's dtype.  The weights GPTQ / AWQ quantize, the
-            Hessians (fp32) and the hidden states between layers keep their
-            precision; only the layers' matmuls are lower precision, as in
-            GPTQ's usual fp16 GPU runs.  On a CPU with AVX512-BF16, bf16
-            matmuls are about 2x faster (BENCHMARKS.md has the effect on
-            time and perplexity).
+            the model's dtype.  The weights, the Hessians (fp32) and the
+            hidden states between layers keep their precision.
         rotate: first rotate the residual stream and each attention head's
             values by seeded random Hadamard matrices, folded into the
             weights (calibration/rotate.py; the float function is
             unchanged, lm_head is untied from the embeddings).  With GPTQ it
             halves the int4 error on SmolLM2 (BENCHMARKS.md); with RTN alone
             it is worse there.  The report's ``rotation`` records it.
-        signround_steps: signed-gradient steps per decoder layer for method
-            "signround" (calibration/signround.py: rounding offsets and
-            clipping ranges tuned so that each decoder layer's output matches
-            its float output).
+        device: where each decoder layer is quantized (the model may stay on
+            the CPU; each layer is moved in turn).
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -160,6 +238,7 @@ def quantize_causal_lm(
         return rep
     if samples is None:
         raise ValueError(f"method {method!r} needs calibration samples")
+    algo = make_method(method, damp, act_order, clip_grid)
     rep = CalibReport(method=method, rotation=rotation)
     layers_path, layers = _decoder_layers(model)
     rep.layers = len(layers)
@@ -172,35 +251,12 @@ def quantize_causal_lm(
                 rep.skipped[name] = why
             else:
                 q = QuantLinear.from_linear(m, lcfg.bits, lcfg.group_size, lcfg.symmetric, name=name)
-                rep.bytes_before += m.weight.numel() * m.weight.element_size()
-                rep.bytes_after += formats.nbytes(q.qweight, q.scales, q.zeros)
+                _count(rep, m, q.qweight, q.scales, q.zeros)
                 set_submodule(model, name, q)
                 rep.converted.append(name)
 
-    # 1. inputs of layer 0 for every calibration batch
-    cache = {"hidden": [], "kwargs": None}
-
-    def catch(_mod, args, kwargs):
-        cache["hidden"].append(args[0] if args else kwargs.pop("hidden_states"))
-        if cache["kwargs"] is None:
-            cache["kwargs"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-        raise _Stop
-
-    handle = layers[0].register_forward_pre_hook(catch, with_kwargs=True)
+    hidden, kwargs = _catch_layer0_inputs(model, layers[0], samples, batch_size, device)
     model_device = next(model.parameters()).device
-    try:
-        for b in range(0, samples.shape[0], batch_size):
-            try:
-                model(samples[b : b + batch_size].to(model_device), use_cache=False)
-            except _Stop:
-                pass
-    finally:
-        handle.remove()
-    hidden = [h.to(device) for h in cache["hidden"]]
-    kwargs = {k: (v.to(device) if torch.is_tensor(v) else
-                  tuple(t.to(device) for t in v) if isinstance(v, tuple) and all(torch.is_tensor(t) for t in v) else v)
-              for k, v in cache["kwargs"].items()}
-
     dev_type = torch.device(device).type
 
     def fwd():
@@ -233,125 +289,34 @@ def quantize_causal_lm(
         targets = {}
         for name, m in layer.named_modules():
             if isinstance(m, nn.Linear):
-                full = prefix + name
-                lcfg, why = layer_format(full, m, cfg, skip, overrides, group_fallback)
+                lcfg, why = layer_format(prefix + name, m, cfg, skip, overrides, group_fallback)
                 if why:
-                    rep.skipped[full] = why
+                    rep.skipped[prefix + name] = why
                 else:
                     targets[name] = (m, lcfg)
-        info = {}
-        pending = []
-        if method in ("awq", "awq_gptq"):
-            acts = {}
-            rows_per_batch = max(1, 4096 // max(len(hidden), 1))
-
-            def keep(mod, inp, out, n):
-                x = inp[0].reshape(-1, inp[0].shape[-1])
-                idx = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(len(acts.get(n, []))))
-                acts.setdefault(n, []).append(x[idx[:rows_per_batch].to(x.device)].float())
-
-            hooks = [m.register_forward_hook(lambda mod, inp, out, n=n: keep(mod, inp, out, n))
-                     for n, (m, _) in targets.items()]
-            run(layer, hidden)
-            for h in hooks:
-                h.remove()
-            # AWQ alone rounds with a clipping search weighted by E[x_k^2] per
-            # input column (divided by s^2 below where AWQ scales the input);
-            # awq_gptq takes its weights from the Hessians instead.
-            col_w = {n: torch.cat(a).pow(2).mean(0) for n, a in acts.items()} if method == "awq" else {}
-            for prev_name, prev, lins in awq.llama_scale_groups(layer):
-                members = [(n, m) for n, m in lins if n in targets]
-                if len(members) != len(lins):
-                    continue  # a skipped member: leave this group unscaled
-                x = torch.cat(acts[members[0][0]])
-                s, alpha, ratio = awq.search_scales(x, [m for _, m in members], [targets[n][1] for n, _ in members])
-                awq.apply_scales(prev, [m for _, m in members], s)
-                for n, _ in members:
-                    if n in col_w:
-                        col_w[n] = col_w[n] / s.to(col_w[n].device).pow(2)
-                info[prev_name] = {"alpha": alpha, "err_ratio": ratio}
-            del acts
-        originals = {}
-        if method in ("gptq", "awq_gptq", "gptq_signround"):
-            # (after AWQ the layer is re-run: its linears now see the scaled inputs)
-            # True-sequential: q/k/v, then o, then gate/up, then down, each
-            # stage's Hessians collected with the earlier stages already
-            # quantized, so o_proj sees the inputs the quantized model gives it.
-            stages = _sequential_stages(list(targets)) if true_sequential else [list(targets)]
-            for si, stage in enumerate(stages):
-                # Linears fed by the very same tensor (q/k/v; gate/up) share one
-                # Hessian: it is decided on the first batch by identity of the
-                # input and checked on every later one.
-                hs, owner, cur = {}, {}, {}
-                seen = set()
-
-                def collect(n, x, stop):
-                    cur[n] = x
-                    if n not in owner:
-                        twin = next((m for m in seen if cur.get(m) is x), None) if _SHARE_HESSIANS else None
-                        owner[n] = owner[twin] if twin is not None else n
-                        if owner[n] == n:
-                            hs[n] = Hessian(targets[n][0].in_features, device)
-                    elif owner[n] != n and cur.get(owner[n]) is not x:
-                        raise RuntimeError(f"{prefix}{n}: its input stopped being {owner[n]}'s input")
-                    if owner[n] == n:
-                        hs[n].add(x)
-                    seen.add(n)
-                    if stop and len(seen) == len(stage):
-                        raise _Stop  # the rest of the layer is not needed for this stage
-
-                # Stop each pass once the stage's linears have their inputs
-                # (not for the last stage: nothing follows it in the layer).
-                stop = si + 1 < len(stages)
-                hooks = [targets[n][0].register_forward_hook(
-                    lambda mod, inp, out, n=n: collect(n, inp[0], stop)) for n in stage]
-                for x in hidden:
-                    seen.clear()
-                    cur.clear()
-                    try:
-                        with fwd():
-                            layer(x, **kwargs)
-                    except _Stop:
-                        pass
-                for h in hooks:
-                    h.remove()
-                for n in stage:
-                    m, lcfg = targets[n]
-                    qw, s, z, inf = gptq_quantize(m.weight, hs[owner[n]].H, lcfg, damp=damp, act_order=act_order,
-                                                  name=prefix + n, clip_grid=clip_grid)
+        pre = algo.before(layer, targets, hidden, run)
+        info = dict(getattr(algo, "info", {}))
+        pending, originals = [], {}
+        # True-sequential: q/k/v, then o, then gate/up, then down, each stage's
+        # statistics collected with the earlier stages already quantized, so
+        # o_proj sees the inputs the quantized model gives it.
+        stages = _sequential_stages(list(targets)) if true_sequential else [list(targets)]
+        for si, stage in enumerate(stages):
+            stats, owner = {}, {}
+            if algo.new_stats is not None:
+                stats, owner = _collect(layer, stage, targets, hidden, kwargs, algo.new_stats, device, fwd,
+                                        stop=si + 1 < len(stages), prefix=prefix)
+            for n in stage:
+                m, lcfg = targets[n]
+                stat = stats[owner[n]] if owner else pre.get(n)
+                qw, s, z, inf = algo.quantize(prefix + n, m.weight, lcfg, stat)
+                if inf:
                     info[n] = inf
-                    pending.append((n, m, lcfg, qw, s, z))
-                    if len(stages) > 1:
-                        originals[n] = m.weight.data
-                        m.weight.data = formats.dequantize(qw, s, z, lcfg, m.in_features).to(m.weight.dtype)
-                del hs
-            if method == "gptq_signround":
-                from .signround import tune_layer
-
-                for n, m, *_ in pending:  # the float layer is the target
-                    if n in originals:
-                        m.weight.data = originals.pop(n)
-                start = {n: (formats.dequantize(qw, s, z, lcfg, m.in_features), s, z)
-                         for n, m, lcfg, qw, s, z in pending}
-                res, info["signround"] = tune_layer(layer, targets, hidden, kwargs, steps=signround_steps,
-                                                    seed=li, fwd=fwd, start=start)
-                pending = [(n, m, lcfg, *res[n]) for n, m, lcfg, *_ in pending]
-        elif method == "signround":
-            from .signround import tune_layer
-
-            res, info["signround"] = tune_layer(layer, targets, hidden, kwargs, steps=signround_steps, seed=li,
-                                                fwd=fwd)
-            for n, (m, lcfg) in targets.items():
-                pending.append((n, m, lcfg, *res[n]))
-        else:  # awq: round-to-nearest on the scaled weights
-            # The clipping search is weighted by E[(x/s)_k^2]: an unweighted one
-            # minimises raw weight error, and after AWQ scaling the largest
-            # columns are the important ones, so it clipped exactly those
-            # (measured: per-channel int4 +357% ppl with it).
-            for n, (m, lcfg) in targets.items():
-                sc, zc = formats.choose_params(m.weight, lcfg, prefix + n, clip_grid, col_weight=col_w[n])
-                qw = formats.quantize_with_params(m.weight, sc, zc, lcfg)
-                pending.append((n, m, lcfg, qw, sc, zc))
+                pending.append((n, m, lcfg, qw, s, z))
+                if len(stages) > 1:
+                    originals[n] = m.weight.data
+                    m.weight.data = formats.dequantize(qw, s, z, lcfg, m.in_features).to(m.weight.dtype)
+            del stats
         # Next layer's inputs come from the quantized layer.  It runs on the
         # dequantized weights as dense nn.Linear (the same function as
         # QuantLinear's reference, without unpacking on every call), then the
@@ -363,7 +328,9 @@ def quantize_causal_lm(
         hidden = run(layer, hidden)
         for n, m, lcfg, qw, s, z in pending:
             m.weight.data = originals[n]
-            _replace(layer, n, m, lcfg, qw, s, z, rep, prefix)
+            _count(rep, m, qw, s, z)
+            set_submodule(layer, n, QuantLinear.from_quantized(m, lcfg, qw, s, z))
+            rep.converted.append(prefix + n)
         layers[li] = layer.to(model_device)
         rep.per_layer.append({"layer": li, "seconds": time.time() - tl, "info": info})
         if bar is not None:
@@ -373,9 +340,6 @@ def quantize_causal_lm(
     return rep
 
 
-def _replace(layer, name, lin, cfg, qw, s, z, rep, prefix):
-    q = QuantLinear.from_quantized(lin, cfg, qw, s, z)
+def _count(rep, lin, qw, s, z) -> None:
     rep.bytes_before += lin.weight.numel() * lin.weight.element_size()
     rep.bytes_after += formats.nbytes(qw, s, z)
-    set_submodule(layer, name, q)
-    rep.converted.append(prefix + name)
