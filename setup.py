@@ -11,7 +11,7 @@ import os
 import runpy
 import shutil
 
-from setuptools import find_packages, setup
+from setuptools import setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = runpy.run_path(os.path.join(HERE, "qgemv", "_sources.py"))
@@ -41,22 +41,32 @@ if os.environ.get("QGEMV_SKIP_CUDA_BUILD") != "1":
             f"(torch.version.cuda={torch.version.cuda}, CUDA_HOME={CUDA_HOME}, nvcc={shutil.which('nvcc')})"
         )
 
+# The design card's folders, installed under the qgemv namespace so that no
+# generic top-level name (eval, calibration) lands in site-packages:
+#   qgemv/ -> qgemv, calibration/ -> qgemv.calibration, eval/ -> qgemv.eval,
+#   csrc/ -> qgemv/csrc (package data: the JIT build's sources, QGEMV_JIT=1).
+# dev/ and tests/ are not installed.
 setup(
     name="qgemv",
     version="0.1.0",
     description="Weight-only int8/int4 GEMV kernels for LLM decode",
-    packages=find_packages(include=["qgemv", "qgemv.*", "calibration", "calibration.*", "eval", "eval.*"]),
+    packages=["qgemv", "qgemv.calibration", "qgemv.eval", "qgemv.csrc"],
+    package_dir={"qgemv": "qgemv", "qgemv.calibration": "calibration", "qgemv.eval": "eval", "qgemv.csrc": "csrc"},
+    package_data={"qgemv": ["data/*.txt", "data/*.md"], "qgemv.csrc": ["*.cu", "*.cuh", "*.h", "*.cpp"]},
     python_requires=">=3.9",
     install_requires=["torch", "safetensors", "tqdm", "numpy"],
     extras_require={
-        "models": ["transformers", "accelerate", "gguf", "datasets", "matplotlib"],
+        # the command-line tools and model I/O (qgemv-quantize, qgemv-ppl, qgemv-ppl-check, checkpoints)
+        "hf": ["transformers", "accelerate", "gguf", "tokenizers"],
+        "datasets": ["datasets"],
+        "plots": ["matplotlib"],
         "test": ["pytest"],
     },
     entry_points={
         "console_scripts": [
-            "qgemv-quantize=calibration.cli:main",
-            "qgemv-ppl=eval.ppl:main",
-            "qgemv-ppl-check=eval.ppl_check:main",
+            "qgemv-quantize=qgemv.calibration.cli:main",
+            "qgemv-ppl=qgemv.eval.ppl:main",
+            "qgemv-ppl-check=qgemv.eval.ppl_check:main",
         ]
     },
     ext_modules=ext_modules,

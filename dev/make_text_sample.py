@@ -7,12 +7,12 @@ split by position (even -> calibration, odd -> evaluation), so the two texts
 share no article.  Sizes are capped to keep the repository small.
 
     pip download --no-deps gensim==4.4.0 -d /tmp/dl
-    python eval/make_text_sample.py /tmp/dl/gensim-4.4.0-*.whl
+    python dev/make_text_sample.py /tmp/dl/gensim-4.4.0-*.whl
 
 ``--calib-all PATH`` instead writes every calibration-side (even) article,
 uncapped, to PATH: about three times the embedded calibration text, still
 disjoint from the evaluation split, for runs that need more calibration
-windows (``python -m calibration.e2e ... --calib PATH``).
+windows (``python -m qgemv.calibration.e2e ... --calib PATH``).
 """
 
 import bz2

@@ -1,16 +1,13 @@
 """Run one qgemv GEMV / GEMM configuration a few times, for ncu / compute-sanitizer.
 
-    python eval/profile_one.py --variant int4 --n 28672 --k 8192 --m 1
+    python dev/profile_one.py --variant int4 --n 28672 --k 8192 --m 1
 """
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from eval.bench_gemv import QCFG  # noqa: E402
+from qgemv.eval.bench_gemv import QCFG  # noqa: E402
 
 import qgemv  # noqa: E402
 from qgemv import formats as F  # noqa: E402

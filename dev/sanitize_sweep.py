@@ -1,7 +1,7 @@
 """A reduced sweep of every GEMV kernel instance, for compute-sanitizer.
 
-    compute-sanitizer --tool memcheck  --error-exitcode 9 python eval/sanitize_sweep.py
-    compute-sanitizer --tool racecheck --error-exitcode 9 python eval/sanitize_sweep.py
+    compute-sanitizer --tool memcheck  --error-exitcode 9 python dev/sanitize_sweep.py
+    compute-sanitizer --tool racecheck --error-exitcode 9 python dev/sanitize_sweep.py
 
 Covers int8, int4 per-channel, group-wise symmetric and with zero points
 (g32/g64/g128), fp16 and bf16, M in {1, 5, 16, 24, 40, 72, 200}: both GEMV
@@ -28,12 +28,10 @@ three SGEMV kernels; every result is compared with the reference too.
 """
 
 import itertools
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import qgemv  # noqa: E402
 from qgemv import formats as F  # noqa: E402

@@ -1,7 +1,7 @@
 """Move a qgemv checkpoint between machines in small pieces, without its embedding.
 
-    python -m eval.ship_checkpoint pack DIR PREFIX [--piece-mb 15]
-    python -m eval.ship_checkpoint unpack PREFIX OUT [--reference default]
+    python dev/ship_checkpoint.py pack DIR PREFIX [--piece-mb 15]
+    python dev/ship_checkpoint.py unpack PREFIX OUT [--reference default]
 
 A tuned SmolLM2 int4 checkpoint is about 170 MB, two thirds of it the float
 token embedding, which quantization leaves untouched.  ``pack`` writes the
@@ -120,7 +120,7 @@ def unpack(prefix: str, out: str, reference: str = "default") -> Path:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m eval.ship_checkpoint", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python dev/ship_checkpoint.py", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pack", help="checkpoint directory -> pieces PREFIX0, PREFIX1, ...")
     p.add_argument("src")

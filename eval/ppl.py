@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from .._args import device_arg, int_at_least
 
 
 @dataclass
@@ -258,44 +258,16 @@ def write_report(report: dict, out: str) -> None:
 
 def load_models(reference: str, quantized: list, device: str):
     """{name: model} with the reference first, and its tokenizer."""
-    from qgemv import checkpoint as C
+    from qgemv import checkpoint
 
-    ref_path = C.resolve_model(reference)
+    ref_path = checkpoint.resolve_model(reference)
     dtype = torch.float32 if device == "cpu" else torch.float16
-    ref, tok = C.load_float_model(ref_path, dtype=dtype, device=device)
+    ref, tok = checkpoint.load_float_model(ref_path, dtype=dtype, device=device)
     models = {f"reference ({os.path.basename(str(ref_path).rstrip('/'))})": ref}
     for q in quantized:
-        m, _ = C.load_quantized(q, device=device, dtype=dtype)
+        m, _ = checkpoint.load_quantized(q, device=device, dtype=dtype)
         models[os.path.basename(q.rstrip("/"))] = m
     return models, tok
-
-
-def int_at_least(lo: int):
-    """An argparse type: an integer >= lo."""
-    def parse(v: str) -> int:
-        try:
-            x = int(v)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {v!r}") from None
-        if x < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {x}")
-        return x
-    return parse
-
-
-def device_arg(v: str) -> str:
-    """An argparse type: a torch device that exists here ("cpu", "cuda", "cuda:1")."""
-    try:
-        d = torch.device(v)
-    except (RuntimeError, ValueError):
-        raise argparse.ArgumentTypeError(f"not a device: {v!r}") from None
-    if d.type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{v}: no CUDA GPU is available here")
-    if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
-        raise argparse.ArgumentTypeError(f"{v}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if d.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"{v}: qgemv runs on cpu or cuda")
-    return v
 
 
 def add_protocol_args(ap: argparse.ArgumentParser) -> None:

@@ -103,7 +103,7 @@ class _BadInput(Exception):
 
 def _prepare(args):
     """Everything that can be checked before a model is loaded; returns (reference path, text, proto)."""
-    from qgemv import checkpoint as C
+    from qgemv import checkpoint
     from qgemv.text import load_text
 
     from .ppl import prepare_windows, protocol_from
@@ -111,17 +111,17 @@ def _prepare(args):
     for q in args.quantized:
         if not os.path.isdir(q) or not os.path.exists(os.path.join(q, "config.json")):
             raise _BadInput(f"{q}: not a checkpoint directory (no config.json)")
-        if not C.is_qgemv_checkpoint(q):
+        if not checkpoint.is_qgemv_checkpoint(q):
             raise _BadInput(f"{q}: config.json has no qgemv quantization_config")
     proto = protocol_from(args)
     text = load_text(args.text, "eval")
-    ref_path = C.resolve_model(args.reference)
-    C.check_float_model(ref_path)
+    ref_path = checkpoint.resolve_model(args.reference)
+    checkpoint.check_float_model(ref_path)
     for path in [ref_path] + list(args.quantized):
-        n = C.max_positions(path)
+        n = checkpoint.max_positions(path)
         if n is not None and args.ctx > n:
             raise _BadInput(f"--ctx {args.ctx} exceeds the {n} positions of {path}")
-    tok = C.load_tokenizer(ref_path)
+    tok = checkpoint.load_tokenizer(ref_path)
     prepare_windows(tok, proto, text)  # raises for a text too short for the protocol
     return ref_path, text, proto
 

@@ -6,7 +6,11 @@ helpers are set up.
 
 import os
 
-CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# An installed wheel carries the sources as package data (qgemv/csrc, see
+# setup.py); a checkout (or an editable install) has them beside the package.
+CSRC = next((d for d in (os.path.join(_HERE, "csrc"), os.path.join(os.path.dirname(_HERE), "csrc"))
+             if os.path.isfile(os.path.join(d, "qgemv.h"))), os.path.join(os.path.dirname(_HERE), "csrc"))
 
 
 def extension_sources(root: str = CSRC) -> list:

@@ -234,7 +234,7 @@ def _require_transformers():
     try:
         import transformers  # noqa: F401
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("qgemv model I/O needs transformers (pip install transformers accelerate gguf)") from e
+        raise ImportError("qgemv model I/O needs transformers (pip install 'qgemv[hf]': transformers, accelerate, gguf)") from e
     return transformers
 
 

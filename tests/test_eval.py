@@ -9,14 +9,14 @@ import sys
 import pytest
 import torch
 
-from qgemv import checkpoint as C
-from qgemv import formats as F
+from qgemv import checkpoint
+from qgemv import formats
 
-from calibration.quantize import quantize_causal_lm
-from eval import ppl_check
-from eval.ppl import Protocol, evaluate, make_windows
+from qgemv.calibration.quantize import quantize_causal_lm
+from qgemv.eval import ppl_check
+from qgemv.eval.ppl import Protocol, evaluate, make_windows
 
-from conftest import requires_smollm2
+from conftest import dev_module, requires_smollm2
 
 
 def test_windows_follow_the_protocol():
@@ -33,7 +33,7 @@ def test_windows_follow_the_protocol():
 
 
 def test_ppl_matches_hand_computation(tiny_llama_dir):
-    model, tok = C.load_float_model(tiny_llama_dir)
+    model, tok = checkpoint.load_float_model(tiny_llama_dir)
     text = "The quick brown fox jumps over the lazy dog. " * 40
     proto = Protocol(ctx=33, windows=0, bos=True)
     rep = evaluate({"m": model}, tok, proto, text=text, batch=3, progress=False)
@@ -52,7 +52,7 @@ def test_ppl_matches_hand_computation(tiny_llama_dir):
 
 
 def test_model_against_itself_has_zero_kl_and_full_agreement(tiny_llama_dir):
-    model, tok = C.load_float_model(tiny_llama_dir)
+    model, tok = checkpoint.load_float_model(tiny_llama_dir)
     rep = evaluate({"a": model, "b": model}, tok, Protocol(ctx=64, windows=4), batch=2, progress=False)
     b = rep["results"][1]
     assert abs(b["kl"]) < 1e-6 and b["top1_pct"] == 100.0 and abs(b["delta_ppl_pct"]) < 1e-9
@@ -60,7 +60,7 @@ def test_model_against_itself_has_zero_kl_and_full_agreement(tiny_llama_dir):
 
 
 def test_paired_se_of_delta_ppl():
-    from eval.ppl import Metrics
+    from qgemv.eval.ppl import Metrics
 
     ref, q = Metrics("ref"), Metrics("q")
     ref.win_nll = [(20.0, 10), (30.0, 10)]
@@ -79,10 +79,10 @@ def test_paired_se_of_delta_ppl():
 
 @pytest.fixture(scope="module")
 def int4_checkpoint(tiny_llama_dir, tmp_path_factory):
-    model, tok = C.load_float_model(tiny_llama_dir)
-    rep = quantize_causal_lm(model, F.QuantConfig(4), "rtn", progress=False)
+    model, tok = checkpoint.load_float_model(tiny_llama_dir)
+    rep = quantize_causal_lm(model, formats.QuantConfig(4), "rtn", progress=False)
     out = tmp_path_factory.mktemp("ck") / "int4"
-    C.save_quantized(model, tok, str(out), C.quantization_config(model, "rtn", None, F.QuantConfig(4), list(rep.skipped)))
+    checkpoint.save_quantized(model, tok, str(out), checkpoint.quantization_config(model, "rtn", None, formats.QuantConfig(4), list(rep.skipped)))
     return str(out)
 
 
@@ -98,9 +98,9 @@ def test_check_exit_codes(tiny_llama_dir, int4_checkpoint, capsys):
 
 
 def test_check_bad_arguments_exit_2():
-    r = subprocess.run([sys.executable, "-m", "eval.ppl_check", "--reference", "x"], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "qgemv.eval.ppl_check", "--reference", "x"], capture_output=True, text=True)
     assert r.returncode == 2 and "required" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "eval.ppl_check", "--reference", "x", "--quantized", "y",
+    r = subprocess.run([sys.executable, "-m", "qgemv.eval.ppl_check", "--reference", "x", "--quantized", "y",
                         "--max-ppl-increase", "abc"], capture_output=True, text=True)
     assert r.returncode == 2 and "percentage" in r.stderr
 
@@ -108,7 +108,7 @@ def test_check_bad_arguments_exit_2():
 @requires_smollm2
 def test_smollm2_int8_passes_the_check(tmp_path):
     """CI's real-model check: int8 RTN within 1% ppl of the float model on 3 windows."""
-    from calibration import cli
+    from qgemv.calibration import cli
 
     out = tmp_path / "int8"
     assert cli.main(["default", "--bits", "8", "--method", "rtn", "--out", str(out)]) == 0
@@ -120,7 +120,7 @@ def test_smollm2_int8_passes_the_check(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_evaluation_on_gpu_matches_cpu(tiny_llama_dir, int4_checkpoint):
     """--device cuda (qgemv kernels, fp16) scores like the CPU reference path (fp32)."""
-    from eval.ppl import load_models
+    from qgemv.eval.ppl import load_models
 
     proto = Protocol(ctx=64, windows=4)
     m_cpu, tok = load_models(tiny_llama_dir, [int4_checkpoint], "cpu")
@@ -140,8 +140,8 @@ def test_ship_checkpoint_round_trip(tiny_llama_dir, tmp_path):
     missing piece or an existing OUT is an error that leaves no OUT behind."""
     from safetensors.torch import load_file, save_file
 
-    from calibration import cli
-    from eval import ship_checkpoint as S
+    from qgemv.calibration import cli
+    S = dev_module("ship_checkpoint")
 
     src = tmp_path / "q"
     assert cli.main([tiny_llama_dir, "--bits", "4", "--group-size", "32", "--asym", "--method", "rtn",
@@ -152,7 +152,7 @@ def test_ship_checkpoint_round_trip(tiny_llama_dir, tmp_path):
     a, b = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in src.iterdir())
-    model, _ = C.load_quantized(str(out), dtype=torch.float32)
+    model, _ = checkpoint.load_quantized(str(out), dtype=torch.float32)
     assert model.model.embed_tokens.weight.shape[0] == a["model.embed_tokens.weight"].shape[0]
 
     bad_ref = tmp_path / "bad_ref"

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import qgemv
-from qgemv import formats as F
+from qgemv import formats
 
 from conftest import requires_cuda
 from test_cuda import CFGS, _check
@@ -84,7 +84,7 @@ def test_fuzz_cuda_ops_against_the_reference(block):
     for _ in range(min(50, CASES)):
         name, cfg, n, k, m, dtype, x_layout, w_layout = case = _case(rng)
         w = torch.randn(n, k, device="cuda") * 0.02
-        qw, s, z = F.quantize(w, cfg)
+        qw, s, z = formats.quantize(w, cfg)
         if w_layout != "plain":
             align = 16 // qw.element_size()
             qw = _view_at(qw, align * rng.randint(1, 3) + (rng.randint(1, align - 1) if w_layout ==
@@ -102,7 +102,7 @@ def test_fuzz_cuda_ops_against_the_reference(block):
             continue
         if dtype == torch.float32:
             y = _call(cfg, x, qw, s, z, k).double().reshape(-1, n)
-            wd = F.dequantize(qw, s, z, cfg, k).double()
+            wd = formats.dequantize(qw, s, z, cfg, k).double()
             xd = x.double().reshape(-1, k)
             ref = xd @ wd.t()
             bound = k * 2.0**-24 * (xd.abs() @ wd.abs().t()) + 1e-6

@@ -82,7 +82,7 @@ def test_quantize_model_llama_matches_dequantized_float_model(bits, group, sym):
     assert len(report.converted) == 14 and list(report.skipped) == ["lm_head"]
     assert report.bytes_after < report.bytes_before
     assert isinstance(qmodel.model.layers[0].self_attn.q_proj, qgemv.QuantLinear)
-    # The same network with each QuantLinear replaced by F.linear on its dequantized weight.
+    # The same network with each QuantLinear replaced by formats.linear on its dequantized weight.
     ref_model = copy.deepcopy(qmodel)
     for name, m in list(ref_model.named_modules()):
         if isinstance(m, qgemv.QuantLinear):

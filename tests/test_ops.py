@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import qgemv
-from qgemv import formats as F
+from qgemv import formats
 
 # Loose tolerances: quantized weights vs the float weights they came from,
 # relative Frobenius error of y on gaussian W and x.  RTN error per weight is
@@ -14,11 +14,11 @@ from qgemv import formats as F
 # ~0.010, ~0.18, ~0.12 and ~0.10.  Bounds are ~1.5-2x those.
 LOOSE = {"int8": 0.02, "int4": 0.3, "int4g128": 0.2, "int4g64a": 0.15, "int4g32": 0.17}
 CFGS = {
-    "int8": F.QuantConfig(8),
-    "int4": F.QuantConfig(4),
-    "int4g128": F.QuantConfig(4, 128),
-    "int4g64a": F.QuantConfig(4, 64, False),
-    "int4g32": F.QuantConfig(4, 32),
+    "int8": formats.QuantConfig(8),
+    "int4": formats.QuantConfig(4),
+    "int4g128": formats.QuantConfig(4, 128),
+    "int4g64a": formats.QuantConfig(4, 64, False),
+    "int4g32": formats.QuantConfig(4, 32),
 }
 
 
@@ -38,7 +38,7 @@ def test_reference_close_to_float_weights(name, dtype):
     n, k = 96, 1024
     w = torch.randn(n, k)
     x = torch.randn(2, 3, k)
-    qw, s, z = F.quantize(w, cfg)
+    qw, s, z = formats.quantize(w, cfg)
     y = _call(cfg, x.to(dtype), qw, s, z)
     assert y.shape == (2, 3, n) and y.dtype == dtype
     ref = x @ w.t()
@@ -51,9 +51,9 @@ def test_reference_equals_dequantized_matmul(name):
     # Tight: same quantized weights, fp64 math; the reference works in fp32.
     cfg = CFGS[name]
     n, k = 13, 256
-    qw, s, z = F.quantize(torch.randn(n, k), cfg)
+    qw, s, z = formats.quantize(torch.randn(n, k), cfg)
     x = torch.randn(5, k)
-    wd = F.dequantize(qw, s, z, cfg, k).double()
+    wd = formats.dequantize(qw, s, z, cfg, k).double()
     ref = x.double() @ wd.t()
     y = _call(cfg, x, qw, s, z).double()
     bound = 1e-5 * (x.double().abs() @ wd.abs().t()) + 1e-6
@@ -61,12 +61,12 @@ def test_reference_equals_dequantized_matmul(name):
 
 
 def _int8_args(k=64, n=8):
-    qw, s = F.quantize_int8(torch.randn(n, k))
+    qw, s = formats.quantize_int8(torch.randn(n, k))
     return torch.randn(3, k, dtype=torch.float16), qw, s
 
 
 def _int4g_args(k=64, n=8):
-    qw, s, z = F.quantize_int4(torch.randn(n, k), 32, False)
+    qw, s, z = formats.quantize_int4(torch.randn(n, k), 32, False)
     return torch.randn(3, k, dtype=torch.float16), qw, s, z
 
 
@@ -107,7 +107,7 @@ def test_errors_int4():
         op(x, qw.t().contiguous().t(), s, z, 32, 64)
     with pytest.raises(ValueError, match=r"linear_int4_grouped: qweight.shape\[1\] must be round_up\(K, 32\) / 8 = 12"):
         op(torch.randn(3, 96, dtype=torch.float16), qw, s, z, 32, 96)
-    qw4, s4, _ = F.quantize_int4(torch.randn(8, 64))
+    qw4, s4, _ = formats.quantize_int4(torch.randn(8, 64))
     with pytest.raises(ValueError, match=r"qgemv.linear_int4: scales must have shape \[8\], got \[8, 1\]"):
         qgemv.linear_int4(x, qw4, s4[:, None], 64)
 
@@ -120,7 +120,7 @@ def test_x_width_other_than_the_packed_k_is_refused(name, width):
     from 64.  The ops take K and refuse any x whose width differs, instead of
     computing x . W[:, :56]^T."""
     cfg = CFGS[name]
-    qw, s, z = F.quantize(torch.randn(8, 64), cfg)
+    qw, s, z = formats.quantize(torch.randn(8, 64), cfg)
     x = torch.randn(2, width)
     args = (x, qw, s, 64) if cfg.group_size is None else (x, qw, s, z, cfg.group_size, 64)
     fn = {8: qgemv.linear_int8, 4: qgemv.linear_int4}[cfg.bits] if cfg.group_size is None else qgemv.linear_int4_grouped
@@ -164,7 +164,7 @@ def _opcheck_cases():
     torch.manual_seed(1)
     x, qw, s = _int8_args(k=72, n=9)
     yield "int8", torch.ops.qgemv.linear_int8.default, (x, qw, s, 72)
-    qw4, s4, _ = F.quantize_int4(torch.randn(9, 72))
+    qw4, s4, _ = formats.quantize_int4(torch.randn(9, 72))
     yield "int4", torch.ops.qgemv.linear_int4.default, (torch.randn(2, 4, 72), qw4, s4, 72)
     x, qw, s, z = _int4g_args()
     yield "int4g_asym", torch.ops.qgemv.linear_int4_grouped.default, (x, qw, s, z, 32, 64)
