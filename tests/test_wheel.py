@@ -1,0 +1,61 @@
+"""The installed product, outside the checkout: build a wheel (CPU build), install it
+into a fresh virtual environment, and run the user's commands from an empty
+directory.  This catches what only a checkout has: data files, JIT sources,
+console scripts, modules that reach the checkout through sys.path."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import requires_smollm2
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(cmd, cwd, env, timeout=900):
+    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"{' '.join(map(str, cmd))}: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r.stdout
+
+
+@requires_smollm2
+def test_wheel_installs_and_runs_from_an_empty_directory(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
+    env["QGEMV_SKIP_CUDA_BUILD"] = "1"
+    dist = tmp_path / "dist"
+    _run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(dist),
+          str(ROOT)], tmp_path, env)
+    wheel = next(dist.glob("qgemv-*.whl"))
+    names = subprocess.run([sys.executable, "-m", "zipfile", "-l", str(wheel)], capture_output=True, text=True).stdout
+    assert "qgemv/data/enwiki_eval.txt" in names and "qgemv/csrc/qgemv.h" in names and "qgemv/calibration/cli.py" in names
+    assert "\neval/" not in names and "\ncalibration/" not in names and "dev/" not in names
+
+    venv = tmp_path / "venv"
+    # the heavy dependencies (torch, transformers) come from this interpreter's site-packages;
+    # qgemv itself only from the wheel (--force-reinstall puts it into the venv)
+    _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], tmp_path, env)
+    py, bindir = venv / "bin" / "python", venv / "bin"
+    _run([py, "-m", "pip", "install", "--quiet", "--no-deps", "--force-reinstall", str(wheel)], tmp_path, env)
+    work = tmp_path / "empty"
+    work.mkdir()
+    where = _run([py, "-c", "import qgemv, qgemv.calibration.cli, qgemv._sources as s; "
+                  "print(qgemv.__file__); print(qgemv.calibration.cli.__file__); print(s.CSRC)"], work, env)
+    for line in where.split():
+        assert line.startswith(str(venv)), f"{line} is not the installed copy"
+    out = _run([py, "-m", "qgemv", "info"], work, env)
+    assert "backend:" in out
+    _run([bindir / "qgemv-quantize", "default", "--bits", "8", "--method", "rtn", "--out", "q8"], work, env)
+    assert (work / "q8" / "config.json").exists()
+    out = _run([bindir / "qgemv-ppl-check", "--reference", "default", "--quantized", "q8", "--windows", "2",
+                "--max-ppl-increase", "2%", "--max-kl", "0.05", "--min-top1", "90%"], work, env)
+    assert "pass: q8" in out
+    assert sorted(p.name for p in work.iterdir()) == ["q8"]
+
+
+def test_missing_transformers_is_a_clear_error(tmp_path):
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "from qgemv.calibration import cli\n"
+            f"sys.exit(cli.main(['default', '--bits', '8', '--method', 'rtn', '--out', {str(tmp_path / 'q')!r}]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 2 and "qgemv[hf]" in r.stderr, r.stderr
