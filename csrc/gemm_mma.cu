@@ -54,15 +54,7 @@ namespace {
 constexpr int kGemmWarps = 4;
 constexpr int kGemmRT = 2;                                  // 16-row panels per warp
 constexpr int kGemmPanels = kGemmWarps * kGemmRT;           // panels per block (128 rows)
-// QGEMM_STAGES and QGEMM_MIN_BLOCKS exist for A/B builds (BENCHMARKS.md,
-// prefill); the defaults are the measured best.
-#ifndef QGEMM_STAGES
-#define QGEMM_STAGES 3
-#endif
-#ifndef QGEMM_MIN_BLOCKS
-#define QGEMM_MIN_BLOCKS 1
-#endif
-constexpr int kGemmStages = QGEMM_STAGES;
+constexpr int kGemmStages = tuning::kGemmStages;  // see tuning.h
 
 // kNT: 8-token n-tiles per block (4 or 8: 32 or 64 tokens).
 template <int kBits, int kNT>
@@ -193,7 +185,7 @@ struct GemmWarp {
 // result does not depend on scheduling).  The edge tile belongs to the last
 // split.
 template <typename T, int kBits, bool kGrouped, int kNT>
-__global__ void __launch_bounds__(kGemmWarps * 32, QGEMM_MIN_BLOCKS)
+__global__ void __launch_bounds__(kGemmWarps * 32, tuning::kGemmMinBlocks)
     gemm_mma_kernel(const GemvParams p, float* __restrict__ partial, int tiles_per_split) {
   using Tile = GemmTile<kBits, kNT>;
   constexpr int kTileK = Tile::kTileK;
@@ -303,18 +295,6 @@ __global__ void __launch_bounds__(kGemmWarps * 32, QGEMM_MIN_BLOCKS)
                                             [&](int rt, int n, int i) { return s.acc[rt][n][i]; });
 }
 
-// y[tok, row] = sum over splits of partial[z, tok, row], in split order.
-template <typename T>
-__global__ void reduce_splits_kernel(const float* __restrict__ partial, int splits, int M, int N, T* y, int ldy) {
-  const size_t mn = static_cast<size_t>(M) * N;
-  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < mn;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    float v = 0.f;
-    for (int z = 0; z < splits; ++z) v += partial[z * mn + i];
-    ActTraits<T>::store(y + (i / N) * ldy + i % N, v);
-  }
-}
-
 // Tokens per block: 32 when that pads M less than 64 does (M <= 32, 65..96,
 // ...), else 64 (fewer weight reads).  The MMA work grows with the padded M.
 inline int gemm_tokens(int M) {
@@ -322,35 +302,29 @@ inline int gemm_tokens(int M) {
   return pad32 < pad64 ? 32 : 64;
 }
 
-// Resident blocks per SM of one instance, asked once per instance (the
-// shared-memory attribute is set first: the occupancy query honours it).
+// Resident blocks per SM of one instance, asked once per instance and device
+// (the shared-memory attribute is set first: the occupancy query honours it).
 template <typename T, int kBits, bool kGrouped, int kNT>
 int resident_blocks() {
   constexpr int smem = GemmTile<kBits, kNT>::kSmemBytes;
   auto kernel = gemm_mma_kernel<T, kBits, kGrouped, kNT>;
-  static int cached = 0;
-  if (cached == 0) {
+  static std::atomic<int> cache[kMaxDevices] = {};
+  return per_device(cache, [&] {
     int n = 0;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kGemmWarps * 32, smem) != cudaSuccess)
       n = 1;
-    cached = n > 0 ? n : 1;
-  }
-  return cached;
+    return n > 0 ? n : 1;
+  });
 }
 
-// K splits for p: enough to fill the resident slots once, at most
-// kMaxSplits, keeping at least kMinTiles K tiles per split.
+// K splits for p: enough to fill the resident slots once (plan_splits).
 template <typename T, int kBits, bool kGrouped, int kNT>
 int splits_for(const GemvParams& p) {
-  const int slots = resident_blocks<T, kBits, kGrouped, kNT>() * std::max(device_sm_count(), 1);
+  const int slots = std::max(resident_blocks<T, kBits, kGrouped, kNT>(), 1) * std::max(device_sm_count(), 1);
   const long blocks = static_cast<long>((p.M + kNT * 8 - 1) / (kNT * 8)) *
                       ((num_panels(p.N) + kGemmPanels - 1) / kGemmPanels);
-  const int nclean = p.K / GemmTile<kBits, kNT>::kTileK;
-  constexpr int kMaxSplits = 8, kMinTiles = 8;
-  int splits = static_cast<int>((slots + blocks - 1) / blocks);
-  splits = std::min(splits, std::min(kMaxSplits, nclean / kMinTiles));
-  return std::max(splits, 1);
+  return plan_splits(slots, blocks, p.K / GemmTile<kBits, kNT>::kTileK, /*round_up=*/true);
 }
 
 template <typename T, int kBits, bool kGrouped, int kNT>
@@ -361,11 +335,8 @@ Status launch_gemm(const GemvParams& p, float* workspace, int splits, cudaStream
     return Status::kLaunchFailed;
   const int row_blocks = (num_panels(p.N) + kGemmPanels - 1) / kGemmPanels;
   if (row_blocks > 65535) return Status::kBadShape;
-  const int nclean = p.K / GemmTile<kBits, kNT>::kTileK;
-  if (workspace == nullptr) splits = 1;
-  splits = std::max(1, std::min(splits, std::max(nclean, 1)));
-  const int per = splits > 1 ? (nclean + splits - 1) / splits : nclean;
-  splits = splits > 1 ? (nclean + per - 1) / per : 1;  // no empty split
+  int per = 0;
+  splits = split_tiles(p.K / GemmTile<kBits, kNT>::kTileK, splits, workspace != nullptr, &per);
   const dim3 grid((p.M + kNT * 8 - 1) / (kNT * 8), row_blocks, splits);
   kernel<<<grid, kGemmWarps * 32, smem, stream>>>(p, splits > 1 ? workspace : nullptr, per);
   if (cudaGetLastError() != cudaSuccess) return Status::kLaunchFailed;
@@ -408,19 +379,6 @@ Status check_int4_gemm(const GemvParams& p) {
 Status check_int8_gemm(const GemvParams& p) {
   if (p.M < 1 || p.Kp % 16 != 0 || p.K % 8 != 0 || p.K > p.Kp) return Status::kBadShape;
   return p.group_size != 0 || p.zeros != nullptr ? Status::kNoKernel : Status::kOk;
-}
-
-Status reduce_splits(const GemvParams& p, const float* partial, int splits, cudaStream_t stream) {
-  const size_t mn = static_cast<size_t>(p.M) * p.N;
-  const int blocks = static_cast<int>(std::min<size_t>((mn + 255) / 256, 4096));
-  if (p.act == ActType::kHalf)
-    reduce_splits_kernel<__half><<<blocks, 256, 0, stream>>>(partial, splits, p.M, p.N, static_cast<__half*>(p.y), p.ldy);
-  else if (p.act == ActType::kBFloat16)
-    reduce_splits_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(partial, splits, p.M, p.N,
-                                                                    static_cast<__nv_bfloat16*>(p.y), p.ldy);
-  else
-    return Status::kNoKernel;
-  return cudaGetLastError() == cudaSuccess ? Status::kOk : Status::kLaunchFailed;
 }
 
 int gemm_splits(const GemvParams& p, int bits) {

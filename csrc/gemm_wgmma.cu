@@ -45,6 +45,7 @@
 #include <atomic>
 
 #include "qgemv_common.cuh"
+#include "testing.h"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define QG_WGMMA_DEVICE 1
@@ -642,7 +643,7 @@ __global__ void __launch_bounds__((kWsConsumerWarps + 4) * 32, 1)
 // ---------------------------------------------------------------------------
 
 // Block shapes (kTok tokens x kRT row tiles of 64 per warpgroup, kernel),
-// selected by wgmma_shape(); g_shape forces one (benchmarks, tests).
+// selected by wgmma_shape(); g_shape forces one (testing::set_wgmma_shape).
 // Measured on the H200 (BENCHMARKS.md, prefill; 3 weight shapes x int8 /
 // int4 / int4 g128, 17..2048 tokens) against 128 x 128, 128 x 256 (both
 // kernels) and 64 x 256 warp-specialized: 64 x 256 on kernel 1 is the best
@@ -706,16 +707,14 @@ struct Instance {
     return s == 1;
   }
 
-  static int resident_blocks() {
-    static int cached = 0;
-    if (cached == 0) {
+  static int resident_blocks() {  // per instance and device
+    static std::atomic<int> cache[kMaxDevices] = {};
+    return per_device(cache, [] {
       int n = 0;
-      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, Tile::kSmemBytes) !=
-          cudaSuccess)
+      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, Tile::kSmemBytes) != cudaSuccess)
         n = 1;
-      cached = n > 0 ? n : 1;
-    }
-    return cached;
+      return n > 0 ? n : 1;
+    });
   }
 
   static int ktiles(const GemvParams& p) { return (p.Kp + Tile::kTileK - 1) / Tile::kTileK; }
@@ -726,15 +725,11 @@ struct Instance {
     pl.ok = supported();
     if (!pl.ok) return pl;
     pl.xperm_bytes = static_cast<size_t>(mpad(p)) * ktiles(p) * Tile::kTileK * 2;
-    const int slots = resident_blocks() * std::max(device_sm_count(), 1);
+    const int slots = std::max(resident_blocks(), 1) * std::max(device_sm_count(), 1);
     const long blocks = static_cast<long>(mpad(p) / kTok) * ((num_panels(p.N) + Tile::kPanels - 1) / Tile::kPanels);
-    const int nclean = p.K / Tile::kTileK;
-    constexpr int kMaxSplits = 8, kMinTiles = 8;
     // One block per SM: splits that overshoot one wave would leave most of
     // a second wave idle, so round down (floor of slots / blocks).
-    int splits = static_cast<int>(slots / blocks);
-    splits = std::min(splits, std::min(kMaxSplits, nclean / kMinTiles));
-    pl.splits = std::max(splits, 1);
+    pl.splits = plan_splits(slots, blocks, p.K / Tile::kTileK, /*round_up=*/false);
     return pl;
   }
 
@@ -751,11 +746,8 @@ struct Instance {
           static_cast<const T*>(p.x), p.M, mp, p.K, p.ldx, kt, static_cast<uint4*>(xperm));
       if (cudaGetLastError() != cudaSuccess) return Status::kLaunchFailed;
     }
-    const int nclean = p.K / Tile::kTileK;
-    if (partial == nullptr) splits = 1;
-    splits = std::max(1, std::min(splits, std::max(nclean, 1)));
-    const int per = splits > 1 ? (nclean + splits - 1) / splits : nclean;
-    splits = splits > 1 ? (nclean + per - 1) / per : 1;  // no empty split
+    int per = 0;
+    splits = split_tiles(p.K / Tile::kTileK, splits, partial != nullptr, &per);
     const dim3 grid(mp / kTok, row_blocks, splits);
     kernel<<<grid, kThreads, Tile::kSmemBytes, stream>>>(p, static_cast<const uint4*>(xperm),
                                                                splits > 1 ? partial : nullptr, per, kt);
@@ -797,9 +789,12 @@ Status run_wgmma(const GemvParams& p, void* xperm, float* partial, int splits, W
 
 }  // namespace
 
-void set_wgmma_shape(int shape) { g_shape.store(shape); }
 bool wgmma_supported() { return Instance<__half, 4, false, 64, 2, 0>::supported(); }
+
+namespace testing {
+void set_wgmma_shape(int shape) { g_shape.store(shape); }
 int wgmma_shape_count() { return static_cast<int>(sizeof(kShapes) / sizeof(kShapes[0])); }
+}  // namespace testing
 
 WgmmaPlan wgmma_plan(const GemvParams& p, int bits) {
   WgmmaPlan pl{};

@@ -78,14 +78,10 @@
 namespace qgemv {
 
 // One MMA row tile = one weight panel (kPanelRows rows, qgemv_common.cuh).
-// QGEMV_STAGES, QGEMV_MIN_BLOCKS_PER_SM and QGEMV_WIDE_MIN_PANELS exist for
-// eval/gemv_lab.cu A/B builds; the defaults are the measured best
-// (BENCHMARKS.md, optimisation log).
-#ifndef QGEMV_STAGES
-#define QGEMV_STAGES 4
-#endif
-constexpr int kStages = QGEMV_STAGES;  // weight ring depth per warp (tiles); a power of two
-constexpr int kMaxWarps = 8;        // warps per block (split-K)
+// The measured constants (ring depth, register caps, warps by shape, ...) are
+// in tuning.h with where each came from.
+constexpr int kStages = tuning::kGemvStages;   // weight ring depth per warp (tiles); a power of two
+constexpr int kMaxWarps = tuning::kGemvMaxWarps;  // warps per block (split-K)
 
 // Two row tiles per warp (kRT = 2) for 9..16 tokens on large N.  Measured on
 // the H200 with eval/gemv_lab.cu (BENCHMARKS.md): int4 M = 16 at 28672x8192
@@ -93,10 +89,7 @@ constexpr int kMaxWarps = 8;        // warps per block (split-K)
 // but slower at 4096x4096 (128 blocks leave SMs short of warps), and slower
 // for int8 (half the activation traffic per weight byte to begin with) and
 // G = 32 / 64 (their per-tile metadata spills).  Hence: int4 per channel and
-// G = 128 only, and only from QGEMV_WIDE_MIN_PANELS 16-row panels.
-#ifndef QGEMV_WIDE_MIN_PANELS
-#define QGEMV_WIDE_MIN_PANELS 512
-#endif
+// G = 128 only, and only from tuning::kWideMinPanels 16-row panels.
 template <int kBits, int kGroup>
 constexpr bool has_wide_instance() {
   return kBits == 4 && (kGroup == 0 || kGroup == 128);
@@ -317,19 +310,6 @@ struct GemvMma {
   __device__ __forceinline__ void tile(int tile_idx, const uint4 (&w0)[kRT], const uint4 (&w1)[kRT],
                                        const TileMeta (&m)[kRT], int c = 4) {
     const int k_tile = tile_idx * kTileK;
-#ifdef QGEMV_LAB_STREAM_ONLY
-    // Lab timing only (wrong results): consume the words without dequantising
-    // or multiplying, to time the memory pipeline alone.  Measured: it runs
-    // at the speed of a plain streaming read of the same bytes (BENCHMARKS.md),
-    // so the ring itself is not what keeps int4 from the read floor.
-    if constexpr (!kChecked) {
-      uint32_t h = 0;
-#pragma unroll
-      for (int rt = 0; rt < kRT; ++rt) h ^= w0[rt].x ^ w0[rt].y ^ w0[rt].z ^ w0[rt].w ^ w1[rt].x ^ w1[rt].y ^ w1[rt].z ^ w1[rt].w;
-      acc[B % kBanks][0][0][0] += __uint_as_float(h & 0x007fffffu);
-      return;
-    }
-#endif
     if constexpr (kBits == 4) {
       float part[kRT][kNT][4];
 #pragma unroll
@@ -356,23 +336,13 @@ struct GemvMma {
   }
 };
 
-#ifndef QGEMV_MIN_BLOCKS_PER_SM
-#define QGEMV_MIN_BLOCKS_PER_SM 2
-#endif
-
-// Register cap per instance (what __launch_bounds__(256, 2) gave, 128, except
-// int8).  The int8 instances are memory-bound with few registers, and at 4
-// warps per block each step of 8 registers is a block per SM: 72 registers
-// fit 7 blocks of 128 threads, 76 only 6; 96 fit 5, 98 only 4.  Without the
-// cap the row-tile generalisation cost int8 28672x8192 7-9% (lab: M = 1
-// 66.0 -> 71.6 us, M = 16 74.7 -> 81.2 us; capped: 66.0 and 74.0 us).
-// The int4 M <= 8 instances (95-128 registers) spill under a cap of 64, 72
-// or 80 and got slower at every one (lab, 2026-12-01: 28672x8192 int4
-// 39.5 -> 44.7 / 39.6 / 44.7 us, g128 44.3 -> 50-59 us).
+// Register cap per instance (what __launch_bounds__(256, 2) gave, 128,
+// except the int8 instances; tuning.h says why).
 template <int kBits, int kNT, int kRT>
 struct MaxRegisters {
-  static constexpr int value =
-      kBits == 8 && kRT == 1 ? (kNT == 1 ? 72 : 96) : 65536 / (kMaxWarps * 32 * QGEMV_MIN_BLOCKS_PER_SM);
+  static constexpr int value = kBits == 8 && kRT == 1
+                                   ? (kNT == 1 ? tuning::kInt8RegsOneNTile : tuning::kInt8RegsTwoNTiles)
+                                   : 65536 / (kMaxWarps * 32 * tuning::kGemvMinBlocksPerSm);
 };
 
 // __maxnreg__ needs CUDA 12.4; older toolkits get the plain bound (128
@@ -380,7 +350,7 @@ struct MaxRegisters {
 #if defined(__CUDACC_VER_MAJOR__) && (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4))
 #define QGEMV_REGISTER_CAP(kBits, kNT, kRT) __maxnreg__((MaxRegisters<kBits, kNT, kRT>::value))
 #else
-#define QGEMV_REGISTER_CAP(kBits, kNT, kRT) __launch_bounds__(kMaxWarps * 32, QGEMV_MIN_BLOCKS_PER_SM)
+#define QGEMV_REGISTER_CAP(kBits, kNT, kRT) __launch_bounds__(kMaxWarps * 32, tuning::kGemvMinBlocksPerSm)
 #endif
 
 // kPersist: a grid of at most (blocks per SM x SMs) blocks, each walking the
@@ -614,34 +584,26 @@ inline int choose_warps(int N, int K, int Kp, int tile_k, int row_tiles) {
   const int panels = num_panels(N);
   int w = kMaxWarps;
   if (row_tiles == 1) {
-    if (K <= 4096 && panels >= 640) {
+    if (K <= tuning::kShortRowK && panels >= tuning::kShortRowMinPanels) {
       w = 2;
-    } else if (K >= 8192 && panels >= 512) {
+    } else if (K >= tuning::kLongRowK && panels >= tuning::kLongRowMinPanels) {
       w = 4;
     }
   } else {
     const int blocks = (panels + row_tiles - 1) / row_tiles;
-    w = blocks >= 768 ? 2 : blocks >= 320 ? 4 : 8;
+    w = blocks >= tuning::kWideTwoWarpBlocks ? 2 : blocks >= tuning::kWideFourWarpBlocks ? 4 : 8;
   }
   return k_tiles < w ? (k_tiles > 0 ? k_tiles : 1) : w;
 }
 
 // The persistent kernel (one n-tile, one row tile: M <= 8) for int8 and
 // int4 per channel / G = 128 without zero points, once the grid exceeds
-// QGEMV_PERSIST_MIN_WAVES waves of resident blocks.  Measured on the H200
+// tuning::kPersistMinWaves waves of resident blocks.  Measured on the H200
 // (eval/gemv_lab.cu, BENCHMARKS.md): int4 57344x8192 M = 8 81.1 -> 74.7 us,
 // 22016x4096 M = 1 22.3 -> 20.5 us, 28672x8192 unchanged (ncu: its SMs are
 // active for 81% of the kernel, against 92% at 8192x28672; capping the
 // registers to fit 5 blocks per SM instead of 4 was slower); with zero
 // points it lost 3-7%, so those keep the plain grid.
-// QGEMV_PERSIST_GRID (lab only) forces it with that many blocks on every
-// shape, so the lab's odd shapes run through it.
-#ifndef QGEMV_PERSIST_MIN_WAVES
-#define QGEMV_PERSIST_MIN_WAVES 1
-#endif
-#ifndef QGEMV_PERSIST_GRID
-#define QGEMV_PERSIST_GRID 0
-#endif
 template <int kBits, int kGroup, bool kZeros, int kNT, int kRT>
 constexpr bool has_persistent_instance() {
   return kNT == 1 && kRT == 1 && !kZeros && (kGroup == 0 || kGroup == 128);
@@ -653,16 +615,11 @@ constexpr bool has_persistent_instance() {
 // device (every GEMV instance of a build has the same targets).
 template <typename Kernel>
 bool gemv_pdl_ok(Kernel kernel) {
-  static std::atomic<int> ok[64] = {};  // 0 not asked, 1 yes, 2 no
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-  int v = ok[dev].load();
-  if (v == 0) {
-    cudaFuncAttributes a;
-    v = cudaFuncGetAttributes(&a, kernel) == cudaSuccess && a.binaryVersion >= 90 ? 1 : 2;
-    ok[dev].store(v);
-  }
-  return v == 1;
+  static std::atomic<int> ok[kMaxDevices] = {};  // 1 yes, 2 no
+  return per_device(ok, [&] {
+           cudaFuncAttributes a;
+           return cudaFuncGetAttributes(&a, kernel) == cudaSuccess && a.binaryVersion >= 90 ? 1 : 2;
+         }) == 1;
 }
 
 template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kRT>
@@ -676,26 +633,26 @@ Status launch_gemv_mma(const GemvParams& p, cudaStream_t stream) {
   auto kernel = gemv_mma_kernel<T, kBits, kGroup, kZeros, kNT, kRT, false>;
   int grid = nblk;
   if constexpr (has_persistent_instance<kBits, kGroup, kZeros, kNT, kRT>()) {
-    // Resident blocks per SM for this instance and warp count, asked once.
-    static int resident[kMaxWarps + 1] = {};
+    // Resident blocks per SM for this instance and warp count, asked once per device.
+    static std::atomic<int> resident[kMaxWarps + 1][kMaxDevices] = {};
     const int sms = device_sm_count();
     if (sms == 0) return Status::kLaunchFailed;
     auto pkernel = gemv_mma_kernel<T, kBits, kGroup, kZeros, kNT, kRT, true>;
-    if (resident[w] == 0) {
+    const int per_sm = per_device(resident[w], [&] {
       int n = 0;
       if (smem > 48 * 1024 &&
           cudaFuncSetAttribute(pkernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) !=
               cudaSuccess)
-        return Status::kLaunchFailed;
+        return -1;
       if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pkernel, w * kWarpSize, smem) != cudaSuccess)
-        return Status::kLaunchFailed;
-      resident[w] = n > 0 ? n : 1;
-    }
-    const int slots = resident[w] * sms;
-    const int forced = QGEMV_PERSIST_GRID;
-    if (forced > 0 || nblk >= QGEMV_PERSIST_MIN_WAVES * slots) {
+        return -1;
+      return n > 0 ? n : 1;
+    });
+    if (per_sm <= 0) return Status::kLaunchFailed;
+    const int slots = per_sm * sms;
+    if (nblk >= tuning::kPersistMinWaves * slots) {
       kernel = pkernel;
-      grid = forced > 0 ? (forced < nblk ? forced : nblk) : slots;
+      grid = slots;
     }
   }
   if (smem > 48 * 1024 &&
@@ -723,20 +680,13 @@ Status launch_gemv_mma(const GemvParams& p, cudaStream_t stream) {
 
 // Token count -> instance: one n-tile up to 8 tokens, two up to 16, and for
 // two n-tiles on large N (see has_wide_instance) two row tiles per warp.
-// QGEMV_WIDE_ONE_NTILE (lab only, off by default): two row tiles for 2..8
-// tokens too, on the same shapes.
-#ifndef QGEMV_WIDE_ONE_NTILE
-#define QGEMV_WIDE_ONE_NTILE 0
-#endif
+// (Two row tiles for 2..8 tokens too were measured and not kept: BENCHMARKS.md
+// history, 2026-12-01.)
 template <typename T, int kBits, int kGroup, bool kZeros>
 Status launch_for_tokens(const GemvParams& p, cudaStream_t stream) {
-  if constexpr (QGEMV_WIDE_ONE_NTILE && has_wide_instance<kBits, kGroup>()) {
-    if (p.M > 1 && p.M <= 8 && num_panels(p.N) >= QGEMV_WIDE_MIN_PANELS)
-      return launch_gemv_mma<T, kBits, kGroup, kZeros, 1, 2>(p, stream);
-  }
   if (p.M <= 8) return launch_gemv_mma<T, kBits, kGroup, kZeros, 1, 1>(p, stream);
   if constexpr (has_wide_instance<kBits, kGroup>()) {
-    if (num_panels(p.N) >= QGEMV_WIDE_MIN_PANELS)
+    if (num_panels(p.N) >= tuning::kWideMinPanels)
       return launch_gemv_mma<T, kBits, kGroup, kZeros, 2, 2>(p, stream);
   }
   return launch_gemv_mma<T, kBits, kGroup, kZeros, 2, 1>(p, stream);

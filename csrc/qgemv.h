@@ -99,11 +99,7 @@ WgmmaPlan wgmma_plan(const GemvParams& p, int bits);
 bool wgmma_supported();  // the current device can run this build's wgmma GEMM (asked per device)
 Status wgmma_int4(const GemvParams& p, void* xperm, float* partial, int splits, cudaStream_t stream);
 Status wgmma_int8(const GemvParams& p, void* xperm, float* partial, int splits, cudaStream_t stream);
-// Benchmark / test knob: force block shape i of the wgmma GEMM (0: 64 tokens
-// x 256 rows; 1: 128 tokens x 128 rows, warp-specialized); -1 restores the
-// rule (shape 0 up to 64 tokens).
-void set_wgmma_shape(int shape);
-int wgmma_shape_count();
+// (Its block shape can be forced for tests: testing.h.)
 
 // Shared by the two tiled GEMMs: shape checks, and the fixed-order sum of
 // split-K partials [splits, M, N] into p.y.

@@ -4,6 +4,8 @@
 // kernels can be read (and disassembled) without the torch headers in mind.
 #pragma once
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 #include <cuda_bf16.h>
@@ -11,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include "qgemv.h"
+#include "tuning.h"
 
 namespace qgemv {
 
@@ -398,16 +401,55 @@ __device__ __forceinline__ void store_fragments(const GemvParams& p, float* part
 
 // Streaming multiprocessors of the current device, asked once per process
 // (0 if the query fails).
-inline int device_sm_count() {
-  static int sms = -1;
-  if (sms < 0) {
-    int dev = 0, n = 0;
-    sms = cudaGetDevice(&dev) == cudaSuccess &&
-                  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess
-              ? n
-              : 0;
+// Per-device caches.  A process may drive GPUs of different kinds, so an SM
+// count or an occupancy asked on one device must not serve another: each
+// cache has a slot per device (up to kMaxDevices).
+constexpr int kMaxDevices = 64;
+
+// The value of compute() for the current device, computed once per device.
+// compute() returns a value > 0, or <= 0 for a failure, which is returned and
+// not cached (the next call asks again).  0 without a current device.
+template <typename Compute>
+int per_device(std::atomic<int> (&cache)[kMaxDevices], Compute compute) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return 0;
+  int v = cache[dev].load();
+  if (v <= 0) {
+    v = compute();
+    if (v > 0) cache[dev].store(v);
   }
-  return sms;
+  return v;
+}
+
+// Multiprocessors of the current device (0 if it cannot be asked).
+inline int device_sm_count() {
+  static std::atomic<int> cache[kMaxDevices] = {};
+  return per_device(cache, [] {
+    int dev = 0, n = 0;
+    return cudaGetDevice(&dev) == cudaSuccess &&
+                   cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess
+               ? n
+               : 0;
+  });
+}
+
+// K splits for a grid of `blocks` blocks when `slots` blocks fit on the GPU at
+// once: enough to fill the slots (round_up) or at most one wave (not), at most
+// tuning::kMaxSplits, keeping at least tuning::kMinTilesPerSplit of the
+// `nclean` K tiles per split; at least 1.  Shared by the two tiled GEMMs.
+inline int plan_splits(int slots, long blocks, int nclean, bool round_up) {
+  int splits = static_cast<int>(round_up ? (slots + blocks - 1) / blocks : slots / blocks);
+  splits = std::min(splits, std::min(tuning::kMaxSplits, nclean / tuning::kMinTilesPerSplit));
+  return std::max(splits, 1);
+}
+
+// The launch's split of `nclean` K tiles into parts of `per` tiles: at most
+// `splits`, none empty (1 without a workspace).  Returns the split count.
+inline int split_tiles(int nclean, int splits, bool have_workspace, int* per) {
+  if (!have_workspace) splits = 1;
+  splits = std::max(1, std::min(splits, std::max(nclean, 1)));
+  *per = splits > 1 ? (nclean + splits - 1) / splits : nclean;
+  return splits > 1 ? (nclean + *per - 1) / *per : 1;
 }
 
 }  // namespace qgemv

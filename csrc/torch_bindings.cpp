@@ -16,6 +16,8 @@
 #include <vector>
 
 #include "qgemv.h"
+#include "testing.h"
+#include "tuning.h"
 
 namespace qgemv {
 namespace {
@@ -42,17 +44,14 @@ namespace {
 //     tensor-core peak there, the wgmma GEMM at about 75% of it).
 // Without wgmma (other GPUs): the tiled GEMM up to 128 tokens (fastest of
 // the first three paths on 50 of 54 measured pairs at 17-128), then dense.
-// The tests and the benchmark force a path with set_prefill_path().
+// The thresholds are tuning.h's.  Tests and benchmarks force a path through
+// qgemv._C.testing.set_prefill_path (forced_prefill_path below).
 enum class Prefill : int { kChunks = 0, kTiled = 1, kDense = 2, kWgmma = 3 };
-constexpr int64_t kTiledMaxTokens = 128;       // without wgmma
-constexpr int64_t kWgmmaMinTokens = 33;        // with wgmma
-constexpr int64_t kWgmmaMinTokensSmall = 65;   // with wgmma, N x K <= kSmallWeight
-constexpr int64_t kWgmmaMaxTokens = 512;
-constexpr int64_t kSmallWeight = int64_t{1} << 24;
-std::atomic<int> g_prefill_path{-1};  // -1: the measured rule
+std::atomic<int> forced_prefill_path{-1};  // -1: the measured rule
 
 Prefill prefill_path(int64_t N, int64_t K, int64_t M) {
-  const int forced = g_prefill_path.load();
+  using namespace tuning;
+  const int forced = forced_prefill_path.load();
   if (forced >= 0) return static_cast<Prefill>(forced);
   if (wgmma_supported()) {
     const int64_t first = N * K <= kSmallWeight ? kWgmmaMinTokensSmall : kWgmmaMinTokens;
@@ -141,7 +140,7 @@ at::Tensor run_linear(const at::Tensor& x, GemvParams p, int bits, GemvFn gemv, 
   if (p.act != ActType::kFloat32 && path == Prefill::kWgmma) {
     const WgmmaPlan plan = wgmma_plan(c, bits);
     QG_CHECK(plan.ok, op, "the wgmma GEMM needs a compute-capability 9.0 GPU and a build with sm_90a "
-             "(set_prefill_path(", static_cast<int>(Prefill::kWgmma), ") forced it)");
+             "(testing.set_prefill_path(", static_cast<int>(Prefill::kWgmma), ") forced it)");
     at::Tensor xperm = at::empty({static_cast<int64_t>(plan.xperm_bytes)}, x.options().dtype(at::kByte));
     at::Tensor ws;
     if (plan.splits > 1) ws = at::empty({plan.splits, M, p.N}, x.options().dtype(at::kFloat));
@@ -315,58 +314,63 @@ void register_cuda_kernels() {
 
 }  // namespace qgemv
 
-// The Python module: register_kernels() and the dispatch's constants and
-// knobs; the ops themselves are reached via torch.ops.qgemv.
+// The Python module: register_kernels(), the public PDL knob, and the
+// testing submodule; the ops themselves are reached via torch.ops.qgemv.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using qgemv::Prefill;
+  namespace tn = qgemv::tuning;
   m.attr("OPS_VERSION") = qgemv::kOpsVersion;
   m.def("register_kernels", &qgemv::register_cuda_kernels,
         "Register the CUDA kernels of the qgemv ops (their schemas must already be defined).");
-  m.attr("tiled_max_tokens") = qgemv::kTiledMaxTokens;
-  m.attr("PREFILL_CHUNKS") = static_cast<int>(qgemv::Prefill::kChunks);
-  m.attr("PREFILL_TILED") = static_cast<int>(qgemv::Prefill::kTiled);
-  m.attr("PREFILL_DENSE") = static_cast<int>(qgemv::Prefill::kDense);
-  m.attr("PREFILL_WGMMA") = static_cast<int>(qgemv::Prefill::kWgmma);
-  m.attr("wgmma_min_tokens") = qgemv::kWgmmaMinTokens;
-  m.attr("wgmma_min_tokens_small") = qgemv::kWgmmaMinTokensSmall;
-  m.def("set_prefill_path", [](int v) {
-          if (v < -1 || v > 3)
-            throw pybind11::value_error("qgemv.set_prefill_path: path must be -1 (the measured rule), "
-                                        "0 (GEMV chunks), 1 (tiled GEMM), 2 (dequantize + cuBLAS) or "
-                                        "3 (wgmma GEMM), got " + std::to_string(v));
-          qgemv::g_prefill_path.store(v);
-        },
-        "Benchmark/test knob: force the path for more than 16 tokens; -1 restores the measured rule.");
-  m.def("wgmma_shape_count", &qgemv::wgmma_shape_count);
   m.def("wgmma_available", []() { return qgemv::wgmma_supported(); },
         "True when this build has the sm_90a wgmma GEMM and the current device can run it.");
-  m.def("set_wgmma_shape", [](int v) {
-          if (v < -1 || v >= qgemv::wgmma_shape_count())
-            throw pybind11::value_error("qgemv.set_wgmma_shape: shape must be -1 (the rule) or 0.." +
-                                        std::to_string(qgemv::wgmma_shape_count() - 1) + ", got " +
-                                        std::to_string(v));
-          qgemv::set_wgmma_shape(v);
-        },
-        "Benchmark knob: force the wgmma GEMM's block shape (0: 64 tokens x 256 rows, 1: 128 tokens x "
-        "128 rows, warp-specialized); -1 restores the rule.");
   m.def("set_gemv_pdl", [](int v) {
           if (v < -1 || v > 7 || (v > 0 && (v & qgemv::kPdlLaunch) == 0))
             throw pybind11::value_error("qgemv.set_gemv_pdl: mode must be -1 (the default), 0 (off) or 1 (launch) "
                                         "plus 2 (L2 prefetch) and/or 4 (early release), got " + std::to_string(v));
           qgemv::set_gemv_pdl(v);
         },
-        "Benchmark/test knob: programmatic dependent launch of the GEMV (M <= 16) on compute capability 9.0+ "
-        "(flags in csrc/qgemv.h); -1 restores the default.");
+        "Programmatic dependent launch of the GEMV (M <= 16) on compute capability 9.0+ (flags in "
+        "csrc/qgemv.h); -1 restores the default. Python: qgemv.set_gemv_pdl.");
   m.def("gemv_pdl_flags", &qgemv::gemv_pdl_flags,
         "The programmatic-launch flags the GEMV uses on the current device (0: ordinary launches). The launch "
         "also needs sm_90+ machine code, checked per kernel.");
   m.attr("gemv_pdl_default") = static_cast<int>(qgemv::kGemvPdlDefault);
-  m.def("get_prefill_path", []() { return qgemv::g_prefill_path.load(); });
-  m.def("prefill_path", [](int64_t n, int64_t k, int64_t m) {
-          return m <= qgemv::kMaxGemvTokens ? -1 : static_cast<int>(qgemv::prefill_path(n, k, m));
+
+  auto t = m.def_submodule("testing", "Knobs for tests and benchmarks: force a prefill path or wgmma block shape, "
+                                      "and the dispatch's thresholds (csrc/tuning.h).");
+  t.attr("PREFILL_CHUNKS") = static_cast<int>(Prefill::kChunks);
+  t.attr("PREFILL_TILED") = static_cast<int>(Prefill::kTiled);
+  t.attr("PREFILL_DENSE") = static_cast<int>(Prefill::kDense);
+  t.attr("PREFILL_WGMMA") = static_cast<int>(Prefill::kWgmma);
+  t.attr("tiled_max_tokens") = tn::kTiledMaxTokens;
+  t.attr("wgmma_min_tokens") = tn::kWgmmaMinTokens;
+  t.attr("wgmma_min_tokens_small") = tn::kWgmmaMinTokensSmall;
+  t.attr("wgmma_max_tokens") = tn::kWgmmaMaxTokens;
+  t.attr("small_weight") = tn::kSmallWeight;
+  t.attr("max_gemv_tokens") = qgemv::kMaxGemvTokens;
+  t.def("set_prefill_path", [](int v) {
+          if (v < -1 || v > 3)
+            throw pybind11::value_error("qgemv.set_prefill_path: path must be -1 (the measured rule), "
+                                        "0 (GEMV chunks), 1 (tiled GEMM), 2 (dequantize + cuBLAS) or "
+                                        "3 (wgmma GEMM), got " + std::to_string(v));
+          qgemv::forced_prefill_path.store(v);
         },
-        "Path the dispatch takes for m tokens of an n x k weight on the current device: 0 chunks, 1 tiled, "
+        "Force the path for more than 16 tokens; -1 restores the measured rule.");
+  t.def("get_prefill_path", []() { return qgemv::forced_prefill_path.load(); });
+  t.def("prefill_path", [](int64_t n, int64_t k, int64_t mt) {
+          return mt <= qgemv::kMaxGemvTokens ? -1 : static_cast<int>(qgemv::prefill_path(n, k, mt));
+        },
+        "Path the dispatch takes for mt tokens of an n x k weight on the current device: 0 chunks, 1 tiled, "
         "2 dense, 3 wgmma; -1 one GEMV launch.");
-  m.attr("wgmma_max_tokens") = qgemv::kWgmmaMaxTokens;
-  m.attr("small_weight") = qgemv::kSmallWeight;
-  m.attr("max_gemv_tokens") = qgemv::kMaxGemvTokens;
+  t.def("wgmma_shape_count", &qgemv::testing::wgmma_shape_count);
+  t.def("set_wgmma_shape", [](int v) {
+          if (v < -1 || v >= qgemv::testing::wgmma_shape_count())
+            throw pybind11::value_error("qgemv.set_wgmma_shape: shape must be -1 (the rule) or 0.." +
+                                        std::to_string(qgemv::testing::wgmma_shape_count() - 1) + ", got " +
+                                        std::to_string(v));
+          qgemv::testing::set_wgmma_shape(v);
+        },
+        "Force the wgmma GEMM's block shape (0: 64 tokens x 256 rows, 1: 128 tokens x 128 rows, "
+        "warp-specialized); -1 restores the rule.");
 }

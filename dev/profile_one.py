@@ -21,7 +21,7 @@ def main():
     ap.add_argument("--m", type=int, default=1)
     ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--path", type=int, default=-1, help="force the M > 16 path (qgemv._C.set_prefill_path)")
+    ap.add_argument("--path", type=int, default=-1, help="force the M > 16 path (qgemv._C.testing.set_prefill_path)")
     ap.add_argument("--wgmma-shape", type=int, default=-1, help="force the wgmma block shape")
     a = ap.parse_args()
     cfg = QCFG[a.variant]
@@ -31,8 +31,8 @@ def main():
     if a.path >= 0 or a.wgmma_shape >= 0:
         from qgemv import _C
 
-        _C.set_prefill_path(a.path)
-        _C.set_wgmma_shape(a.wgmma_shape)
+        _C.testing.set_prefill_path(a.path)
+        _C.testing.set_wgmma_shape(a.wgmma_shape)
     for _ in range(a.iters):
         lin(x)
     torch.cuda.synchronize()

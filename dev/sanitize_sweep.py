@@ -80,18 +80,18 @@ def main(argv=None) -> int:
         ref = x.double() @ F.dequantize(qw, s, z, cfg, k).double().t()
         forced = [(-1, -1)]  # (prefill path, wgmma shape): the dispatch's own choice
         if args.wgmma and m > 16:
-            forced += [(_C.PREFILL_WGMMA, shape) for shape in range(_C.wgmma_shape_count())]
+            forced += [(_C.testing.PREFILL_WGMMA, shape) for shape in range(_C.testing.wgmma_shape_count())]
         for path, shape in forced:
-            _C.set_prefill_path(path)
-            _C.set_wgmma_shape(shape)
+            _C.testing.set_prefill_path(path)
+            _C.testing.set_wgmma_shape(shape)
             y = lin(x).double()
             rel = ((y - ref).norm() / ref.norm()).item()
             n_runs += 1
             if not rel < 1e-2:
                 bad += 1
                 print(f"MISMATCH {cfg.name} {n}x{k} M={m} {dt} path {path} shape {shape}: rel {rel:.2e}")
-        _C.set_prefill_path(-1)
-        _C.set_wgmma_shape(-1)
+        _C.testing.set_prefill_path(-1)
+        _C.testing.set_wgmma_shape(-1)
     for kern, (n, k) in itertools.product(["k32", "k128", "k16"], [(9, 12), (33, 136), (5, 1000)]):
         if kern == "k16" and k > 16:
             continue

@@ -201,11 +201,11 @@ def prefill_sweep(timer, shapes=((4096, 4096), (8192, 8192), (28672, 8192)),
     rows; 1: 128 x 128, warp-specialized)."""
     from qgemv import _C
 
-    old = _C.get_prefill_path()
-    paths = [("chunked_us", _C.PREFILL_CHUNKS), ("tiled_us", _C.PREFILL_TILED),
-             ("dequant_gemm_us", _C.PREFILL_DENSE)]
+    old = _C.testing.get_prefill_path()
+    paths = [("chunked_us", _C.testing.PREFILL_CHUNKS), ("tiled_us", _C.testing.PREFILL_TILED),
+             ("dequant_gemm_us", _C.testing.PREFILL_DENSE)]
     if _C.wgmma_available():
-        paths.append(("wgmma_us", _C.PREFILL_WGMMA))
+        paths.append(("wgmma_us", _C.testing.PREFILL_WGMMA))
     rows = []
     try:
         for n, k in shapes:
@@ -215,28 +215,28 @@ def prefill_sweep(timer, shapes=((4096, 4096), (8192, 8192), (28672, 8192)),
                 for m in ms:
                     x = torch.randn(m, k, device="cuda", dtype=torch.float16)
                     row = dict(variant=name, N=n, K=k, M=m)
-                    _C.set_prefill_path(-1)
+                    _C.testing.set_prefill_path(-1)
                     row["default_us"] = timer(lambda: lin(x), iters=20)
                     for key, path in paths:
                         if (key == "chunked_us" and m > 128) or (key == "tiled_us" and m > 512):
                             continue
-                        _C.set_prefill_path(path)
+                        _C.testing.set_prefill_path(path)
                         row[key] = timer(lambda: lin(x), iters=20)
                     if wgmma_shapes and "wgmma_us" in row:
-                        _C.set_prefill_path(_C.PREFILL_WGMMA)
+                        _C.testing.set_prefill_path(_C.testing.PREFILL_WGMMA)
                         try:
-                            for i in range(_C.wgmma_shape_count()):
-                                _C.set_wgmma_shape(i)
+                            for i in range(_C.testing.wgmma_shape_count()):
+                                _C.testing.set_wgmma_shape(i)
                                 row[f"wgmma{i}_us"] = timer(lambda: lin(x), iters=20)
                         finally:
-                            _C.set_wgmma_shape(-1)
+                            _C.testing.set_wgmma_shape(-1)
                     row["fp16_us"] = timer(lambda: fp16(x), iters=20)
                     row["vs_fp16"] = row["default_us"] / row["fp16_us"]
                     rows.append(row)
             del fp16, lin
             torch.cuda.empty_cache()
     finally:
-        _C.set_prefill_path(old)
+        _C.testing.set_prefill_path(old)
     return rows
 
 

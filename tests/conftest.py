@@ -67,3 +67,7 @@ def dev_module(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes tens of seconds or more (deselect with -m 'not slow')")

@@ -16,7 +16,7 @@ A normwise check ||y - ref|| / ||ref|| < 4 * eps_T guards against errors that
 hide under the elementwise bound at large K.
 """
 
-import itertools
+import functools
 
 import pytest
 import torch
@@ -88,8 +88,8 @@ def _check(cfg, x, qw, s, z, k, dense=None):
     if dense is None:  # whether the path the op takes rounds the weight first
         from qgemv import _C
 
-        path = _C.prefill_path(n, k, m)
-        dense = path == _C.PREFILL_DENSE or (path in (_C.PREFILL_TILED, _C.PREFILL_WGMMA) and cfg.bits == 4
+        path = _C.testing.prefill_path(n, k, m)
+        dense = path == _C.testing.PREFILL_DENSE or (path in (_C.testing.PREFILL_TILED, _C.testing.PREFILL_WGMMA) and cfg.bits == 4
                                               and cfg.group_size is not None)
     bound = (acc + eps if dense else acc) * mag + eps * ref.abs() + 1e-6
     err = (y.double().reshape(-1, n) - ref).abs()
@@ -99,58 +99,66 @@ def _check(cfg, x, qw, s, z, k, dense=None):
         assert (err.norm() / ref.norm()).item() < 4 * eps
 
 
-def _check_token_counts(name, n, k, ms, dtype):
-    """One weight of format `name` ([n, k]), checked at each token count in ms."""
+def _fitting(names, ks):
+    """(format, K) pairs whose group size divides K: impossible pairs are never generated."""
+    return [(name, k) for name in names for k in ks if _fits(CFGS[name], k)]
+
+
+@functools.lru_cache(maxsize=16)
+def _weights(name, n, k):
+    """One quantized weight per (format, N, K), shared by the token counts that test it."""
+    return _quantized(CFGS[name], n, k)
+
+
+def _check_m(name, n, k, m, dtype):
     cfg = CFGS[name]
-    if not _fits(cfg, k):
-        pytest.skip(f"K={k} not divisible by group {cfg.group_size}")
-    qw, s, z = _quantized(cfg, n, k)
-    for m in ms:
-        x = torch.randn(m, k, device="cuda", dtype=dtype)
-        _check(cfg, x, qw, s, z, k)
+    qw, s, z = _weights(name, n, k)
+    _check(cfg, torch.randn(m, k, device="cuda", dtype=dtype), qw, s, z, k)
 
 
 @requires_cuda
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("n", ODD_N)
+@pytest.mark.parametrize("name,k", _fitting(CFGS, ODD_K), ids=lambda v: str(v))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("name", list(CFGS))
-@pytest.mark.parametrize("n,k", list(itertools.product(ODD_N, ODD_K)), ids=lambda v: str(v))
-def test_odd_shapes_all_m(n, k, name, dtype):
-    _check_token_counts(name, n, k, MS, dtype)
+def test_odd_shapes(dtype, name, k, n, m):
+    _check_m(name, n, k, m, dtype)
 
 
 @requires_cuda
+@pytest.mark.slow
+@pytest.mark.parametrize("m,dtype", [(1, torch.float16), (1, torch.bfloat16), (4, torch.float16),
+                                     (16, torch.bfloat16), (64, torch.float16)], ids=str)
 @pytest.mark.parametrize("name", list(CFGS))
 @pytest.mark.parametrize("n,k", LLAMA, ids=[f"{n}x{k}" for n, k in LLAMA])
-def test_llama_shapes(n, k, name):
-    cfg = CFGS[name]
-    qw, s, z = _quantized(cfg, n, k)
-    for m, dtype in [(1, torch.float16), (1, torch.bfloat16), (4, torch.float16), (16, torch.bfloat16), (64, torch.float16)]:
-        x = torch.randn(m, k, device="cuda", dtype=dtype)
-        _check(cfg, x, qw, s, z, k)
+def test_llama_shapes(n, k, name, m, dtype):
+    _check_m(name, n, k, m, dtype)
 
 
 @requires_cuda
+@pytest.mark.parametrize("m", [9, 13, 16])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("name", ["int4", "int4g128", "int4g128a"])
 @pytest.mark.parametrize("k", [136, 2880])
-def test_two_row_tile_kernel_odd_shapes(k, name, dtype):
+def test_two_row_tile_kernel_odd_shapes(k, name, dtype, m):
     """9..16 tokens on N >= 8192 take the two-row-tile instance (csrc/gemv_mma.cuh,
-    QGEMV_WIDE_MIN_PANELS): N = 8197 ends in a 5-row panel, and its last block's
+    has_wide_instance): N = 8197 ends in a 5-row panel, and its last block's
     second row tile lies wholly past N."""
-    _check_token_counts(name, 8197, k, (9, 13, 16), dtype)
+    _check_m(name, 8197, k, m, dtype)
 
 
 @requires_cuda
+@pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("name", ["int8", "int4", "int4g128"])
 @pytest.mark.parametrize("k", [136, 2880])
-def test_persistent_kernel_odd_shapes(k, name, dtype):
+def test_persistent_kernel_odd_shapes(k, name, dtype, m):
     """1..8 tokens on a grid of more than one wave take the persistent instance
     (csrc/gemv_mma.cuh, has_persistent_instance) for int8 and int4 per channel /
     G = 128: N = 50005 gives 3126 blocks of 16 rows, more than any H200
     residency, so each block walks several, ending in a 5-row panel; K = 136
     and 2880 leave an edge tile."""
-    _check_token_counts(name, 50005, k, (1, 3, 8), dtype)
+    _check_m(name, 50005, k, m, dtype)
 
 
 class _ForcedPath:
@@ -162,67 +170,53 @@ class _ForcedPath:
         self.C, self.path = _C, path
 
     def __enter__(self):
-        self.old = self.C.get_prefill_path()
-        self.C.set_prefill_path(self.path)
+        self.old = self.C.testing.get_prefill_path()
+        self.C.testing.set_prefill_path(self.path)
 
     def __exit__(self, *exc):
-        self.C.set_prefill_path(self.old)
+        self.C.testing.set_prefill_path(self.old)
 
 
-def _gemm_paths():
-    """The tiled GEMM paths this GPU runs: mma.sync always, wgmma on cc 9.0."""
+PREFILL_PATHS = ["chunks", "dense", "tiled", "wgmma"]
+
+
+def _path_number(path):
+    """A prefill path's number in qgemv._C.testing; skips wgmma where it cannot run."""
     from qgemv import _C
 
-    return [_C.PREFILL_TILED] + ([_C.PREFILL_WGMMA] if _C.wgmma_available() else [])
-
-
-def _gemm_path(kind):
-    """'tiled' or 'wgmma' -> the path number; skips wgmma where it cannot run."""
-    from qgemv import _C
-
-    if kind == "wgmma" and not _C.wgmma_available():
+    if path == "wgmma" and not _C.wgmma_available():
         pytest.skip("the wgmma GEMM needs compute capability 9.0 and an sm_90a build")
-    return _C.PREFILL_TILED if kind == "tiled" else _C.PREFILL_WGMMA
+    return {"chunks": _C.testing.PREFILL_CHUNKS, "dense": _C.testing.PREFILL_DENSE,
+            "tiled": _C.testing.PREFILL_TILED, "wgmma": _C.testing.PREFILL_WGMMA}[path]
 
 
 @requires_cuda
+@pytest.mark.parametrize("m,dtype", [(17, torch.float16), (33, torch.bfloat16), (64, torch.float16),
+                                     (100, torch.bfloat16)], ids=str)
+@pytest.mark.parametrize("path", PREFILL_PATHS)
 @pytest.mark.parametrize("name", ["int8", "int4", "int4g64a", "int4g128"])
-def test_prefill_all_paths(name):
+def test_prefill_all_paths(name, path, m, dtype):
     """M > 16 through each path the dispatch chooses between, whatever M:
     16-token GEMV chunks (a partial last chunk), the tiled mma.sync GEMM,
     dequantize + cuBLAS, and (on cc 9.0) the wgmma GEMM."""
-    from qgemv import _C
-
-    cfg = CFGS[name]
-    n, k = 1000, 640
-    qw, s, z = _quantized(cfg, n, k)
-    for path in [_C.PREFILL_CHUNKS, _C.PREFILL_DENSE] + _gemm_paths():
-        with _ForcedPath(path):
-            for m, dtype in [(17, torch.float16), (33, torch.bfloat16), (64, torch.float16), (100, torch.bfloat16)]:
-                x = torch.randn(m, k, device="cuda", dtype=dtype)
-                _check(cfg, x, qw, s, z, k)
+    with _ForcedPath(_path_number(path)):
+        _check_m(name, 1000, 640, m, dtype)
 
 
 @requires_cuda
-@pytest.mark.parametrize("kind", ["tiled", "wgmma"])
+@pytest.mark.parametrize("m", [17, 64, 65, 129])
+@pytest.mark.parametrize("n", [1, 7, 130, 4097])
+@pytest.mark.parametrize("name,k", _fitting(CFGS, ODD_K + [4096]), ids=lambda v: str(v))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("name", list(CFGS))
-@pytest.mark.parametrize("k", ODD_K + [4096])
-def test_tiled_gemm_odd_shapes(k, name, dtype, kind):
+@pytest.mark.parametrize("kind", ["tiled", "wgmma"])
+def test_tiled_gemm_odd_shapes(kind, dtype, name, k, n, m):
     """The tiled GEMMs (csrc/gemm_mma.cu, csrc/gemm_wgmma.cu) on odd shapes:
     N = 1, 7 (one partial panel), 130 (a block of 128 rows plus a 2-row
     panel), 4097; K with an edge tile (8, 24, 136, 2880, 5128) or without
     (4096); M across the 32-, 64- and 128-token block boundaries (17, 64, 65,
     129)."""
-    cfg = CFGS[name]
-    if not _fits(cfg, k):
-        pytest.skip(f"K={k} not divisible by group {cfg.group_size}")
-    with _ForcedPath(_gemm_path(kind)):
-        for n in (1, 7, 130, 4097):
-            qw, s, z = _quantized(cfg, n, k)
-            for m in (17, 64, 65, 129):
-                x = torch.randn(m, k, device="cuda", dtype=dtype)
-                _check(cfg, x, qw, s, z, k)
+    with _ForcedPath(_path_number(kind)):
+        _check_m(name, n, k, m, dtype)
 
 
 @requires_cuda
@@ -236,20 +230,20 @@ def test_wgmma_block_shapes(name, shape):
     2944), M = 130 (a partial token block)."""
     from qgemv import _C
 
-    path = _gemm_path("wgmma")
+    path = _path_number("wgmma")
     cfg = CFGS[name]
     n, k = 300, {"int4g32a": 2880, "int4g128": 2944}.get(name, 2904)
     qw, s, z = _quantized(cfg, n, k)
-    _C.set_wgmma_shape(shape)
+    _C.testing.set_wgmma_shape(shape)
     try:
         with _ForcedPath(path):
             for m, dtype in [(130, torch.float16), (40, torch.bfloat16)]:
                 x = torch.randn(m, k, device="cuda", dtype=dtype)
                 _check(cfg, x, qw, s, z, k)
     finally:
-        _C.set_wgmma_shape(-1)
+        _C.testing.set_wgmma_shape(-1)
     with pytest.raises(ValueError, match="set_wgmma_shape"):
-        _C.set_wgmma_shape(_C.wgmma_shape_count())
+        _C.testing.set_wgmma_shape(_C.testing.wgmma_shape_count())
 
 
 @requires_cuda
@@ -262,7 +256,7 @@ def test_tiled_gemm_scale_range(kind):
     n, k = 300, 1024
     w = torch.randn(n, k, device="cuda") * torch.logspace(-3, 0, n, device="cuda")[:, None]
     qw, s, z = formats.quantize(w, cfg)
-    with _ForcedPath(_gemm_path(kind)):
+    with _ForcedPath(_path_number(kind)):
         for dtype in (torch.float16, torch.bfloat16):
             x = torch.randn(40, k, device="cuda", dtype=dtype) * 30
             _check(cfg, x, qw, s, z, k)
@@ -280,7 +274,7 @@ def test_tiled_gemm_split_k_deterministic(name, kind):
     n, k = 256, 8192
     qw, s, z = _quantized(cfg, n, k)
     x = torch.randn(40, k, device="cuda", dtype=torch.float16)
-    with _ForcedPath(_gemm_path(kind)):
+    with _ForcedPath(_path_number(kind)):
         _check(cfg, x, qw, s, z, k)
         a = _call(cfg, x, qw, s, z)
         b = _call(cfg, x, qw, s, z)
@@ -298,25 +292,25 @@ def test_prefill_dispatch_rule():
     rule; bad values are refused."""
     from qgemv import _C
 
-    assert _C.get_prefill_path() == -1
+    assert _C.testing.get_prefill_path() == -1
     for n, k in [(4096, 4096), (28672, 8192)]:
-        assert _C.prefill_path(n, k, 16) == -1
-        assert _C.prefill_path(n, k, 17) == _C.PREFILL_TILED
+        assert _C.testing.prefill_path(n, k, 16) == -1
+        assert _C.testing.prefill_path(n, k, 17) == _C.testing.PREFILL_TILED
         if _C.wgmma_available():
-            small = n * k <= _C.small_weight
-            last_tiled = (_C.wgmma_min_tokens_small if small else _C.wgmma_min_tokens) - 1
-            assert _C.prefill_path(n, k, last_tiled) == _C.PREFILL_TILED
-            assert _C.prefill_path(n, k, last_tiled + 1) == _C.PREFILL_WGMMA
-            assert _C.prefill_path(n, k, _C.wgmma_max_tokens) == _C.PREFILL_WGMMA
-            assert _C.prefill_path(n, k, _C.wgmma_max_tokens + 1) == _C.PREFILL_DENSE
+            small = n * k <= _C.testing.small_weight
+            last_tiled = (_C.testing.wgmma_min_tokens_small if small else _C.testing.wgmma_min_tokens) - 1
+            assert _C.testing.prefill_path(n, k, last_tiled) == _C.testing.PREFILL_TILED
+            assert _C.testing.prefill_path(n, k, last_tiled + 1) == _C.testing.PREFILL_WGMMA
+            assert _C.testing.prefill_path(n, k, _C.testing.wgmma_max_tokens) == _C.testing.PREFILL_WGMMA
+            assert _C.testing.prefill_path(n, k, _C.testing.wgmma_max_tokens + 1) == _C.testing.PREFILL_DENSE
         else:
-            assert _C.prefill_path(n, k, _C.tiled_max_tokens) == _C.PREFILL_TILED
-            assert _C.prefill_path(n, k, _C.tiled_max_tokens + 1) == _C.PREFILL_DENSE
-    with _ForcedPath(_C.PREFILL_CHUNKS):
-        assert _C.prefill_path(4096, 4096, 2048) == _C.PREFILL_CHUNKS
-    assert _C.get_prefill_path() == -1
+            assert _C.testing.prefill_path(n, k, _C.testing.tiled_max_tokens) == _C.testing.PREFILL_TILED
+            assert _C.testing.prefill_path(n, k, _C.testing.tiled_max_tokens + 1) == _C.testing.PREFILL_DENSE
+    with _ForcedPath(_C.testing.PREFILL_CHUNKS):
+        assert _C.testing.prefill_path(4096, 4096, 2048) == _C.testing.PREFILL_CHUNKS
+    assert _C.testing.get_prefill_path() == -1
     with pytest.raises(ValueError, match="set_prefill_path"):
-        _C.set_prefill_path(4)
+        _C.testing.set_prefill_path(4)
 
 
 @requires_cuda
@@ -487,6 +481,25 @@ def test_cuda_errors_name_tensor_and_rule():
         qgemv.linear_int8(x, qw.cpu(), s, 128)
     with pytest.raises((RuntimeError, ValueError), match="scales must be float16"):
         qgemv.linear_int8(x, qw, s.float(), 128)
+
+
+@requires_cuda
+@pytest.mark.parametrize("m", [1, 24, 100], ids=["gemv", "tiled", "prefill"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int4g32a", "int4g128"])
+def test_opcheck_on_cuda(name, m):
+    """torch.library.opcheck with CUDA tensors: schema, fake kernel and the
+    dispatch agree with the CUDA kernels (the CPU cases are in test_ops.py)."""
+    cfg = CFGS[name]
+    k = 256
+    qw, s, z = _weights(name, 72, k)
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    if cfg.bits == 8:
+        op, args = torch.ops.qgemv.linear_int8.default, (x, qw, s, k)
+    elif cfg.group_size is None:
+        op, args = torch.ops.qgemv.linear_int4.default, (x, qw, s, k)
+    else:
+        op, args = torch.ops.qgemv.linear_int4_grouped.default, (x, qw, s, z, cfg.group_size, k)
+    torch.library.opcheck(op, args)
 
 
 SGEMV_SHAPES = [(1, 1), (7, 5), (33, 16), (65, 17), (129, 128), (4097, 130), (300, 4100), (28, 8192)]

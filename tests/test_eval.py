@@ -106,6 +106,7 @@ def test_check_bad_arguments_exit_2():
 
 
 @requires_smollm2
+@pytest.mark.slow
 def test_smollm2_int8_passes_the_check(tmp_path):
     """CI's real-model check: int8 RTN within 1% ppl of the float model on 3 windows."""
     from qgemv.calibration import cli

@@ -187,6 +187,7 @@ def test_group_fallback_is_recorded(tiny_llama_dir):
 
 
 @requires_smollm2
+@pytest.mark.slow
 def test_smollm2_gptq_end_to_end_cpu(tmp_path):
     """The real model: GPTQ int4 g128 with a small calibration set, save, load, score 2 windows."""
     from qgemv.eval.ppl import Protocol, evaluate

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import requires_smollm2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,6 +22,7 @@ def _run(cmd, cwd, env, timeout=900):
 
 
 @requires_smollm2
+@pytest.mark.slow
 def test_wheel_installs_and_runs_from_an_empty_directory(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     env["QGEMV_SKIP_CUDA_BUILD"] = "1"
