@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device call for a before/after check of a change: build the old tree
+# (.ab_old, e.g. `git archive BASE | tar -x -C .ab_old`) and this one in
+# parallel, A/B the kernel benchmark at M = 1 and 16, then the fuzz and the
+# test suite on the new build.  Logs and JSON go to $OUT.
+set -o pipefail
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} QGEMV_CUDA_ARCHS=9.0 TORCH_CUDA_ARCH_LIST=9.0a PYTHONUNBUFFERED=1
+t0=$(date +%s)
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+(cd .ab_old && MAX_JOBS=8 python3 setup.py build_ext --inplace > "$OUT/build_old.log" 2>&1) &
+MAX_JOBS=8 python3 setup.py build_ext --inplace > "$OUT/build_new.log" 2>&1 || { tail -20 "$OUT/build_new.log"; exit 1; }
+wait || { tail -20 "$OUT/build_old.log"; exit 1; }
+QGEMV_SKIP_CUDA_BUILD=1 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 \
+  || { tail -20 "$OUT/pip.log"; exit 1; }
+echo "builds: $(( $(date +%s) - t0 )) s"
+(cd .ab_old && timeout 150 python3 eval/bench_gemv.py --ms 1,16 --no-extras --out "$OUT/bench_old" > "$OUT/bench_old.log" 2>&1)
+timeout 150 python3 -m qgemv.eval.bench_gemv --ms 1,16 --no-extras --out "$OUT/bench_new" > "$OUT/bench_new.log" 2>&1
+python3 dev/ab_compare.py "$OUT/bench_old.json" "$OUT/bench_new.json" > "$OUT/ab.txt" 2>&1; tail -1 "$OUT/ab.txt"
+echo "bench: $(( $(date +%s) - t0 )) s"
+QGEMV_FUZZ_CASES=${FUZZ_CASES:-4000} timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fuzz_cuda.py 2>&1 \
+  | tee "$OUT/fuzz.log" | tail -1
+timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -n 8 --ignore tests/test_wheel.py \
+  --deselect tests/test_fuzz_cuda.py tests 2>&1 | tee "$OUT/tests.log" | tail -4
+echo "total: $(( $(date +%s) - t0 )) s"
