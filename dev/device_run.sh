@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash eval/device_run.sh [tests|bench|prefill|sanitize|decode|lab|all]...
-#   (DECODE_ARGS: extra arguments for eval/bench_decode.py; PYTEST_K: a
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|all]...
+#   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
 OUT=${OUT:-runs/device}
@@ -11,6 +11,7 @@ export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} QGEMV_CUDA_ARCHS=9.0 TORCH_CUDA_A
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 start=$(date +%s)
 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+QGEMV_SKIP_CUDA_BUILD=1 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || exit 1
 echo "build: $(( $(date +%s) - start )) s"
 python3 -m qgemv info | tee "$OUT/info.txt"
 for step in "${@:-all}"; do
@@ -18,9 +19,9 @@ for step in "${@:-all}"; do
     tests|all)
       python3 -m pytest -q -rs --maxfail=30 ${PYTEST_K:+-k "$PYTEST_K"} tests 2>&1 | tee "$OUT/tests.log" | tail -40 ;;&
     bench|all)
-      python3 eval/bench_gemv.py --out "$OUT/bench_gemv" 2>&1 | tail -120 ;;&
+      python3 -m qgemv.eval.bench_gemv --out "$OUT/bench_gemv" 2>&1 | tail -120 ;;&
     prefill)
-      python3 eval/bench_gemv.py --prefill-only --wgmma-shapes --out "$OUT/bench_prefill" 2>&1 | tail -120 ;;
+      python3 -m qgemv.eval.bench_gemv --prefill-only --wgmma-shapes --out "$OUT/bench_prefill" 2>&1 | tail -120 ;;
     sanitize)
       # memcheck: everything; racecheck: the GEMV token counts on every shape,
       # then the tiled GEMM on the small set (M = 200 runs cuBLAS, whose
@@ -30,14 +31,14 @@ for step in "${@:-all}"; do
                   "racecheck --small --wgmma --ms 24,40,72"; do
         set -- $args; tool=$1; shift
         log="$OUT/sanitize_${tool}$( [ "$1" = --small ] && echo _small ).log"
-        compute-sanitizer --tool $tool --error-exitcode 9 python3 eval/sanitize_sweep.py "$@" > "$log" 2>&1
+        compute-sanitizer --tool $tool --error-exitcode 9 python3 dev/sanitize_sweep.py "$@" > "$log" 2>&1
         echo "compute-sanitizer --tool $tool $*: exit $?"; tail -3 "$log"
       done ;;
     decode)
-      python3 eval/bench_decode.py --out "$OUT/bench_decode" ${DECODE_ARGS:-} 2>&1 | grep -v -i warn \
+      python3 -m qgemv.eval.bench_decode --out "$OUT/bench_decode" ${DECODE_ARGS:-} 2>&1 | grep -v -i warn \
         | tee "$OUT/decode.log" | tail -40 ;;
     lab)
-      VARIANTS="new=csrc:" OUT="$OUT" bash eval/lab_ab.sh 2>&1 | tail -100 ;;
+      VARIANTS="new=csrc:" OUT="$OUT" bash dev/lab_ab.sh 2>&1 | tail -100 ;;
   esac
 done
 echo "total: $(( $(date +%s) - start )) s"
