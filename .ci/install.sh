@@ -19,5 +19,5 @@ $PY setup.py build_ext --inplace > build_ext.log 2>&1 || { tail -30 build_ext.lo
 echo "qgemv: build_ext finished in $(( $(date +%s) - start )) s (log: build_ext.log)"
 # an editable install of this checkout (the extension just built in place is used, not rebuilt):
 # the console scripts, and qgemv.calibration / qgemv.eval mapped onto calibration/ and eval/
-QGEMV_SKIP_CUDA_BUILD=1 $PY -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e . \
+QGEMV_SKIP_CUDA_BUILD=1 $PY -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation --use-pep517 -e . \
   > pip_editable.log 2>&1 || { tail -30 pip_editable.log; exit 1; }

@@ -10,7 +10,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 (cd .ab_old && MAX_JOBS=8 python3 setup.py build_ext --inplace > "$OUT/build_old.log" 2>&1) &
 MAX_JOBS=8 python3 setup.py build_ext --inplace > "$OUT/build_new.log" 2>&1 || { tail -20 "$OUT/build_new.log"; exit 1; }
 wait || { tail -20 "$OUT/build_old.log"; exit 1; }
-QGEMV_SKIP_CUDA_BUILD=1 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 \
+QGEMV_SKIP_CUDA_BUILD=1 python3 -m pip install -q --no-deps --no-build-isolation --use-pep517 -e . > "$OUT/pip.log" 2>&1 \
   || { tail -20 "$OUT/pip.log"; exit 1; }
 echo "builds: $(( $(date +%s) - t0 )) s"
 (cd .ab_old && timeout 150 python3 eval/bench_gemv.py --ms 1,16 --no-extras --out "$OUT/bench_old" > "$OUT/bench_old.log" 2>&1)

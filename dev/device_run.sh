@@ -11,7 +11,7 @@ export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} QGEMV_CUDA_ARCHS=9.0 TORCH_CUDA_A
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 start=$(date +%s)
 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-QGEMV_SKIP_CUDA_BUILD=1 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || exit 1
+QGEMV_SKIP_CUDA_BUILD=1 python3 -m pip install -q --no-deps --no-build-isolation --use-pep517 -e . > "$OUT/pip.log" 2>&1 || exit 1
 echo "build: $(( $(date +%s) - start )) s"
 python3 -m qgemv info | tee "$OUT/info.txt"
 for step in "${@:-all}"; do

@@ -129,6 +129,7 @@ class QuantLinear(nn.Module):
         # each forward failed with "scales must be float16", and casting them
         # back would round them through bf16.  Seen as int16 for the duration,
         # the scales move between devices with the module but are never cast.
+        self.__dict__["_checked_on"] = None
         self._buffers["scales"] = self._buffers["scales"].view(torch.int16)
         try:
             return super()._apply(fn, recurse)
@@ -139,17 +140,53 @@ class QuantLinear(nn.Module):
         """The float32 weight [N, K] this module multiplies by."""
         return formats.dequantize(self.qweight, self.scales, self.zeros, self.config, self.in_features)
 
+    # The buffers are checked in full (shapes, dtypes, alignment: ops.check_*)
+    # once, and again only after they change (assignment, load_state_dict,
+    # .to()); each call then checks x alone, with a few attribute reads.  The
+    # full Python checks cost microseconds per call, which an eager decode
+    # loop or a host-bound benchmark sees; and on the CUDA path every check
+    # must pass before the kernel's own C++ checks, whose exceptions ended the
+    # process on torch 2.11 (see ops._precheck_cuda).
+    _BUFFER_NAMES = ("qweight", "scales", "zeros", "bias")
+
+    def __setattr__(self, name, value):
+        if name in QuantLinear._BUFFER_NAMES:
+            self.__dict__["_checked_on"] = None
+        super().__setattr__(name, value)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self.__dict__["_checked_on"] = None
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    def _check_buffers(self, x: torch.Tensor) -> None:
+        cfg, k = self.config, self.in_features
+        if cfg.bits == 8:
+            ops.check_linear_int8(x, self.qweight, self.scales, k)
+        elif cfg.group_size is None:
+            ops.check_linear_int4(x, self.qweight, self.scales, k)
+        else:
+            ops.check_linear_int4(x, self.qweight, self.scales, k, self.zeros, cfg.group_size,
+                                  op="linear_int4_grouped")
+        if x.is_cuda:
+            ops._check_cuda_pointers("QuantLinear", qweight=(self.qweight, 16), scales=(self.scales, 2))
+        self.__dict__["_checked_on"] = x.device
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.config
         k = self.in_features
         if x.dtype == torch.float64:  # a model cast with .double(): the ops run in fp32 at most
             return self.forward(x.float()).double()
+        if not torch.compiler.is_compiling():
+            if self.__dict__.get("_checked_on") != x.device:
+                self._check_buffers(x)  # also x's dtype, width and device, with the full messages
+            elif x.shape[-1] != k or x.dtype not in ops.FLOAT_DTYPES:
+                self._check_buffers(x)  # raises, naming the rule
         if cfg.bits == 8:
-            y = ops.linear_int8(x, self.qweight, self.scales, k)
+            y = torch.ops.qgemv.linear_int8(x, self.qweight, self.scales, k)
         elif cfg.group_size is None:
-            y = ops.linear_int4(x, self.qweight, self.scales, k)
+            y = torch.ops.qgemv.linear_int4(x, self.qweight, self.scales, k)
         else:
-            y = ops.linear_int4_grouped(x, self.qweight, self.scales, self.zeros, cfg.group_size, k)
+            y = torch.ops.qgemv.linear_int4_grouped(x, self.qweight, self.scales, self.zeros, cfg.group_size, k)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y

@@ -27,7 +27,8 @@ import torch
 
 from . import formats
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FLOAT_DTYPES = FLOAT_DTYPES
 
 #: Version of the schemas below; csrc/torch_bindings.cpp's kOpsVersion must equal it
 #: for the compiled kernels to be registered (qgemv/_ext.py).
