@@ -4,11 +4,13 @@ directory.  This catches what only a checkout has: data files, JIT sources,
 console scripts, modules that reach the checkout through sys.path."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import requires_smollm2
 
@@ -40,6 +42,12 @@ def test_wheel_installs_and_runs_from_an_empty_directory(tmp_path):
     _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], tmp_path, env)
     py, bindir = venv / "bin" / "python", venv / "bin"
     _run([py, "-m", "pip", "install", "--quiet", "--no-deps", "--force-reinstall", str(wheel)], tmp_path, env)
+    # An editable install of the checkout in the base environment would serve
+    # whatever the wheel lacks (qgemv._C, say) through its import hook; the
+    # venv drops that hook, so only the wheel's files can be found.
+    site = _run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp_path, env).strip()
+    Path(site, "sitecustomize.py").write_text(
+        "import sys\nsys.meta_path[:] = [f for f in sys.meta_path if 'ditable' not in repr(f)]\n")
     work = tmp_path / "empty"
     work.mkdir()
     where = _run([py, "-c", "import qgemv, qgemv.calibration.cli, qgemv._sources as s; "
@@ -47,7 +55,11 @@ def test_wheel_installs_and_runs_from_an_empty_directory(tmp_path):
     for line in where.split():
         assert line.startswith(str(venv)), f"{line} is not the installed copy"
     out = _run([py, "-m", "qgemv", "info"], work, env)
-    assert "backend:" in out
+    assert "backend: reference" in out  # a CPU wheel: no qgemv._C, from anywhere
+    if shutil.which("nvcc") and torch.version.cuda:  # the JIT build from the sources the wheel carries
+        jit_env = dict(env, QGEMV_JIT="1", QGEMV_CUDA_ARCHS="9.0", TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"),
+                       CUDA_HOME=env.get("CUDA_HOME", "/usr/local/cuda"))
+        assert "backend: jit" in _run([py, "-m", "qgemv", "info"], work, jit_env)
     _run([bindir / "qgemv-quantize", "default", "--bits", "8", "--method", "rtn", "--out", "q8"], work, env)
     assert (work / "q8" / "config.json").exists()
     out = _run([bindir / "qgemv-ppl-check", "--reference", "default", "--quantized", "q8", "--windows", "2",
