@@ -486,7 +486,12 @@ def _read_safetensors(path: Path) -> tuple:
 
 
 def checkpoint_files(path) -> list:
-    """The safetensors files of a checkpoint directory, exactly as it names them.
+    """The safetensors files of a checkpoint directory, exactly as it names them (see :func:`_shards`)."""
+    return _shards(path)[0]
+
+
+def _shards(path) -> tuple:
+    """(safetensors files, the index's weight_map or None) of a checkpoint directory.
 
     ``model.safetensors``, or the files that ``model.safetensors.index.json``'s
     ``weight_map`` names (plain file names inside the directory).  Any other
@@ -498,7 +503,7 @@ def checkpoint_files(path) -> list:
     if index.exists() and single.exists():
         raise CheckpointError(f"{path}: has both {_SINGLE} and {_INDEX}; keep one")
     if single.exists():
-        return [single]
+        return [single], None
     if not index.exists():
         raise CheckpointError(f"{path}: no {_SINGLE} and no {_INDEX}")
     wm = _read_json(index, "the shard index").get("weight_map")
@@ -513,7 +518,7 @@ def checkpoint_files(path) -> list:
     for name in files:
         if not (p / name).is_file():
             raise CheckpointError(f"{index}: names {name}, which is missing")
-    return [p / n for n in files]
+    return [p / n for n in files], wm
 
 
 def read_checkpoint_tensors(path) -> tuple:
@@ -522,9 +527,7 @@ def read_checkpoint_tensors(path) -> tuple:
     A key stored in two files, or stored in a file the index does not map it
     to, or mapped by the index but absent, is a CheckpointError.
     """
-    files = checkpoint_files(path)
-    index = Path(path) / _INDEX
-    wm = _read_json(index, "the shard index")["weight_map"] if index.exists() else None
+    files, wm = _shards(path)
     state, metas, where = {}, {}, {}
     for f in files:
         tensors, meta = _read_safetensors(f)

@@ -28,7 +28,6 @@ import torch
 from . import formats
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_FLOAT_DTYPES = FLOAT_DTYPES
 
 #: Version of the schemas below; csrc/torch_bindings.cpp's kOpsVersion must equal it
 #: for the compiled kernels to be registered (qgemv/_ext.py).
@@ -52,7 +51,7 @@ def _fail(op: str, msg: str):
 
 
 def _check_x(op: str, x: torch.Tensor, tensors: dict, in_features: int) -> int:
-    if x.dtype not in _FLOAT_DTYPES:
+    if x.dtype not in FLOAT_DTYPES:
         _fail(op, f"x must be float16, bfloat16 or float32, got {x.dtype}")
     if x.dim() < 1:
         _fail(op, "x must have at least 1 dimension")
