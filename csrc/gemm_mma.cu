@@ -46,6 +46,7 @@
 // and its weight words read directly (the stored edge tile is shorter).
 #include <algorithm>
 
+#include "instances.h"
 #include "qgemv_common.cuh"
 
 namespace qgemv {
@@ -136,16 +137,8 @@ struct GemmWarp {
             }
           }
           const uint32_t zp0 = magic_zero_pair<T>(z0), zp1 = magic_zero_pair<T>(z1);
-          const uint32_t shift = ActTraits<T>::splat_const_15_16();
-          uint32_t a0[4], a1[4];
-          dequant_int4_word<T>(u0, zp0, ActTraits<T>::sub2(zp0, shift), a0);
-          dequant_int4_word<T>(u1, zp1, ActTraits<T>::sub2(zp1, shift), a1);
-          if constexpr (kGrouped) {
-            scale_pairs(a0, sc0, T{});
-            scale_pairs(a1, sc1, T{});
-          }
-          s0[rt][0] = a0[0]; s0[rt][1] = a1[0]; s0[rt][2] = a0[1]; s0[rt][3] = a1[1];
-          s1[rt][0] = a0[2]; s1[rt][1] = a1[2]; s1[rt][2] = a0[3]; s1[rt][3] = a1[3];
+          int4_fragments<T, kGrouped>(u0, u1, zp0, magic_zero_pair_16<T>(zp0), zp1, magic_zero_pair_16<T>(zp1),
+                                      s0[rt], s1[rt], sc0, sc1);
         }
 #pragma unroll
         for (int n = 0; n < kNT; ++n) {
@@ -354,16 +347,20 @@ Status run_instance(const GemvParams& p, float* workspace, int splits, int* spli
   return launch_gemm<T, kBits, kGrouped, kNT>(p, workspace, splits, stream);
 }
 
-// Runtime (activation type, tokens per block) -> instance.
-template <int kBits, bool kGrouped>
-Status run_gemm(const GemvParams& p, float* workspace, int splits, int* splits_out, cudaStream_t stream) {
-  const bool wide = gemm_tokens(p.M) == 64;
-  if (p.act == ActType::kHalf)
-    return wide ? run_instance<__half, kBits, kGrouped, 8>(p, workspace, splits, splits_out, stream)
-                : run_instance<__half, kBits, kGrouped, 4>(p, workspace, splits, splits_out, stream);
-  if (p.act == ActType::kBFloat16)
-    return wide ? run_instance<__nv_bfloat16, kBits, kGrouped, 8>(p, workspace, splits, splits_out, stream)
-                : run_instance<__nv_bfloat16, kBits, kGrouped, 4>(p, workspace, splits, splits_out, stream);
+// The one tiled-GEMM dispatch: (activation type, format, tokens per block)
+// -> a row of QGEMV_GEMM_INSTANCES (instances.h).
+Status run_gemm(const GemvParams& p, int bits, float* workspace, int splits, int* splits_out, cudaStream_t stream) {
+  const bool grouped = p.group_size != 0;
+  const int nt = gemm_tokens(p.M) == 64 ? 8 : 4;
+#define QGEMV_ROW(B, GR, NT)                                                                             \
+  if (bits == B && grouped == GR && nt == NT) {                                                          \
+    if (p.act == ActType::kHalf) return run_instance<__half, B, GR, NT>(p, workspace, splits, splits_out, stream); \
+    if (p.act == ActType::kBFloat16)                                                                     \
+      return run_instance<__nv_bfloat16, B, GR, NT>(p, workspace, splits, splits_out, stream);           \
+    return Status::kNoKernel;                                                                            \
+  }
+  QGEMV_GEMM_INSTANCES(QGEMV_ROW)
+#undef QGEMV_ROW
   return Status::kNoKernel;
 }
 
@@ -383,28 +380,19 @@ Status check_int8_gemm(const GemvParams& p) {
 
 int gemm_splits(const GemvParams& p, int bits) {
   int splits = 1;
-  if (bits == 4 && check_int4_gemm(p) == Status::kOk) {
-    if (p.group_size == 0)
-      run_gemm<4, false>(p, nullptr, 1, &splits, nullptr);
-    else
-      run_gemm<4, true>(p, nullptr, 1, &splits, nullptr);
-  } else if (bits == 8 && check_int8_gemm(p) == Status::kOk) {
-    run_gemm<8, false>(p, nullptr, 1, &splits, nullptr);
-  }
+  const Status st = bits == 4 ? check_int4_gemm(p) : bits == 8 ? check_int8_gemm(p) : Status::kNoKernel;
+  if (st == Status::kOk) run_gemm(p, bits, nullptr, 1, &splits, nullptr);
   return splits;
 }
 
 Status gemm_int4(const GemvParams& p, float* workspace, int splits, cudaStream_t stream) {
   const Status st = check_int4_gemm(p);
-  if (st != Status::kOk) return st;
-  return p.group_size == 0 ? run_gemm<4, false>(p, workspace, splits, nullptr, stream)
-                           : run_gemm<4, true>(p, workspace, splits, nullptr, stream);
+  return st != Status::kOk ? st : run_gemm(p, 4, workspace, splits, nullptr, stream);
 }
 
 Status gemm_int8(const GemvParams& p, float* workspace, int splits, cudaStream_t stream) {
   const Status st = check_int8_gemm(p);
-  if (st != Status::kOk) return st;
-  return run_gemm<8, false>(p, workspace, splits, nullptr, stream);
+  return st != Status::kOk ? st : run_gemm(p, 8, workspace, splits, nullptr, stream);
 }
 
 }  // namespace qgemv

@@ -44,6 +44,7 @@
 #include <algorithm>
 #include <atomic>
 
+#include "instances.h"
 #include "qgemv_common.cuh"
 #include "testing.h"
 
@@ -276,16 +277,13 @@ struct WgMath {
           const uint32_t u0 = word_of(w0[rt], j), u1 = word_of(w1[rt], j);
           const uint32_t zp0 = magic_zero_pair<T>(kGrouped ? (sc.z0[rt] >> (8 * j)) & 0xffu : 8u);
           const uint32_t zp1 = magic_zero_pair<T>(kGrouped ? (sc.z1[rt] >> (8 * j)) & 0xffu : 8u);
-          const uint32_t shift = ActTraits<T>::splat_const_15_16();
-          uint32_t d0[4], d1[4];
-          dequant_int4_word<T>(u0, zp0, ActTraits<T>::sub2(zp0, shift), d0);
-          dequant_int4_word<T>(u1, zp1, ActTraits<T>::sub2(zp1, shift), d1);
-          if constexpr (kGrouped) {
-            scale_pairs(d0, Scales::pick(sc.s0[rt][j / 2], j), T{});
-            scale_pairs(d1, Scales::pick(sc.s1[rt][j / 2], j), T{});
-          }
-          a[0][rt][0] = d0[0]; a[0][rt][1] = d1[0]; a[0][rt][2] = d0[1]; a[0][rt][3] = d1[1];
-          a[1][rt][0] = d0[2]; a[1][rt][1] = d1[2]; a[1][rt][2] = d0[3]; a[1][rt][3] = d1[3];
+          if constexpr (kGrouped)
+            int4_fragments<T, true>(u0, u1, zp0, magic_zero_pair_16<T>(zp0), zp1, magic_zero_pair_16<T>(zp1),
+                                    a[0][rt], a[1][rt], Scales::pick(sc.s0[rt][j / 2], j),
+                                    Scales::pick(sc.s1[rt][j / 2], j));
+          else
+            int4_fragments<T>(u0, u1, zp0, magic_zero_pair_16<T>(zp0), zp1, magic_zero_pair_16<T>(zp1), a[0][rt],
+                              a[1][rt]);
         } else {
           const uint32_t u0[4] = {w0[rt].x, w0[rt].y, w0[rt].z, w0[rt].w};
           const uint32_t u1[4] = {w1[rt].x, w1[rt].y, w1[rt].z, w1[rt].w};
@@ -756,34 +754,30 @@ struct Instance {
   }
 };
 
-// Runtime (activation type, block shape) -> instance; plan_out != nullptr
-// only plans.
-template <typename T, int kBits, bool kGrouped>
-Status run_shape(const GemvParams& p, void* xperm, float* partial, int splits, WgmmaPlan* plan_out,
+// The one wgmma dispatch: (activation type, format, block shape) -> a row of
+// QGEMV_WGMMA_INSTANCES (instances.h); plan_out != nullptr only plans.
+Status run_wgmma(const GemvParams& p, int bits, void* xperm, float* partial, int splits, WgmmaPlan* plan_out,
                  cudaStream_t stream) {
+  const bool grouped = p.group_size != 0;
   const Shape s = wgmma_shape(p.M);
-#define QG_SHAPE(TOK, RT, WS)                                \
-  if (s.tok == TOK && s.rt == RT && s.ws == WS) {            \
-    using I = Instance<T, kBits, kGrouped, TOK, RT, WS>;     \
-    if (plan_out != nullptr) {                               \
-      *plan_out = I::plan(p);                                \
-      return Status::kOk;                                    \
-    }                                                        \
-    return I::launch(p, xperm, partial, splits, stream);     \
+#define QGEMV_RUN(T, B, GR, TOK, RT, WS)                 \
+  {                                                      \
+    using I = Instance<T, B, GR, TOK, RT, WS>;           \
+    if (plan_out != nullptr) {                           \
+      *plan_out = I::plan(p);                            \
+      return Status::kOk;                                \
+    }                                                    \
+    return I::launch(p, xperm, partial, splits, stream); \
   }
-  QG_SHAPE(64, 2, 0)
-  QG_SHAPE(128, 1, 1)
-#undef QG_SHAPE
-  return Status::kNoKernel;
-}
-
-template <int kBits, bool kGrouped>
-Status run_wgmma(const GemvParams& p, void* xperm, float* partial, int splits, WgmmaPlan* plan_out,
-                 cudaStream_t stream) {
-  if (p.act == ActType::kHalf)
-    return run_shape<__half, kBits, kGrouped>(p, xperm, partial, splits, plan_out, stream);
-  if (p.act == ActType::kBFloat16)
-    return run_shape<__nv_bfloat16, kBits, kGrouped>(p, xperm, partial, splits, plan_out, stream);
+#define QGEMV_ROW(B, GR, TOK, RT, WS)                                                \
+  if (bits == B && grouped == GR && s.tok == TOK && s.rt == RT && s.ws == WS) {      \
+    if (p.act == ActType::kHalf) QGEMV_RUN(__half, B, GR, TOK, RT, WS)               \
+    if (p.act == ActType::kBFloat16) QGEMV_RUN(__nv_bfloat16, B, GR, TOK, RT, WS)    \
+    return Status::kNoKernel;                                                        \
+  }
+  QGEMV_WGMMA_INSTANCES(QGEMV_ROW)
+#undef QGEMV_ROW
+#undef QGEMV_RUN
   return Status::kNoKernel;
 }
 
@@ -798,28 +792,19 @@ int wgmma_shape_count() { return static_cast<int>(sizeof(kShapes) / sizeof(kShap
 
 WgmmaPlan wgmma_plan(const GemvParams& p, int bits) {
   WgmmaPlan pl{};
-  if (bits == 4 && check_int4_gemm(p) == Status::kOk) {
-    if (p.group_size == 0)
-      run_wgmma<4, false>(p, nullptr, nullptr, 1, &pl, nullptr);
-    else
-      run_wgmma<4, true>(p, nullptr, nullptr, 1, &pl, nullptr);
-  } else if (bits == 8 && check_int8_gemm(p) == Status::kOk) {
-    run_wgmma<8, false>(p, nullptr, nullptr, 1, &pl, nullptr);
-  }
+  const Status st = bits == 4 ? check_int4_gemm(p) : bits == 8 ? check_int8_gemm(p) : Status::kNoKernel;
+  if (st == Status::kOk) run_wgmma(p, bits, nullptr, nullptr, 1, &pl, nullptr);
   return pl;
 }
 
 Status wgmma_int4(const GemvParams& p, void* xperm, float* partial, int splits, cudaStream_t stream) {
   const Status st = check_int4_gemm(p);
-  if (st != Status::kOk) return st;
-  return p.group_size == 0 ? run_wgmma<4, false>(p, xperm, partial, splits, nullptr, stream)
-                           : run_wgmma<4, true>(p, xperm, partial, splits, nullptr, stream);
+  return st != Status::kOk ? st : run_wgmma(p, 4, xperm, partial, splits, nullptr, stream);
 }
 
 Status wgmma_int8(const GemvParams& p, void* xperm, float* partial, int splits, cudaStream_t stream) {
   const Status st = check_int8_gemm(p);
-  if (st != Status::kOk) return st;
-  return run_wgmma<8, false>(p, xperm, partial, splits, nullptr, stream);
+  return st != Status::kOk ? st : run_wgmma(p, 8, xperm, partial, splits, nullptr, stream);
 }
 
 }  // namespace qgemv

@@ -31,7 +31,7 @@
 //   16) tokens.
 //
 // Memory pipeline (the part that decides the speed; see BENCHMARKS.md for the
-// ncu numbers and the eval/gemv_lab.cu A/B runs that led here):
+// ncu numbers and the dev/gemv_lab.cu A/B runs that led here):
 //   * Weights stream through a per-warp ring of kStages tiles in shared
 //     memory filled with cp.async (L1 bypassed, L2 evict-first).  Each lane
 //     copies and later reads back only its own 2 x 16 bytes per tile, so no
@@ -68,11 +68,12 @@
 // With one row tile, every block re-reads all of x: 16 tokens x K x 2 bytes
 // against 16 rows x K / 2 bytes of int4 weights, i.e. 4 bytes of x (from L2:
 // 256 KB of x at K = 8192 does not stay in L1) per byte of weight.  Two row
-// tiles halve that traffic.  See has_wide_instance() for where it is used.
+// tiles halve that traffic (the kRT = 2 rows of instances.h).
 #pragma once
 
 #include <atomic>
 
+#include "instances.h"
 #include "qgemv_common.cuh"
 
 namespace qgemv {
@@ -84,16 +85,13 @@ constexpr int kStages = tuning::kGemvStages;   // weight ring depth per warp (ti
 constexpr int kMaxWarps = tuning::kGemvMaxWarps;  // warps per block (split-K)
 
 // Two row tiles per warp (kRT = 2) for 9..16 tokens on large N.  Measured on
-// the H200 with eval/gemv_lab.cu (BENCHMARKS.md): int4 M = 16 at 28672x8192
+// the H200 with the kernel lab (BENCHMARKS.md): int4 M = 16 at 28672x8192
 // 64.0 -> 48.6 us, 8192x28672 54.5 -> 45.1 us, 8192x8192 20.6 -> 19.6 us;
 // but slower at 4096x4096 (128 blocks leave SMs short of warps), and slower
 // for int8 (half the activation traffic per weight byte to begin with) and
-// G = 32 / 64 (their per-tile metadata spills).  Hence: int4 per channel and
-// G = 128 only, and only from tuning::kWideMinPanels 16-row panels.
-template <int kBits, int kGroup>
-constexpr bool has_wide_instance() {
-  return kBits == 4 && (kGroup == 0 || kGroup == 128);
-}
+// G = 32 / 64 (their per-tile metadata spills).  Hence the table
+// (instances.h) has kRT = 2 rows for int4 per channel and G = 128 only, used
+// from tuning::kWideMinPanels 16-row panels.
 
 // The panel that row tile rt of logical block blk reads.  A row tile past
 // the last panel (N not a multiple of 16 kRT) reads the last panel again;
@@ -246,15 +244,11 @@ struct GemvMma {
         z1 = ms[rt].z1[j];
         // (magic/16 + z) = (magic + z) - 15 magic / 16: one exact subtraction
         // instead of a second register array per group.
-        const uint32_t shift = ActTraits<T>::splat_const_15_16();
-        y0 = ActTraits<T>::sub2(z0, shift);
-        y1 = ActTraits<T>::sub2(z1, shift);
+        y0 = magic_zero_pair_16<T>(z0);
+        y1 = magic_zero_pair_16<T>(z1);
       }
-      uint32_t a0[4], a1[4];
-      dequant_int4_word<T>(w0[rt], z0, y0, a0);
-      dequant_int4_word<T>(w1[rt], z1, y1, a1);
-      const uint32_t step0[4] = {a0[0], a1[0], a0[1], a1[1]};
-      const uint32_t step1[4] = {a0[2], a1[2], a0[3], a1[3]};
+      uint32_t step0[4], step1[4];
+      int4_fragments<T>(w0[rt], w1[rt], z0, y0, z1, y1, step0, step1);
 #pragma unroll
       for (int n = 0; n < kNT; ++n) {
         // Grouped: per-group partial sums, folded with the scale at the group end.
@@ -568,7 +562,7 @@ __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvPa
 }
 
 // Warps per block (the split-K factor), measured on the H200 with
-// eval/gemv_lab.cu --warps 8,4,2 (BENCHMARKS.md).
+// dev/gemv_lab.cu --warps 8,4,2 (BENCHMARKS.md).
 // One row tile per warp (11 shapes x 7 formats):
 //   * short rows (K <= 4096) and at least 640 panels: 2 warps, each with a
 //     longer run of tiles (int4 12288x4096: 16.7 -> 13.8 us against 8 warps);
@@ -596,18 +590,15 @@ inline int choose_warps(int N, int K, int Kp, int tile_k, int row_tiles) {
   return k_tiles < w ? (k_tiles > 0 ? k_tiles : 1) : w;
 }
 
-// The persistent kernel (one n-tile, one row tile: M <= 8) for int8 and
-// int4 per channel / G = 128 without zero points, once the grid exceeds
-// tuning::kPersistMinWaves waves of resident blocks.  Measured on the H200
-// (eval/gemv_lab.cu, BENCHMARKS.md): int4 57344x8192 M = 8 81.1 -> 74.7 us,
-// 22016x4096 M = 1 22.3 -> 20.5 us, 28672x8192 unchanged (ncu: its SMs are
-// active for 81% of the kernel, against 92% at 8192x28672; capping the
-// registers to fit 5 blocks per SM instead of 4 was slower); with zero
-// points it lost 3-7%, so those keep the plain grid.
-template <int kBits, int kGroup, bool kZeros, int kNT, int kRT>
-constexpr bool has_persistent_instance() {
-  return kNT == 1 && kRT == 1 && !kZeros && (kGroup == 0 || kGroup == 128);
-}
+// The persistent kernel (the rows of instances.h marked persistent: one
+// n-tile, one row tile, M <= 8; int8 and int4 per channel / G = 128 without
+// zero points), once the grid exceeds tuning::kPersistMinWaves waves of
+// resident blocks.  Measured on the H200 (the kernel lab, BENCHMARKS.md):
+// int4 57344x8192 M = 8 81.1 -> 74.7 us, 22016x4096 M = 1 22.3 -> 20.5 us,
+// 28672x8192 unchanged (ncu: its SMs are active for 81% of the kernel,
+// against 92% at 8192x28672; capping the registers to fit 5 blocks per SM
+// instead of 4 was slower); with zero points it lost 3-7%, so those keep the
+// plain grid.
 
 // A programmatic launch is safe only for machine code that waits (pdl_wait):
 // code built for sm_90 or later.  An sm_80 build running on a Hopper GPU
@@ -632,7 +623,7 @@ Status launch_gemv_mma(const GemvParams& p, cudaStream_t stream) {
                       static_cast<size_t>(w) * kRT * kNT * 4 * kWarpSize * sizeof(float);
   auto kernel = gemv_mma_kernel<T, kBits, kGroup, kZeros, kNT, kRT, false>;
   int grid = nblk;
-  if constexpr (has_persistent_instance<kBits, kGroup, kZeros, kNT, kRT>()) {
+  if constexpr (gemv_row(kBits, kGroup, kZeros, kNT, kRT) == 2) {
     // Resident blocks per SM for this instance and warp count, asked once per device.
     static std::atomic<int> resident[kMaxWarps + 1][kMaxDevices] = {};
     const int sms = device_sm_count();
@@ -678,26 +669,31 @@ Status launch_gemv_mma(const GemvParams& p, cudaStream_t stream) {
   return cudaGetLastError() == cudaSuccess ? Status::kOk : Status::kLaunchFailed;
 }
 
-// Token count -> instance: one n-tile up to 8 tokens, two up to 16, and for
-// two n-tiles on large N (see has_wide_instance) two row tiles per warp.
-// (Two row tiles for 2..8 tokens too were measured and not kept: BENCHMARKS.md
-// history, 2026-12-01.)
-template <typename T, int kBits, int kGroup, bool kZeros>
-Status launch_for_tokens(const GemvParams& p, cudaStream_t stream) {
-  if (p.M <= 8) return launch_gemv_mma<T, kBits, kGroup, kZeros, 1, 1>(p, stream);
-  if constexpr (has_wide_instance<kBits, kGroup>()) {
-    if (num_panels(p.N) >= tuning::kWideMinPanels)
-      return launch_gemv_mma<T, kBits, kGroup, kZeros, 2, 2>(p, stream);
-  }
-  return launch_gemv_mma<T, kBits, kGroup, kZeros, 2, 1>(p, stream);
-}
-
-// Runtime (activation type, token count) -> template instance.
-template <int kBits, int kGroup, bool kZeros>
-Status dispatch_gemv_tokens(const GemvParams& p, cudaStream_t stream) {
+// The one GEMV dispatch: (activation type, format, token count, N) -> a row
+// of QGEMV_GEMV_INSTANCES.  One n-tile up to 8 tokens, two up to 16; two row
+// tiles per warp for 9..16 tokens where the table has them and N has
+// tuning::kWideMinPanels panels.  (Two row tiles for 2..8 tokens too were
+// measured and not kept: BENCHMARKS.md history, 2026-12-01.)  kBits selects
+// the rows compiled in this translation unit (gemv_int4.cu, gemv_int8.cu).
+template <int kBits>
+Status dispatch_gemv(const GemvParams& p, cudaStream_t stream) {
   if (p.M < 1 || p.M > kMaxGemvTokens) return Status::kBadShape;
-  if (p.act == ActType::kHalf) return launch_for_tokens<__half, kBits, kGroup, kZeros>(p, stream);
-  if (p.act == ActType::kBFloat16) return launch_for_tokens<__nv_bfloat16, kBits, kGroup, kZeros>(p, stream);
+  const bool zeros = p.zeros != nullptr;
+  const int nt = p.M <= 8 ? 1 : 2;
+  const int rt = nt == 2 && num_panels(p.N) >= tuning::kWideMinPanels &&
+                         gemv_row(kBits, p.group_size, zeros, 2, 2) != 0
+                     ? 2
+                     : 1;
+#define QGEMV_ROW(B, G, Z, NT, RT, P)                                                                \
+  if constexpr (B == kBits) {                                                                        \
+    if (p.group_size == G && zeros == Z && nt == NT && rt == RT) {                                   \
+      if (p.act == ActType::kHalf) return launch_gemv_mma<__half, B, G, Z, NT, RT>(p, stream);        \
+      if (p.act == ActType::kBFloat16) return launch_gemv_mma<__nv_bfloat16, B, G, Z, NT, RT>(p, stream); \
+      return Status::kNoKernel;                                                                      \
+    }                                                                                                \
+  }
+  QGEMV_GEMV_INSTANCES(QGEMV_ROW)
+#undef QGEMV_ROW
   return Status::kNoKernel;
 }
 

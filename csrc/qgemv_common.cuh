@@ -361,6 +361,35 @@ __device__ __forceinline__ void scale_pairs(uint32_t (&a)[4], __half s, __nv_bfl
   }
 }
 
+// (magic/16 + z) pair from the (magic + z) pair: one exact subtraction.
+template <typename T>
+__device__ __forceinline__ uint32_t magic_zero_pair_16(uint32_t zero2) {
+  return ActTraits<T>::sub2(zero2, ActTraits<T>::splat_const_15_16());
+}
+
+// A lane's int4 words of rows r0 (u0) and r1 (u1), 8 k each, -> the MMA A
+// fragments of two k16 steps, in mma.m16n8k16's order (row r0, row r1,
+// row r0, row r1): step0 takes the pairs (k0,k1) (k2,k3), step1 (k4,k5)
+// (k6,k7).  z / y: each row's (magic + zero) and (magic/16 + zero) pairs
+// (dequant_int4_word).  With kScaled the pairs of row r0 / r1 are multiplied
+// by s0 / s1 first (the tiled GEMMs fold the group scale here; the GEMV
+// folds it into its fp32 sums instead).  Every kernel family builds its int4
+// fragments here.
+template <typename T, bool kScaled = false>
+__device__ __forceinline__ void int4_fragments(uint32_t u0, uint32_t u1, uint32_t z0, uint32_t y0, uint32_t z1,
+                                               uint32_t y1, uint32_t (&step0)[4], uint32_t (&step1)[4],
+                                               __half s0 = __half(), __half s1 = __half()) {
+  uint32_t a0[4], a1[4];
+  dequant_int4_word<T>(u0, z0, y0, a0);
+  dequant_int4_word<T>(u1, z1, y1, a1);
+  if constexpr (kScaled) {
+    scale_pairs(a0, s0, T{});
+    scale_pairs(a1, s1, T{});
+  }
+  step0[0] = a0[0]; step0[1] = a1[0]; step0[2] = a0[1]; step0[3] = a1[1];
+  step1[0] = a0[2]; step1[1] = a1[2]; step1[2] = a0[3]; step1[3] = a1[3];
+}
+
 // Epilogue of the tiled GEMMs: one warp's accumulators for kRT 16-row panels
 // x kNT 8-token tiles, in the C-fragment layout of mma.m16n8k16 (acc(rt, n,
 // i): i = 0, 1 -> row g, tokens 8n + 2t, +1; i = 2, 3 -> row g + 8).  Rows

@@ -65,6 +65,16 @@ void check_status(Status s, const char* op) {
   TORCH_CHECK(s == Status::kOk, "qgemv.", op, ": ", status_string(s));
 }
 
+// The same, naming the configuration a kernel was asked for: with kNoKernel,
+// the (activation, format, tokens) that no row of csrc/instances.h matches.
+void check_status(Status s, const char* op, const GemvParams& p, int bits) {
+  TORCH_CHECK(s == Status::kOk, "qgemv.", op, ": ", status_string(s), " (int", bits, ", group_size ",
+              p.group_size, p.zeros != nullptr ? " with zero points" : "", ", ",
+              p.act == ActType::kHalf ? "float16" : p.act == ActType::kBFloat16 ? "bfloat16" : "float32",
+              " activations, M=", p.M, ", N=", p.N, ", K=", p.K,
+              s == Status::kNoKernel ? "; the built kernels are listed in csrc/instances.h)" : ")");
+}
+
 ActType act_type(const at::Tensor& x, const char* op) {
   if (x.scalar_type() == at::kHalf) return ActType::kHalf;
   if (x.scalar_type() == at::kBFloat16) return ActType::kBFloat16;
@@ -146,12 +156,12 @@ at::Tensor run_linear(const at::Tensor& x, GemvParams p, int bits, GemvFn gemv, 
     if (plan.splits > 1) ws = at::empty({plan.splits, M, p.N}, x.options().dtype(at::kFloat));
     check_status(wgmma(c, xperm.data_ptr(), plan.splits > 1 ? ws.data_ptr<float>() : nullptr, plan.splits,
                        stream),
-                 op);
+                 op, c, bits);
   } else if (p.act != ActType::kFloat32 && path == Prefill::kTiled) {
     const int splits = gemm_splits(c, bits);  // split-K partials when the grid is small
     at::Tensor ws;
     if (splits > 1) ws = at::empty({splits, M, p.N}, x.options().dtype(at::kFloat));
-    check_status(gemm(c, splits > 1 ? ws.data_ptr<float>() : nullptr, splits, stream), op);
+    check_status(gemm(c, splits > 1 ? ws.data_ptr<float>() : nullptr, splits, stream), op, c, bits);
   } else if (p.act != ActType::kFloat32 && path == Prefill::kChunks) {
     for (int64_t m0 = 0; m0 < M; m0 += kMaxGemvTokens) {
       GemvParams c = p;
@@ -160,11 +170,11 @@ at::Tensor run_linear(const at::Tensor& x, GemvParams p, int bits, GemvFn gemv, 
       c.y = static_cast<char*>(y.data_ptr()) + m0 * p.N * y.element_size();
       c.ldx = p.K;
       c.ldy = p.N;
-      check_status(gemv(c, stream), op);
+      check_status(gemv(c, stream), op, c, bits);
     }
   } else {
     at::Tensor w = at::empty({p.N, p.K}, x.options());
-    check_status(dequant(p, w.data_ptr(), stream), op);
+    check_status(dequant(p, w.data_ptr(), stream), op, p, bits);
     at::mm_out(y, x2, w.t());
   }
   return y.reshape(out_shape(x, p.N));
