@@ -67,6 +67,7 @@ setup(
             "qgemv-quantize=qgemv.calibration.cli:main",
             "qgemv-ppl=qgemv.eval.ppl:main",
             "qgemv-ppl-check=qgemv.eval.ppl_check:main",
+            "qgemv-generate=qgemv.engine:main",
         ]
     },
     ext_modules=ext_modules,

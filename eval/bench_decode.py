@@ -202,12 +202,13 @@ def compiled_glue():
 
 
 def weight_bytes(model) -> int:
+    """Bytes of every linear's weight: packed (with scales and zeros) for QuantLinear, dense for nn.Linear."""
     n = 0
     for m in model.modules():
         if isinstance(m, qgemv.QuantLinear):
             n += formats.nbytes(m.qweight, m.scales, m.zeros)
         elif isinstance(m, nn.Linear):
-            n += m.weight.numel() * 2
+            n += m.weight.numel() * m.weight.element_size()
     return n
 
 

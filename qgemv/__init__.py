@@ -3,6 +3,7 @@
     import qgemv
     lin = qgemv.QuantLinear.from_linear(torch.nn.Linear(4096, 4096), bits=4, group_size=128)
     report = qgemv.quantize_model(model, bits=8)
+    out = qgemv.generate(model, tokenizer, ["Once upon a time"], max_new_tokens=32)
 
 Importing qgemv never initialises CUDA.
 """
@@ -16,6 +17,7 @@ from ._ext import set_gemv_pdl  # noqa: E402
 from .formats import FORMAT_VERSION, QuantConfig  # noqa: E402
 from .nn import QuantLinear, QuantizeReport, quantize_model  # noqa: E402
 from .ops import linear_int4, linear_int4_grouped, linear_int8, sgemv  # noqa: E402
+from .engine import Engine, Generation, generate  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -25,6 +27,9 @@ __all__ = [
     "QuantLinear",
     "QuantizeReport",
     "quantize_model",
+    "Engine",
+    "Generation",
+    "generate",
     "linear_int8",
     "linear_int4",
     "linear_int4_grouped",

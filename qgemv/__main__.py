@@ -1,4 +1,7 @@
-"""``python -m qgemv info``: versions, CUDA availability, and which backend serves each op."""
+"""``python -m qgemv info``: versions, CUDA availability, and which backend serves each op.
+
+``python -m qgemv generate ...`` is ``qgemv-generate ...`` (qgemv.engine).
+"""
 
 import argparse
 import json
@@ -27,8 +30,13 @@ def info() -> dict:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["generate"]:
+        from .engine import main as generate_main
+
+        return generate_main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m qgemv")
-    ap.add_argument("command", choices=["info"])
+    ap.add_argument("command", choices=["info", "generate"])
     ap.add_argument("--json", action="store_true", help="print JSON instead of text")
     args = ap.parse_args(argv)
     d = info()

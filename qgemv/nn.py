@@ -371,7 +371,8 @@ class FusedQuantLinear(nn.Module):
     k_proj, ...).  The first member called with an input runs the one fused
     GEMV and caches the output; the others return their slice of it when they
     see the same input tensor (and recompute otherwise, so a changed call
-    order costs speed, never correctness).
+    order costs speed, never correctness).  Slices are views of the fused
+    output [..., sum(sizes)] (strided along the last dimension), not copies.
     """
 
     def __init__(self, fused: QuantLinear, sizes: list):
@@ -405,7 +406,7 @@ class FusedQuantLinear(nn.Module):
             self._x = x
             self._y = self.fused(x)
         o = self.offsets[i]
-        out = self._y[..., o : o + self.sizes[i]].contiguous()
+        out = self._y[..., o : o + self.sizes[i]]  # a view: the fused output is never copied
         if i == len(self.sizes) - 1:  # last member: drop the cache
             self._x = self._y = None
         return out

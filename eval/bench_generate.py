@@ -1,0 +1,243 @@
+"""Generation benchmark: qgemv's engine (qgemv.engine) on random weights of real shapes, against transformers.
+
+    python -m qgemv.eval.bench_generate --out runs/bench_generate
+    python -m qgemv.eval.bench_generate --models llama2-7b --batches 1 --variants fp16,int4g128a --no-hf
+
+Models (transformers LlamaForCausalLM, random weights, on the GPU):
+  llama2-7b : 32 layers, hidden 4096, 32 heads (MHA), FFN 11008, vocab 32000;
+  llama3-8b : 32 layers, hidden 4096, 32 heads, 8 KV heads (GQA), FFN 14336, vocab 128256.
+Variants: fp16 and bf16 (nn.Linear, cuBLAS), int8, int4 per channel, int4 g128
+with zero points (the GPTQ / AWQ format); every linear but lm_head converted
+by RTN; q/k/v and gate/up fused by the engine in every variant.
+
+For each (model, variant, batch): B prompts of --prompt random tokens, then
+--gen new tokens greedily (EOS ignored), after one untimed warm-up that
+compiles the glue and captures the batch size's CUDA graph.  Reported:
+prefill tok/s, decode ms/step and tok/s (all sequences), and the weight
+floor: weight bytes (all linears, lm_head included) / the read ceiling
+measured in this run, as a share of the step.  At batch 1 the step's GPU time
+is also split by kernel kind (torch.profiler over eager steps of the same
+kernels): qgemv GEMVs, cuBLAS, attention, the rest; the graph's time past
+their sum is gaps.
+
+Against, in the same run (llama2-7b, batch 1, fp16): transformers'
+``generate()`` eager with its dynamic cache, and its static cache with
+``torch.compile(mode="reduce-overhead")`` (the error is reported if it fails);
+and ``bench_decode``'s fp16 and int4 g128 steps (--decode-ref).
+Writes <out>.json, <out>.md and <out>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+
+import qgemv
+from qgemv.engine import Engine
+
+from .bench_decode import kernel_breakdown, weight_bytes
+from .bench_gemv import Timer, read_ceiling
+
+MODELS = {
+    "llama2-7b": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=32,
+                      intermediate_size=11008, vocab_size=32000),
+    "llama3-8b": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                      intermediate_size=14336, vocab_size=128256, rope_theta=500000.0),
+    "tiny": dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=256, vocab_size=512),  # for the CPU test of this script
+}
+VARIANTS = {"fp16": None, "bf16": None, "int8": (8, None, True), "int4": (4, None, True),
+            "int4g128a": (4, 128, False)}
+
+
+def build_model(name: str, layers: int = 0, device: str = "cuda"):
+    """A random-weight LlamaForCausalLM of the named shapes in fp16 (transformers' initialization, seeded)."""
+    import transformers
+
+    kw = dict(MODELS[name])
+    if layers:
+        kw["num_hidden_layers"] = layers
+    cfg = transformers.LlamaConfig(max_position_embeddings=4096, tie_word_embeddings=False, **kw)
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)
+    try:
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(old)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def prepare(model, variant: str):
+    q = VARIANTS[variant]
+    if variant == "bf16":
+        model = model.to(torch.bfloat16)
+    if q is not None:
+        bits, group, sym = q
+        qgemv.quantize_model(model, bits=bits, group_size=group, symmetric=sym)
+    return model
+
+
+def run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown) -> list:
+    rows = []
+    wb = weight_bytes(model)
+    engine = Engine(model, max_seq_len=prompt + gen + 8)
+    engine.eos_ids = set()
+    vocab = model.config.vocab_size
+    for b in batches:
+        ids = torch.randint(0, vocab, (b, prompt), generator=torch.Generator().manual_seed(b)).tolist()
+        engine.generate(ids, max_new_tokens=3)  # compile the glue, capture this batch size's graph
+        out = engine.generate(ids, max_new_tokens=gen)
+        ms = out.ms_per_step
+        floor_ms = wb / (read_gbps * 1e9) * 1e3
+        row = dict(model=mname, variant=variant, batch=b, prompt=prompt, gen=gen,
+                   prefill_tokens_per_s=out.prefill_tokens_per_s, ms_per_step=ms,
+                   decode_tokens_per_s=out.decode_tokens_per_s, weight_MB=wb / 1e6, floor_share=floor_ms / ms,
+                   graphs=out.graphs, compiled_glue=engine.compile_glue)
+        if breakdown and b == 1:
+            dev = engine.device
+            tok = torch.tensor([[1]], device=dev)
+            slot = torch.tensor([prompt], device=dev)
+            pad = torch.zeros(1, dtype=torch.long, device=dev)
+            kinds = kernel_breakdown(lambda: engine.forward(tok, slot, pad))
+            row["kernel_us_per_step"] = kinds
+            row["gaps_us_per_step"] = ms * 1e3 - sum(kinds.values())
+        rows.append(row)
+        print(f"{mname:9s} {variant:9s} b={b:<2d} prefill {row['prefill_tokens_per_s']:8.0f} tok/s  "
+              f"decode {ms:6.3f} ms/step {row['decode_tokens_per_s']:8.1f} tok/s  floor {100 * row['floor_share']:4.1f}%"
+              + ("  kernels(us): " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(row["kernel_us_per_step"].items(),
+                                                                               key=lambda kv: -kv[1]))
+                 + f", gaps {row['gaps_us_per_step']:.0f}" if "kernel_us_per_step" in row else ""), flush=True)
+    del engine
+    return rows
+
+
+def hf_baselines(model, prompt: int, gen: int) -> dict:
+    """transformers generate() on the fp16 model, batch 1: eager (dynamic cache), then static cache + compile."""
+    out = {}
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt), device="cuda")
+
+    def timed(n, **kw):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n, **kw)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    with torch.no_grad():
+        timed(2)
+        t1, tn = timed(1), timed(gen + 1)
+        out["hf_eager_fp16"] = dict(ms_per_step=1e3 * (tn - t1) / gen, tokens_per_s=gen / (tn - t1))
+        try:
+            fwd = model.forward
+            model.forward = torch.compile(fwd, mode="reduce-overhead", fullgraph=True)
+            kw = dict(cache_implementation="static")
+            timed(4, **kw)
+            t1, tn = timed(1, **kw), timed(gen + 1, **kw)
+            out["hf_static_compiled_fp16"] = dict(ms_per_step=1e3 * (tn - t1) / gen, tokens_per_s=gen / (tn - t1))
+        except Exception as e:  # reported, not fatal: the point of the comparison
+            out["hf_static_compiled_fp16"] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+        finally:
+            model.forward = fwd
+    for k, v in out.items():
+        print(f"{k}: {v}", flush=True)
+    return out
+
+
+def write_outputs(result: dict, out: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    rows = result["rows"]
+    lines = [f"{result['date']}, {result['gpu']}, torch {result['torch']}, `{result['command']}`", "",
+             "| model | variant | batch | prefill tok/s | decode ms/step | decode tok/s | × fp16 | weight floor |",
+             "|---|---|---|---|---|---|---|---|"]
+    base = {(r["model"], r["batch"]): r["ms_per_step"] for r in rows if r["variant"] == "fp16"}
+    for r in rows:
+        x = base.get((r["model"], r["batch"]), float("nan")) / r["ms_per_step"]
+        lines.append(f"| {r['model']} | {r['variant']} | {r['batch']} | {r['prefill_tokens_per_s']:.0f} | "
+                     f"{r['ms_per_step']:.3f} | {r['decode_tokens_per_s']:.1f} | {x:.2f} | {100 * r['floor_share']:.0f}% |")
+    for k, v in result.get("baselines", {}).items():
+        lines.append(f"\n{k}: " + (v["error"] if "error" in v else f"{v['ms_per_step']:.3f} ms/step, "
+                                                                    f"{v['tokens_per_s']:.1f} tok/s"))
+    with open(out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    keys = sorted({(r["model"], r["batch"]) for r in rows})
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    fig, ax = plt.subplots(figsize=(9, 4))
+    wdt = 0.8 / max(len(variants), 1)
+    for j, v in enumerate(variants):
+        ax.bar([i + j * wdt for i in range(len(keys))],
+               [next((r["decode_tokens_per_s"] for r in rows if (r["model"], r["batch"]) == k and r["variant"] == v), 0)
+                for k in keys], wdt, label=v)
+    ax.set_xticks([i + 0.4 - wdt / 2 for i in range(len(keys))])
+    ax.set_xticklabels([f"{m}\nbatch {b}" for m, b in keys], fontsize=8)
+    ax.set_ylabel("decode tokens / s")
+    ax.set_title(f"qgemv engine, {result['gpu']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out + ".png", dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="llama2-7b,llama3-8b")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--gen", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=0, help="fewer layers than the real model (a quick look)")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers generate() baselines")
+    ap.add_argument("--decode-ref", action="store_true", help="also run bench_decode's 7b step at batch 1")
+    ap.add_argument("--no-breakdown", action="store_true")
+    ap.add_argument("--out", default="runs/bench_generate")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_generate: no CUDA GPU; nothing to measure")
+        return 0
+    for v in args.variants.split(","):
+        if v not in VARIANTS:
+            ap.error(f"--variants: unknown {v!r}; choose from {', '.join(VARIANTS)}")
+    ceiling = read_ceiling(Timer())
+    batches = [int(b) for b in args.batches.split(",")]
+    rows, baselines = [], {}
+    for mname in args.models.split(","):
+        for variant in args.variants.split(","):
+            model = prepare(build_model(mname, args.layers), variant)
+            rows += run_engine(model, mname, variant, batches, args.prompt, args.gen, ceiling["read_GBps"],
+                               not args.no_breakdown)
+            if variant == "fp16" and mname == "llama2-7b" and not args.no_hf:
+                baselines.update(hf_baselines(model, args.prompt, args.gen))
+            del model
+            torch.cuda.empty_cache()
+    if args.decode_ref:
+        from . import bench_decode
+
+        ref = bench_decode.run_model("7b", bench_decode.MODELS["7b"], [1], ceiling["read_GBps"], prompt=args.prompt,
+                                     gen=args.gen)
+        baselines["bench_decode_7b"] = {r["variant"]: dict(ms_per_step=r["ms_per_token"]) for r in ref}
+    result = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                  command="python -m qgemv.eval.bench_generate " + " ".join(sys.argv[1:] if argv is None else argv),
+                  ceiling=ceiling, rows=rows, baselines=baselines)
+    write_outputs(result, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,605 @@
+"""Generation engine: a static KV cache, prefill, and a decode step captured once per batch size in a CUDA graph.
+
+    import qgemv
+    model, tok = qgemv.checkpoint.load_quantized("runs/q4", device="cuda")
+    out = qgemv.generate(model, tok, ["The capital of France is"], max_new_tokens=32)
+    print(out.texts[0], out.decode_tokens_per_s)
+
+    qgemv-generate runs/q4 --prompt "The capital of France is" --max-new-tokens 32
+
+The engine reads a transformers causal LM of the Llama family (its modules
+and their weights; transformers' own forward is never called): Llama 2/3
+(with llama3 rope scaling), Mistral, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k
+RMSNorm), SmolLM2 (tied embeddings), GQA throughout.  The linears may be
+``nn.Linear`` (the fp16 / bf16 baseline) or :class:`qgemv.QuantLinear`; q/k/v
+and gate/up are fused into one weight each (exact: the packed panels are
+concatenated, no requantization), so each is one GEMV launch.
+
+Per step the engine runs the decoder in plain torch ops around the linears:
+RMSNorm, RoPE from the model's own rotary module (tabulated once for every
+cache slot), the cache write, SDPA over the whole static cache with a mask,
+SwiGLU.  On a GPU the decode step (one token per sequence) is captured in a
+CUDA graph on its first use for each batch size and replayed afterwards;
+on a CPU the same code runs eagerly on the reference kernels.
+
+Batches of prompts of different lengths are left-padded: every sequence
+writes the same cache slot at each step, padded slots are masked out, and
+each sequence's rotary positions start at 0 at its first real token, so a
+sequence gets the tokens it gets alone (up to floating-point rounding of the
+batched kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.nn import functional as Fn
+
+from . import formats
+from .nn import QuantLinear
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# rope types whose cos/sin depend only on the position (tabulated once); the
+# "dynamic" and "longrope" types rescale with the sequence length.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class UnsupportedModelError(ValueError):
+    """The model is not one the engine can run (architecture, activation, rope type)."""
+
+
+# --------------------------------------------------------------------------
+# Fusion: several linears that read the same input -> one module.
+# --------------------------------------------------------------------------
+def _same_format(mods: Sequence[nn.Module]) -> bool:
+    first = mods[0]
+    return all(
+        type(m) is type(first) and m.in_features == first.in_features and (m.bias is None) == (first.bias is None)
+        and (not isinstance(m, QuantLinear) or m.config == first.config)
+        and (isinstance(m, QuantLinear) or m.weight.dtype == first.weight.dtype)
+        for m in mods
+    )
+
+
+def fuse_linears(mods: Sequence[nn.Module]) -> Optional[nn.Module]:
+    """One module computing ``torch.cat([m(x) for m in mods], -1)``, or None where they cannot be fused.
+
+    QuantLinears of one format: their packed rows are taken out of the panel
+    order, concatenated and put back (``formats.to_panels``), scales, zero
+    points and biases concatenated: the result is exact, bit for bit.
+    ``nn.Linear``s of one dtype: one ``nn.Linear`` over the concatenated
+    weights.  Mixed kinds or formats: None (the caller calls each).
+    """
+    if not _same_format(mods):
+        return None
+    first = mods[0]
+    k, n = first.in_features, sum(m.out_features for m in mods)
+    bias = None if first.bias is None else torch.cat([m.bias.detach() for m in mods])
+    if isinstance(first, QuantLinear):
+        rows = torch.cat([formats.to_panels(m.qweight, inverse=True) for m in mods])
+        fused = QuantLinear(k, n, first.bits, first.group_size, first.config.symmetric, bias=bias is not None,
+                            device="meta", bias_dtype=bias.dtype if bias is not None else torch.float16)
+        fused.qweight = formats.to_panels(rows)
+        fused.scales = torch.cat([m.scales for m in mods])
+        if first.zeros is not None:
+            fused.zeros = torch.cat([m.zeros for m in mods])
+        if bias is not None:
+            fused.bias = bias
+        return fused
+    if isinstance(first, nn.Linear):
+        w = first.weight
+        fused = nn.Linear(k, n, bias=bias is not None, device="meta", dtype=w.dtype)
+        fused.weight = nn.Parameter(torch.cat([m.weight.detach() for m in mods]), requires_grad=False)
+        if bias is not None:
+            fused.bias = nn.Parameter(bias, requires_grad=False)
+        return fused
+    return None
+
+
+class _Projection:
+    """Several linears on one input, as one call where they fuse; outputs are views of one tensor."""
+
+    def __init__(self, mods: Sequence[nn.Module]):
+        self.sizes = [m.out_features for m in mods]
+        self.fused = fuse_linears(mods)
+        self.mods = list(mods) if self.fused is None else None
+
+    def __call__(self, x: torch.Tensor) -> list:
+        if self.fused is None:
+            return [m(x) for m in self.mods]
+        return list(self.fused(x).split(self.sizes, -1))
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # transformers' LlamaRMSNorm, operation for operation: fp32 statistics,
+    # the normalized value cast back, then the gain.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return (x * cos) + (torch.cat((-x[..., d:], x[..., :d]), -1) * sin)
+
+
+# The glue between the linears and attention: everything in a layer that is
+# neither.  Eager, each function is several small kernels; on a GPU the decode
+# step uses them through torch.compile (one or two fused kernels each,
+# compiled once per batch size and shared by every layer; see _compiled_glue).
+def glue_add_rms(x, delta, w, eps: float):
+    """Residual add, then the next RMSNorm: (x + delta, rms(x + delta) * w)."""
+    x = x + delta
+    return x, _rms(x, w, eps)
+
+
+def glue_attention_in(q, k, v, cos, sin, k_cache, v_cache, slots, q_norm, k_norm, eps: float):
+    """q/k RMSNorm (Qwen3), RoPE, and the cache write of k and v at ``slots``; returns q [B, H, T, D].
+
+    q [B, T, H, D], k / v [B, T, Hkv, D] (views of the fused projection);
+    cos / sin [B, 1, T, D]; k_cache / v_cache [B, Hkv, S, D], written in place.
+    """
+    if q_norm is not None:
+        q, k = _rms(q, q_norm, eps), _rms(k, k_norm, eps)
+    k_cache.index_copy_(2, slots, _rope(k.transpose(1, 2), cos, sin))
+    v_cache.index_copy_(2, slots, v.transpose(1, 2))
+    return _rope(q.transpose(1, 2), cos, sin)
+
+
+def glue_swiglu(gate, up):
+    return Fn.silu(gate) * up
+
+
+EAGER_GLUE = dict(add_rms=glue_add_rms, attention_in=glue_attention_in, swiglu=glue_swiglu)
+_COMPILED = {}
+
+
+def _compiled_glue() -> dict:
+    """EAGER_GLUE through torch.compile (static shapes; compiled on first call per shape)."""
+    if not _COMPILED:
+        # one compile per (batch size, dtype, model width): more than dynamo's default of 8 in a process
+        # that runs several models (the benchmark); past the limit it would fall back to eager silently
+        cfg = torch._dynamo.config
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(cfg, name):
+                setattr(cfg, name, max(getattr(cfg, name), 64))
+        for k, fn in EAGER_GLUE.items():
+            _COMPILED[k] = torch.compile(fn, dynamic=False, fullgraph=True)
+    return _COMPILED
+
+
+@dataclass
+class _Layer:
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: _Projection
+    o_proj: nn.Module
+    gate_up: _Projection
+    down_proj: nn.Module
+    q_norm: Optional[torch.Tensor] = None
+    k_norm: Optional[torch.Tensor] = None
+
+
+@dataclass
+class Generation:
+    """What :meth:`Engine.generate` returns.
+
+    tokens: the new token ids of each prompt (stopped at EOS, which is
+    included, or at a stop string); texts: their decoded text (a stop
+    string and what follows it cut off; None without a tokenizer).
+    """
+
+    tokens: list
+    texts: Optional[list]
+    prompt_tokens: int
+    prefill_seconds: float
+    decode_steps: int
+    decode_seconds: float
+    batch: int
+    graphs: bool
+    finish_reasons: list = field(default_factory=list)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Generated tokens per second over the decode steps, all sequences of the batch counted."""
+        return self.batch * self.decode_steps / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+    @property
+    def ms_per_step(self) -> float:
+        return 1e3 * self.decode_seconds / self.decode_steps if self.decode_steps else float("nan")
+
+    def summary(self) -> str:
+        return (f"prefill: {self.prompt_tokens} tokens, {self.prefill_tokens_per_s:.1f} tok/s; "
+                f"decode: {self.decode_steps} steps x batch {self.batch}, {self.ms_per_step:.2f} ms/step, "
+                f"{self.decode_tokens_per_s:.1f} tok/s ({'CUDA graph' if self.graphs else 'eager'})")
+
+
+class Engine:
+    """Runs a Llama-family transformers model with a static KV cache (see the module docstring).
+
+    model: a ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM``
+    / ``Qwen3ForCausalLM`` whose linears are ``nn.Linear`` or ``QuantLinear``,
+    on one device; activations run in its embedding's dtype (float16 /
+    bfloat16 on a GPU, float32 on a CPU).  max_seq_len: cache slots (prompt
+    plus new tokens; default the model's max_position_embeddings, capped at
+    4096 and at a sliding window).  cuda_graphs: capture the decode step (on
+    CUDA only; default True).  compile_glue: run the decode step's glue
+    (norms, RoPE, cache write, SwiGLU) through torch.compile (on CUDA only;
+    default True; eager, with one warning, if compiling fails).
+    """
+
+    def __init__(self, model: nn.Module, tokenizer=None, max_seq_len: Optional[int] = None,
+                 cuda_graphs: bool = True, compile_glue: bool = True):
+        arch = type(model).__name__
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"unsupported architecture {arch}: the engine runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+        cfg = model.config
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"{arch}: hidden_act {act!r} is not supported (silu only)")
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+        if rope_type not in STATIC_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"{arch}: rope type {rope_type!r} depends on the sequence length; supported: {STATIC_ROPE_TYPES}")
+        self.model, self.tokenizer, self.arch = model, tokenizer, arch
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.device, self.dtype = self.embed.weight.device, self.embed.weight.dtype
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.eps = cfg.rms_norm_eps
+        self.scale = self.head_dim ** -0.5
+        limit = getattr(cfg, "max_position_embeddings", 4096) or 4096
+        window = getattr(cfg, "sliding_window", None)
+        layer_types = getattr(cfg, "layer_types", None) or []
+        if window and (arch == "MistralForCausalLM" or "sliding_attention" in layer_types):
+            limit = min(limit, window)  # within the window, sliding attention is plain causal attention
+        if max_seq_len is None:
+            max_seq_len = min(limit, 4096)
+        if not 1 < max_seq_len <= limit:
+            raise ValueError(f"max_seq_len must be in 2..{limit} for this model "
+                             f"(max_position_embeddings / sliding window), got {max_seq_len}")
+        self.max_seq_len = int(max_seq_len)
+        self.layers = []
+        for layer in inner.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append(_Layer(
+                in_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
+                qkv=_Projection([a.q_proj, a.k_proj, a.v_proj]), o_proj=a.o_proj,
+                gate_up=_Projection([m.gate_proj, m.up_proj]), down_proj=m.down_proj,
+                q_norm=a.q_norm.weight if hasattr(a, "q_norm") else None,
+                k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None))
+        self.norm = inner.norm.weight
+        self.lm_head = model.lm_head
+        with torch.no_grad():
+            slots = torch.arange(self.max_seq_len, device=self.device)[None]
+            probe = torch.empty(0, device=self.device, dtype=self.dtype)
+            cos, sin = inner.rotary_emb(probe, slots)  # [1, S, head_dim], in self.dtype
+        self.cos, self.sin = cos[0], sin[0]
+        self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+        self.compile_glue = bool(compile_glue) and self.device.type == "cuda"
+        self._glue = _compiled_glue() if self.compile_glue else EAGER_GLUE
+        self._cache = {}  # batch -> (k [L, B, Hkv, S, D], v)
+        self._graphs = {}  # batch -> (graph, static inputs, static logits)
+        self._pool = None
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        if eos is None:
+            eos = getattr(cfg, "eos_token_id", None)
+        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+
+    # ---------------------------------------------------------------- model
+    def _kv(self, batch: int):
+        if batch not in self._cache:
+            shape = (len(self.layers), batch, self.kv_heads, self.max_seq_len, self.head_dim)
+            self._cache[batch] = (torch.zeros(shape, device=self.device, dtype=self.dtype),
+                                  torch.zeros(shape, device=self.device, dtype=self.dtype))
+        return self._cache[batch]
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, slots: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        """Logits [B, vocab] (float32) of the last position.
+
+        ids: int64 [B, T], the tokens written to cache slots ``slots`` (int64
+        [T], consecutive, on the device); pad: int64 [B], each sequence's
+        count of left-padding slots (masked out; its rotary positions count
+        from the first real token).  Static shapes for T = 1, so the decode
+        step can be captured in a CUDA graph.
+        """
+        B, T = ids.shape
+        H, Hkv, D = self.heads, self.kv_heads, self.head_dim
+        k_cache, v_cache = self._kv(B)
+        pos = (slots[None, :] - pad[:, None]).clamp(min=0)  # [B, T] rotary positions
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [B, 1, T, D]
+        keys = torch.arange(self.max_seq_len, device=ids.device)
+        q_slot = slots[None, :, None]  # [1, T, 1]
+        # a key is visible to a query when it is at or before the query's slot and
+        # past the sequence's padding; a padded query sees itself (its output is
+        # never used, and an all-masked row would be NaN)
+        mask = ((keys <= q_slot) & (keys >= pad[:, None, None])) | (keys == q_slot)  # [B, T, S]
+        mask = mask[:, None]
+        g = self._glue if T == 1 else EAGER_GLUE  # prefill runs eager: no compile per prompt length
+        x = self.embed(ids)
+        delta = torch.zeros_like(x)
+        for i, L in enumerate(self.layers):
+            x, h = g["add_rms"](x, delta, L.in_norm, self.eps)
+            q, k, v = L.qkv(h)
+            q = g["attention_in"](q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D), cos, sin,
+                                  k_cache[i], v_cache[i], slots, L.q_norm, L.k_norm, self.eps)
+            a = Fn.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=mask, scale=self.scale,
+                                                enable_gqa=H != Hkv)
+            x, h = g["add_rms"](x, L.o_proj(a.transpose(1, 2).reshape(B, T, H * D)), L.post_norm, self.eps)
+            gate, up = L.gate_up(h)
+            delta = L.down_proj(g["swiglu"](gate, up))
+        x = x[:, -1] + delta[:, -1]
+        return self.lm_head(_rms(x, self.norm, self.eps)).float()
+
+    def _decode(self, ids: torch.Tensor, slot: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        """One decode step (ids [B, 1]); through the batch size's CUDA graph where graphs are on."""
+        if self._glue is not EAGER_GLUE and ids.shape[0] not in self._graphs:
+            try:  # the first call per batch size compiles the glue
+                self.forward(ids, slot, pad)
+            except Exception as e:  # no working compiler here: eager glue, same results up to rounding
+                warnings.warn(f"qgemv.engine: torch.compile of the decode glue failed ({type(e).__name__}: "
+                              f"{str(e)[:200]}); running it eagerly")
+                self._glue = EAGER_GLUE
+                self.compile_glue = False
+        if not self.cuda_graphs:
+            return self.forward(ids, slot, pad)
+        B = ids.shape[0]
+        if B not in self._graphs:
+            static = (ids.clone(), slot.clone(), pad.clone())
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # warm-up: lazy inits and the modules' one-time checks stay out of the graph
+                    self.forward(*static)
+            torch.cuda.current_stream().wait_stream(side)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits = self.forward(*static)
+            self._graphs[B] = (graph, static, logits)
+        graph, static, logits = self._graphs[B]
+        for dst, src in zip(static, (ids, slot, pad)):
+            dst.copy_(src)
+        graph.replay()
+        return logits
+
+    # ----------------------------------------------------------- generation
+    def encode(self, prompts) -> list:
+        """prompts: strings (tokenized with the tokenizer's special tokens) or lists of token ids."""
+        if isinstance(prompts, (str, torch.Tensor)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if len(prompts) == 0:
+            raise ValueError("no prompts given")
+        out = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError("text prompts need a tokenizer; pass token ids or a tokenizer")
+                if not p.strip():
+                    raise ValueError(f"prompt {i} is empty")
+                ids = self.tokenizer(p)["input_ids"]
+            else:
+                ids = [int(t) for t in (p.tolist() if isinstance(p, torch.Tensor) else p)]
+            if len(ids) == 0:
+                raise ValueError(f"prompt {i} is empty (no tokens)")
+            out.append(ids)
+        return out
+
+    @torch.no_grad()
+    def generate(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, stop: Sequence[str] = (),
+                 on_token: Optional[Callable[[int, int], None]] = None) -> Generation:
+        """Generate for one prompt or a batch (see :class:`Generation`).
+
+        temperature 0: greedy (argmax); otherwise sampled from softmax(logits /
+        temperature), restricted to the top_k tokens (0: all) and to the
+        smallest set whose probability reaches top_p, with a generator seeded
+        by ``seed``.  A sequence stops at an EOS token of the model, at one
+        of the ``stop`` strings, or after max_new_tokens.  on_token(i, id) is
+        called for every token of sequence i as it is produced.
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+            raise ValueError(f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got {temperature}, {top_p}, {top_k}")
+        if stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        seqs = self.encode(prompts)
+        B, T = len(seqs), max(len(s) for s in seqs)
+        if T + max_new_tokens > self.max_seq_len:
+            raise ValueError(f"the longest prompt ({T} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
+                             f"cache ({self.max_seq_len} slots); shorten it or raise max_seq_len")
+        dev = self.device
+        ids = torch.tensor([[0] * (T - len(s)) + s for s in seqs], device=dev)
+        pad = torch.tensor([T - len(s) for s in seqs], device=dev)
+        gen = None
+        if temperature > 0:
+            gen = torch.Generator(device=dev)
+            gen.manual_seed(seed)
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+        sync()
+        t0 = time.perf_counter()
+        logits = self.forward(ids, torch.arange(T, device=dev), pad)
+        nxt = self._sample(logits, temperature, top_k, top_p, gen)
+        sync()
+        t_prefill = time.perf_counter() - t0
+
+        out = [[] for _ in range(B)]
+        done = [None] * B
+        steps = 0
+        t1 = time.perf_counter()
+        slot = torch.empty(1, dtype=torch.long, device=dev)
+        for step in range(max_new_tokens):
+            toks = nxt.tolist()  # one host sync per step: the stop rules need the tokens
+            for i, t in enumerate(toks):
+                if done[i] is not None:
+                    continue
+                out[i].append(t)
+                if on_token is not None:
+                    on_token(i, t)
+                if t in self.eos_ids:
+                    done[i] = "eos"
+                elif stop and any(s in self.tokenizer.decode(out[i]) for s in stop):
+                    done[i] = "stop"
+            if all(d is not None for d in done) or step == max_new_tokens - 1:
+                break
+            slot.fill_(T + step)
+            logits = self._decode(nxt[:, None], slot, pad)
+            nxt = self._sample(logits, temperature, top_k, top_p, gen)
+            steps += 1
+        sync()
+        t_decode = time.perf_counter() - t1
+        reasons = [d or "length" for d in done]
+        texts = None
+        if self.tokenizer is not None:
+            texts = []
+            for toks in out:
+                text = self.tokenizer.decode(toks, skip_special_tokens=True)
+                cut = min((text.find(s) for s in stop if s in text), default=-1)
+                texts.append(text[:cut] if cut >= 0 else text)
+        return Generation(tokens=out, texts=texts, prompt_tokens=sum(len(s) for s in seqs),
+                          prefill_seconds=t_prefill, decode_steps=steps, decode_seconds=t_decode, batch=B,
+                          graphs=self.cuda_graphs, finish_reasons=reasons)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen) -> torch.Tensor:
+        """logits [B, V] float32 -> token ids [B]."""
+        if temperature == 0:
+            return logits.argmax(-1)
+        logits = logits / temperature
+        if top_k > 0:
+            kth = logits.topk(min(top_k, logits.shape[-1]), -1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if top_p < 1.0:
+            srt, idx = logits.sort(-1, descending=True)
+            cum = srt.softmax(-1).cumsum(-1)
+            drop = cum - srt.softmax(-1) >= top_p  # keep the smallest prefix whose mass reaches top_p
+            logits = logits.scatter(-1, idx, srt.masked_fill(drop, float("-inf")))
+        return torch.multinomial(logits.softmax(-1), 1, generator=gen)[:, 0]
+
+
+def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int = 64, **kwargs) -> Generation:
+    """Generate with the engine: ``Engine(model, tokenizer).generate(prompts, ...)``.
+
+    The engine (its fused projections, cache and CUDA graphs) is kept on the
+    model, so later calls reuse it.  ``max_seq_len`` / ``cuda_graphs`` go to
+    :class:`Engine`, the rest to :meth:`Engine.generate`.
+    """
+    ekw = {k: kwargs.pop(k) for k in ("max_seq_len", "cuda_graphs") if k in kwargs}
+    engine = model.__dict__.get("_qgemv_engine")
+    if engine is None or engine.tokenizer is not tokenizer or any(getattr(engine, k) != v for k, v in ekw.items()):
+        engine = Engine(model, tokenizer, **ekw)
+        model.__dict__["_qgemv_engine"] = engine
+    return engine.generate(prompts, max_new_tokens=max_new_tokens, **kwargs)
+
+
+# --------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------
+def load_for_generation(spec: str, device: str, dtype: torch.dtype, bits: Optional[int] = None,
+                        group_size: Optional[int] = None, asym: bool = False):
+    """(model, tokenizer, what) for a qgemv checkpoint, a float model (quantized by RTN when ``bits``), or ``default``."""
+    from . import checkpoint
+
+    if checkpoint.is_qgemv_checkpoint(spec):
+        if bits is not None:
+            raise ValueError(f"{spec} is a qgemv checkpoint: it is already quantized (drop --bits)")
+        model, tok = checkpoint.load_quantized(spec, device=device, dtype=dtype)
+        return model, tok, f"qgemv checkpoint {spec}"
+    path = checkpoint.resolve_model(spec)
+    model, tok = checkpoint.load_float_model(path, dtype=dtype, device=device)
+    if bits is None:
+        return model, tok, f"{spec} ({str(dtype).replace('torch.', '')})"
+    from .nn import quantize_model
+
+    report = quantize_model(model, bits=bits, group_size=group_size, symmetric=not asym)
+    g = f" g{group_size}" if group_size else ""
+    return model, tok, f"{spec} quantized by RTN to int{bits}{g}{' asym' if asym else ''} ({len(report.converted)} linears)"
+
+
+def main(argv=None) -> int:
+    from ._args import device_arg, int_at_least
+
+    ap = argparse.ArgumentParser(
+        prog="qgemv-generate",
+        description="Generate text with qgemv's engine (static KV cache, CUDA-graph decode, qgemv kernels).")
+    ap.add_argument("model", help="a qgemv checkpoint, a Hugging Face directory or .gguf file, or 'default'")
+    ap.add_argument("--prompt", action="append", required=True,
+                    help="a prompt; repeat for a batch (prompts may differ in length)")
+    ap.add_argument("--max-new-tokens", type=int_at_least(1), default=64)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    ap.add_argument("--top-k", type=int_at_least(0), default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stop", action="append", default=[], help="a stop string; repeatable")
+    ap.add_argument("--bits", type=int, choices=(4, 8), help="quantize a float model by RTN first")
+    ap.add_argument("--group-size", type=int, choices=(32, 64, 128))
+    ap.add_argument("--asym", action="store_true", help="int4 with zero points (with --group-size)")
+    ap.add_argument("--device", type=device_arg, default=None, help="default: cuda when available, else cpu")
+    ap.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None,
+                    help="activations (default: float16 on CUDA, float32 on CPU)")
+    ap.add_argument("--max-seq-len", type=int_at_least(2), default=None, help="cache slots (prompt + new tokens)")
+    ap.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graph)")
+    args = ap.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype or ("float16" if device.startswith("cuda") else "float32"))
+    if args.group_size and args.bits != 4:
+        ap.error("--group-size needs --bits 4")
+    if args.asym and not args.group_size:
+        ap.error("--asym needs --group-size")
+    if not (args.temperature >= 0 and 0 < args.top_p <= 1):
+        ap.error(f"need --temperature >= 0 and 0 < --top-p <= 1, got {args.temperature} and {args.top_p}")
+    for i, p in enumerate(args.prompt):
+        if not p.strip():
+            ap.error(f"--prompt {i + 1} is empty")
+    try:
+        model, tok, what = load_for_generation(args.model, device, dtype, args.bits, args.group_size, args.asym)
+        engine = Engine(model, tok, max_seq_len=args.max_seq_len, cuda_graphs=not args.no_graphs)
+    except (FileNotFoundError, ValueError) as e:  # CheckpointError and UnsupportedModelError are ValueErrors
+        print(f"qgemv-generate: {e}", file=sys.stderr)
+        return 2
+    print(f"# {what} on {device}", file=sys.stderr)
+    single = len(args.prompt) == 1
+    streamed, shown = [], [""]
+
+    def on_token(_i, t):  # one prompt: print the text as it grows
+        streamed.append(t)
+        text = tok.decode(streamed, skip_special_tokens=True)
+        print(text[len(shown[0]):], end="", flush=True)
+        shown[0] = text
+
+    try:
+        out = engine.generate(args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                              args.seed, args.stop, on_token=on_token if single else None)
+    except ValueError as e:
+        print(f"qgemv-generate: {e}", file=sys.stderr)
+        return 2
+    if single:
+        print()
+    else:
+        for i, (p, t) in enumerate(zip(args.prompt, out.texts)):
+            print(f"[{i}] {p}{t}")
+    print(f"# {out.summary()}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

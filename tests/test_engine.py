@@ -1,0 +1,221 @@
+"""The generation engine (qgemv.engine): greedy tokens against transformers' generate(), batching,
+sampling, fusion, the CLI and its errors; on a GPU, the CUDA kernels (graphs on and off) against the CPU."""
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import qgemv
+from qgemv.engine import Engine, UnsupportedModelError, fuse_linears
+
+from conftest import requires_cuda, requires_smollm2
+
+transformers = pytest.importorskip("transformers")
+
+# One tiny random config per supported family, each with what sets it apart.
+FAMILIES = {
+    "llama": ("LlamaForCausalLM", {}),
+    "llama3-rope-tied": ("LlamaForCausalLM", dict(
+        tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=32))),
+    "mistral": ("MistralForCausalLM", dict(sliding_window=128)),
+    "qwen2-bias": ("Qwen2ForCausalLM", {}),
+    "qwen3-qk-norm": ("Qwen3ForCausalLM", dict(head_dim=32)),
+}
+FORMATS = {"float": None, "int8": (8, None), "int4g32": (4, 32), "int4g32a": (4, 32, False)}
+
+
+def tiny(family: str, seed: int = 0, **extra):
+    arch, kw = FAMILIES[family]
+    cfg_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    base = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2)
+    base.update(kw)
+    base.update(extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(cfg_cls(**base)).eval()
+    model.generation_config.eos_token_id = None  # run to max_new_tokens in both engines
+    return model
+
+
+def hf_greedy(model, ids: list, n: int) -> list:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_tokens_equal_transformers_generate(family, fmt):
+    model = tiny(family)
+    if FORMATS[fmt] is not None:
+        bits, group, *sym = FORMATS[fmt]
+        qgemv.quantize_model(model, bits=bits, group_size=group, symmetric=sym[0] if sym else True)
+    prompt = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(5)).tolist()
+    engine = Engine(model, max_seq_len=64)
+    assert engine.layers[0].qkv.fused is not None and engine.layers[0].gate_up.fused is not None
+    out = engine.generate([prompt], max_new_tokens=16)
+    assert out.tokens[0] == hf_greedy(model, prompt, 16)
+    assert out.decode_steps == 15 and out.finish_reasons == ["length"]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3-qk-norm"])
+def test_a_batch_gives_each_sequence_its_tokens_alone(family):
+    model = tiny(family)
+    qgemv.quantize_model(model, bits=4, group_size=32)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (11, 3, 7)]
+    engine = Engine(model, max_seq_len=48)
+    both = engine.generate(prompts, max_new_tokens=12)
+    for i, p in enumerate(prompts):
+        assert both.tokens[i] == engine.generate([p], max_new_tokens=12).tokens[0], f"sequence {i}"
+    assert both.batch == 3 and both.prompt_tokens == 21
+
+
+def test_fused_projections_are_exact():
+    """fuse_linears concatenates packed panels (no requantization): outputs equal the members', bit for bit."""
+    for bits, group, sym in [(8, None, True), (4, None, True), (4, 32, False)]:
+        lins = [torch.nn.Linear(64, n, bias=True) for n in (48, 16, 40)]  # 40: a partial last panel
+        q = [qgemv.QuantLinear.from_linear(lin, bits, group, sym) for lin in lins]
+        fused = fuse_linears(q)
+        x = torch.randn(3, 64)
+        assert torch.equal(fused(x), torch.cat([m(x) for m in q], -1)), (bits, group, sym)
+    lins = [torch.nn.Linear(64, n) for n in (8, 24)]
+    assert torch.equal(fuse_linears(lins)(x), torch.cat([m(x) for m in lins], -1))
+    mixed = [qgemv.QuantLinear.from_linear(lins[0], 8), lins[1]]
+    assert fuse_linears(mixed) is None  # the engine then calls each
+
+
+def test_sampling_is_seeded_and_reduces_to_greedy():
+    model = tiny("llama")
+    engine = Engine(model, max_seq_len=48)
+    p = [[5, 6, 7, 8]]
+    greedy = engine.generate(p, max_new_tokens=10).tokens
+    a = engine.generate(p, max_new_tokens=10, temperature=1.0, seed=7).tokens
+    assert a == engine.generate(p, max_new_tokens=10, temperature=1.0, seed=7).tokens
+    assert a != engine.generate(p, max_new_tokens=10, temperature=1.0, seed=8).tokens
+    assert engine.generate(p, max_new_tokens=10, temperature=0.7, top_k=1, seed=1).tokens == greedy
+    assert engine.generate(p, max_new_tokens=10, temperature=0.7, top_p=1e-6, seed=1).tokens == greedy
+
+
+def test_stops_at_eos_and_at_stop_strings(tiny_llama_dir):
+    from qgemv import checkpoint
+
+    model, tok = checkpoint.load_float_model(tiny_llama_dir)
+    engine = Engine(model, tok, max_seq_len=64)
+    free = engine.generate(["the history of"], max_new_tokens=12)
+    first = free.tokens[0][0]
+    engine.eos_ids = {first}
+    out = engine.generate(["the history of"], max_new_tokens=12)
+    assert out.tokens[0] == [first] and out.finish_reasons == ["eos"] and out.decode_steps == 0
+    engine.eos_ids = set()
+    text = free.texts[0]
+    stop = text.strip()[:3]
+    if stop:
+        out = engine.generate(["the history of"], max_new_tokens=12, stop=[stop])
+        assert out.finish_reasons == ["stop"] and stop not in out.texts[0]
+
+
+def test_errors_name_the_rule(tiny_llama_dir):
+    from qgemv import checkpoint
+
+    model, tok = checkpoint.load_float_model(tiny_llama_dir)
+    engine = Engine(model, tok, max_seq_len=32)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        engine.generate(["a prompt", "  "], max_new_tokens=4)
+    with pytest.raises(ValueError, match="exceeds the cache"):
+        engine.generate([list(range(30))], max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate(["a"], max_new_tokens=0)
+    with pytest.raises(ValueError, match="max_seq_len must be in"):
+        Engine(model, tok, max_seq_len=10**6)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(UnsupportedModelError, match="unsupported architecture GPT2LMHeadModel"):
+        Engine(gpt2)
+
+
+def test_generate_reuses_the_engine_kept_on_the_model():
+    model = tiny("llama")
+    a = qgemv.generate(model, None, [[1, 2, 3]], max_new_tokens=4, max_seq_len=32)
+    engine = model.__dict__["_qgemv_engine"]
+    b = qgemv.generate(model, None, [[1, 2, 3]], max_new_tokens=4, max_seq_len=32)
+    assert model.__dict__["_qgemv_engine"] is engine and a.tokens == b.tokens
+
+
+@requires_smollm2
+@pytest.mark.slow
+@pytest.mark.parametrize("bits,group", [(8, None), (4, 128)])
+def test_smollm2_greedy_equals_transformers(bits, group):
+    from qgemv import checkpoint
+
+    model, tok = checkpoint.load_float_model(checkpoint.resolve_model("default"))
+    qgemv.quantize_model(model, bits=bits, group_size=group)
+    prompt = "The capital of France is"
+    ids = tok(prompt)["input_ids"]
+    model.generation_config.eos_token_id = None
+    out = Engine(model, tok, max_seq_len=64).generate([prompt], max_new_tokens=10)
+    assert out.tokens[0] == hf_greedy(model, ids, 10)
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "qgemv", "generate", *args], capture_output=True, text=True,
+                          timeout=600)
+
+
+@requires_smollm2
+def test_cli_generates_from_default():
+    r = run_cli("default", "--prompt", "The capital of France is", "--max-new-tokens", "8", "--device", "cpu")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Paris" in r.stdout
+    assert "tok/s" in r.stderr and "decode: 7 steps" in r.stderr
+
+
+def test_cli_refuses_bad_input(tmp_path, tiny_llama_dir):
+    assert run_cli(tiny_llama_dir, "--prompt", " ", "--device", "cpu").returncode == 2
+    assert run_cli(tiny_llama_dir, "--prompt", "x", "--max-new-tokens", "0").returncode == 2
+    r = run_cli(str(tmp_path / "missing"), "--prompt", "x", "--device", "cpu")
+    assert r.returncode == 2 and "missing" in r.stderr
+    r = run_cli(tiny_llama_dir, "--prompt", "word " * 40, "--max-seq-len", "16", "--device", "cpu")
+    assert r.returncode == 2 and "exceeds the cache" in r.stderr
+
+
+@requires_cuda
+@pytest.mark.parametrize("bits,group,sym", [(8, None, True), (4, None, True), (4, 128, False)])
+def test_cuda_kernels_give_the_cpu_reference_tokens(bits, group, sym):
+    """The engine on the GPU (qgemv kernels; CUDA graph and compiled glue, or both off) gives the CPU
+    reference's greedy tokens."""
+    model = tiny("llama", seed=0, hidden_size=256, intermediate_size=512, vocab_size=512)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)  # peaked logits: argmax margins far above fp16 noise
+    qgemv.quantize_model(model, bits=bits, group_size=group, symmetric=sym)
+    prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 4)]
+    cpu = Engine(model, max_seq_len=64)
+    want = cpu.generate(prompts, max_new_tokens=16)
+    gpu_model = copy.deepcopy(model).half().cuda()
+    for graphs, compiled in ((True, True), (False, False)):
+        engine = Engine(gpu_model, max_seq_len=64, cuda_graphs=graphs, compile_glue=compiled)
+        got = engine.generate(prompts, max_new_tokens=16)
+        assert got.tokens == want.tokens, f"cuda_graphs={graphs}, compile_glue={compiled}"
+        assert got.graphs == graphs and engine.compile_glue == compiled
+
+
+def test_bench_generate_runs_its_engine_rows_on_cpu(tmp_path):
+    """The generation benchmark's pieces on the CPU with its tiny shapes: rows and the three outputs."""
+    from qgemv.eval import bench_generate as bg
+
+    rows = []
+    for variant in ("fp16", "int8", "int4g128a"):
+        model = bg.prepare(bg.build_model("tiny", device="cpu").float(), variant)
+        rows += bg.run_engine(model, "tiny", variant, [1, 2], prompt=12, gen=6, read_gbps=1000.0, breakdown=False)
+    assert [(r["variant"], r["batch"]) for r in rows] == [(v, b) for v in ("fp16", "int8", "int4g128a") for b in (1, 2)]
+    assert all(r["ms_per_step"] > 0 and r["decode_tokens_per_s"] > 0 and 0 < r["floor_share"] < 1 for r in rows)
+    assert rows[0]["weight_MB"] > rows[2]["weight_MB"] > rows[4]["weight_MB"]  # fp16 > int8 > int4 bytes
+    out = str(tmp_path / "bg")
+    bg.write_outputs(dict(date="today", gpu="cpu", torch=torch.__version__, command="test", rows=rows,
+                          baselines={"hf_static_compiled_fp16": {"error": "RuntimeError: x"}}), out)
+    md = open(out + ".md").read()
+    assert md.count("| tiny |") == 6 and "RuntimeError: x" in md
