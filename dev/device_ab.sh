@@ -19,6 +19,8 @@ python3 dev/ab_compare.py "$OUT/bench_old.json" "$OUT/bench_new.json" > "$OUT/ab
 echo "bench: $(( $(date +%s) - t0 )) s"
 QGEMV_FUZZ_CASES=${FUZZ_CASES:-4000} timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fuzz_cuda.py 2>&1 \
   | tee "$OUT/fuzz.log" | tail -1
-timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -n 8 --ignore tests/test_wheel.py \
-  --deselect tests/test_fuzz_cuda.py tests 2>&1 | tee "$OUT/tests.log" | tail -4
+if [ "${SUITE:-1}" = 1 ]; then  # SUITE=0: the A/B and the fuzz only (the suite in a call of its own)
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -n 8 --ignore tests/test_wheel.py \
+    --deselect tests/test_fuzz_cuda.py tests 2>&1 | tee "$OUT/tests.log" | tail -4
+fi
 echo "total: $(( $(date +%s) - t0 )) s"
