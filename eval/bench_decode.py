@@ -220,9 +220,10 @@ KERNEL_KINDS = (  # (category, substrings of the kernel name), first match wins
 )
 
 
-def kernel_breakdown(step, steps=5) -> dict:
+def kernel_breakdown(step, steps=5, per_kernel=False):
     """GPU time per decode step by kernel category (µs), from torch.profiler over `steps`
-    eager calls of the step (the same kernels the graph replays, without the graph)."""
+    eager calls of the step (the same kernels the graph replays, without the graph).
+    per_kernel: also return {kernel name: [launches per step, µs per step]} of the 25 costliest."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
@@ -231,8 +232,10 @@ def kernel_breakdown(step, steps=5) -> dict:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    out = {}
+    out, kernels = {}, {}
     for ev in prof.key_averages():
+        if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CPU:
+            continue  # a CPU op: its device_time_total repeats its kernels' time
         us = getattr(ev, "device_time_total", None)
         if us is None:
             us = getattr(ev, "cuda_time_total", 0.0)
@@ -241,7 +244,10 @@ def kernel_breakdown(step, steps=5) -> dict:
         name = ev.key.lower()
         kind = next((k for k, subs in KERNEL_KINDS if any(v in name for v in subs)), "other")
         out[kind] = out.get(kind, 0.0) + us / steps
-    return out
+        kernels[ev.key[:120]] = [ev.count / steps, us / steps]
+    if not per_kernel:
+        return out
+    return out, dict(sorted(kernels.items(), key=lambda kv: -kv[1][1])[:25])
 
 
 def quantize_variant(model, bits, group):

@@ -108,15 +108,18 @@ def run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown
             tok = torch.tensor([[1]], device=dev)
             slot = torch.tensor([prompt], device=dev)
             pad = torch.zeros(1, dtype=torch.long, device=dev)
-            kinds = kernel_breakdown(lambda: engine.forward(tok, slot, pad))
+            kinds, kernels = kernel_breakdown(lambda: engine.forward(tok, slot, pad), per_kernel=True)
             row["kernel_us_per_step"] = kinds
+            row["kernels_per_step"] = kernels  # name -> [launches per step, us per step], the 25 costliest
+            row["launches_per_step"] = sum(n for n, _ in kernels.values())
             row["gaps_us_per_step"] = ms * 1e3 - sum(kinds.values())
         rows.append(row)
         print(f"{mname:9s} {variant:9s} b={b:<2d} prefill {row['prefill_tokens_per_s']:8.0f} tok/s  "
               f"decode {ms:6.3f} ms/step {row['decode_tokens_per_s']:8.1f} tok/s  floor {100 * row['floor_share']:4.1f}%"
               + ("  kernels(us): " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(row["kernel_us_per_step"].items(),
                                                                                key=lambda kv: -kv[1]))
-                 + f", gaps {row['gaps_us_per_step']:.0f}" if "kernel_us_per_step" in row else ""), flush=True)
+                 + f", gaps {row['gaps_us_per_step']:.0f}; {row['launches_per_step']} kernels (top 25)"
+                 if "kernel_us_per_step" in row else ""), flush=True)
     del engine
     return rows
 

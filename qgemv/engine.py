@@ -329,7 +329,9 @@ class Engine:
         # a key is visible to a query when it is at or before the query's slot and
         # past the sequence's padding; a padded query sees itself (its output is
         # never used, and an all-masked row would be NaN)
-        mask = ((keys <= q_slot) & (keys >= pad[:, None, None])) | (keys == q_slot)  # [B, T, S]
+        visible = ((keys <= q_slot) & (keys >= pad[:, None, None])) | (keys == q_slot)  # [B, T, S]
+        # additive, built once per step: a boolean mask would be converted in every layer's SDPA call
+        mask = torch.zeros(visible.shape, device=ids.device, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
         mask = mask[:, None]
         g = self._glue if T == 1 else EAGER_GLUE  # prefill runs eager: no compile per prompt length
         x = self.embed(ids)
@@ -381,6 +383,17 @@ class Engine:
         return logits
 
     # ----------------------------------------------------------- generation
+    def prefill(self, seqs: list) -> tuple:
+        """Left-pad token lists to one length T and run them into cache slots 0..T-1.
+
+        Returns (logits [B, vocab] float32 of each sequence's last token, pad
+        int64 [B]); the next token of every sequence goes to slot T.
+        """
+        T = max(len(s) for s in seqs)
+        ids = torch.tensor([[0] * (T - len(s)) + s for s in seqs], device=self.device)
+        pad = torch.tensor([T - len(s) for s in seqs], device=self.device)
+        return self.forward(ids, torch.arange(T, device=self.device), pad), pad
+
     def encode(self, prompts) -> list:
         """prompts: strings (tokenized with the tokenizer's special tokens) or lists of token ids."""
         if isinstance(prompts, (str, torch.Tensor)) or (prompts and isinstance(prompts[0], int)):
@@ -427,8 +440,6 @@ class Engine:
             raise ValueError(f"the longest prompt ({T} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
                              f"cache ({self.max_seq_len} slots); shorten it or raise max_seq_len")
         dev = self.device
-        ids = torch.tensor([[0] * (T - len(s)) + s for s in seqs], device=dev)
-        pad = torch.tensor([T - len(s) for s in seqs], device=dev)
         gen = None
         if temperature > 0:
             gen = torch.Generator(device=dev)
@@ -437,7 +448,7 @@ class Engine:
 
         sync()
         t0 = time.perf_counter()
-        logits = self.forward(ids, torch.arange(T, device=dev), pad)
+        logits, pad = self.prefill(seqs)
         nxt = self._sample(logits, temperature, top_k, top_p, gen)
         sync()
         t_prefill = time.perf_counter() - t0

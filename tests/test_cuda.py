@@ -138,11 +138,10 @@ def test_llama_shapes(n, k, name, m, dtype):
 @requires_cuda
 @pytest.mark.parametrize("m", [9, 13, 16])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("name", ["int4", "int4g128", "int4g128a"])
-@pytest.mark.parametrize("k", [136, 2880])
+@pytest.mark.parametrize("name,k", _fitting(["int4", "int4g128", "int4g128a"], [136, 1152, 2880]), ids=str)
 def test_two_row_tile_kernel_odd_shapes(k, name, dtype, m):
-    """9..16 tokens on N >= 8192 take the two-row-tile instance (csrc/gemv_mma.cuh,
-    has_wide_instance): N = 8197 ends in a 5-row panel, and its last block's
+    """9..16 tokens on N >= 8192 take the two-row-tile instance (the kRT = 2 rows of
+    csrc/instances.h): N = 8197 ends in a 5-row panel, and its last block's
     second row tile lies wholly past N."""
     _check_m(name, 8197, k, m, dtype)
 
@@ -150,14 +149,13 @@ def test_two_row_tile_kernel_odd_shapes(k, name, dtype, m):
 @requires_cuda
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("name", ["int8", "int4", "int4g128"])
-@pytest.mark.parametrize("k", [136, 2880])
+@pytest.mark.parametrize("name,k", _fitting(["int8", "int4", "int4g128"], [136, 1152, 2880]), ids=str)
 def test_persistent_kernel_odd_shapes(k, name, dtype, m):
     """1..8 tokens on a grid of more than one wave take the persistent instance
-    (csrc/gemv_mma.cuh, has_persistent_instance) for int8 and int4 per channel /
+    (the persistent rows of csrc/instances.h) for int8 and int4 per channel /
     G = 128: N = 50005 gives 3126 blocks of 16 rows, more than any H200
     residency, so each block walks several, ending in a 5-row panel; K = 136
-    and 2880 leave an edge tile."""
+    and 2880 leave an edge tile (per channel; G = 128 takes K = 1152)."""
     _check_m(name, 50005, k, m, dtype)
 
 

@@ -183,24 +183,48 @@ def test_cli_refuses_bad_input(tmp_path, tiny_llama_dir):
     assert r.returncode == 2 and "exceeds the cache" in r.stderr
 
 
+def forced_logits(engine, prompts, forced):
+    """Logits [B, n, vocab] of the engine fed the prompts, then the token lists ``forced`` (teacher forcing)."""
+    logits, pad = engine.prefill(prompts)
+    out = [logits.clone()]
+    T = max(len(p) for p in prompts)
+    slot = torch.empty(1, dtype=torch.long, device=engine.device)
+    tokens = torch.tensor(forced, device=engine.device)
+    for j in range(tokens.shape[1] - 1):
+        slot.fill_(T + j)
+        out.append(engine._decode(tokens[:, j:j + 1], slot, pad).clone())  # the CUDA graph where it is on
+    return torch.stack(out, 1).cpu()
+
+
 @requires_cuda
 @pytest.mark.parametrize("bits,group,sym", [(8, None, True), (4, None, True), (4, 128, False)])
-def test_cuda_kernels_give_the_cpu_reference_tokens(bits, group, sym):
-    """The engine on the GPU (qgemv kernels; CUDA graph and compiled glue, or both off) gives the CPU
-    reference's greedy tokens."""
-    model = tiny("llama", seed=0, hidden_size=256, intermediate_size=512, vocab_size=512)
+def test_cuda_kernels_give_the_cpu_reference_logits(bits, group, sym):
+    """The engine on the GPU (qgemv kernels; CUDA graph and compiled glue, or both off), fed the CPU
+    reference's greedy tokens, gives the CPU's logits within fp16 rounding and the same argmax wherever
+    the CPU's top-2 margin is above fp16 noise.
+
+    Free-running token equality would test the noise instead: fp16 activations round hidden states
+    to 1e-3 relative, and random models have many steps whose top-2 margin is that small."""
+    model = tiny("llama", seed=0, hidden_size=256, intermediate_size=512, vocab_size=512, initializer_range=0.02)
     with torch.no_grad():
-        model.lm_head.weight.mul_(20)  # peaked logits: argmax margins far above fp16 noise
+        model.lm_head.weight.mul_(20)  # logits of about 25
     qgemv.quantize_model(model, bits=bits, group_size=group, symmetric=sym)
     prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 4)]
     cpu = Engine(model, max_seq_len=64)
-    want = cpu.generate(prompts, max_new_tokens=16)
+    want = cpu.generate(prompts, max_new_tokens=16).tokens
+    ref = forced_logits(cpu, prompts, want)
+    assert torch.equal(ref.argmax(-1), torch.tensor(want))  # teacher forcing reproduces the free run
+    top = ref.topk(2, -1).values
+    clear = (top[..., 0] - top[..., 1]) > 0.25  # ten times the fp16 error seen on these logits
+    assert clear.float().mean() > 0.5
     gpu_model = copy.deepcopy(model).half().cuda()
     for graphs, compiled in ((True, True), (False, False)):
         engine = Engine(gpu_model, max_seq_len=64, cuda_graphs=graphs, compile_glue=compiled)
-        got = engine.generate(prompts, max_new_tokens=16)
-        assert got.tokens == want.tokens, f"cuda_graphs={graphs}, compile_glue={compiled}"
-        assert got.graphs == graphs and engine.compile_glue == compiled
+        got = forced_logits(engine, prompts, want)
+        err = (got - ref).abs().max().item() / ref.abs().max().item()
+        assert err < 1e-2, f"graphs={graphs}, compiled={compiled}: relative logit error {err:.2e}"
+        assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear]), f"graphs={graphs}, compiled={compiled}"
+        assert len(engine._graphs) == int(graphs) and engine.compile_glue == compiled
 
 
 def test_bench_generate_runs_its_engine_rows_on_cpu(tmp_path):
