@@ -170,8 +170,12 @@ def write_outputs(result: dict, out: str) -> None:
         lines.append(f"| {r['model']} | {r['variant']} | {r['batch']} | {r['prefill_tokens_per_s']:.0f} | "
                      f"{r['ms_per_step']:.3f} | {r['decode_tokens_per_s']:.1f} | {x:.2f} | {100 * r['floor_share']:.0f}% |")
     for k, v in result.get("baselines", {}).items():
-        lines.append(f"\n{k}: " + (v["error"] if "error" in v else f"{v['ms_per_step']:.3f} ms/step, "
-                                                                    f"{v['tokens_per_s']:.1f} tok/s"))
+        if "error" in v:
+            lines.append(f"\n{k}: {v['error']}")
+        elif "ms_per_step" in v:
+            lines.append(f"\n{k}: {v['ms_per_step']:.3f} ms/step, {1e3 / v['ms_per_step']:.1f} tok/s (batch 1)")
+        else:  # bench_decode: one entry per variant
+            lines.append(f"\n{k}: " + ", ".join(f"{n} {r['ms_per_step']:.3f} ms/step" for n, r in v.items()))
     with open(out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     try:

@@ -457,10 +457,23 @@ class Engine:
         done = [None] * B
         steps = 0
         t1 = time.perf_counter()
-        slot = torch.empty(1, dtype=torch.long, device=dev)
+        slots = torch.arange(T, T + max_new_tokens, device=dev)  # the token fed at step j goes to slot T + j
         for step in range(max_new_tokens):
-            toks = nxt.tolist()  # one host sync per step: the stop rules need the tokens
-            for i, t in enumerate(toks):
+            # Start this step's tokens on their way to the host, queue the next decode step, and only
+            # then wait for the tokens: the GPU runs step + 1 while the host applies the stop rules
+            # (with a blocking read per step, the GPU idled for the host's turn every token).
+            host, ready = nxt, None
+            if dev.type == "cuda":
+                host = nxt.to("cpu", non_blocking=True)  # into pinned memory
+                ready = torch.cuda.Event()
+                ready.record()
+            last = step == max_new_tokens - 1
+            if not last:
+                following = self._sample(self._decode(nxt[:, None], slots[step:step + 1], pad),
+                                         temperature, top_k, top_p, gen)
+            if ready is not None:
+                ready.synchronize()
+            for i, t in enumerate(host.tolist()):
                 if done[i] is not None:
                     continue
                 out[i].append(t)
@@ -470,11 +483,9 @@ class Engine:
                     done[i] = "eos"
                 elif stop and any(s in self.tokenizer.decode(out[i]) for s in stop):
                     done[i] = "stop"
-            if all(d is not None for d in done) or step == max_new_tokens - 1:
-                break
-            slot.fill_(T + step)
-            logits = self._decode(nxt[:, None], slot, pad)
-            nxt = self._sample(logits, temperature, top_k, top_p, gen)
+            if last or all(d is not None for d in done):
+                break  # (a step queued past the end only wrote a cache slot)
+            nxt = following
             steps += 1
         sync()
         t_decode = time.perf_counter() - t1
