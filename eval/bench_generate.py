@@ -171,7 +171,7 @@ def write_outputs(result: dict, out: str) -> None:
                      f"{r['ms_per_step']:.3f} | {r['decode_tokens_per_s']:.1f} | {x:.2f} | {100 * r['floor_share']:.0f}% |")
     for k, v in result.get("baselines", {}).items():
         if "error" in v:
-            lines.append(f"\n{k}: {v['error']}")
+            lines.append(f"\n{k}: " + v["error"].replace("\n", " "))
         elif "ms_per_step" in v:
             lines.append(f"\n{k}: {v['ms_per_step']:.3f} ms/step, {1e3 / v['ms_per_step']:.1f} tok/s (batch 1)")
         else:  # bench_decode: one entry per variant
