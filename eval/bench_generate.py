@@ -224,6 +224,9 @@ def main(argv=None) -> int:
     ceiling = read_ceiling(Timer())
     batches = [int(b) for b in args.batches.split(",")]
     rows, baselines = [], {}
+    result = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                  command="python -m qgemv.eval.bench_generate " + " ".join(sys.argv[1:] if argv is None else argv),
+                  ceiling=ceiling, rows=rows, baselines=baselines)
     for mname in args.models.split(","):
         for variant in args.variants.split(","):
             model = prepare(build_model(mname, args.layers), variant)
@@ -233,15 +236,13 @@ def main(argv=None) -> int:
                 baselines.update(hf_baselines(model, args.prompt, args.gen))
             del model
             torch.cuda.empty_cache()
+            write_outputs(result, args.out)  # after every variant: a run cut short keeps what it measured
     if args.decode_ref:
         from . import bench_decode
 
         ref = bench_decode.run_model("7b", bench_decode.MODELS["7b"], [1], ceiling["read_GBps"], prompt=args.prompt,
                                      gen=args.gen)
         baselines["bench_decode_7b"] = {r["variant"]: dict(ms_per_step=r["ms_per_token"]) for r in ref}
-    result = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  command="python -m qgemv.eval.bench_generate " + " ".join(sys.argv[1:] if argv is None else argv),
-                  ceiling=ceiling, rows=rows, baselines=baselines)
     write_outputs(result, args.out)
     return 0
 

@@ -5,7 +5,9 @@
     report = qgemv.quantize_model(model, bits=8)
     out = qgemv.generate(model, tokenizer, ["Once upon a time"], max_new_tokens=32)
 
-Importing qgemv never initialises CUDA.
+Importing qgemv never initialises CUDA.  Where transformers is installed, it registers
+quant_method "qgemv" so that ``AutoModelForCausalLM.from_pretrained(qgemv_dir)`` loads
+QuantLinear modules (qgemv.hf).
 """
 
 from . import formats, ops  # noqa: F401  (ops defines the torch.library schemas)
@@ -18,6 +20,9 @@ from .formats import FORMAT_VERSION, QuantConfig  # noqa: E402
 from .nn import QuantLinear, QuantizeReport, quantize_model  # noqa: E402
 from .ops import linear_int4, linear_int4_grouped, linear_int8, sgemv  # noqa: E402
 from .engine import Engine, Generation, generate  # noqa: E402
+from . import hf as _hf  # noqa: E402
+
+_hf.register()  # from_pretrained of qgemv checkpoints, when transformers is installed
 
 __version__ = "0.1.0"
 

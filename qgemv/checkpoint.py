@@ -631,22 +631,15 @@ def _load_tokenizer(transformers, p: Path):
         return None
 
 
-def load_quantized(path: str, device: str = "cpu", dtype: torch.dtype = torch.float16):
-    """(model, tokenizer) from a directory written by :func:`save_quantized`.
+def checked_checkpoint(path, dtype: torch.dtype = torch.float16) -> tuple:
+    """Everything :func:`load_quantized` checks, and what it builds before loading.
 
-    The model is built on the meta device; QuantLinear modules replace the
-    converted linears; tensors are loaded with ``assign=True``.  Non-quantized
-    tensors are cast to ``dtype`` (float16 by default; use float32 on CPU for
-    reference-accurate evaluation).
-
-    Everything is checked before the model is returned, each failure a
-    CheckpointError naming the file, tensor or field: config.json and its
-    ``quantization_config``; exactly the files ``model.safetensors`` or its
-    shard index name (:func:`read_checkpoint_tensors`); each file's
-    ``qgemv_format_version`` against config.json; every tensor present, none
-    extra, shapes and dtypes as the format says, int8 codes in [-127, 127],
-    zero points in [0, 15], scales finite and positive.  A missing or broken
-    tokenizer gives a warning and tokenizer None.
+    Returns (model, state, config, version): ``model`` on the meta device with
+    a QuantLinear shell in place of every converted linear (biases in
+    ``dtype``), ``state`` the checked tensors (format-1 qweights already in
+    panel order), ``config`` the transformers config without its
+    quantization_config.  Raises CheckpointError naming the file, tensor or
+    field (see :func:`load_quantized`).
     """
     transformers = _require_transformers()
     p = Path(path)
@@ -705,6 +698,28 @@ def load_quantized(path: str, device: str = "cpu", dtype: torch.dtype = torch.fl
     if unexpected:  # load_state_dict(strict=False) would drop them without a word
         raise CheckpointError(f"{path}: {len(unexpected)} tensor(s) that the config's model does not have, "
                               f"e.g. {sorted(unexpected)[:3]} (a config that does not match the weights)")
+    return model, state, config, version
+
+
+def load_quantized(path: str, device: str = "cpu", dtype: torch.dtype = torch.float16):
+    """(model, tokenizer) from a directory written by :func:`save_quantized`.
+
+    The model is built on the meta device; QuantLinear modules replace the
+    converted linears; tensors are loaded with ``assign=True``.  Non-quantized
+    tensors are cast to ``dtype`` (float16 by default; use float32 on CPU for
+    reference-accurate evaluation).
+
+    Everything is checked before the model is returned, each failure a
+    CheckpointError naming the file, tensor or field: config.json and its
+    ``quantization_config``; exactly the files ``model.safetensors`` or its
+    shard index name (:func:`read_checkpoint_tensors`); each file's
+    ``qgemv_format_version`` against config.json; every tensor present, none
+    extra, shapes and dtypes as the format says, int8 codes in [-127, 127],
+    zero points in [0, 15], scales finite and positive.  A missing or broken
+    tokenizer gives a warning and tokenizer None.
+    """
+    transformers = _require_transformers()
+    model, state, config, _ = checked_checkpoint(path, dtype)
     for k, v in state.items():
         if _kept_float(k, v):
             state[k] = v.to(dtype)
@@ -720,7 +735,7 @@ def load_quantized(path: str, device: str = "cpu", dtype: torch.dtype = torch.fl
             else:
                 raise CheckpointError(f"{path}: module {name} still has uninitialised buffers")
     model = model.to(device).eval()
-    return model, _load_tokenizer(transformers, p)
+    return model, _load_tokenizer(transformers, Path(path))
 
 
 def peak_rss_mb() -> float:
@@ -746,6 +761,7 @@ __all__ = [
     "load_float_model",
     "quantization_config",
     "save_quantized",
+    "checked_checkpoint",
     "load_quantized",
     "peak_rss_mb",
 ]

@@ -1,0 +1,88 @@
+"""transformers integration (qgemv.hf): from_pretrained of a qgemv checkpoint gives load_quantized's model."""
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import qgemv
+from qgemv import checkpoint, formats
+from qgemv.calibration.quantize import quantize_causal_lm
+
+from conftest import load_tiny
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module", params=[(8, None, True), (4, 32, False)], ids=["int8", "int4g32a"])
+def qdir(request, tiny_llama_dir, tmp_path_factory):
+    bits, group, sym = request.param
+    model, tok = load_tiny(tiny_llama_dir)
+    cfg = formats.QuantConfig(bits, group, sym)
+    rep = quantize_causal_lm(model, cfg, "rtn", progress=False)
+    out = tmp_path_factory.mktemp("hf") / "q"
+    checkpoint.save_quantized(model, tok, str(out), checkpoint.quantization_config(model, "rtn", None, cfg,
+                                                                                   list(rep.skipped)))
+    return str(out)
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_from_pretrained_equals_load_quantized(qdir):
+    assert qgemv.hf.register()
+    ids = torch.randint(0, 300, (2, 16))
+    ref, _ = checkpoint.load_quantized(qdir, dtype=torch.float32)
+    got = transformers.AutoModelForCausalLM.from_pretrained(qdir, dtype=torch.float32)
+    names = [n for n, m in got.named_modules() if isinstance(m, qgemv.QuantLinear)]
+    assert names == [n for n, m in ref.named_modules() if isinstance(m, qgemv.QuantLinear)] and names
+    assert torch.equal(logits(ref, ids), logits(got, ids))
+    assert got.hf_quantizer.is_compileable and not got.hf_quantizer.is_serializable()
+
+
+def test_from_pretrained_keeps_the_scales_float16(qdir):
+    ref, _ = checkpoint.load_quantized(qdir, dtype=torch.bfloat16)
+    got = transformers.AutoModelForCausalLM.from_pretrained(qdir, dtype=torch.bfloat16)
+    q = got.model.layers[0].self_attn.q_proj
+    assert q.scales.dtype == torch.float16 and got.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert torch.equal(q.scales, ref.model.layers[0].self_attn.q_proj.scales)
+    assert got.to(torch.float32).model.layers[0].self_attn.q_proj.scales.dtype == torch.float16
+
+
+def test_the_engine_runs_a_from_pretrained_model(qdir):
+    ref, tok = checkpoint.load_quantized(qdir, dtype=torch.float32)
+    got = transformers.AutoModelForCausalLM.from_pretrained(qdir, dtype=torch.float32)
+    a = qgemv.generate(ref, tok, ["the history of the"], max_new_tokens=8)
+    b = qgemv.generate(got, tok, ["the history of the"], max_new_tokens=8)
+    assert a.tokens == b.tokens
+
+
+def test_from_pretrained_refuses_a_missing_tensor(qdir, tmp_path):
+    """transformers would load a missing tensor as zeros; the quantizer refuses the checkpoint first."""
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(qdir, bad)
+    f = bad / "model.safetensors"
+    from safetensors import safe_open
+
+    with safe_open(str(f), framework="pt") as h:
+        meta = h.metadata()
+    state = load_file(str(f))
+    del state["model.layers.1.mlp.down_proj.scales"]
+    save_file(state, str(f), metadata=meta)
+    with pytest.raises(checkpoint.CheckpointError, match="model.layers.1.mlp.down_proj.scales is missing"):
+        transformers.AutoModelForCausalLM.from_pretrained(str(bad), dtype=torch.float32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_from_pretrained_on_cuda_generates_load_quantizeds_tokens(qdir):
+    """device_map="cuda", float16: the engine (CUDA kernels, graphs) on the from_pretrained model gives the
+    tokens it gives on load_quantized's (same tensors, same kernels: exactly the same computation)."""
+    ref, tok = checkpoint.load_quantized(qdir, device="cuda", dtype=torch.float16)
+    got = transformers.AutoModelForCausalLM.from_pretrained(qdir, dtype=torch.float16, device_map="cuda")
+    assert got.model.layers[0].mlp.down_proj.qweight.is_cuda
+    a = qgemv.generate(ref, tok, ["the history of the", "a"], max_new_tokens=12)
+    b = qgemv.generate(got, tok, ["the history of the", "a"], max_new_tokens=12)
+    assert a.tokens == b.tokens and b.graphs
