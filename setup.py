@@ -68,6 +68,7 @@ setup(
             "qgemv-ppl=qgemv.eval.ppl:main",
             "qgemv-ppl-check=qgemv.eval.ppl_check:main",
             "qgemv-generate=qgemv.engine:main",
+            "qgemv-convert=qgemv.importers:main",
         ]
     },
     ext_modules=ext_modules,

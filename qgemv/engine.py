@@ -538,14 +538,16 @@ def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int = 64, **k
 # --------------------------------------------------------------------------
 def load_for_generation(spec: str, device: str, dtype: torch.dtype, bits: Optional[int] = None,
                         group_size: Optional[int] = None, asym: bool = False):
-    """(model, tokenizer, what) for a qgemv checkpoint, a float model (quantized by RTN when ``bits``), or ``default``."""
-    from . import checkpoint
+    """(model, tokenizer, what) for a qgemv / GPTQ / AWQ / compressed-tensors checkpoint, a float model
+    (quantized by RTN when ``bits``), or ``default``."""
+    from . import checkpoint, importers
 
-    if checkpoint.is_qgemv_checkpoint(spec):
+    foreign = importers.detect(spec)
+    if checkpoint.is_qgemv_checkpoint(spec) or foreign:
         if bits is not None:
-            raise ValueError(f"{spec} is a qgemv checkpoint: it is already quantized (drop --bits)")
+            raise ValueError(f"{spec} is a quantized checkpoint (drop --bits)")
         model, tok = checkpoint.load_quantized(spec, device=device, dtype=dtype)
-        return model, tok, f"qgemv checkpoint {spec}"
+        return model, tok, f"{foreign or 'qgemv'} checkpoint {spec}"
     path = checkpoint.resolve_model(spec)
     model, tok = checkpoint.load_float_model(path, dtype=dtype, device=device)
     if bits is None:
@@ -563,7 +565,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="qgemv-generate",
         description="Generate text with qgemv's engine (static KV cache, CUDA-graph decode, qgemv kernels).")
-    ap.add_argument("model", help="a qgemv checkpoint, a Hugging Face directory or .gguf file, or 'default'")
+    ap.add_argument("model", help="a qgemv, GPTQ, AWQ or compressed-tensors checkpoint, a Hugging Face directory "
+                                  "or .gguf file, or 'default'")
     ap.add_argument("--prompt", action="append", required=True,
                     help="a prompt; repeat for a batch (prompts may differ in length)")
     ap.add_argument("--max-new-tokens", type=int_at_least(1), default=64)

@@ -1,0 +1,201 @@
+"""GPTQ, AWQ and compressed-tensors checkpoints read into qgemv's formats (qgemv.importers, qgemv-convert).
+
+The GPTQ and AWQ files in tests/data/foreign were packed by auto-gptq 0.7.1 and autoawq 0.2.9 themselves
+(dev/make_foreign_fixtures.py), each with the producer's own dequantization of every linear beside it; the
+compressed-tensors checkpoints are written here by compressed-tensors' ModelCompressor."""
+
+import json
+import shutil
+import warnings
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import qgemv
+from qgemv import checkpoint, importers
+from qgemv.formats import QuantConfig
+
+transformers = pytest.importorskip("transformers")
+DATA = Path(__file__).parent / "data" / "foreign"
+
+
+def load(d):
+    rep = {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "qgemv: .* has no tokenizer files")  # the fixtures carry none
+        model, _ = importers.load(d, "cpu", torch.float32, rep)
+    return model, rep
+
+
+@pytest.mark.parametrize("name,ref,fmt", [
+    ("gptq_v1_sym_g32", "gptq_v1_sym_g32", QuantConfig(4, 32, True)),
+    ("gptq_v1_asym_g32", "gptq_v1_asym_g32", QuantConfig(4, 32, False)),
+    ("gptq_v2_asym_g32", "gptq_v1_asym_g32", QuantConfig(4, 32, False)),
+    ("gptq_v1_int8_channel", "gptq_v1_int8_channel", QuantConfig(8)),
+    ("awq_gemm_g32", "awq_gemm_g32", QuantConfig(4, 32, False)),
+])
+def test_weights_equal_the_producers_dequantization(name, ref, fmt):
+    """Every linear's weight (q - z) * s, rounded to float16 as the producer computes it, equals the
+    producer's own dequantization bit for bit; lm_head stays float."""
+    model, rep = load(DATA / name)
+    want = load_file(str(DATA / ref / "reference.safetensors"))
+    assert len(rep["converted"]) == len(want) == 7 and rep["kept_float"] == ["lm_head"]
+    for key, w in want.items():
+        q = model.get_submodule(key[: -len(".weight")])
+        assert q.config == fmt
+        assert torch.equal(q.dequantize().half(), w), key
+    assert rep["max_scale_change"] == 0.0  # float16 scales in the file: nothing rounded
+
+
+def test_load_quantized_and_the_engine_read_them():
+    model, tok = checkpoint.load_quantized(str(DATA / "awq_gemm_g32"), dtype=torch.float32)
+    assert isinstance(model.model.layers[0].mlp.up_proj, qgemv.QuantLinear) and tok is None
+    model.generation_config.eos_token_id = None
+    ids = [3, 1, 4, 1, 5]
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, pad_token_id=0)[0, 5:].tolist()
+    assert qgemv.generate(model, None, [ids], max_new_tokens=6).tokens[0] == hf
+
+
+@pytest.mark.parametrize("name,rule", [
+    ("gptq_v1_asym_zero0", "zero point of 0, stored as -1"),
+    ("gptq_v1_actorder", "act-order checkpoint"),
+])
+def test_refused_with_the_reason(name, rule):
+    with pytest.raises(importers.ForeignCheckpointError, match=rule):
+        load(DATA / name)
+
+
+def edited(tmp_path, name, config=None, tensors=None):
+    d = tmp_path / name
+    shutil.copytree(DATA / name, d)
+    if config:
+        cfg = json.loads((d / "config.json").read_text())
+        config(cfg["quantization_config"])
+        (d / "config.json").write_text(json.dumps(cfg))
+    if tensors:
+        state = load_file(str(d / "model.safetensors"))
+        tensors(state)
+        save_file(state, str(d / "model.safetensors"))
+    return d
+
+
+@pytest.mark.parametrize("case,config,tensors,rule", [
+    ("bits 3", lambda q: q.update(bits=3), None, "GPTQ bits 3"),
+    ("unknown format", lambda q: q.update(checkpoint_format="marlin"), None, "checkpoint_format 'marlin'"),
+    ("missing g_idx", lambda q: q.update(desc_act=True),
+     lambda s: s.pop("model.layers.0.mlp.up_proj.g_idx"), "g_idx is missing, and desc_act is true"),
+    ("missing scales", None, lambda s: s.pop("model.layers.0.mlp.up_proj.scales"), "scales is missing"),
+    ("inconsistent shape", None,
+     lambda s: s.update({"model.layers.0.mlp.up_proj.qzeros": s["model.layers.0.mlp.up_proj.qzeros"][:1]}),
+     "has shape \\[1, 8\\], expected \\[2, 8\\]"),
+    ("group size 48", lambda q: q.update(group_size=48), None, "group_size 48 does not divide"),
+])
+def test_bad_gptq_files_are_refused(tmp_path, case, config, tensors, rule):
+    d = edited(tmp_path, "gptq_v1_sym_g32", config, tensors)
+    with pytest.raises(importers.ForeignCheckpointError, match=rule):
+        load(d)
+
+
+def test_unknown_awq_version_is_refused(tmp_path):
+    d = edited(tmp_path, "awq_gemm_g32", lambda q: q.update(version="gemv"))
+    with pytest.raises(importers.ForeignCheckpointError, match="AWQ version 'gemv'"):
+        load(d)
+
+
+def run_convert(*args):
+    return subprocess.run([sys.executable, "-m", "qgemv.importers", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_convert_writes_a_qgemv_checkpoint_with_the_same_model(tmp_path):
+    out = tmp_path / "q"
+    r = run_convert(str(DATA / "gptq_v1_asym_g32"), "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "7 linears repacked, 1 kept float" in r.stdout
+    assert checkpoint.is_qgemv_checkpoint(out)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "qgemv" and qc["algorithm"] == "import:gptq"
+    src, _ = load(DATA / "gptq_v1_asym_g32")
+    with pytest.warns(RuntimeWarning, match="no tokenizer"):
+        dst, _ = checkpoint.load_quantized(str(out), dtype=torch.float32)
+    ids = torch.randint(0, 32, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(src(ids).logits, dst(ids).logits)
+
+
+def test_convert_refuses_bad_input_with_exit_2(tmp_path, tiny_llama_dir):
+    r = run_convert(tiny_llama_dir, "--out", str(tmp_path / "q"))  # a float model
+    assert r.returncode == 2 and "not a GPTQ, AWQ or compressed-tensors checkpoint" in r.stderr
+    r = run_convert(str(DATA / "gptq_v1_actorder"), "--out", str(tmp_path / "q"))
+    assert r.returncode == 2 and "act-order" in r.stderr and not (tmp_path / "q").exists()
+
+
+# ------------------------------------------------------------------ compressed-tensors
+def ct_checkpoint(d, bits, strategy, group, symmetric):
+    """A tiny Llama quantized and saved by compressed-tensors itself (pack-quantized)."""
+    ct = pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    weights = {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": strategy}
+    if strategy == "group":
+        weights["group_size"] = group
+    qc = QuantizationConfig.model_validate({"config_groups": {"g0": {"targets": ["Linear"], "weights": weights}},
+                                            "ignore": ["lm_head"], "format": "pack-quantized"})
+    apply_quantization_config(model, qc)
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear) and getattr(mod, "quantization_scheme", None) is not None:
+            n, k = mod.weight.shape
+            g = k if strategy == "channel" else group
+            w = mod.weight.data.reshape(n, k // g, g)
+            s, z = calculate_qparams(w.amin(-1), w.amax(-1), mod.quantization_scheme.weights)
+            mod.weight_scale.data.copy_(s.reshape(mod.weight_scale.shape))
+            if hasattr(mod, "weight_zero_point"):
+                mod.weight_zero_point.data.copy_(z.reshape(mod.weight_zero_point.shape))
+    compressor = ModelCompressor.from_pretrained_model(model, "pack-quantized")
+    compressor.compress_model(model)
+    model.save_pretrained(d)
+    compressor.update_config(d)
+    assert ct.__version__
+    return d
+
+
+@pytest.mark.parametrize("bits,strategy,group,symmetric,fmt", [
+    (4, "group", 128, True, QuantConfig(4, 128, True)),
+    (4, "group", 32, False, QuantConfig(4, 32, False)),
+    (4, "channel", None, True, QuantConfig(4, None, True)),
+    (4, "channel", None, False, QuantConfig(4, 128, False)),  # one scale and zero per row, repeated per 128
+], ids=["sym-g128", "asym-g32", "sym-channel", "asym-channel"])
+def test_compressed_tensors_logits_equal_its_own_decompressor(tmp_path, bits, strategy, group, symmetric, fmt):
+    d = ct_checkpoint(str(tmp_path / "ct"), bits, strategy, group, symmetric)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        d, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False), dtype=torch.float32)
+    model, rep = load(d)
+    assert model.get_submodule("model.layers.0.mlp.down_proj").config == fmt and rep["kept_float"] == ["lm_head"]
+    # the only difference: compressed-tensors keeps float32 scales, qgemv float16 (relative 2^-11 at most)
+    assert 0 < rep["max_scale_change"] < 2 ** -11
+    for name in rep["converted"]:
+        w = ref.get_submodule(name).weight
+        err = (model.get_submodule(name).dequantize() - w).abs().max() / w.abs().max()
+        assert err < 2 ** -10, name
+    ids = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        a, b = ref(ids).logits, model(ids).logits
+    assert ((a - b).abs().max() / a.abs().max()).item() < 2e-3
+
+
+def test_compressed_tensors_int8_with_the_code_minus_128_is_refused(tmp_path):
+    """compressed-tensors' symmetric int8 uses codes -128..127; qgemv's int8 format stores -127..127."""
+    d = ct_checkpoint(str(tmp_path / "ct"), 8, "channel", None, True)
+    with pytest.raises(importers.ForeignCheckpointError, match="int8 code -128"):
+        load(d)
