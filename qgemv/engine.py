@@ -521,11 +521,13 @@ class Engine:
 def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int = 64, **kwargs) -> Generation:
     """Generate with the engine: ``Engine(model, tokenizer).generate(prompts, ...)``.
 
-    The engine (its fused projections, cache and CUDA graphs) is kept on the
-    model, so later calls reuse it.  ``max_seq_len`` / ``cuda_graphs`` go to
-    :class:`Engine`, the rest to :meth:`Engine.generate`.
+    The engine (its fused projections, a KV cache and a CUDA graph per batch
+    size) is kept on the model, so later calls reuse it; after changing the
+    model's modules or weights, build a new :class:`Engine` (its fused
+    projections are copies).  ``max_seq_len`` / ``cuda_graphs`` /
+    ``compile_glue`` go to :class:`Engine`, the rest to :meth:`Engine.generate`.
     """
-    ekw = {k: kwargs.pop(k) for k in ("max_seq_len", "cuda_graphs") if k in kwargs}
+    ekw = {k: kwargs.pop(k) for k in ("max_seq_len", "cuda_graphs", "compile_glue") if k in kwargs}
     engine = model.__dict__.get("_qgemv_engine")
     if engine is None or engine.tokenizer is not tokenizer or any(getattr(engine, k) != v for k, v in ekw.items()):
         engine = Engine(model, tokenizer, **ekw)
