@@ -108,7 +108,8 @@ def run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown
             tok = torch.tensor([[1]], device=dev)
             slot = torch.tensor([prompt], device=dev)
             pad = torch.zeros(1, dtype=torch.long, device=dev)
-            kinds, kernels = kernel_breakdown(lambda: engine.forward(tok, slot, pad), per_kernel=True)
+            step = engine.forward
+            kinds, kernels = kernel_breakdown(lambda: step(tok, slot, pad), per_kernel=True)
             row["kernel_us_per_step"] = kinds
             row["kernels_per_step"] = kernels  # name -> [launches per step, us per step], the 25 costliest
             row["launches_per_step"] = sum(n for n, _ in kernels.values())

@@ -42,8 +42,7 @@ import torch
 from torch import nn
 from torch.nn import functional as Fn
 
-from . import formats
-from .nn import QuantLinear
+from .nn import FusedSlice, fuse_linears
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # rope types whose cos/sin depend only on the position (tabulated once); the
@@ -55,60 +54,17 @@ class UnsupportedModelError(ValueError):
     """The model is not one the engine can run (architecture, activation, rope type)."""
 
 
-# --------------------------------------------------------------------------
-# Fusion: several linears that read the same input -> one module.
-# --------------------------------------------------------------------------
-def _same_format(mods: Sequence[nn.Module]) -> bool:
-    first = mods[0]
-    return all(
-        type(m) is type(first) and m.in_features == first.in_features and (m.bias is None) == (first.bias is None)
-        and (not isinstance(m, QuantLinear) or m.config == first.config)
-        and (isinstance(m, QuantLinear) or m.weight.dtype == first.weight.dtype)
-        for m in mods
-    )
-
-
-def fuse_linears(mods: Sequence[nn.Module]) -> Optional[nn.Module]:
-    """One module computing ``torch.cat([m(x) for m in mods], -1)``, or None where they cannot be fused.
-
-    QuantLinears of one format: their packed rows are taken out of the panel
-    order, concatenated and put back (``formats.to_panels``), scales, zero
-    points and biases concatenated: the result is exact, bit for bit.
-    ``nn.Linear``s of one dtype: one ``nn.Linear`` over the concatenated
-    weights.  Mixed kinds or formats: None (the caller calls each).
-    """
-    if not _same_format(mods):
-        return None
-    first = mods[0]
-    k, n = first.in_features, sum(m.out_features for m in mods)
-    bias = None if first.bias is None else torch.cat([m.bias.detach() for m in mods])
-    if isinstance(first, QuantLinear):
-        rows = torch.cat([formats.to_panels(m.qweight, inverse=True) for m in mods])
-        fused = QuantLinear(k, n, first.bits, first.group_size, first.config.symmetric, bias=bias is not None,
-                            device="meta", bias_dtype=bias.dtype if bias is not None else torch.float16)
-        fused.qweight = formats.to_panels(rows)
-        fused.scales = torch.cat([m.scales for m in mods])
-        if first.zeros is not None:
-            fused.zeros = torch.cat([m.zeros for m in mods])
-        if bias is not None:
-            fused.bias = bias
-        return fused
-    if isinstance(first, nn.Linear):
-        w = first.weight
-        fused = nn.Linear(k, n, bias=bias is not None, device="meta", dtype=w.dtype)
-        fused.weight = nn.Parameter(torch.cat([m.weight.detach() for m in mods]), requires_grad=False)
-        if bias is not None:
-            fused.bias = nn.Parameter(bias, requires_grad=False)
-        return fused
-    return None
-
-
 class _Projection:
     """Several linears on one input, as one call where they fuse; outputs are views of one tensor."""
 
     def __init__(self, mods: Sequence[nn.Module]):
         self.sizes = [m.out_features for m in mods]
-        self.fused = fuse_linears(mods)
+        parents = {id(m._parent) for m in mods if isinstance(m, FusedSlice)}
+        if len(parents) == 1 and all(isinstance(m, FusedSlice) and m.index == i for i, m in enumerate(mods)) \
+                and mods[0]._parent.sizes == self.sizes:
+            self.fused = mods[0]._parent.fused  # fused already (nn.fuse_llama_projections): its one module
+        else:
+            self.fused = fuse_linears(mods)
         self.mods = list(mods) if self.fused is None else None
 
     def __call__(self, x: torch.Tensor) -> list:

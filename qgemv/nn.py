@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -361,6 +361,54 @@ __all__ = ["QuantLinear", "QuantizeReport", "quantize_model", "layer_format", "c
 
 
 # --------------------------------------------------------------------------
+# Exact fusion: several linears that read the same input -> one module.
+# --------------------------------------------------------------------------
+def _same_format(mods: Sequence[nn.Module]) -> bool:
+    first = mods[0]
+    return all(
+        type(m) is type(first) and m.in_features == first.in_features and (m.bias is None) == (first.bias is None)
+        and (not isinstance(m, QuantLinear) or m.config == first.config)
+        and (isinstance(m, QuantLinear) or m.weight.dtype == first.weight.dtype)
+        for m in mods
+    )
+
+
+def fuse_linears(mods: Sequence[nn.Module]) -> Optional[nn.Module]:
+    """One module computing ``torch.cat([m(x) for m in mods], -1)``, or None where they cannot be fused.
+
+    QuantLinears of one format: their packed rows are taken out of the panel
+    order, concatenated and put back (``formats.to_panels``), scales, zero
+    points and biases concatenated: the result is exact, bit for bit.
+    ``nn.Linear``s of one dtype: one ``nn.Linear`` over the concatenated
+    weights.  Mixed kinds or formats: None (the caller calls each).
+    """
+    if not _same_format(mods):
+        return None
+    first = mods[0]
+    k, n = first.in_features, sum(m.out_features for m in mods)
+    bias = None if first.bias is None else torch.cat([m.bias.detach() for m in mods])
+    if isinstance(first, QuantLinear):
+        rows = torch.cat([formats.to_panels(m.qweight, inverse=True) for m in mods])
+        fused = QuantLinear(k, n, first.bits, first.group_size, first.config.symmetric, bias=bias is not None,
+                            device="meta", bias_dtype=bias.dtype if bias is not None else torch.float16)
+        fused.qweight = formats.to_panels(rows)
+        fused.scales = torch.cat([m.scales for m in mods])
+        if first.zeros is not None:
+            fused.zeros = torch.cat([m.zeros for m in mods])
+        if bias is not None:
+            fused.bias = bias
+        return fused
+    if isinstance(first, nn.Linear):
+        w = first.weight
+        fused = nn.Linear(k, n, bias=bias is not None, device="meta", dtype=w.dtype)
+        fused.weight = nn.Parameter(torch.cat([m.weight.detach() for m in mods]), requires_grad=False)
+        if bias is not None:
+            fused.bias = nn.Parameter(bias, requires_grad=False)
+        return fused
+    return None
+
+
+# --------------------------------------------------------------------------
 # Fused projections: one packed weight and one launch for q/k/v (and gate/up).
 # --------------------------------------------------------------------------
 class FusedQuantLinear(nn.Module):
@@ -443,21 +491,30 @@ def fuse_llama_projections(model: nn.Module, bits: int = 8, group_size: Optional
 
     The attention and MLP modules keep their attributes (q_proj, ...), now
     FusedSlice modules over one packed weight stored as ``<owner>.qkv`` /
-    ``<owner>.gate_up``.  Returns the number of fused groups.  Run it before
-    :func:`quantize_model` (which then converts the remaining linears).
+    ``<owner>.gate_up``.  Members that are ``nn.Linear`` are quantized
+    (bits / group_size / symmetric); members that are QuantLinears of one
+    format are fused exactly (:func:`fuse_linears`).  Returns the number of
+    fused groups.  Run it before :func:`quantize_model` to quantize the rest.
     """
     count = 0
     for owner_name, owner in list(model.named_modules()):
         for fused_name, members in FUSE_GROUPS.items():
-            if all(isinstance(getattr(owner, m, None), nn.Linear) for m in members):
-                lins = [getattr(owner, m) for m in members]
+            lins = [getattr(owner, m, None) for m in members]
+            if all(isinstance(m, QuantLinear) for m in lins):  # quantized already: their packed rows, exactly
+                fused = fuse_linears(lins)
+                if fused is None:
+                    continue  # members of different formats stay apart
+                f = FusedQuantLinear(fused, [m.out_features for m in lins])
+            elif all(type(m) is nn.Linear for m in lins):
                 g = formats.fallback_group_size(lins[0].in_features, group_size)
                 f = FusedQuantLinear.from_linears(lins, bits, g, symmetric, name=f"{owner_name}.{fused_name}")
-                setattr(owner, fused_name, f)
-                for i, m in enumerate(members):
-                    setattr(owner, m, FusedSlice(f, i))
-                count += 1
+            else:
+                continue
+            setattr(owner, fused_name, f)
+            for i, m in enumerate(members):
+                setattr(owner, m, FusedSlice(f, i))
+            count += 1
     return count
 
 
-__all__ += ["FusedQuantLinear", "FusedSlice", "fuse_llama_projections"]
+__all__ += ["FusedQuantLinear", "FusedSlice", "fuse_linears", "fuse_llama_projections"]

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import qgemv
-from qgemv.engine import Engine, UnsupportedModelError, fuse_linears
+from qgemv.engine import Engine, UnsupportedModelError
+from qgemv.nn import fuse_linears
 
 from conftest import requires_cuda, requires_smollm2
 
@@ -88,6 +89,24 @@ def test_fused_projections_are_exact():
     assert torch.equal(fuse_linears(lins)(x), torch.cat([m(x) for m in lins], -1))
     mixed = [qgemv.QuantLinear.from_linear(lins[0], 8), lins[1]]
     assert fuse_linears(mixed) is None  # the engine then calls each
+
+
+def test_fuse_llama_projections_on_a_quantized_model_is_exact_and_the_engine_uses_it():
+    """fuse_llama_projections fuses QuantLinear members exactly; the engine then runs the fused module itself."""
+    model = tiny("qwen2-bias")  # q/k/v with biases
+    qgemv.quantize_model(model, bits=4, group_size=32, symmetric=False)
+    ids = torch.randint(0, 300, (2, 11))
+    with torch.no_grad():
+        before = model(ids).logits
+    assert qgemv.nn.fuse_llama_projections(model) == 4  # qkv and gate_up in each of 2 layers
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.q_proj, qgemv.nn.FusedSlice) and attn.qkv.fused.config.group_size == 32
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+    engine = Engine(model, max_seq_len=48)
+    assert engine.layers[0].qkv.fused is attn.qkv.fused
+    prompt = ids[0].tolist()
+    assert engine.generate([prompt], max_new_tokens=8).tokens[0] == hf_greedy(model, prompt, 8)
 
 
 def test_sampling_is_seeded_and_reduces_to_greedy():
