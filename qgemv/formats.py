@@ -40,7 +40,9 @@ those of the row-major layout; only the order inside each panel changes.  A
 warp then streams 512 contiguous bytes per load instruction instead of 8
 pieces of 64 bytes from 8 rows, which measured 10-30% faster on an H200
 (BENCHMARKS.md).  Format version 1 checkpoints (row-major) are converted on
-load by :func:`to_panels`.
+load by :func:`to_panels`.  Version 3 stores the same tensors as version 2
+and may fuse q/k/v and gate/up into one packed weight each (the checkpoint's
+``quantization_config["fused"]``; qgemv.checkpoint).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from typing import Optional
 
 import torch
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 #: Output channels per panel (the GPU kernels' rows per block).
 PANEL_ROWS = 16

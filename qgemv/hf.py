@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .nn import QuantLinear
+from .nn import FusedQuantLinear, FusedSlice, QuantLinear
 
 _REGISTERED = False
 
@@ -84,9 +84,13 @@ def register() -> bool:
             skeleton, state, _, self.version = checkpoint.checked_checkpoint(path, dtype)
             del state  # checked; transformers reads the tensors itself
             self.converted = [n for n, m in skeleton.named_modules() if isinstance(m, QuantLinear)]
-            for name in self.converted:
+            # move every replaced module over: QuantLinears, and fused projections with their slices
+            # (a fused projection's own QuantLinear, <owner>.qkv.fused, travels with it)
+            for name, mod in list(skeleton.named_modules()):
                 parent, _, child = name.rpartition(".")
-                setattr(model.get_submodule(parent) if parent else model, child, skeleton.get_submodule(name))
+                if isinstance(mod, (QuantLinear, FusedQuantLinear, FusedSlice)) and not isinstance(
+                        skeleton.get_submodule(parent) if parent else skeleton, FusedQuantLinear):
+                    setattr(model.get_submodule(parent) if parent else model, child, mod)
             return model
 
         def _process_model_after_weight_loading(self, model, **kwargs):

@@ -43,7 +43,7 @@ from torch import nn
 from . import formats
 from .checkpoint import CheckpointError
 from .formats import QuantConfig
-from .nn import QuantLinear, set_submodule
+from .nn import QuantLinear, fuse_llama_projections, set_submodule
 
 METHODS = ("gptq", "awq", "compressed-tensors")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's nibble i holds column 8c + AWQ_ORDER[i]
@@ -388,6 +388,7 @@ def main(argv=None) -> int:
         print(f"qgemv-convert: {e}", file=sys.stderr)
         return 2
     first = model.get_submodule(rep["converted"][0]).config
+    fuse_llama_projections(model)  # q/k/v and gate/up of one format: one packed weight each, exactly
     qcfg = checkpoint.quantization_config(model, f"import:{rep['method']}", None, first, rep["kept_float"])
     checkpoint.save_quantized(model, tok, str(out), qcfg, overwrite=args.overwrite)
     print(f"{args.src} ({rep['method']}): {len(rep['converted'])} linears repacked, {len(rep['kept_float'])} kept "

@@ -471,6 +471,18 @@ class FusedSlice(nn.Module):
         self.in_features = parent.fused.in_features
         self.out_features = parent.sizes[index]
 
+    @property
+    def config(self) -> QuantConfig:  # the format it is stored in: the fused weight's
+        return self._parent.fused.config
+
+    @property
+    def bits(self) -> int:
+        return self.config.bits
+
+    @property
+    def group_size(self) -> Optional[int]:
+        return self.config.group_size
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._parent.slice_output(self.index, x)
 

@@ -255,7 +255,7 @@ def test_a_stray_safetensors_file_is_never_read(q8):
     want = _logits(q8, ids)
     state = load_file(str(q8 / "model.safetensors"))
     state = {k: (v * 7 if v.is_floating_point() else v) for k, v in state.items()}
-    save_file(state, str(q8 / "model_backup.safetensors"), metadata={"qgemv_format_version": "2"})  # sorts after model.
+    save_file(state, str(q8 / "model_backup.safetensors"), metadata={"qgemv_format_version": str(formats.FORMAT_VERSION)})  # sorts after model.
     torch.testing.assert_close(_logits(q8, ids), want, rtol=0, atol=0)
 
 
@@ -263,7 +263,7 @@ def _rewrite(q8, edit, meta=None):
     f = q8 / "model.safetensors"
     state = load_file(str(f))
     edit(state)
-    save_file(state, str(f), metadata=meta or {"format": "pt", "qgemv_format_version": "2"})
+    save_file(state, str(f), metadata=meta or {"format": "pt", "qgemv_format_version": str(formats.FORMAT_VERSION)})
 
 
 KEY = "model.layers.0.self_attn.q_proj"
@@ -306,9 +306,9 @@ def _edit_qconfig(q8, edit) -> None:
 
 
 def test_load_refuses_a_file_whose_format_version_differs_from_the_config(q8):
-    """A version-2 file labelled 1 in config.json loaded and gave wrong logits."""
+    """A panel-order file labelled 1 in config.json loaded and gave wrong logits."""
     _edit_qconfig(q8, lambda q: q.update(format_version=1))
-    with pytest.raises(checkpoint.CheckpointError, match="records qgemv_format_version '2', but config.json says format_version 1"):
+    with pytest.raises(checkpoint.CheckpointError, match=f"records qgemv_format_version '{formats.FORMAT_VERSION}', but config.json says format_version 1"):
         checkpoint.load_quantized(str(q8))
 
 
@@ -319,7 +319,7 @@ def test_sharded_checkpoints_load_exactly_the_indexed_files(q8):
     keys = sorted(state)
     half = len(keys) // 2
     parts = {"model-00001-of-00002.safetensors": keys[:half], "model-00002-of-00002.safetensors": keys[half:]}
-    meta = {"format": "pt", "qgemv_format_version": "2"}
+    meta = {"format": "pt", "qgemv_format_version": str(formats.FORMAT_VERSION)}
     for name, ks in parts.items():
         save_file({k: state[k] for k in ks}, str(q8 / name), metadata=meta)
     (q8 / "model.safetensors").unlink()

@@ -183,7 +183,7 @@ def test_e2e_cli_writes_a_loadable_checkpoint(tiny_llama_dir, tmp_path):
     assert json.loads((out / "e2e_report.json").read_text())["batch"] == 2
     model, _ = checkpoint.load_quantized(str(out), dtype=torch.float32)
     start, _ = checkpoint.load_quantized(str(src), dtype=torch.float32)
-    q, q0 = model.model.layers[0].self_attn.q_proj, start.model.layers[0].self_attn.q_proj
+    q, q0 = model.model.layers[0].self_attn.qkv.fused, start.model.layers[0].self_attn.qkv.fused  # (fused: format 3)
     assert isinstance(q, QuantLinear) and torch.equal(q.qweight, q0.qweight) and not torch.equal(q.scales, q0.scales)
     assert e2e.main([str(src), "--out", str(out), "--reference", tiny_llama_dir]) == 2  # exists, no --overwrite
     assert e2e.main([tiny_llama_dir, "--out", str(tmp_path / "x"), "--reference", tiny_llama_dir]) == 2  # not qgemv

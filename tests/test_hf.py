@@ -86,3 +86,43 @@ def test_from_pretrained_on_cuda_generates_load_quantizeds_tokens(qdir):
     a = qgemv.generate(ref, tok, ["the history of the", "a"], max_new_tokens=12)
     b = qgemv.generate(got, tok, ["the history of the", "a"], max_new_tokens=12)
     assert a.tokens == b.tokens and b.graphs
+
+
+def test_a_fused_checkpoint_round_trips(tiny_llama_dir, tmp_path):
+    """q/k/v and gate/up written as one packed weight each (format 3, quantization_config 'fused') load
+    as FusedQuantLinears through load_quantized and from_pretrained, with the in-memory model's logits."""
+    model, tok = load_tiny(tiny_llama_dir)
+    cfg = formats.QuantConfig(4, 32, False)
+    rep = quantize_causal_lm(model, cfg, "rtn", progress=False)
+    assert qgemv.nn.fuse_llama_projections(model) == 4
+    out = tmp_path / "fused"
+    qc = checkpoint.quantization_config(model, "rtn", None, cfg, list(rep.skipped))
+    assert qc["fused"]["model.layers.1.mlp.gate_up"] == ["gate_proj", "up_proj"]
+    checkpoint.save_quantized(model, tok, str(out), qc)
+    ids = torch.randint(0, 300, (2, 14))
+    want = logits(model, ids)
+    loaded, _ = checkpoint.load_quantized(str(out), dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    for m in (loaded, hf):
+        attn = m.model.layers[0].self_attn
+        assert isinstance(attn.qkv, qgemv.nn.FusedQuantLinear) and isinstance(attn.k_proj, qgemv.nn.FusedSlice)
+        assert torch.equal(logits(m, ids), want)
+    engine = qgemv.Engine(hf, tok)
+    assert engine.layers[1].gate_up.fused is hf.model.layers[1].mlp.gate_up.fused
+
+
+def test_a_fused_entry_must_name_the_members_qgemv_fuses(tiny_llama_dir, tmp_path):
+    import json
+
+    model, tok = load_tiny(tiny_llama_dir)
+    cfg = formats.QuantConfig(8)
+    rep = quantize_causal_lm(model, cfg, "rtn", progress=False)
+    qgemv.nn.fuse_llama_projections(model)
+    out = tmp_path / "f"
+    checkpoint.save_quantized(model, tok, str(out), checkpoint.quantization_config(model, "rtn", None, cfg,
+                                                                                   list(rep.skipped)))
+    c = json.loads((out / "config.json").read_text())
+    c["quantization_config"]["fused"]["model.layers.0.self_attn.qkv"] = ["q_proj", "v_proj"]
+    (out / "config.json").write_text(json.dumps(c))
+    with pytest.raises(checkpoint.CheckpointError, match=r"fused\['model.layers.0.self_attn.qkv'\]"):
+        checkpoint.load_quantized(str(out))

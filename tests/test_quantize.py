@@ -165,8 +165,8 @@ def test_cli_keeps_the_source_float_dtype(tiny_llama_dir, tmp_path):
         with safe_open(str(out / "model.safetensors"), "pt") as f:
             assert f.get_tensor("model.embed_tokens.weight").dtype == want
             assert f.get_tensor("model.norm.weight").dtype == want
-            assert f.get_tensor("model.layers.0.mlp.up_proj.scales").dtype == torch.float16
-            assert f.get_tensor("model.layers.0.mlp.up_proj.qweight").dtype == torch.int8
+            assert f.get_tensor("model.layers.0.mlp.gate_up.fused.scales").dtype == torch.float16  # (fused)
+            assert f.get_tensor("model.layers.0.mlp.gate_up.fused.qweight").dtype == torch.int8
         assert json.loads((out / "config.json").read_text())["dtype"] == str(want).replace("torch.", "")
         loaded, _ = checkpoint.load_quantized(str(out), dtype=torch.float32)
         with torch.no_grad():
