@@ -14,7 +14,19 @@ from . import formats, ops
 from .formats import QuantConfig
 
 
-class QuantLinear(nn.Module):
+class _StoredFormat:
+    """``bits`` and ``group_size`` of a module's ``config`` (the QuantConfig it is stored in)."""
+
+    @property
+    def bits(self) -> int:
+        return self.config.bits
+
+    @property
+    def group_size(self) -> Optional[int]:
+        return self.config.group_size
+
+
+class QuantLinear(_StoredFormat, nn.Module):
     """A drop-in ``nn.Linear`` whose weight is stored int8 or int4.
 
     Buffers (all persistent, so ``state_dict`` round-trips):
@@ -70,14 +82,6 @@ class QuantLinear(nn.Module):
             self.register_buffer("bias", torch.zeros(n, dtype=bias_dtype, device=device))
         else:
             self.bias = None
-
-    @property
-    def bits(self) -> int:
-        return self.config.bits
-
-    @property
-    def group_size(self) -> Optional[int]:
-        return self.config.group_size
 
     @classmethod
     def from_linear(
@@ -460,7 +464,7 @@ class FusedQuantLinear(nn.Module):
         return out
 
 
-class FusedSlice(nn.Module):
+class FusedSlice(_StoredFormat, nn.Module):
     """Stands in for one member linear of a FusedQuantLinear."""
 
     def __init__(self, parent: FusedQuantLinear, index: int):
@@ -474,14 +478,6 @@ class FusedSlice(nn.Module):
     @property
     def config(self) -> QuantConfig:  # the format it is stored in: the fused weight's
         return self._parent.fused.config
-
-    @property
-    def bits(self) -> int:
-        return self.config.bits
-
-    @property
-    def group_size(self) -> Optional[int]:
-        return self.config.group_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._parent.slice_output(self.index, x)
