@@ -92,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-size", type=int_at_least(1), default=8)
     ap.add_argument("--overwrite", action="store_true",
                     help="replace --out if it is a qgemv checkpoint (nothing else is ever replaced)")
+    ap.add_argument("--stream", action="store_true",
+                    help="with --method rtn and a safetensors directory: read, quantize and write one projection "
+                         "group at a time, never holding the float model (qgemv.stream); output in shards of "
+                         "--shard-mb")
+    ap.add_argument("--shard-mb", type=positive_float, default=4000.0, help="with --stream: output shard size")
     ap.add_argument("--no-fuse", action="store_true",
                     help="store q/k/v and gate/up apart (by default each same-format group is stored as one "
                          "packed weight, exactly, and loads as one GEMV launch)")
@@ -129,6 +134,31 @@ def summary_table(rep, cfg, method: str, seconds: float, out: str, fp16_bytes: i
     return "\n".join(lines)
 
 
+def _stream(args, cfg, skip, overrides) -> int:
+    """qgemv-quantize --stream: RTN through qgemv.stream, without the float model in memory."""
+    import torch
+
+    from qgemv import checkpoint
+    from qgemv.stream import quantize_rtn_streaming
+
+    if args.method != "rtn":
+        return _fail(f"--stream quantizes by RTN only (GPTQ / AWQ streaming is not built); got --method {args.method}")
+    if args.rotate:
+        return _fail("--stream does not rotate (--rotate needs the whole model)")
+    try:
+        path = checkpoint.resolve_model(args.model)
+        dtype = None if args.save_dtype == "auto" else getattr(torch, args.save_dtype)
+        rep = quantize_rtn_streaming(path, args.out, cfg, skip, overrides, device=args.device or "cpu",
+                                     fuse=not args.no_fuse, float_dtype=dtype, shard_mb=args.shard_mb,
+                                     overwrite=args.overwrite)
+    except (ValueError, FileNotFoundError, FileExistsError, checkpoint.CheckpointError) as e:
+        return _fail(e)
+    print(f"{args.out}: {len(rep['converted'])} linears quantized (RTN {cfg.name}, streamed), "
+          f"{len(rep['skipped'])} kept float; {rep['files']} file(s); {rep['seconds']:.1f} s; "
+          f"peak RSS {rep['peak_rss_mb']:.0f} MB; at most {rep['most_float_linears_held']} float linears held")
+    return 0
+
+
 def _fail(msg) -> int:
     print(f"qgemv-quantize: {msg}", file=sys.stderr)
     return 2
@@ -162,6 +192,8 @@ def main(argv=None) -> int:
             checkpoint.check_float_model(source)
     except (ValueError, TextError, FileNotFoundError, FileExistsError, checkpoint.CheckpointError) as e:
         return _fail(e)
+    if args.stream:
+        return _stream(args, cfg, skip, overrides)
     # 2. the model
     t0 = time.time()
     try:
