@@ -12,9 +12,9 @@ directory holds config.json (a tiny Llama with the producer's
 quantization_config), model.safetensors, and reference.safetensors: every
 quantized linear's weight [out, in] as the producer itself dequantizes it
 (auto-gptq's torch fallback in forward; autoawq's ``dequantize_gemm``), in
-float16.  The v2 and act-order variants are derived from the v1 files the
-way GPTQModel converts them (each zero point + 1) and the way act-order
-stores a shuffled ``g_idx``.  The tests (tests/test_importers.py) read them;
+float16.  The act-order variant is packed by auto-gptq's ``qlinear_cuda``
+(whose pack and dequantization follow ``g_idx``); the v2 variant is derived
+from the v1 file the way GPTQModel converts it (each zero point + 1).  The tests (tests/test_importers.py) read them;
 the files are small (about 500 KB in all), so they are committed.
 """
 
@@ -114,6 +114,38 @@ def gptq_variants(model):
     return out
 
 
+def gptq_actorder(model, bits=4, group=32):
+    """Act-order (desc_act) asymmetric int4 g32, packed by auto-gptq's qlinear_cuda, whose pack and whose torch
+    dequantization follow g_idx: column k belongs to group g_idx[k], ranked by a random "activation order"."""
+    cuda = load_file_module("qlinear_cuda", next(
+        Path(importlib.util.find_spec("auto_gptq").submodule_search_locations[0]).glob(
+            "nn_modules/qlinear/qlinear_cuda.py")))
+    quantized, reference = {}, {}
+    g = torch.Generator().manual_seed(3)
+    for m in LINEARS:
+        lin = model.get_submodule(f"model.layers.0.{m}")
+        k, n = lin.in_features, lin.out_features
+        order = torch.randperm(k, generator=g)  # the quantization order of the columns
+        g_idx = torch.empty(k, dtype=torch.int32)
+        g_idx[order] = (torch.arange(k) // group).to(torch.int32)
+        w = lin.weight.data.float()
+        wg = torch.stack([w[:, g_idx == i] for i in range(k // group)], 1)  # [N, ng, G], each group's columns
+        lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+        s = ((hi - lo).clamp(min=1e-5) / (2 ** bits - 1)).half().float()
+        z = torch.round(-lo / s).clamp(1, 2 ** bits - 1)
+        q = cuda.QuantLinear(bits, group, k, n, bias=False)
+        q.pack(lin.float(), s, z, g_idx)
+        with torch.no_grad():
+            q.scales = q.scales.half()
+            ref = q(torch.eye(k, dtype=torch.float16)).t()
+        p = f"model.layers.0.{m}"
+        quantized.update({f"{p}.qweight": q.qweight, f"{p}.qzeros": q.qzeros, f"{p}.scales": q.scales.half(),
+                          f"{p}.g_idx": q.g_idx.to(torch.int32)})
+        reference[f"{p}.weight"] = ref.half()
+    qc = dict(quant_method="gptq", bits=bits, group_size=group, sym=False, desc_act=True, checkpoint_format="gptq")
+    return quantized, qc, reference
+
+
 def v1_to_v2(qzeros, bits):
     """GPTQModel's conversion: every stored zero point + 1, nibble by nibble (no carries between them)."""
     per, mask = 32 // bits, (1 << bits) - 1
@@ -160,12 +192,7 @@ def main():
     quantized, qc, reference = variants["gptq_v1_asym_g32"]
     v2 = {k: v1_to_v2(v, 4) if k.endswith(".qzeros") else v for k, v in quantized.items()}
     write("gptq_v2_asym_g32", model, v2, dict(qc, checkpoint_format="gptq_v2"), None)
-    shuffled = dict(quantized)
-    g = torch.Generator().manual_seed(1)
-    for k in list(shuffled):
-        if k.endswith(".g_idx"):
-            shuffled[k] = shuffled[k][torch.randperm(shuffled[k].numel(), generator=g)].contiguous()
-    write("gptq_v1_actorder", model, shuffled, dict(qc, desc_act=True), None)
+    write("gptq_v1_actorder", model, *gptq_actorder(model))
     write("awq_gemm_g32", model, *awq_variant(model, a.awq_src))
 
 

@@ -19,7 +19,9 @@ clear error.  ``quantization_config["fused"]`` (version 3) maps each fused
 projection, e.g. ``model.layers.0.self_attn.qkv``, to its member linears
 (``["q_proj", "k_proj", "v_proj"]``): the checkpoint holds one QuantLinear
 ``<owner>.qkv.fused`` for them, loaded as a FusedQuantLinear with FusedSlice
-members (qgemv.nn).
+members (qgemv.nn).  ``quantization_config["permuted"]`` (version 3) lists the
+QuantLinears stored with permuted input columns, each with an int64 ``perm``
+tensor (act-order imports; QuantLinear gathers x[..., perm] first).
 """
 
 from __future__ import annotations
@@ -417,6 +419,7 @@ def quantization_config(model: nn.Module, algorithm: str, calibration: Optional[
         "converted": sorted(n for n, m in model.named_modules() if isinstance(m, QuantLinear)),
         "fused": {n: list(FUSE_GROUPS[n.rpartition(".")[2]]) for n, m in model.named_modules()
                   if isinstance(m, FusedQuantLinear)},
+        "permuted": sorted(n for n, m in model.named_modules() if isinstance(m, QuantLinear) and m.perm is not None),
         "module_overrides": modules,
         "calibration": calibration or {},
         "rotation": rotation,
@@ -605,7 +608,10 @@ def _parse_qconfig(qc, path) -> tuple:
                                   + ", ".join(f"<owner>.{k} = {list(v)}" for k, v in FUSE_GROUPS.items()))
         if f"{name}.fused" not in converted:
             raise CheckpointError(f"{where}: fused[{name!r}] has no converted module {name}.fused")
-    return version, default, overrides, converted, fused
+    permuted = qc.get("permuted") or []
+    if not isinstance(permuted, list) or not set(permuted) <= set(converted):
+        raise CheckpointError(f"{where}: 'permuted' must list converted modules, got {permuted!r}")
+    return version, default, overrides, converted, fused, set(permuted)
 
 
 _PACKED_DTYPES = {"qweight": (torch.int8, torch.int32), "scales": (torch.float16,), "zeros": (torch.uint8,)}
@@ -626,6 +632,10 @@ def _check_quantized_tensors(path, name: str, c: QuantConfig, state: dict) -> No
         example = float(sc[bad][0])
         raise CheckpointError(f"{path}: {name}.scales has {int(bad.sum())} value(s) that are not finite and "
                               f"positive (e.g. {example:g})")
+    perm = state.get(f"{name}.perm")
+    if perm is not None and (perm.dtype != torch.int64 or not torch.equal(torch.sort(perm).values,
+                                                                           torch.arange(perm.numel(), device=perm.device))):
+        raise CheckpointError(f"{path}: {name}.perm must be an int64 permutation of 0..{perm.numel() - 1}")
     if not c.symmetric:
         z = state[f"{name}.zeros"]
         if z.dtype != torch.uint8:
@@ -685,7 +695,7 @@ def checked_checkpoint(path, dtype: torch.dtype = torch.float16) -> tuple:
     if not cfg_path.exists():
         raise CheckpointError(f"{path}: no config.json (not a qgemv checkpoint, or an interrupted write)")
     cfg = _read_json(cfg_path, "config.json")
-    version, default, overrides, converted, fused = _parse_qconfig(cfg.get("quantization_config"), path)
+    version, default, overrides, converted, fused, permuted = _parse_qconfig(cfg.get("quantization_config"), path)
     state, metas = read_checkpoint_tensors(p)
     for fname, meta in metas.items():
         got = meta.get("qgemv_format_version")
@@ -717,7 +727,10 @@ def checked_checkpoint(path, dtype: torch.dtype = torch.float16) -> tuple:
             set_submodule(model, name, q)
         else:
             raise CheckpointError(f"{path}: converted module {name} is a {type(lin).__name__}, not a linear layer")
-        for key in ("qweight", "scales") + (("zeros",) if not c.symmetric else ()):
+        if name in permuted:
+            q.perm = torch.empty(q.in_features, dtype=torch.int64, device="meta")
+        for key in ("qweight", "scales") + (("zeros",) if not c.symmetric else ()) + (("perm",) if name in permuted
+                                                                                          else ()):
             if f"{name}.{key}" not in state:
                 raise CheckpointError(f"{path}: tensor {name}.{key} is missing")
             want = getattr(q, key).shape

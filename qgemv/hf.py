@@ -98,7 +98,7 @@ def register() -> bool:
 
             for name in self.converted:
                 q = model.get_submodule(name)
-                if any(t is not None and t.is_meta for t in (q.qweight, q.scales, q.zeros, q.bias)):
+                if any(t is not None and t.is_meta for t in (q.qweight, q.scales, q.zeros, q.bias, q.perm)):
                     raise checkpoint.CheckpointError(f"qgemv: {name} was not loaded by from_pretrained")
                 if self.version == 1:  # format 1 stored rows in order: into panels, as load_quantized does
                     q.qweight = formats.to_panels(q.qweight)

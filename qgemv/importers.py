@@ -19,9 +19,12 @@ holds it exactly:
 - scales are converted to float16; a scale that is not finite and positive
   after that is refused, and the largest relative change is reported.
 
-Refused, each with an error that says why: act-order checkpoints whose
-``g_idx`` is not the plain ``k // group_size`` (the permuted input is not
-built), int8 with groups or zero points, bits other than 4 and 8, group
+Act-order GPTQ (a ``g_idx`` other than ``k // group_size``) is stored with
+its input columns sorted by group and a ``perm`` that the QuantLinear applies
+to x (one gather of K elements per token).
+
+Refused, each with an error that says why: a ``g_idx`` whose groups are not
+all ``group_size`` columns, int8 with groups or zero points, bits other than 4 and 8, group
 sizes that are not a multiple of 32, GPTQ v1 asymmetric zero points that
 the v1 "zero - 1" storage corrupted (a zero point of 0 is stored as -1,
 whose sign bits overwrite the neighbouring nibbles), AWQ versions other
@@ -99,6 +102,7 @@ class Decoded:
     s: torch.Tensor  # float [N, ng]
     group: int  # G (K for per channel)
     bias: Optional[torch.Tensor] = None
+    perm: Optional[torch.Tensor] = None  # int64 [K]: q holds W[:, perm]'s codes (act-order)
 
 
 def _fp16_scales(d: Decoded) -> tuple:
@@ -153,6 +157,8 @@ def to_quant_linear(d: Decoded, k: int, dtype: torch.dtype) -> tuple:
                                    sc, zz)
     if d.bias is not None:
         q.bias = d.bias.to(dtype)
+    if d.perm is not None:
+        q.perm = d.perm.contiguous()
     return q, change
 
 
@@ -166,14 +172,25 @@ def _take(state: dict, key: str, used: set) -> torch.Tensor:
     return state[key]
 
 
-def _plain_groups(g_idx: torch.Tensor, group: int, k: int, name: str) -> None:
+def _group_order(g_idx: torch.Tensor, group: int, k: int, name: str) -> Optional[torch.Tensor]:
+    """None when g_idx is k // group; else the permutation that makes the groups contiguous (act-order).
+
+    Act-order GPTQ assigns input column k to group g_idx[k] in the order it
+    quantized them; sorted by group (stably), the columns form contiguous
+    groups of ``group`` again, so the weight is stored as W[:, perm] and x is
+    gathered as x[..., perm] at run time (QuantLinear.perm).
+    """
+    g_idx = g_idx.to(torch.int64)
     want = torch.arange(k, dtype=torch.int64) // group
     if g_idx.shape != (k,):
         raise ForeignCheckpointError(f"{name}.g_idx has shape {list(g_idx.shape)}, expected [{k}]")
-    if not torch.equal(g_idx.to(torch.int64), want):
-        raise ForeignCheckpointError(f"{name}.g_idx is not k // group_size (an act-order checkpoint, desc_act): qgemv "
-                           f"does not build the input permutation this needs; re-quantize without act-order, "
-                           f"or with qgemv-quantize --act-order (which stores plain groups)")
+    if torch.equal(g_idx, want):
+        return None
+    perm = torch.sort(g_idx, stable=True).indices
+    if not torch.equal(g_idx[perm], want):  # some group holds other than group_size columns
+        raise ForeignCheckpointError(f"{name}.g_idx does not give every group {group} columns (counts "
+                                     f"{torch.bincount(g_idx).tolist()[:8]}...); qgemv stores equal groups")
+    return perm
 
 
 def decode_gptq(name: str, state: dict, used: set, qc: dict, k: int, n: int) -> Decoded:
@@ -194,8 +211,9 @@ def decode_gptq(name: str, state: dict, used: set, qc: dict, k: int, n: int) -> 
         if tuple(t.shape) != want:
             raise ForeignCheckpointError(f"{name}: a GPTQ tensor has shape {list(t.shape)}, expected {list(want)} "
                                f"(bits {bits}, group_size {group}, in {k}, out {n})")
+    perm = None
     if f"{name}.g_idx" in state:
-        _plain_groups(_take(state, f"{name}.g_idx", used), group, k, name)
+        perm = _group_order(_take(state, f"{name}.g_idx", used), group, k, name)
     elif qc.get("desc_act"):
         raise ForeignCheckpointError(f"{name}.g_idx is missing, and desc_act is true")
     q = unpack_words(qweight, bits, 0, k).t()  # [N, K]
@@ -209,10 +227,12 @@ def decode_gptq(name: str, state: dict, used: set, qc: dict, k: int, n: int) -> 
         z = (stored + 1) & ((1 << bits) - 1)
     else:
         z = stored
+    if perm is not None:
+        q = q[:, perm]  # the groups contiguous; scales and zero points are per group already
     bias = state.get(f"{name}.bias")
     if bias is not None:
         used.add(f"{name}.bias")
-    return Decoded(name, bits, q, z, scales.t().float(), group, bias)
+    return Decoded(name, bits, q, z, scales.t().float(), group, bias, perm)
 
 
 def decode_awq(name: str, state: dict, used: set, qc: dict, k: int, n: int) -> Decoded:

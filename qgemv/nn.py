@@ -34,6 +34,10 @@ class QuantLinear(_StoredFormat, nn.Module):
         scales:  float16 [N] (per channel) or [N, K / group_size]
         zeros:   uint8 [N, K / group_size] (asymmetric int4 only)
         bias:    [N] in the original linear's dtype (optional)
+        perm:    int64 [K] (optional): the weight is stored with its input
+                 columns permuted, W_stored = W[:, perm], and forward gathers
+                 x[..., perm] first (act-order GPTQ checkpoints, whose groups
+                 are contiguous only in that order; qgemv.importers)
 
     forward(x): x [..., K] (float16 / bfloat16 / float32; float64 is computed in
     float32) -> [..., N] in x.dtype.
@@ -82,6 +86,7 @@ class QuantLinear(_StoredFormat, nn.Module):
             self.register_buffer("bias", torch.zeros(n, dtype=bias_dtype, device=device))
         else:
             self.bias = None
+        self.register_buffer("perm", None)  # a permuted input: set by whoever stores W[:, perm]
 
     @classmethod
     def from_linear(
@@ -141,8 +146,11 @@ class QuantLinear(_StoredFormat, nn.Module):
             self._buffers["scales"] = self._buffers["scales"].view(torch.float16)
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 weight [N, K] this module multiplies by."""
-        return formats.dequantize(self.qweight, self.scales, self.zeros, self.config, self.in_features)
+        """The float32 weight [N, K] this module multiplies x by (columns in x's order)."""
+        w = formats.dequantize(self.qweight, self.scales, self.zeros, self.config, self.in_features)
+        if self.perm is None:
+            return w
+        return w[:, torch.argsort(self.perm.to(w.device))]
 
     # The buffers are checked in full (shapes, dtypes, alignment: ops.check_*)
     # once, and again only after they change (assignment, load_state_dict,
@@ -151,7 +159,7 @@ class QuantLinear(_StoredFormat, nn.Module):
     # loop or a host-bound benchmark sees; and on the CUDA path every check
     # must pass before the kernel's own C++ checks, whose exceptions ended the
     # process on torch 2.11 (see ops._precheck_cuda).
-    _BUFFER_NAMES = ("qweight", "scales", "zeros", "bias")
+    _BUFFER_NAMES = ("qweight", "scales", "zeros", "bias", "perm")
 
     def __setattr__(self, name, value):
         if name in QuantLinear._BUFFER_NAMES:
@@ -171,6 +179,12 @@ class QuantLinear(_StoredFormat, nn.Module):
         else:
             ops.check_linear_int4(x, self.qweight, self.scales, k, self.zeros, cfg.group_size,
                                   op="linear_int4_grouped")
+        if self.perm is not None:
+            p = self.perm
+            if p.dtype != torch.int64 or tuple(p.shape) != (k,) or p.device != x.device or not torch.equal(
+                    torch.sort(p).values, torch.arange(k, device=p.device)):
+                raise ValueError(f"QuantLinear: perm must be an int64 permutation of 0..{k - 1} on {x.device}, got "
+                                 f"{p.dtype} {list(p.shape)} on {p.device}")
         if x.is_cuda:
             ops._check_cuda_pointers("QuantLinear", qweight=(self.qweight, 16), scales=(self.scales, 2))
         self.__dict__["_checked_on"] = x.device
@@ -185,6 +199,8 @@ class QuantLinear(_StoredFormat, nn.Module):
                 self._check_buffers(x)  # also x's dtype, width and device, with the full messages
             elif x.shape[-1] != k or x.dtype not in ops.FLOAT_DTYPES:
                 self._check_buffers(x)  # raises, naming the rule
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)  # one gather of K per token (act-order checkpoints)
         if cfg.bits == 8:
             y = torch.ops.qgemv.linear_int8(x, self.qweight, self.scales, k)
         elif cfg.group_size is None:
@@ -367,11 +383,16 @@ __all__ = ["QuantLinear", "QuantizeReport", "quantize_model", "layer_format", "c
 # --------------------------------------------------------------------------
 # Exact fusion: several linears that read the same input -> one module.
 # --------------------------------------------------------------------------
+def _same_perm(a: QuantLinear, b: QuantLinear) -> bool:
+    return (a.perm is None and b.perm is None) or (
+        a.perm is not None and b.perm is not None and torch.equal(a.perm, b.perm))
+
+
 def _same_format(mods: Sequence[nn.Module]) -> bool:
     first = mods[0]
     return all(
         type(m) is type(first) and m.in_features == first.in_features and (m.bias is None) == (first.bias is None)
-        and (not isinstance(m, QuantLinear) or m.config == first.config)
+        and (not isinstance(m, QuantLinear) or (m.config == first.config and _same_perm(m, first)))
         and (isinstance(m, QuantLinear) or m.weight.dtype == first.weight.dtype)
         for m in mods
     )
@@ -380,8 +401,8 @@ def _same_format(mods: Sequence[nn.Module]) -> bool:
 def fuse_linears(mods: Sequence[nn.Module]) -> Optional[nn.Module]:
     """One module computing ``torch.cat([m(x) for m in mods], -1)``, or None where they cannot be fused.
 
-    QuantLinears of one format: their packed rows are taken out of the panel
-    order, concatenated and put back (``formats.to_panels``), scales, zero
+    QuantLinears of one format (and one input permutation): their packed rows
+    are taken out of the panel order, concatenated and put back (``formats.to_panels``), scales, zero
     points and biases concatenated: the result is exact, bit for bit.
     ``nn.Linear``s of one dtype: one ``nn.Linear`` over the concatenated
     weights.  Mixed kinds or formats: None (the caller calls each).
@@ -401,6 +422,8 @@ def fuse_linears(mods: Sequence[nn.Module]) -> Optional[nn.Module]:
             fused.zeros = torch.cat([m.zeros for m in mods])
         if bias is not None:
             fused.bias = bias
+        if first.perm is not None:
+            fused.perm = first.perm
         return fused
     if isinstance(first, nn.Linear):
         w = first.weight

@@ -37,6 +37,7 @@ def load(d):
     ("gptq_v2_asym_g32", "gptq_v1_asym_g32", QuantConfig(4, 32, False)),
     ("gptq_v1_int8_channel", "gptq_v1_int8_channel", QuantConfig(8)),
     ("awq_gemm_g32", "awq_gemm_g32", QuantConfig(4, 32, False)),
+    ("gptq_v1_actorder", "gptq_v1_actorder", QuantConfig(4, 32, False)),
 ])
 def test_weights_equal_the_producers_dequantization(name, ref, fmt):
     """Every linear's weight (q - z) * s, rounded to float16 as the producer computes it, equals the
@@ -51,6 +52,44 @@ def test_weights_equal_the_producers_dequantization(name, ref, fmt):
     assert rep["max_scale_change"] == 0.0  # float16 scales in the file: nothing rounded
 
 
+def test_act_order_is_stored_with_a_permuted_input_that_round_trips(tmp_path):
+    """Act-order GPTQ: the columns sorted by group and x gathered by perm give the producer's outputs; the
+    perm survives qgemv-convert (format 3 'permuted') and from_pretrained, and fuses with q/k/v's shared perm
+    only where the perms agree."""
+    model, _ = load(DATA / "gptq_v1_actorder")
+    want = load_file(str(DATA / "gptq_v1_actorder" / "reference.safetensors"))
+    q = model.get_submodule("model.layers.0.mlp.down_proj")
+    assert q.perm is not None and not torch.equal(q.perm, torch.arange(q.in_features))
+    x = torch.randn(3, q.in_features)
+    ref = x @ want["model.layers.0.mlp.down_proj.weight"].float().t()
+    torch.testing.assert_close(q(x), ref, rtol=1e-3, atol=1e-3)
+    out = tmp_path / "q"
+    assert run_convert(str(DATA / "gptq_v1_actorder"), "--out", str(out)).returncode == 0
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert "model.layers.0.mlp.down_proj" in qc["permuted"]
+    assert not qc["fused"]  # every linear has its own random order here: nothing shares a perm
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        back, _ = checkpoint.load_quantized(str(out), dtype=torch.float32)
+        qgemv.hf.register()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    ids = torch.randint(0, 32, (2, 7))
+    with torch.no_grad():
+        a = model(ids).logits
+        assert torch.equal(back(ids).logits, a) and torch.equal(hf(ids).logits, a)
+
+
+def test_act_order_groups_must_be_equal(tmp_path):
+    def uneven(state):
+        g = state["model.layers.0.mlp.up_proj.g_idx"].clone()
+        g[(g == 0).nonzero()[0]] = 1  # group 1 gets 33 columns, group 0 31
+        state["model.layers.0.mlp.up_proj.g_idx"] = g
+
+    d = edited(tmp_path, "gptq_v1_actorder", tensors=uneven)
+    with pytest.raises(importers.ForeignCheckpointError, match="does not give every group 32 columns"):
+        load(d)
+
+
 def test_load_quantized_and_the_engine_read_them():
     model, tok = checkpoint.load_quantized(str(DATA / "awq_gemm_g32"), dtype=torch.float32)
     assert isinstance(model.model.layers[0].mlp.up_proj, qgemv.QuantLinear) and tok is None
@@ -63,7 +102,6 @@ def test_load_quantized_and_the_engine_read_them():
 
 @pytest.mark.parametrize("name,rule", [
     ("gptq_v1_asym_zero0", "zero point of 0, stored as -1"),
-    ("gptq_v1_actorder", "act-order checkpoint"),
 ])
 def test_refused_with_the_reason(name, rule):
     with pytest.raises(importers.ForeignCheckpointError, match=rule):
@@ -131,8 +169,8 @@ def test_convert_writes_a_qgemv_checkpoint_with_the_same_model(tmp_path):
 def test_convert_refuses_bad_input_with_exit_2(tmp_path, tiny_llama_dir):
     r = run_convert(tiny_llama_dir, "--out", str(tmp_path / "q"))  # a float model
     assert r.returncode == 2 and "not a GPTQ, AWQ or compressed-tensors checkpoint" in r.stderr
-    r = run_convert(str(DATA / "gptq_v1_actorder"), "--out", str(tmp_path / "q"))
-    assert r.returncode == 2 and "act-order" in r.stderr and not (tmp_path / "q").exists()
+    r = run_convert(str(DATA / "gptq_v1_asym_zero0"), "--out", str(tmp_path / "q"))
+    assert r.returncode == 2 and "zero point of 0" in r.stderr and not (tmp_path / "q").exists()
 
 
 # ------------------------------------------------------------------ compressed-tensors

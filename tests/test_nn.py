@@ -140,3 +140,28 @@ def test_fused_projections_equal_unfused_quantized(bits, group):
                                    rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         torch.testing.assert_close(fused(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_permuted_input():
+    """perm: W stored as W[:, perm], x gathered as x[..., perm]; dequantize() gives W in x's order; a bad
+    perm is refused; only linears with one perm fuse."""
+    from qgemv.nn import fuse_linears
+
+    lin = torch.nn.Linear(64, 48, bias=False)
+    perm = torch.randperm(64)
+    stored = torch.nn.Linear(64, 48, bias=False)
+    stored.weight.data = lin.weight.data[:, perm]
+    q = qgemv.QuantLinear.from_linear(stored, 4, 32, False)
+    q.perm = perm
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(q(x), x @ q.dequantize().t(), rtol=1e-5, atol=1e-5)
+    assert (q.dequantize() - lin.weight).abs().max() < 0.2 * lin.weight.abs().max()  # W itself, not W[:, perm]
+    other = qgemv.QuantLinear.from_linear(stored, 4, 32, False)
+    other.perm = perm.clone()
+    fused = fuse_linears([q, other])
+    assert torch.equal(fused.perm, perm) and torch.equal(fused(x), torch.cat([q(x), other(x)], -1))
+    other.perm = torch.randperm(64)
+    assert fuse_linears([q, other]) is None
+    q.perm = torch.zeros(64, dtype=torch.int64)
+    with pytest.raises(ValueError, match="perm must be an int64 permutation"):
+        q(x)
