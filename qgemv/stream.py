@@ -96,8 +96,9 @@ def quantize_rtn_streaming(src: str, out: str, default: QuantConfig, skip=(r"lm_
     ``skip`` / ``overrides`` / ``default`` choose each linear's format as
     :func:`qgemv.nn.layer_format` does (groups that do not divide K fall back
     to 128 / 64 / 32).  Returns a report: converted and skipped modules,
-    seconds, peak RSS (MB), bytes read and written, and the largest number
-    of float linear weights held at once.
+    seconds, peak RSS (MB), the number of files written, the largest number
+    of float linear weights held at once, and why the tokenizer was not
+    copied (None when it was).
     """
     transformers = checkpoint._require_transformers()
     src_p = Path(src)
