@@ -65,6 +65,10 @@ def test_wheel_installs_and_runs_from_an_empty_directory(tmp_path):
     out = _run([bindir / "qgemv-ppl-check", "--reference", "default", "--quantized", "q8", "--windows", "2",
                 "--max-ppl-increase", "2%", "--max-kl", "0.05", "--min-top1", "90%"], work, env)
     assert "pass: q8" in out
+    out = _run([bindir / "qgemv-generate", "q8", "--prompt", "The capital of France is", "--max-new-tokens", "3",
+                "--device", "cpu"], work, env)
+    assert out.strip()  # the streamed text
+    assert "--out" in _run([bindir / "qgemv-convert", "--help"], work, env)
     assert sorted(p.name for p in work.iterdir()) == ["q8"]
 
 
