@@ -658,6 +658,25 @@ def _load_tokenizer(transformers, p: Path):
         return None
 
 
+def meta_model(path, dtype: Optional[torch.dtype] = None) -> tuple:
+    """(model on the meta device, its transformers config without quantization_config) of a directory's config.json.
+
+    The skeleton every loader fills: names and shapes without a byte of weight.
+    CheckpointError when transformers cannot read the config.
+    """
+    transformers = _require_transformers()
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad config
+        raise CheckpointError(f"{path}: transformers cannot read config.json ({type(e).__name__}: {e})") from None
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")  # the loaders' own business, not a transformers quantizer's
+    kw = {} if dtype is None else {"dtype": dtype}
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, **kw)
+    return model, config
+
+
 def _fuse_skeleton(model: nn.Module, name: str, c: QuantConfig, dtype: torch.dtype, path) -> None:
     """In a meta model, replace the members of fused projection ``name`` (e.g. ``...self_attn.qkv``) by
     FusedSlices of one FusedQuantLinear whose QuantLinear shell ``name.fused`` the tensors then fill."""
@@ -689,7 +708,7 @@ def checked_checkpoint(path, dtype: torch.dtype = torch.float16) -> tuple:
     quantization_config.  Raises CheckpointError naming the file, tensor or
     field (see :func:`load_quantized`).
     """
-    transformers = _require_transformers()
+    _require_transformers()  # the clear error before any reading
     p = Path(path)
     cfg_path = p / "config.json"
     if not cfg_path.exists():
@@ -703,14 +722,7 @@ def checked_checkpoint(path, dtype: torch.dtype = torch.float16) -> tuple:
             raise CheckpointError(f"{path}: {fname} records qgemv_format_version {got!r}, but config.json says "
                                   f"format_version {version}: the file and the config do not belong together")
 
-    try:
-        config = transformers.AutoConfig.from_pretrained(str(p))
-    except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad config
-        raise CheckpointError(f"{path}: transformers cannot read config.json ({type(e).__name__}: {e})") from None
-    if hasattr(config, "quantization_config"):
-        delattr(config, "quantization_config")  # ours, not a transformers quantizer's
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model, config = meta_model(p, dtype)
     for name in fused:
         _fuse_skeleton(model, name, overrides.get(f"{name}.fused", default), dtype, path)
     for name in converted:
@@ -828,6 +840,7 @@ __all__ = [
     "load_float_model",
     "quantization_config",
     "save_quantized",
+    "meta_model",
     "checked_checkpoint",
     "load_quantized",
     "peak_rss_mb",

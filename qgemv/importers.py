@@ -340,11 +340,7 @@ def load(path, device: str = "cpu", dtype: torch.dtype = torch.float16, report: 
     raw = json.loads((p / "config.json").read_text(encoding="utf-8"))
     qc = raw["quantization_config"]
     state, _ = checkpoint.read_checkpoint_tensors(p)
-    config = transformers.AutoConfig.from_pretrained(str(p))
-    if hasattr(config, "quantization_config"):
-        delattr(config, "quantization_config")
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model, config = checkpoint.meta_model(p, dtype)
     used, converted, kept, worst = set(), [], [], 0.0
     decode = {"gptq": decode_gptq, "awq": decode_awq, "compressed-tensors": decode_compressed}[method]
     for name, lin in list(model.named_modules()):

@@ -100,7 +100,7 @@ def quantize_rtn_streaming(src: str, out: str, default: QuantConfig, skip=(r"lm_
     of float linear weights held at once, and why the tokenizer was not
     copied (None when it was).
     """
-    transformers = checkpoint._require_transformers()
+    checkpoint._require_transformers()  # the clear error before any reading
     src_p = Path(src)
     checkpoint.check_float_model(src_p)
     if src_p.is_file():
@@ -109,9 +109,7 @@ def quantize_rtn_streaming(src: str, out: str, default: QuantConfig, skip=(r"lm_
     t0 = time.time()
     if float_dtype is None:
         float_dtype = checkpoint.source_dtype(str(src_p)) or torch.float32
-    config = transformers.AutoConfig.from_pretrained(str(src_p))
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+    model, config = checkpoint.meta_model(src_p)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     reader = _Reader(src_p)
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
