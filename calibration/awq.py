@@ -165,3 +165,6 @@ class AWQThenGPTQ:
 
     def quantize(self, name, weight, cfg, stat):
         return self.gptq.quantize(name, weight, cfg, stat)
+
+    def quantize_many(self, names, weights, cfg, stat):
+        return self.gptq.quantize_many(names, weights, cfg, stat)

@@ -19,6 +19,7 @@ Choices made here:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -28,11 +29,18 @@ from qgemv.formats import QuantConfig
 
 
 class Hessian:
-    """Running H = 2/n * sum x x^T over the rows of the inputs seen so far (fp32)."""
+    """Running H = 2/n * sum x x^T over the rows of the inputs seen so far (fp32).
 
-    def __init__(self, k: int, device="cpu"):
+    ``tf32``: on CUDA, the x^T x products use TF32 tensor cores (10-bit
+    mantissa inputs, fp32 sums); the calibration drivers turn it on when the
+    forward passes themselves run in bfloat16 / float16, whose activations
+    carry no more precision than that.
+    """
+
+    def __init__(self, k: int, device="cpu", tf32: bool = False):
         self.H = torch.zeros(k, k, dtype=torch.float32, device=device)
         self.n = 0
+        self.tf32 = tf32 and self.H.is_cuda
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).to(self.H.device, torch.float32)
@@ -42,7 +50,15 @@ class Hessian:
         self.H.mul_(self.n / (self.n + m))
         self.n += m
         x = x * math.sqrt(2.0 / self.n)
-        self.H.addmm_(x.t(), x)
+        if self.tf32:
+            old = torch.backends.cuda.matmul.allow_tf32
+            torch.backends.cuda.matmul.allow_tf32 = True
+            try:
+                self.H.addmm_(x.t(), x)
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = old
+        else:
+            self.H.addmm_(x.t(), x)
 
 
 def _inverse_cholesky(H: torch.Tensor, damp: float, name: str):
@@ -72,8 +88,14 @@ def gptq_quantize(
     act_order: bool = False,
     name: str = "weight",
     clip_grid: int = 20,
+    split=None,
 ):
     """GPTQ-quantize W [N, K] given its input Hessian H [K, K].
+
+    split: row counts that partition N (linears sharing the input, stacked):
+    then a list of one result per part is returned, each exactly what that
+    part alone would give (every step is row-wise, given H) up to the
+    summation order of the block updates' matrix products.
 
     clip_grid: the clipping search of qgemv.formats.choose_params for every
     row / group's scale (0 = plain min/max range), judged by the error each
@@ -111,20 +133,19 @@ def gptq_quantize(
     H = H[perm][:, perm]
     U, used_damp = _inverse_cholesky(H, damp, name)
 
+    # Each permuted column's scale and zero point as [N] views, looked up on the
+    # host (one device sync for the whole permutation, none per column).
+    perm_host = perm.tolist()
+    scales_f = scales.float()
+    zeros_f = zeros.float() if zeros is not None else None
+    flat_zero = torch.full((n,), 0.0 if cfg.bits == 8 else 8.0, device=W.device)
+
     def col_params(j_perm: int):
         """(scale [N] fp32, zero [N] fp32) of the permuted column j_perm."""
-        orig = int(perm[j_perm])
         if G is None:
-            s = scales.float()
-            z = torch.zeros_like(s) if cfg.bits == 8 else torch.full_like(s, 8.0)
-            return s, z
-        g = orig // G
-        s = scales[:, g].float()
-        if zeros is not None:
-            z = zeros[:, g].float()
-        else:
-            z = torch.full_like(s, 8.0)
-        return s, z
+            return scales_f, flat_zero
+        g = perm_host[j_perm] // G
+        return scales_f[:, g], (zeros_f[:, g] if zeros_f is not None else flat_zero)
 
     Q = torch.zeros_like(W)
     loss = torch.zeros(n, device=W.device)
@@ -141,8 +162,10 @@ def gptq_quantize(
                 # (blocks are 128 wide and start at multiples of G, so the group lies in W1)
                 s, z = formats.choose_params(W1[:, i : i + G], cfg, name, clip_grid, hdiag[perm[j : j + G]])
                 scales[:, j // G] = s.reshape(n)
+                scales_f[:, j // G] = scales[:, j // G].float()
                 if zeros is not None:
                     zeros[:, j // G] = z.reshape(n)
+                    zeros_f[:, j // G] = zeros[:, j // G].float()
             s, z = col_params(j)
             w = W1[:, i]
             d = U1[i, i]
@@ -150,16 +173,27 @@ def gptq_quantize(
             dq = (q - z) * s
             Q1[:, i] = dq
             err = (w - dq) / d
-            loss += (w - dq) ** 2 / d**2 / 2
-            W1[:, i:] -= err[:, None] * U1[i, i:][None, :]
+            W1[:, i:].addr_(err, U1[i, i:], alpha=-1)  # one kernel: W1 -= err (x) U1[i, i:]
             E1[:, i] = err
+        loss += E1.square().sum(1) / 2  # (w - dq)^2 / d^2 / 2, summed over the block
         Q[:, i1:i2] = Q1
         W[:, i2:] -= E1 @ U[i1:i2, i2:]
 
     inv = torch.argsort(perm)
     Q = Q[:, inv]
-    qweight = formats.quantize_with_params(Q, scales, zeros, cfg)
-    return qweight, scales, zeros, {"damp": used_damp, "loss": float(loss.sum())}
+    if split is None:
+        qweight = formats.quantize_with_params(Q, scales, zeros, cfg)
+        return qweight, scales, zeros, {"damp": used_damp, "loss": float(loss.sum())}
+    out, a = [], 0
+    for rows in split:
+        b = a + rows
+        zp = zeros[a:b].contiguous() if zeros is not None else None
+        out.append((formats.quantize_with_params(Q[a:b], scales[a:b], zp, cfg), scales[a:b].contiguous(), zp,
+                    {"damp": used_damp, "loss": float(loss[a:b].sum())}))
+        a = b
+    if a != n:
+        raise ValueError(f"{name}: split {list(split)} does not add up to {n} rows")
+    return out
 
 
 class GPTQ:
@@ -173,10 +207,9 @@ class GPTQ:
     cfg, stat)`` returns (qweight, scales, zeros or None, info).
     """
 
-    new_stats = Hessian
-
-    def __init__(self, damp: float = 0.01, act_order: bool = False, clip_grid: int = 20):
+    def __init__(self, damp: float = 0.01, act_order: bool = False, clip_grid: int = 20, tf32_hessian: bool = False):
         self.damp, self.act_order, self.clip_grid = damp, act_order, clip_grid
+        self.new_stats = functools.partial(Hessian, tf32=tf32_hessian)
 
     def before(self, layer, targets, hidden, run) -> dict:
         return {}
@@ -184,3 +217,12 @@ class GPTQ:
     def quantize(self, name: str, weight: torch.Tensor, cfg: QuantConfig, stat: Hessian):
         return gptq_quantize(weight, stat.H, cfg, damp=self.damp, act_order=self.act_order, name=name,
                              clip_grid=self.clip_grid)
+
+    def quantize_many(self, names: list, weights: list, cfg: QuantConfig, stat: Hessian) -> list:
+        """quantize() for linears of one format that share ``stat`` (q/k/v; gate/up), solved as one stacked
+        weight: one column sweep instead of one per linear."""
+        if len(weights) == 1:
+            return [self.quantize(names[0], weights[0], cfg, stat)]
+        w = torch.cat([x.detach().to(stat.H.device, torch.float32) for x in weights])
+        return gptq_quantize(w, stat.H, cfg, damp=self.damp, act_order=self.act_order, name="+".join(names),
+                             clip_grid=self.clip_grid, split=[x.shape[0] for x in weights])

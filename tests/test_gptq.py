@@ -85,3 +85,21 @@ def test_awq_folding_keeps_the_float_function():
     after = [lin(norm(x)) for lin in lins]
     for b, a in zip(before, after):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("cfg,act_order", [(formats.QuantConfig(4, 32, False), True), (formats.QuantConfig(4, 64), False),
+                                           (formats.QuantConfig(8), False)], ids=lambda v: getattr(v, "name", str(v)))
+def test_stacked_linears_solve_as_each_alone(cfg, act_order):
+    """q/k/v (and gate/up) share a Hessian and are solved as one stacked weight: every step is row-wise,
+    so each part's codes and scales equal its own solve (on the CPU, bit for bit)."""
+    X = _correlated()
+    h = Hessian(256)
+    h.add(X)
+    ws = [torch.randn(96, 256) * 0.05, torch.randn(32, 256) * 0.05, torch.randn(64, 256) * 0.05]
+    joint = gptq_quantize(torch.cat(ws), h.H, cfg, act_order=act_order, split=[96, 32, 64])
+    for w, (qw, s, z, _) in zip(ws, joint):
+        qa, sa, za, _ = gptq_quantize(w, h.H, cfg, act_order=act_order)
+        assert torch.equal(qw, qa) and torch.equal(s, sa) and (z is None) == (za is None)
+        assert z is None or torch.equal(z, za)
+    with pytest.raises(ValueError, match="does not add up"):
+        gptq_quantize(torch.cat(ws), h.H, cfg, split=[96, 32])
