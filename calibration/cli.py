@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--calib", default="default",
                     help="calibration text: 'default' (embedded Wikipedia sample), a .txt/.json file, or hub:NAME[:CONFIG[:SPLIT]]")
     ap.add_argument("--samples", type=int_at_least(1), default=128, help="calibration windows (>= 1)")
-    ap.add_argument("--seq-len", type=int_at_least(2), default=512, help="tokens per calibration window (>= 2)")
+    ap.add_argument("--seq-len", type=int_at_least(2), default=None,
+                    help="tokens per calibration window (>= 2; default 512, or 2048 with --stream)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--damp", type=positive_float, default=0.01, help="GPTQ dampening, fraction of mean(diag(H))")
     ap.add_argument("--act-order", action="store_true", help="GPTQ columns by decreasing Hessian diagonal")
@@ -81,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where each layer is quantized (cpu, cuda): RTN, GPTQ and AWQ all honour it")
     ap.add_argument("--forward-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                     help="dtype of the calibration forward passes' matmuls (autocast); Hessians and quantized "
-                         "weights stay fp32. bfloat16 is about 2x faster on CPUs with AVX512-BF16")
+                         "weights stay fp32 (on CUDA, with bfloat16/float16, the Hessians' products use TF32). "
+                         "bfloat16 is about 2x faster on CPUs with AVX512-BF16, and the choice for 7B+ on a GPU")
     ap.add_argument("--rotate", action="store_true",
                     help="rotate the residual stream and the attention values by seeded random Hadamard "
                          "matrices folded into the weights before quantizing (the float function is unchanged; "
@@ -93,10 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--overwrite", action="store_true",
                     help="replace --out if it is a qgemv checkpoint (nothing else is ever replaced)")
     ap.add_argument("--stream", action="store_true",
-                    help="with --method rtn and a safetensors directory: read, quantize and write one projection "
-                         "group at a time, never holding the float model (qgemv.stream); output in shards of "
-                         "--shard-mb")
-    ap.add_argument("--shard-mb", type=positive_float, default=4000.0, help="with --stream: output shard size")
+                    help="for a safetensors directory: read, calibrate, quantize and write one decoder layer at a "
+                         "time, never holding the float model (calibration/stream.py); one shard per layer. "
+                         "Meant for 7B-70B models with --device cuda")
+    ap.add_argument("--resume", action="store_true",
+                    help="with --stream: continue the interrupted run whose work directory OUT.partial exists "
+                         "(same arguments), from its last finished layer")
     ap.add_argument("--no-fuse", action="store_true",
                     help="store q/k/v and gate/up apart (by default each same-format group is stored as one "
                          "packed weight, exactly, and loads as one GEMV launch)")
@@ -135,28 +139,57 @@ def summary_table(rep, cfg, method: str, seconds: float, out: str, fp16_bytes: i
 
 
 def _stream(args, cfg, skip, overrides) -> int:
-    """qgemv-quantize --stream: RTN through qgemv.stream, without the float model in memory."""
+    """qgemv-quantize --stream: calibration/stream.py, without the float model in memory."""
     import torch
 
     from qgemv import checkpoint
-    from qgemv.stream import quantize_rtn_streaming
 
-    if args.method != "rtn":
-        return _fail(f"--stream quantizes by RTN only (GPTQ / AWQ streaming is not built); got --method {args.method}")
+    from .data import calibration_samples
+    from .stream import quantize_streaming
+
     if args.rotate:
         return _fail("--stream does not rotate (--rotate needs the whole model)")
     try:
         path = checkpoint.resolve_model(args.model)
         dtype = None if args.save_dtype == "auto" else getattr(torch, args.save_dtype)
-        rep = quantize_rtn_streaming(path, args.out, cfg, skip, overrides, device=args.device or "cpu",
-                                     fuse=not args.no_fuse, float_dtype=dtype, shard_mb=args.shard_mb,
-                                     overwrite=args.overwrite)
+        samples = calib = None
+        if args.method != "rtn":
+            samples = calibration_samples(checkpoint.load_tokenizer(path), args.calib, args.samples, args.seq_len,
+                                          args.seed)
+            calib = _calib_record(args)
+        rep = quantize_streaming(path, args.out, cfg, args.method, samples, skip=skip, overrides=overrides,
+                                 damp=args.damp, act_order=args.act_order, clip_grid=args.clip_grid,
+                                 batch_size=args.batch_size, device=args.device or "cpu", fuse=not args.no_fuse,
+                                 float_dtype=dtype, true_sequential=args.true_sequential,
+                                 forward_dtype=getattr(torch, args.forward_dtype),
+                                 group_fallback=not args.no_group_fallback, overwrite=args.overwrite,
+                                 resume=args.resume, calibration=calib)
     except (ValueError, FileNotFoundError, FileExistsError, checkpoint.CheckpointError) as e:
         return _fail(e)
-    print(f"{args.out}: {len(rep['converted'])} linears quantized (RTN {cfg.name}, streamed), "
-          f"{len(rep['skipped'])} kept float; {rep['files']} file(s); {rep['seconds']:.1f} s; "
-          f"peak RSS {rep['peak_rss_mb']:.0f} MB; at most {rep['most_float_linears_held']} float linears held")
+    except (KeyboardInterrupt, SystemExit) as e:
+        work = f"{args.out}.partial"
+        code = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 130
+        print(f"qgemv-quantize: interrupted; the finished layers are kept in {work}: run the same command with "
+              f"--resume to continue", file=sys.stderr)
+        return code
+    steps = ", ".join(f"{k} {v:.1f} s" for k, v in rep["steps_seconds"].items())
+    gpu = f"; peak GPU memory {rep['peak_gpu_mb'] / 1024:.2f} GiB" if rep["peak_gpu_mb"] is not None else ""
+    resumed = f", {len(rep['resumed_layers'])} resumed" if rep["resumed_layers"] else ""
+    print(f"{args.out}: {len(rep['converted'])} linears quantized ({args.method} {cfg.name}, streamed, "
+          f"{rep['layers']} layers{resumed}), "
+          f"{len(rep['skipped'])} kept float; {rep['seconds']:.1f} s ({steps}); "
+          f"peak RSS {rep['peak_rss_mb'] / 1024:.2f} GiB{gpu}")
     return 0
+
+
+def _calib_record(args) -> dict:
+    """The calibration settings recorded in quantization_config."""
+    return {"dataset": args.calib, "samples": args.samples, "seq_len": args.seq_len, "seed": args.seed,
+            "damp": args.damp if "gptq" in args.method else None,
+            "act_order": args.act_order if "gptq" in args.method else None,
+            "clip_grid": args.clip_grid,
+            "true_sequential": args.true_sequential if "gptq" in args.method else None,
+            "forward_dtype": args.forward_dtype}
 
 
 def _fail(msg) -> int:
@@ -167,6 +200,10 @@ def _fail(msg) -> int:
 def main(argv=None) -> int:
     """Exit 0 on success, 2 for bad input (arguments, files, --out), checked before any work."""
     args = build_parser().parse_args(argv)
+    if args.seq_len is None:
+        args.seq_len = 2048 if args.stream else 512
+    if args.resume and not args.stream:
+        return _fail("--resume continues a --stream run; add --stream")
     import torch
 
     from qgemv import checkpoint
@@ -188,6 +225,9 @@ def main(argv=None) -> int:
         source = checkpoint.default_model_dir() if args.model in (None, "", "default", "smollm2") else args.model
         sources = [source, checkpoint.default_gguf_file()] if source == checkpoint.default_model_dir() else [source]
         checkpoint.check_output_dir(args.out, args.overwrite, sources=sources)
+        if args.stream and not args.resume and os.path.lexists(f"{args.out}.partial"):
+            raise checkpoint.OutputDirError(f"{args.out}.partial holds an interrupted run for {args.out}: pass "
+                                            f"--resume to continue it, or delete it to start over")
         if source != checkpoint.default_model_dir():
             checkpoint.check_float_model(source)
     except (ValueError, TextError, FileNotFoundError, FileExistsError, checkpoint.CheckpointError) as e:
@@ -209,12 +249,7 @@ def main(argv=None) -> int:
             samples = calibration_samples(tok, args.calib, args.samples, args.seq_len, args.seed)
         except ValueError as e:
             return _fail(e)
-        calib = {"dataset": args.calib, "samples": args.samples, "seq_len": args.seq_len, "seed": args.seed,
-                 "damp": args.damp if "gptq" in args.method else None,
-                 "act_order": args.act_order if "gptq" in args.method else None,
-                 "clip_grid": args.clip_grid,
-                 "true_sequential": args.true_sequential if "gptq" in args.method else None,
-                 "forward_dtype": args.forward_dtype}
+        calib = _calib_record(args)
     rep = quantize_causal_lm(model, cfg, args.method, samples, skip=skip, overrides=overrides,
                              damp=args.damp, act_order=args.act_order, batch_size=args.batch_size,
                              device=args.device, group_fallback=not args.no_group_fallback,

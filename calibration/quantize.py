@@ -81,19 +81,24 @@ def _sequential_stages(names: list) -> list:
     return stages
 
 
-def make_method(method: str, damp: float = 0.01, act_order: bool = False, clip_grid: int = 20):
+def make_method(method: str, damp: float = 0.01, act_order: bool = False, clip_grid: int = 20,
+                tf32_hessian: bool = False):
     """The method object for a name of METHODS other than "rtn" (protocol: calibration.gptq.GPTQ)."""
     if method == "gptq":
-        return GPTQ(damp, act_order, clip_grid)
+        return GPTQ(damp, act_order, clip_grid, tf32_hessian)
     if method == "awq":
         return awq.AWQ(clip_grid)
     if method == "awq_gptq":
-        return awq.AWQThenGPTQ(GPTQ(damp, act_order, clip_grid))
+        return awq.AWQThenGPTQ(GPTQ(damp, act_order, clip_grid, tf32_hessian))
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
 
-def _catch_layer0_inputs(model, layer0, samples, batch_size, device):
-    """(hidden states entering decoder layer 0, one per batch, and its keyword arguments), on ``device``."""
+def _catch_layer0_inputs(forward, layer0, samples, batch_size, device):
+    """(hidden states entering decoder layer 0, one per batch, and its keyword arguments), on ``device``.
+
+    forward(ids) runs the model on one batch of samples (int64 [b, L], on the
+    CPU) far enough to reach layer 0, whose pre-hook then stops it.
+    """
     cache = {"hidden": [], "kwargs": None}
 
     def catch(_mod, args, kwargs):
@@ -103,11 +108,10 @@ def _catch_layer0_inputs(model, layer0, samples, batch_size, device):
         raise _Stop
 
     handle = layer0.register_forward_pre_hook(catch, with_kwargs=True)
-    model_device = next(model.parameters()).device
     try:
         for b in range(0, samples.shape[0], batch_size):
             try:
-                model(samples[b : b + batch_size].to(model_device), use_cache=False)
+                forward(samples[b : b + batch_size])
             except _Stop:
                 pass
     finally:
@@ -124,7 +128,7 @@ def _catch_layer0_inputs(model, layer0, samples, batch_size, device):
 
 
 def _collect(layer, stage: list, targets: dict, hidden: list, kwargs: dict, new_stats, device, fwd, stop: bool,
-             prefix: str) -> tuple:
+             prefix: str, clock=None) -> tuple:
     """Feed each stage linear's input of every batch to a statistic (new_stats(k, device)).
 
     Linears fed by the very same tensor (q/k/v; gate/up) share one statistic:
@@ -144,7 +148,11 @@ def _collect(layer, stage: list, targets: dict, hidden: list, kwargs: dict, new_
         elif owner[n] != n and cur.get(owner[n]) is not x:
             raise RuntimeError(f"{prefix}{n}: its input stopped being {owner[n]}'s input")
         if owner[n] == n:
-            stats[n].add(x)
+            if clock is None:
+                stats[n].add(x)
+            else:
+                with clock("hessian"):  # counted inside "forward" too; reports subtract it
+                    stats[n].add(x)
         seen.add(n)
         if stop and len(seen) == len(stage):
             raise _Stop  # the rest of the layer is not needed for this stage
@@ -163,6 +171,127 @@ def _collect(layer, stage: list, targets: dict, hidden: list, kwargs: dict, new_
         for h in hooks:
             h.remove()
     return stats, owner
+
+
+def forward_context(forward_dtype: Optional[torch.dtype], device):
+    """A factory of the context every calibration forward pass runs in: autocast to ``forward_dtype``
+    (bfloat16 / float16), or nothing for None / float32."""
+    dev_type = torch.device(device).type
+
+    def fwd():
+        if forward_dtype is None or forward_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=dev_type, dtype=forward_dtype)
+
+    return fwd
+
+
+def layer_runner(kwargs: dict, fwd):
+    """run(layer, xs) -> the layer's outputs for each [b, L, hidden] tensor of xs, in xs' dtype."""
+
+    def run(layer, xs):
+        outs = []
+        with fwd():
+            for h in xs:
+                o = layer(h, **kwargs)
+                outs.append(o[0] if isinstance(o, tuple) else o)
+        # autocast can leave a layer's output in the lower dtype; the residual
+        # stream between layers stays in the model's dtype
+        return [o.to(xs[0].dtype) for o in outs]
+
+    return run
+
+
+class Clock:
+    """Seconds per step ("forward", "hessian", "solve", ...), synchronizing CUDA around each timed block."""
+
+    def __init__(self, device="cpu"):
+        self.cuda = torch.device(device).type == "cuda"
+        self.seconds = {}
+
+    @contextlib.contextmanager
+    def __call__(self, step: str):
+        if self.cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.cuda:
+                torch.cuda.synchronize()
+            self.seconds[step] = self.seconds.get(step, 0.0) + time.perf_counter() - t
+
+
+def layer_targets(layer: nn.Module, prefix: str, cfg: QuantConfig, skip, overrides, group_fallback: bool,
+                  skipped: dict) -> dict:
+    """{linear name in the layer: (module, QuantConfig)} by the rules; skipped ones go into ``skipped`` with why."""
+    targets = {}
+    for name, m in layer.named_modules():
+        if isinstance(m, nn.Linear):
+            lcfg, why = layer_format(prefix + name, m, cfg, skip, overrides, group_fallback)
+            if why:
+                skipped[prefix + name] = why
+            else:
+                targets[name] = (m, lcfg)
+    return targets
+
+
+def quantize_layer(layer, prefix: str, targets: dict, algo, hidden: list, kwargs: dict, run, fwd, device,
+                   true_sequential: bool = False, clock: Optional[Clock] = None) -> tuple:
+    """Quantize one float decoder layer's target linears with ``algo`` (a make_method object).
+
+    hidden: the layer's calibration inputs, one [b, L, hidden] tensor per
+    batch; run(layer, hidden) runs the layer on them.  Returns (pending,
+    originals, info): pending lists (name, module, QuantConfig, qweight,
+    scales, zeros) per target; each target's weight is left as its
+    dequantized codes (so running the layer now gives the next layer's
+    inputs) and ``originals`` holds the float weights it replaced.
+    """
+    clock = clock or Clock()
+    with clock("solve"):  # AWQ's scale search (GPTQ: nothing)
+        pre = algo.before(layer, targets, hidden, run)
+    info = dict(getattr(algo, "info", {}))
+    pending, originals = [], {}
+    # True-sequential: q/k/v, then o, then gate/up, then down, each stage's
+    # statistics collected with the earlier stages already quantized, so
+    # o_proj sees the inputs the quantized model gives it.
+    stages = _sequential_stages(list(targets)) if true_sequential else [list(targets)]
+    for si, stage in enumerate(stages):
+        stats, owner = {}, {}
+        if algo.new_stats is not None:
+            with clock("forward"):
+                stats, owner = _collect(layer, stage, targets, hidden, kwargs, algo.new_stats, device, fwd,
+                                        stop=si + 1 < len(stages), prefix=prefix, clock=clock)
+        # Linears of one format sharing a statistic (q/k/v; gate/up) are solved together where the method can.
+        batches = {}
+        for n in stage:
+            key = (owner[n], targets[n][1]) if owner and hasattr(algo, "quantize_many") else (n, None)
+            batches.setdefault(key, []).append(n)
+        for (key, _), names in batches.items():
+            mods = [targets[n][0] for n in names]
+            lcfg = targets[names[0]][1]
+            stat = stats[owner[names[0]]] if owner else pre.get(names[0])
+            with clock("solve"):
+                if len(names) > 1:
+                    results = algo.quantize_many([prefix + n for n in names], [m.weight for m in mods], lcfg, stat)
+                else:
+                    results = [algo.quantize(prefix + names[0], mods[0].weight, lcfg, stat)]
+            for n, m, (qw, s, z, inf) in zip(names, mods, results):
+                if inf:
+                    info[n] = inf
+                pending.append((n, m, lcfg, qw, s, z))
+                if len(stages) > 1:
+                    originals[n] = m.weight.data
+                    m.weight.data = formats.dequantize(qw, s, z, lcfg, m.in_features).to(m.weight.dtype)
+        del stats
+    # The next layer's inputs come from the quantized layer, run on the
+    # dequantized weights as dense nn.Linear (the same function as
+    # QuantLinear's reference, without unpacking on every call).
+    for n, m, lcfg, qw, s, z in pending:
+        if n not in originals:
+            originals[n] = m.weight.data
+            m.weight.data = formats.dequantize(qw, s, z, lcfg, m.in_features).to(m.weight.dtype)
+    return pending, originals, info
 
 
 @torch.no_grad()
@@ -238,7 +367,8 @@ def quantize_causal_lm(
         return rep
     if samples is None:
         raise ValueError(f"method {method!r} needs calibration samples")
-    algo = make_method(method, damp, act_order, clip_grid)
+    algo = make_method(method, damp, act_order, clip_grid,
+                       tf32_hessian=forward_dtype in (torch.bfloat16, torch.float16))
     rep = CalibReport(method=method, rotation=rotation)
     layers_path, layers = _decoder_layers(model)
     rep.layers = len(layers)
@@ -255,25 +385,11 @@ def quantize_causal_lm(
                 set_submodule(model, name, q)
                 rep.converted.append(name)
 
-    hidden, kwargs = _catch_layer0_inputs(model, layers[0], samples, batch_size, device)
     model_device = next(model.parameters()).device
-    dev_type = torch.device(device).type
-
-    def fwd():
-        """The context of every calibration forward pass (see forward_dtype)."""
-        if forward_dtype is None or forward_dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=dev_type, dtype=forward_dtype)
-
-    def run(layer, xs):
-        outs = []
-        with fwd():
-            for h in xs:
-                o = layer(h, **kwargs)
-                outs.append(o[0] if isinstance(o, tuple) else o)
-        # autocast can leave a layer's output in the lower dtype; the residual
-        # stream between layers stays in the model's dtype
-        return [o.to(xs[0].dtype) for o in outs]
+    hidden, kwargs = _catch_layer0_inputs(lambda ids: model(ids.to(model_device), use_cache=False), layers[0],
+                                          samples, batch_size, device)
+    fwd = forward_context(forward_dtype, device)
+    run = layer_runner(kwargs, fwd)
 
     it = range(len(layers))
     bar = None
@@ -286,45 +402,9 @@ def quantize_causal_lm(
         tl = time.time()
         layer = layers[li].to(device)
         prefix = f"{layers_path}.{li}."
-        targets = {}
-        for name, m in layer.named_modules():
-            if isinstance(m, nn.Linear):
-                lcfg, why = layer_format(prefix + name, m, cfg, skip, overrides, group_fallback)
-                if why:
-                    rep.skipped[prefix + name] = why
-                else:
-                    targets[name] = (m, lcfg)
-        pre = algo.before(layer, targets, hidden, run)
-        info = dict(getattr(algo, "info", {}))
-        pending, originals = [], {}
-        # True-sequential: q/k/v, then o, then gate/up, then down, each stage's
-        # statistics collected with the earlier stages already quantized, so
-        # o_proj sees the inputs the quantized model gives it.
-        stages = _sequential_stages(list(targets)) if true_sequential else [list(targets)]
-        for si, stage in enumerate(stages):
-            stats, owner = {}, {}
-            if algo.new_stats is not None:
-                stats, owner = _collect(layer, stage, targets, hidden, kwargs, algo.new_stats, device, fwd,
-                                        stop=si + 1 < len(stages), prefix=prefix)
-            for n in stage:
-                m, lcfg = targets[n]
-                stat = stats[owner[n]] if owner else pre.get(n)
-                qw, s, z, inf = algo.quantize(prefix + n, m.weight, lcfg, stat)
-                if inf:
-                    info[n] = inf
-                pending.append((n, m, lcfg, qw, s, z))
-                if len(stages) > 1:
-                    originals[n] = m.weight.data
-                    m.weight.data = formats.dequantize(qw, s, z, lcfg, m.in_features).to(m.weight.dtype)
-            del stats
-        # Next layer's inputs come from the quantized layer.  It runs on the
-        # dequantized weights as dense nn.Linear (the same function as
-        # QuantLinear's reference, without unpacking on every call), then the
-        # linears are swapped for QuantLinear.
-        for n, m, lcfg, qw, s, z in pending:
-            if n not in originals:
-                originals[n] = m.weight.data
-                m.weight.data = formats.dequantize(qw, s, z, lcfg, m.in_features).to(m.weight.dtype)
+        targets = layer_targets(layer, prefix, cfg, skip, overrides, group_fallback, rep.skipped)
+        pending, originals, info = quantize_layer(layer, prefix, targets, algo, hidden, kwargs, run, fwd, device,
+                                                  true_sequential)
         hidden = run(layer, hidden)
         for n, m, lcfg, qw, s, z in pending:
             m.weight.data = originals[n]

@@ -1,216 +1,197 @@
-"""Round-to-nearest quantization of a (sharded) safetensors checkpoint, streamed one projection group at a time.
+"""Streamed checkpoint I/O: read a (sharded) safetensors checkpoint tensor by tensor, write one layer at a time.
 
-    qgemv-quantize MODEL_DIR --method rtn --stream --bits 4 --group-size 128 --asym --device cuda --out runs/q4
-
-The float model is never built: the module names and shapes come from a
-meta-device model of the config, and each linear's weight is read from its
-shard (safetensors reads by key) when its turn comes, quantized on ``device``
-and packed.  q/k/v and gate/up of one format are read together and fused
-(format 3), so at most one such group of float weights is held at once;
-embeddings, norms and skipped linears are copied through (cast to
-``float_dtype``, default the source's dtype).  The output is written in shards of at most ``shard_mb``
-(``model-0000i-of-0000n.safetensors`` and its index, or one
-``model.safetensors``), atomically like every qgemv checkpoint.  The tensors
-equal those of the in-memory path (``qgemv-quantize --method rtn``), bit for
-bit.  GPTQ / AWQ streaming (calibration activations layer by layer) and
-resuming an interrupted run are not built.
+:class:`Reader` parses each file's header once and reads a tensor's bytes
+with plain file reads when it is asked for: nothing is memory-mapped, so the
+source's pages never count towards the process's resident memory.
+:class:`LayerWriter` writes a checkpoint one unit (a decoder layer) per file
+into a work directory ``OUT.partial`` beside ``OUT``, records each finished
+unit in ``progress.json``, and renames the finished directory into place; an
+interrupted run leaves the work directory, and a run with ``resume=True``
+continues after its last finished unit.  calibration/stream.py drives both.
 """
 
 from __future__ import annotations
 
 import json
-import time
+import os
+import shutil
 from pathlib import Path
 from typing import Optional
 
 import torch
-from torch import nn
 
 from . import checkpoint, formats
-from .formats import QuantConfig
-from .nn import FUSE_GROUPS, FusedQuantLinear, FusedSlice, QuantLinear, fuse_linears, layer_format, set_submodule
+from .checkpoint import CheckpointError, OutputDirError
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
 
 
-class _Reader:
-    """Tensors of a checkpoint directory by name, each file opened once (safetensors reads lazily by key)."""
+def _header(path: Path) -> tuple:
+    """({name: (dtype, shape, begin, end)}, offset of the data) of a safetensors file; CheckpointError if malformed."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            size = os.fstat(f.fileno()).st_size
+            if n <= 0 or 8 + n > size:
+                raise CheckpointError(f"{path}: not a safetensors file (header length {n}, file size {size})")
+            head = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read the safetensors header ({type(e).__name__}: {e})") from None
+    out, data = {}, size - 8 - n
+    for name, v in head.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (a, b) = _DTYPES[v["dtype"]], [int(d) for d in v["shape"]], v["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: tensor {name}: unreadable header entry {v!r}") from None
+        numel = 1
+        for d in shape:
+            numel *= d
+        if not 0 <= a <= b <= data or b - a != numel * torch.empty(0, dtype=dtype).element_size():
+            raise CheckpointError(f"{path}: tensor {name}: byte range [{a}, {b}) does not fit {v['dtype']} {shape} "
+                                  f"in {data} bytes of data")
+        out[name] = (dtype, shape, a, b)
+    return out, 8 + n
 
-    def __init__(self, path: Path):
-        from safetensors import safe_open
 
+class Reader:
+    """The tensors of a checkpoint directory by name, read from disk when asked for (no mmap)."""
+
+    def __init__(self, path):
         files, wm = checkpoint._shards(path)
-        self.handles = {f.name: safe_open(str(f), framework="pt") for f in files}
-        self.where = dict(wm) if wm is not None else {k: files[0].name for k in self.handles[files[0].name].keys()}
-        self.read = set()
+        self.index, self.read = {}, set()
+        for f in files:
+            head, base = _header(f)
+            for name, (dtype, shape, a, b) in head.items():
+                if wm is None or wm.get(name) == f.name:
+                    self.index[name] = (f, dtype, shape, base + a, b - a)
+        for name, fname in (wm or {}).items():
+            if name not in self.index:
+                raise CheckpointError(f"{path}: the shard index puts {name} in {fname}, which does not hold it")
+
+    def keys(self) -> list:
+        return list(self.index)
 
     def get(self, key: str) -> torch.Tensor:
-        if key not in self.where:
-            raise checkpoint.CheckpointError(f"tensor {key} is missing from the source checkpoint")
+        """The tensor ``key`` on the CPU, in its stored dtype and shape."""
+        if key not in self.index:
+            raise CheckpointError(f"tensor {key} is missing from the source checkpoint")
+        f, dtype, shape, start, nbytes = self.index[key]
+        t = torch.empty(shape, dtype=dtype)
+        if nbytes:
+            with open(f, "rb") as fh:
+                fh.seek(start)
+                got = fh.readinto(t.view(-1).view(torch.uint8).numpy())
+            if got != nbytes:
+                raise CheckpointError(f"{f}: tensor {key}: read {got} of {nbytes} bytes (truncated file?)")
         self.read.add(key)
-        return self.handles[self.where[key]].get_tensor(key)
+        return t
 
 
-class _Writer:
-    """Collects output tensors and writes a shard whenever shard_mb is reached."""
+class LayerWriter:
+    """Writes a checkpoint into ``OUT.partial`` one unit at a time, resumably, then renames it to ``OUT``.
 
-    def __init__(self, out: Path, shard_mb: float):
-        self.out, self.limit, self.pending, self.size, self.files, self.weight_map = out, shard_mb * 1e6, {}, 0, [], {}
+    ``fingerprint`` (a JSON-able dict of everything that decides the output:
+    source, formats, method, calibration) is stored in ``progress.json``; a
+    resumed run must present the same one.  Without ``resume`` an existing
+    work directory is an error (it holds finished work); with it, the units
+    already written are in :attr:`done`.
+    """
 
-    def add(self, key: str, t: torch.Tensor) -> None:
-        self.pending[key] = t.detach().to("cpu").contiguous()
-        self.size += t.numel() * t.element_size()
-        if self.size >= self.limit:
-            self.flush()
+    def __init__(self, out, units: int, fingerprint: dict, resume: bool = False):
+        self.out, self.units = Path(out), units
+        self.work = self.out.parent / (self.out.name + ".partial")
+        self.fingerprint = json.loads(json.dumps(fingerprint, default=str))
+        self.done = set()
+        if self.work.exists():
+            if not resume:
+                raise OutputDirError(f"{self.work} holds an interrupted run for {self.out}: pass --resume to "
+                                     f"continue it, or delete it to start over")
+            try:
+                prog = json.loads((self.work / "progress.json").read_text())
+                old, done = prog["fingerprint"], prog["done"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise OutputDirError(f"{self.work}/progress.json is unreadable ({type(e).__name__}: {e}); "
+                                     f"delete {self.work} to start over") from None
+            differ = sorted(k for k in set(old) | set(self.fingerprint) if old.get(k) != self.fingerprint.get(k))
+            if differ:
+                what = "; ".join(f"{k}: {old.get(k)!r} then, {self.fingerprint.get(k)!r} now" for k in differ)
+                raise OutputDirError(f"{self.work} was started with other settings ({what}); resume with the same "
+                                     f"ones, or delete it to start over")
+            self.done = {int(u) for u in done if (self.work / self._name(int(u))).is_file()}
+        else:
+            self.work.mkdir(parents=True)
+            os.chmod(self.work, 0o777 & ~checkpoint._umask())
+            self._save_progress()
 
-    def flush(self) -> None:
+    def _name(self, unit: int, kind: str = "") -> str:
+        """Unit u's shard has its final name from the start (units + 1 shards: the last holds the rest)."""
+        if kind:
+            return f"unit-{unit:05d}{kind}.safetensors"
+        return f"model-{unit + 1:05d}-of-{self.units + 1:05d}.safetensors"
+
+    def _save_progress(self) -> None:
+        tmp = self.work / "progress.json.tmp"
+        tmp.write_text(json.dumps({"fingerprint": self.fingerprint, "done": sorted(self.done)}, indent=1))
+        os.replace(tmp, self.work / "progress.json")
+
+    def _save(self, tensors: dict, name: str) -> None:
         from safetensors.torch import save_file
 
-        if not self.pending:
-            return
-        name = f"shard-{len(self.files):05d}.safetensors"
-        save_file(self.pending, str(self.out / name),
+        tmp = self.work / (name + ".tmp")
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp),
                   metadata={"format": "pt", "qgemv_format_version": str(formats.FORMAT_VERSION)})
-        self.files.append(name)
-        self.weight_map.update({k: name for k in self.pending})
-        self.pending, self.size = {}, 0
+        os.replace(tmp, self.work / name)
 
-    def finish(self) -> None:
-        self.flush()
-        if len(self.files) == 1:
-            (self.out / self.files[0]).rename(self.out / "model.safetensors")
-            return
-        n = len(self.files)
-        final = {f: f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i, f in enumerate(self.files)}
-        for old, new in final.items():
-            (self.out / old).rename(self.out / new)
+    def write_unit(self, unit: int, tensors: dict, resume_tensors: Optional[dict] = None) -> None:
+        """Store one finished unit's checkpoint tensors (and, for resuming, tensors that only a resumed run
+        reads back: :meth:`read_unit`), then record it as done."""
+        if resume_tensors:
+            self._save(resume_tensors, self._name(unit, ".resume"))
+        self._save(tensors, self._name(unit))
+        self.done.add(unit)
+        self._save_progress()
+
+    def read_unit(self, unit: int) -> tuple:
+        """(checkpoint tensors, resume tensors) of a finished unit."""
+        from safetensors.torch import load_file
+
+        extra = self.work / self._name(unit, ".resume")
+        return load_file(str(self.work / self._name(unit))), (load_file(str(extra)) if extra.exists() else {})
+
+    def finish(self, rest: dict, config_json: dict, tokenizer=None, extra_json=None) -> Path:
+        """Write ``rest`` (the tensors outside the units) as the last shard, the index, config.json and the
+        tokenizer; rename the work directory to OUT (an existing OUT is replaced only once this is complete).
+
+        The checkpoint has one shard per unit plus one for ``rest``
+        (``model-0000i-of-0000n.safetensors``) and ``model.safetensors.index.json``.
+        Returns OUT.
+        """
+        missing = [u for u in range(self.units) if u not in self.done]
+        if missing:
+            raise RuntimeError(f"{self.work}: units {missing[:5]} were never written")
+        self._save(rest, self._name(self.units))
+        weight_map = {}
+        for u in range(self.units + 1):
+            head, _ = _header(self.work / self._name(u))
+            weight_map.update({k: self._name(u) for k in head})
         index = {"metadata": {"qgemv_format_version": formats.FORMAT_VERSION},
-                 "weight_map": {k: final[f] for k, f in sorted(self.weight_map.items())}}
-        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+                 "weight_map": dict(sorted(weight_map.items()))}
+        (self.work / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(self.work)
+        for fname, obj in (extra_json or {}).items():
+            (self.work / fname).write_text(json.dumps(obj, indent=1, default=str))
+        (self.work / "progress.json").unlink()
+        for f in self.work.glob("unit-*"):
+            f.unlink()
+        (self.work / "config.json").write_text(json.dumps(config_json, indent=2, default=str))  # last
+        checkpoint._swap_in(self.work, self.out)
+        return self.out
 
-
-def quantize_rtn_streaming(src: str, out: str, default: QuantConfig, skip=(r"lm_head", r"embed"),
-                           overrides: Optional[dict] = None, device: str = "cpu", fuse: bool = True,
-                           float_dtype: Optional[torch.dtype] = None, shard_mb: float = 4000,
-                           overwrite: bool = False, progress: bool = True) -> dict:
-    """RTN-quantize the safetensors checkpoint ``src`` into the qgemv checkpoint ``out``, streamed.
-
-    ``skip`` / ``overrides`` / ``default`` choose each linear's format as
-    :func:`qgemv.nn.layer_format` does (groups that do not divide K fall back
-    to 128 / 64 / 32).  Returns a report: converted and skipped modules,
-    seconds, peak RSS (MB), the number of files written, the largest number
-    of float linear weights held at once, and why the tokenizer was not
-    copied (None when it was).
-    """
-    checkpoint._require_transformers()  # the clear error before any reading
-    src_p = Path(src)
-    checkpoint.check_float_model(src_p)
-    if src_p.is_file():
-        raise checkpoint.CheckpointError(f"{src}: streaming reads a safetensors directory, not a .gguf file")
-    out_p = checkpoint.check_output_dir(out, overwrite, sources=(src,))
-    t0 = time.time()
-    if float_dtype is None:
-        float_dtype = checkpoint.source_dtype(str(src_p)) or torch.float32
-    model, config = checkpoint.meta_model(src_p)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    reader = _Reader(src_p)
-    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
-    skipped, most_held = {}, 0
-
-    owners = {}
-    for name, lin in linears:
-        owner, _, child = name.rpartition(".")
-        owners.setdefault(owner, []).append(child)
-    with checkpoint._atomic_dir(out_p) as tmp:
-        writer = _Writer(tmp, shard_mb)
-
-        def emit(prefix: str, q: QuantLinear) -> None:
-            for key in ("qweight", "scales", "zeros", "bias"):
-                t = getattr(q, key)
-                if t is not None:
-                    writer.add(f"{prefix}.{key}", t.to(float_dtype) if key == "bias" else t)
-
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(linears), desc=f"rtn {default.name} (streamed)", unit="linear")
-        done = set()
-        for name, lin in linears:
-            if name in done:
-                continue
-            owner, _, child = name.rpartition(".")
-            group = next(((kind, members) for kind, members in FUSE_GROUPS.items()
-                          if child == members[0] and all(m in owners.get(owner, ()) for m in members)), None)
-            names = [f"{owner}.{m}" if owner else m for m in group[1]] if group and fuse else [name]
-            reals, cfgs = {}, {}
-            for n in names:  # a projection group's float weights: the most this holds at once
-                if tied and n == "lm_head":
-                    cfg, why = None, "tied to the embeddings"
-                else:
-                    reals[n] = _read_linear(reader, n, model.get_submodule(n))
-                    cfg, why = layer_format(n, reals[n], default, skip, overrides, group_fallback=True)
-                if cfg is None:
-                    skipped[n] = why
-                cfgs[n] = cfg
-            most_held = max(most_held, len(reals))
-            quantized = {}
-            for n, real in reals.items():
-                if n in skipped:  # stays float: the file's tensors, cast like every float tensor
-                    for key in (f"{n}.weight",) + ((f"{n}.bias",) if real.bias is not None else ()):
-                        writer.add(key, reader.get(key).to(float_dtype))
-                    continue
-                c = cfgs[n]
-                quantized[n] = QuantLinear.from_linear(real, c.bits, c.group_size, c.symmetric, name=n, device=device)
-            fused = fuse_linears(list(quantized.values())) if len(names) > 1 and len(quantized) == len(names) else None
-            if fused is not None:
-                kind = group[0]
-                emit(f"{owner}.{kind}.fused", fused)
-                f = FusedQuantLinear(_meta_shell(fused), [quantized[n].out_features for n in names])
-                set_submodule(model, f"{owner}.{kind}" if owner else kind, f)
-                for i, n in enumerate(names):
-                    set_submodule(model, n, FusedSlice(f, i))
-            else:
-                for n, q in quantized.items():
-                    emit(n, q)
-                    set_submodule(model, n, _meta_shell(q))
-            done.update(names)
-            reals = quantized = fused = real = None  # the group's float weights go before the next is read
-            if bar is not None:
-                bar.update(len(names))
-        if bar is not None:
-            bar.close()
-        for key in sorted(set(reader.where) - reader.read):  # embeddings, norms: copied through
-            t = reader.get(key)
-            writer.add(key, t.to(float_dtype) if t.is_floating_point() else t)
-        writer.finish()
-        cfg_json = config.to_dict()
-        cfg_json["dtype"] = str(float_dtype).replace("torch.", "")
-        cfg_json.pop("torch_dtype", None)
-        cfg_json["quantization_config"] = dict(
-            checkpoint.quantization_config(model, "rtn", None, default, sorted(skipped)), source_model=str(src),
-            streamed=True)
-        try:
-            tok = checkpoint.load_tokenizer(str(src_p))
-            tok.save_pretrained(tmp)
-        except Exception as e:  # noqa: BLE001 - a model without a tokenizer still quantizes; it is reported
-            skipped_tok = f"{type(e).__name__}: {e}"
-        else:
-            skipped_tok = None
-        (tmp / "config.json").write_text(json.dumps(cfg_json, indent=2, default=str))  # last: see save_quantized
-    return dict(converted=sorted(n for n, m in model.named_modules() if isinstance(m, QuantLinear)),
-                skipped=skipped, seconds=time.time() - t0, peak_rss_mb=checkpoint.peak_rss_mb(),
-                files=len(writer.files), most_float_linears_held=most_held, tokenizer_error=skipped_tok)
-
-
-def _read_linear(reader: _Reader, name: str, lin: nn.Linear) -> nn.Linear:
-    """Linear ``name`` with its weights read from the checkpoint in float32 (as the in-memory path loads them)."""
-    real = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta")
-    real.weight = nn.Parameter(reader.get(f"{name}.weight").float(), requires_grad=False)
-    if lin.bias is not None:
-        real.bias = nn.Parameter(reader.get(f"{name}.bias").float(), requires_grad=False)
-    return real
-
-
-def _meta_shell(q: QuantLinear) -> QuantLinear:
-    """A QuantLinear of q's shape and format on the meta device (for the quantization_config record)."""
-    return QuantLinear(q.in_features, q.out_features, q.bits, q.group_size, q.config.symmetric,
-                       bias=q.bias is not None, device="meta")
+    def discard(self) -> None:
+        """Remove the work directory (a run that failed before finishing any unit)."""
+        shutil.rmtree(self.work, ignore_errors=True)

@@ -1,18 +1,28 @@
-"""Streamed RTN quantization of a sharded checkpoint (qgemv.stream, qgemv-quantize --stream)."""
+"""Streamed quantization of a sharded checkpoint, layer by layer (calibration/stream.py, qgemv-quantize --stream)."""
 
 import json
+import os
+import subprocess
+import sys
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
 
-from qgemv import checkpoint, stream
+import qgemv
+from qgemv import checkpoint
 from qgemv.calibration import cli
+from qgemv.calibration import stream as cstream
+from qgemv.calibration.data import calibration_samples
 from qgemv.formats import QuantConfig
+from qgemv.stream import Reader
 
 from conftest import load_tiny
 
 transformers = pytest.importorskip("transformers")
+
+GPTQ = ["--method", "gptq", "--act-order", "--samples", "6", "--seq-len", "24", "--batch-size", "4"]
 
 
 @pytest.fixture()
@@ -28,46 +38,161 @@ def sharded(tiny_llama_dir, tmp_path):
     return d
 
 
-def test_streamed_checkpoint_equals_the_in_memory_one(sharded, tmp_path):
-    common = [str(sharded), "--bits", "4", "--group-size", "32", "--asym", "--method", "rtn"]
-    assert cli.main(common + ["--out", str(tmp_path / "mem")]) == 0
-    assert cli.main(common + ["--stream", "--shard-mb", "0.03", "--out", str(tmp_path / "st")]) == 0
-    a, _ = checkpoint.read_checkpoint_tensors(tmp_path / "mem")
-    b, _ = checkpoint.read_checkpoint_tensors(tmp_path / "st")
-    assert len(checkpoint.checkpoint_files(tmp_path / "st")) > 1  # sharded, with an index
+def _same_checkpoints(a_dir, b_dir, keys_equal=True):
+    a, _ = checkpoint.read_checkpoint_tensors(a_dir)
+    b, _ = checkpoint.read_checkpoint_tensors(b_dir)
     assert sorted(a) == sorted(b)
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-    qa, qb = (json.loads((tmp_path / d / "config.json").read_text())["quantization_config"] for d in ("mem", "st"))
-    for key in ("converted", "fused", "module_overrides", "modules_not_converted", "bits", "group_size", "symmetric"):
+    qa, qb = (json.loads((Path(d) / "config.json").read_text())["quantization_config"] for d in (a_dir, b_dir))
+    for key in ("converted", "fused", "module_overrides", "modules_not_converted", "bits", "group_size", "symmetric",
+                "algorithm"):
         assert qa[key] == qb[key], key
+    return qa, qb
+
+
+@pytest.mark.parametrize("method", [["--method", "rtn"], GPTQ, ["--method", "awq", "--samples", "6", "--seq-len", "24"]],
+                         ids=["rtn", "gptq-act-order", "awq"])
+def test_streamed_checkpoint_equals_the_in_memory_one(sharded, tmp_path, method):
+    common = [str(sharded), "--bits", "4", "--group-size", "32", "--asym"] + method
+    assert cli.main(common + ["--out", str(tmp_path / "mem")]) == 0
+    assert cli.main(common + ["--stream", "--out", str(tmp_path / "st")]) == 0
+    assert len(checkpoint.checkpoint_files(tmp_path / "st")) == 3  # one shard per layer, one for the rest
+    qa, qb = _same_checkpoints(tmp_path / "mem", tmp_path / "st")
     assert qb["streamed"] is True and qa["fused"]
+    assert not (tmp_path / "st.partial").exists()
+    report = json.loads((tmp_path / "st" / "quantize_report.json").read_text())
+    assert report["most_float_layers_held"] == 1 and report["layers"] == 2
+    if method is not GPTQ:
+        return
+    assert qb["calibration"]["act_order"] is True
+    assert report["steps_seconds"]["hessian"] > 0 and report["steps_seconds"]["solve"] > 0
     model, tok = checkpoint.load_quantized(str(tmp_path / "st"), dtype=torch.float32)
     assert tok is not None
 
 
-def test_at_most_one_projection_group_of_float_weights_is_held(sharded, tmp_path, monkeypatch):
-    """Counted on the tensors themselves: every float linear weight read is tracked until it is freed."""
-    alive, most = set(), [0]
-    read = stream._read_linear
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_streamed_gptq_on_cuda_agrees_with_the_in_memory_path(sharded, tmp_path):
+    """On the GPU the streamed path computes layer 0's rotary tables there, the in-memory path on the CPU,
+    so the two agree up to floating-point order: at least 98% of the dequantized weights are equal."""
+    common = [str(sharded), "--bits", "4", "--group-size", "32", "--asym", "--device", "cuda"] + GPTQ
+    assert cli.main(common + ["--out", str(tmp_path / "mem")]) == 0
+    assert cli.main(common + ["--stream", "--out", str(tmp_path / "st")]) == 0
+    a, _ = checkpoint.load_quantized(str(tmp_path / "mem"), dtype=torch.float32)
+    b, _ = checkpoint.load_quantized(str(tmp_path / "st"), dtype=torch.float32)
+    same = total = 0
+    for n, m in a.named_modules():
+        if isinstance(m, qgemv.QuantLinear):
+            wa, wb = m.dequantize(), b.get_submodule(n).dequantize()
+            same, total = same + int((wa == wb).sum()), total + wa.numel()
+    assert total > 0 and same / total >= 0.98, same / total
+    report = json.loads((tmp_path / "st" / "quantize_report.json").read_text())
+    assert report["peak_gpu_mb"] > 0 and report["device"] == "cuda"
 
-    def tracked(reader, name, lin):
-        real = read(reader, name, lin)
-        alive.add(name)
-        weakref.finalize(real.weight, alive.discard, name)
-        most[0] = max(most[0], len(alive))
-        return real
 
-    monkeypatch.setattr(stream, "_read_linear", tracked)
-    rep = stream.quantize_rtn_streaming(str(sharded), str(tmp_path / "q"), QuantConfig(8), progress=False)
-    assert len(rep["converted"]) == 4 + 2 * 2  # fused qkv and gate_up, o_proj and down_proj, per layer
-    assert most[0] == 3 < 15  # q/k/v at most, of 14 linears and lm_head
-    assert rep["most_float_linears_held"] <= 3 and "lm_head" in rep["skipped"]
+def test_at_most_one_float_layer_is_alive(sharded, tmp_path, monkeypatch):
+    """Counted on the memory itself: each layer's float parameter storages are tracked until they are freed."""
+    seen, most = {}, [0]
+    materialize = cstream._materialize
+
+    def float_layers_alive():
+        return sum(1 for refs in seen.values() if any(r() is not None for r in refs))
+
+    def tracked(module, prefix, reader, device):
+        out = materialize(module, prefix, reader, device)
+        if ".layers." in prefix:
+            seen[prefix] = [weakref.ref(p.untyped_storage()) for p in out.parameters()]
+            most[0] = max(most[0], float_layers_alive())
+        return out
+
+    monkeypatch.setattr(cstream, "_materialize", tracked)
+    model, tok = load_tiny(str(sharded))
+    samples = calibration_samples(tok, "default", 4, 16, 0)
+    del model
+    rep = cstream.quantize_streaming(str(sharded), str(tmp_path / "q"), QuantConfig(4, 32, False), "gptq", samples,
+                                     progress=False)
+    assert most[0] == 1 and rep["most_float_layers_held"] == 1  # of 2 layers
+    assert len(rep["converted"]) == 2 * 4 and "lm_head" in rep["skipped"]
+    assert float_layers_alive() == 0
+
+
+def test_resume_after_an_interruption_gives_the_same_checkpoint(sharded, tmp_path):
+    args = [str(sharded), "--bits", "4", "--group-size", "32", "--asym"] + GPTQ
+    assert cli.main(args + ["--stream", "--out", str(tmp_path / "whole")]) == 0
+    model, tok = load_tiny(str(sharded))
+    samples = calibration_samples(tok, "default", 6, 24, 0)
+
+    def stop(li):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        cstream.quantize_streaming(str(sharded), str(tmp_path / "cut"), QuantConfig(4, 32, False), "gptq", samples,
+                                   act_order=True, batch_size=4, progress=False, on_layer=stop,
+                                   calibration=cli._calib_record(cli.build_parser().parse_args(
+                                       args + ["--out", "x", "--seq-len", "24"])))
+    assert not (tmp_path / "cut").exists()
+    progress = json.loads((tmp_path / "cut.partial" / "progress.json").read_text())
+    assert progress["done"] == [0]
+    assert cli.main(args + ["--stream", "--out", str(tmp_path / "cut")]) == 2  # not without --resume
+    assert cli.main(args + ["--stream", "--resume", "--out", str(tmp_path / "cut")]) == 0
+    _same_checkpoints(tmp_path / "whole", tmp_path / "cut")
+    report = json.loads((tmp_path / "cut" / "quantize_report.json").read_text())
+    assert report["resumed_layers"] == [0]
+
+
+def test_resume_after_kill_9(sharded, tmp_path):
+    """A real SIGKILL of the CLI after its first layer is written; --resume then finishes it."""
+    args = [str(sharded), "--bits", "4", "--group-size", "32", "--asym", "--stream"] + GPTQ
+    assert cli.main(args + ["--out", str(tmp_path / "whole")]) == 0
+    code = (
+        "import os, signal, sys\n"
+        "from qgemv import stream\n"
+        "from qgemv.calibration import cli\n"
+        "write = stream.LayerWriter.write_unit\n"
+        "def kill_after(self, unit, *a, **k):\n"
+        "    write(self, unit, *a, **k)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "stream.LayerWriter.write_unit = kill_after\n"
+        f"sys.exit(cli.main({args + ['--out', str(tmp_path / 'cut')]!r}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).parent)))
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "cut.partial" / "progress.json").read_text())["done"] == [0]
+    assert cli.main(args + ["--resume", "--out", str(tmp_path / "cut")]) == 0
+    _same_checkpoints(tmp_path / "whole", tmp_path / "cut")
+
+
+def test_resume_refuses_other_settings(sharded, tmp_path, capsys):
+    args = [str(sharded), "--bits", "4", "--group-size", "32", "--asym", "--stream", "--out", str(tmp_path / "q")]
+    (tmp_path / "q.partial").mkdir()
+    (tmp_path / "q.partial" / "progress.json").write_text(json.dumps(
+        {"fingerprint": {"method": "gptq", "bits": 8}, "done": []}))
+    capsys.readouterr()
+    assert cli.main(args + ["--method", "rtn", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "bits" in err and "method" in err and "other settings" in err
 
 
 def test_stream_refuses_what_it_does_not_do(sharded, tmp_path, capsys):
-    common = [str(sharded), "--bits", "4", "--stream", "--out", str(tmp_path / "q")]
-    assert cli.main(common + ["--method", "gptq"]) == 2
-    assert "RTN only" in capsys.readouterr().err
-    assert cli.main(common + ["--method", "rtn", "--rotate"]) == 2
-    assert not (tmp_path / "q").exists()
+    common = [str(sharded), "--bits", "4", "--out", str(tmp_path / "q")]
+    assert cli.main(common + ["--method", "rtn", "--stream", "--rotate"]) == 2
+    assert cli.main(common + ["--method", "rtn", "--resume"]) == 2
+    assert "add --stream" in capsys.readouterr().err
+    assert not (tmp_path / "q").exists() and not (tmp_path / "q.partial").exists()
+
+
+def test_reader_reads_without_mapping_and_names_a_truncated_tensor(tmp_path):
+    from safetensors.torch import save_file
+
+    ts = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int32), "c": torch.randn(4).to(torch.bfloat16),
+          "e": torch.zeros(0, 3)}
+    save_file(ts, str(tmp_path / "model.safetensors"))
+    r = Reader(tmp_path)
+    for k, v in ts.items():
+        got = r.get(k)
+        assert got.dtype == v.dtype and torch.equal(got, v), k
+    with open(tmp_path / "model.safetensors", "r+b") as f:
+        f.truncate(os.path.getsize(tmp_path / "model.safetensors") - 4)
+    with pytest.raises(checkpoint.CheckpointError, match="tensor"):
+        Reader(tmp_path).get("c")
