@@ -21,7 +21,9 @@ holds it exactly:
 
 Act-order GPTQ (a ``g_idx`` other than ``k // group_size``) is stored with
 its input columns sorted by group and a ``perm`` that the QuantLinear applies
-to x (one gather of K elements per token).
+to x (one gather of K elements per token).  In the Llama-family MLPs the
+down_proj's permutation is folded into gate_proj's and up_proj's output rows
+instead (:func:`fold_mlp_perms`: the same function, no gather).
 
 Refused, each with an error that says why: a ``g_idx`` whose groups are not
 all ``group_size`` columns, int8 with groups or zero points, bits other than 4 and 8, group
@@ -376,9 +378,58 @@ def load(path, device: str = "cpu", dtype: torch.dtype = torch.float16, report: 
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     checkpoint.rebuild_meta_buffers(model, config, path)
+    folded = fold_mlp_perms(model)
     if report is not None:
-        report.update(method=method, converted=converted, kept_float=kept, max_scale_change=worst)
+        report.update(method=method, converted=converted, kept_float=kept, max_scale_change=worst,
+                      folded_perms=folded)
     return model.to(device).eval(), checkpoint._load_tokenizer(transformers, p)
+
+
+# MLPs that compute down(act(gate(x)) * up(x)) with an elementwise act, as transformers defines them
+_GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
+
+
+def fold_mlp_perms(model: nn.Module) -> list:
+    """Fold each permuted down_proj's input order into gate_proj's and up_proj's output rows, in place.
+
+    down_proj stored as W[:, perm] needs h[perm], where h = act(gate(x)) *
+    up(x) is elementwise in gate's and up's outputs: with their rows (codes,
+    scales, zero points, bias) in perm order they produce h[perm] themselves,
+    so down_proj drops its gather and the model computes the same numbers, bit
+    for bit.  Only the MLP classes of _GATED_MLPS are folded.  Returns the
+    folded down_proj names.
+    """
+    folded = []
+    for name, mlp in model.named_modules():
+        if type(mlp).__name__ not in _GATED_MLPS:
+            continue
+        down, gate, up = (getattr(mlp, a, None) for a in ("down_proj", "gate_proj", "up_proj"))
+        if not isinstance(down, QuantLinear) or down.perm is None:
+            continue
+        if not all(type(m) in (QuantLinear, nn.Linear) for m in (gate, up)):
+            continue
+        for m in (gate, up):
+            _permute_rows(m, down.perm.to(torch.int64))
+        down.perm = None
+        folded.append(f"{name}.down_proj" if name else "down_proj")
+    return folded
+
+
+def _permute_rows(m: nn.Module, idx: torch.Tensor) -> None:
+    """Reorder a linear's output rows: m(x) becomes m(x)[..., idx]."""
+    with torch.no_grad():
+        if isinstance(m, QuantLinear):
+            rows = formats.to_panels(m.qweight, inverse=True)
+            m.qweight = formats.to_panels(rows[idx.to(rows.device)].contiguous())
+            m.scales = m.scales[idx.to(m.scales.device)].contiguous()
+            if m.zeros is not None:
+                m.zeros = m.zeros[idx.to(m.zeros.device)].contiguous()
+            if m.bias is not None:
+                m.bias = m.bias[idx.to(m.bias.device)].contiguous()
+        else:
+            m.weight = nn.Parameter(m.weight[idx.to(m.weight.device)].contiguous(), requires_grad=False)
+            if m.bias is not None:
+                m.bias = nn.Parameter(m.bias[idx.to(m.bias.device)].contiguous(), requires_grad=False)
 
 
 def main(argv=None) -> int:

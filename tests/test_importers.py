@@ -39,9 +39,11 @@ def load(d):
     ("awq_gemm_g32", "awq_gemm_g32", QuantConfig(4, 32, False)),
     ("gptq_v1_actorder", "gptq_v1_actorder", QuantConfig(4, 32, False)),
 ])
-def test_weights_equal_the_producers_dequantization(name, ref, fmt):
+def test_weights_equal_the_producers_dequantization(name, ref, fmt, monkeypatch):
     """Every linear's weight (q - z) * s, rounded to float16 as the producer computes it, equals the
-    producer's own dequantization bit for bit; lm_head stays float."""
+    producer's own dequantization bit for bit; lm_head stays float.  (Checked before the MLP permutation
+    fold, which reorders gate/up rows: test_down_proj_perm_folds_into_gate_and_up.)"""
+    monkeypatch.setattr(importers, "fold_mlp_perms", lambda model: [])
     model, rep = load(DATA / name)
     want = load_file(str(DATA / ref / "reference.safetensors"))
     assert len(rep["converted"]) == len(want) == 7 and rep["kept_float"] == ["lm_head"]
@@ -58,15 +60,16 @@ def test_act_order_is_stored_with_a_permuted_input_that_round_trips(tmp_path):
     only where the perms agree."""
     model, _ = load(DATA / "gptq_v1_actorder")
     want = load_file(str(DATA / "gptq_v1_actorder" / "reference.safetensors"))
-    q = model.get_submodule("model.layers.0.mlp.down_proj")
+    q = model.get_submodule("model.layers.0.self_attn.o_proj")
     assert q.perm is not None and not torch.equal(q.perm, torch.arange(q.in_features))
     x = torch.randn(3, q.in_features)
-    ref = x @ want["model.layers.0.mlp.down_proj.weight"].float().t()
+    ref = x @ want["model.layers.0.self_attn.o_proj.weight"].float().t()
     torch.testing.assert_close(q(x), ref, rtol=1e-3, atol=1e-3)
     out = tmp_path / "q"
     assert run_convert(str(DATA / "gptq_v1_actorder"), "--out", str(out)).returncode == 0
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert "model.layers.0.mlp.down_proj" in qc["permuted"]
+    assert "model.layers.0.self_attn.o_proj" in qc["permuted"]
+    assert "model.layers.0.mlp.down_proj" not in qc["permuted"]  # folded into gate/up
     assert not qc["fused"]  # every linear has its own random order here: nothing shares a perm
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -77,6 +80,25 @@ def test_act_order_is_stored_with_a_permuted_input_that_round_trips(tmp_path):
     with torch.no_grad():
         a = model(ids).logits
         assert torch.equal(back(ids).logits, a) and torch.equal(hf(ids).logits, a)
+
+
+def test_down_proj_perm_folds_into_gate_and_up(monkeypatch):
+    """down_proj's act-order gather is folded into gate_proj's and up_proj's rows: no perm left on
+    down_proj, gate/up hold the producer's rows in its order, and the logits are bit-identical."""
+    model, rep = load(DATA / "gptq_v1_actorder")
+    want = load_file(str(DATA / "gptq_v1_actorder" / "reference.safetensors"))
+    assert rep["folded_perms"] == ["model.layers.0.mlp.down_proj"]
+    monkeypatch.setattr(importers, "fold_mlp_perms", lambda model: [])
+    unfolded, _ = load(DATA / "gptq_v1_actorder")
+    perm = unfolded.model.layers[0].mlp.down_proj.perm
+    mlp = model.model.layers[0].mlp
+    assert mlp.down_proj.perm is None and perm is not None
+    for m in ("gate_proj", "up_proj"):
+        w = want[f"model.layers.0.mlp.{m}.weight"]
+        assert torch.equal(getattr(mlp, m).dequantize().half(), w[perm]), m
+    ids = torch.randint(0, 32, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, unfolded(ids).logits)
 
 
 def test_act_order_groups_must_be_equal(tmp_path):
