@@ -294,18 +294,25 @@ def quantize_streaming(src, out, cfg: QuantConfig, method: str = "gptq", samples
         for li in range(len(layers)):
             tl = time.time()
             prefix = f"{layers_path}.{li}."
-            with clock("read"):
-                layer = _materialize(layers[li], prefix, reader, device)
-            held[0] += 1
-            held[1] = max(held)
+            # a finished layer is read again only when later layers need its outputs
+            needed = li not in writer.done or (hidden is not None and li < last_needed)
+            if needed:
+                with clock("read"):
+                    layer = _materialize(layers[li], prefix, reader, device)
+                held[0] += 1
+                held[1] = max(held)
+            else:
+                layer = layers[li]  # meta: its names and shapes give the format record
             targets = layer_targets(layer, prefix, cfg, skip, overrides, group_fallback, skipped)
             info = {}
             if li in writer.done:  # resumed: rebuild its function from what was written
-                tensors, exact = writer.read_unit(li)
-                if hidden is not None and li < last_needed:
+                if needed:
+                    tensors, exact = writer.read_unit(li)
                     _restore_layer(layer, prefix, targets, tensors, exact)
                     with clock("forward"):
                         _advance(layer, hidden, kwargs, fwd)
+                else:
+                    tensors = writer.unit_names(li)
                 _shells(layer, prefix, targets, tensors)
             else:
                 if algo is None:
@@ -330,7 +337,7 @@ def quantize_streaming(src, out, cfg: QuantConfig, method: str = "gptq", samples
                 quantized = tensors = exact = None
             layers[li] = layer.to("meta")
             layer = targets = None
-            held[0] -= 1
+            held[0] -= int(needed)
             per_layer.append({"layer": li, "seconds": time.time() - tl, "resumed": li in resumed, "info": info})
             if bar is not None:
                 post = {"rss": f"{checkpoint.peak_rss_mb():.0f}MB"}

@@ -162,6 +162,10 @@ class LayerWriter:
         extra = self.work / self._name(unit, ".resume")
         return load_file(str(self.work / self._name(unit))), (load_file(str(extra)) if extra.exists() else {})
 
+    def unit_names(self, unit: int) -> set:
+        """The tensor names a finished unit's shard holds (its header only)."""
+        return set(_header(self.work / self._name(unit))[0])
+
     def finish(self, rest: dict, config_json: dict, tokenizer=None, extra_json=None) -> Path:
         """Write ``rest`` (the tensors outside the units) as the last shard, the index, config.json and the
         tokenizer; rename the work directory to OUT (an existing OUT is replaced only once this is complete).

@@ -140,6 +140,25 @@ def test_resume_after_an_interruption_gives_the_same_checkpoint(sharded, tmp_pat
     assert report["resumed_layers"] == [0]
 
 
+def test_rtn_resume_reads_no_finished_layer_again(sharded, tmp_path, monkeypatch):
+    """RTN needs no hidden states: a resumed run takes the finished layers' formats from their shard headers
+    and reads only the layers still to do."""
+    args = [str(sharded), "--bits", "4", "--group-size", "32", "--asym", "--method", "rtn", "--stream"]
+    assert cli.main(args + ["--out", str(tmp_path / "whole")]) == 0
+
+    def stop(li):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        cstream.quantize_streaming(str(sharded), str(tmp_path / "cut"), QuantConfig(4, 32, False), "rtn",
+                                   progress=False, on_layer=stop)
+    read, materialize = [], cstream._materialize
+    monkeypatch.setattr(cstream, "_materialize", lambda m, prefix, *a: read.append(prefix) or materialize(m, prefix, *a))
+    assert cli.main(args + ["--resume", "--out", str(tmp_path / "cut")]) == 0
+    assert not any(p.startswith("model.layers.0.") for p in read) and "model.layers.1." in read
+    _same_checkpoints(tmp_path / "whole", tmp_path / "cut")
+
+
 def test_resume_after_kill_9(sharded, tmp_path):
     """A real SIGKILL of the CLI after its first layer is written; --resume then finishes it."""
     args = [str(sharded), "--bits", "4", "--group-size", "32", "--asym", "--stream"] + GPTQ
