@@ -1,0 +1,151 @@
+"""Decode's GEMV chain: the linears of several decoder layers in one CUDA graph, against fp16 cuBLAS.
+
+    python -m qgemv.eval.bench_chain --model llama3-8b --ms 1,4,16 --out runs/chain_llama3-8b
+
+Each decoder layer's four linears (fused q/k/v, o, fused gate/up, down) get
+their own random weights, so a chain of layers reads far more than the
+60 MB L2 (Llama-3-8B: 16 layers, 1.7 GB in int4 and 7 GB in fp16).  All of
+them are captured in one CUDA graph, replayed 20 times, and the median
+replay is divided by the layer count: µs per layer, the weight bytes over
+that time (GB/s), their share of the read ceiling measured in the same run
+(torch's sum over 4 GiB), and the speed-up over fp16 cuBLAS in the same
+kind of graph.  qgemv's variants run twice on compute capability 9.0+: as
+plain launches and as programmatic dependent launches (``PDL``, mode 7 of
+``qgemv._C.set_gemv_pdl``).  Peers: torch's tinygemm int4 g128 (bf16) and
+int8 weight-only kernels; gemlite and bitsandbytes, which the lent GPU needs
+carried in, are not wired in yet.  Writes <out>.json, <out>.md and <out>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+
+import torch
+
+from .bench_gemv import Timer, graph_time, make_variant, read_ceiling
+
+# (layers, [(N, K) of fused q/k/v, o, fused gate/up, down])
+MODELS = {
+    "llama3-8b": (16, [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]),
+    "llama3-70b": (4, [(10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672)]),
+    "qwen2.5-7b": (16, [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)]),
+}
+VARIANTS = ["fp16", "bf16", "int8", "int4", "int4g128", "int4g128a", "tinygemm_g128", "torch_int8"]
+QGEMV = ("int8", "int4", "int4g128", "int4g128a")
+
+
+def chain(name: str, layers: int, shapes: list):
+    """(calls: [(fn, K)] for every linear of every layer, weight bytes per layer, activation dtype)."""
+    calls, nbytes, dtype = [], 0, None
+    for li in range(layers):
+        for n, k in shapes:
+            fn, b, dtype = make_variant(name, n, k)
+            calls.append((fn, k))
+            if li == 0:
+                nbytes += b
+    return calls, nbytes, dtype
+
+
+def time_chain(calls, m: int, dtype) -> float:
+    """Median µs of one graph replay of every call, each on its own fixed input [m, K]."""
+    xs = {k: torch.randn(m, k, device="cuda", dtype=dtype) for k in {k for _, k in calls}}
+
+    def run():
+        for fn, k in calls:
+            fn(xs[k])
+
+    return graph_time(run, replays=20) * 1e3
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
+    ap.add_argument("--ms", default="1,4,16")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers in the chain (default: the model's)")
+    ap.add_argument("--out", default=None, help="report prefix (default runs/chain_MODEL)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_chain needs a CUDA GPU")
+    from qgemv import _C
+
+    layers, shapes = MODELS[args.model]
+    layers = args.layers or layers
+    out = args.out or f"runs/chain_{args.model}"
+    ms = [int(v) for v in args.ms.split(",")]
+    ceiling = read_ceiling(Timer())
+    pdl = torch.cuda.get_device_capability()[0] >= 9
+    rows, fp16 = [], {}
+    for name in args.variants.split(","):
+        try:
+            calls, nbytes, dtype = chain(name, layers, shapes)
+        except Exception as e:  # a peer this torch build lacks
+            print(f"{name}: unavailable ({type(e).__name__}: {str(e)[:100]})", flush=True)
+            continue
+        modes = [(-1, name)] + ([(7, name + " PDL")] if pdl and name in QGEMV else [])
+        for mode, label in modes:
+            if name in QGEMV:
+                _C.set_gemv_pdl(mode)
+            for m in ms:
+                try:
+                    us = time_chain(calls, m, dtype) / layers
+                except Exception as e:
+                    print(f"{label} M={m}: failed ({type(e).__name__}: {str(e)[:100]})", flush=True)
+                    continue
+                if name == "fp16":
+                    fp16[m] = us
+                gbps = nbytes / us / 1e3
+                row = dict(variant=label, M=m, us_per_layer=us, bytes_per_layer=nbytes, GBps=gbps,
+                           pct_read_ceiling=100 * gbps / ceiling["read_GBps"],
+                           x_fp16=fp16.get(m, float("nan")) / us)
+                rows.append(row)
+                print(f"{label:18s} M={m:2d}: {us:8.1f} us/layer  {gbps:6.0f} GB/s  "
+                      f"{row['pct_read_ceiling']:5.1f}% of read  {row['x_fp16']:.2f}x fp16", flush=True)
+        _C.set_gemv_pdl(-1)
+        del calls
+        torch.cuda.empty_cache()
+    result = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                  command="python -m qgemv.eval.bench_chain " + " ".join(argv if argv is not None else []),
+                  model=args.model, layers=layers, shapes=shapes, ceiling=ceiling, rows=rows)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    lines = [f"{result['date']}, {result['gpu']}, torch {result['torch']}, `{result['command']}`; {args.model}, "
+             f"{layers} layers; read ceiling {ceiling['read_GBps']:.0f} GB/s", "",
+             "| variant | M | µs / layer | GB/s | % of read ceiling | × fp16 |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['variant']} | {r['M']} | {r['us_per_layer']:.1f} | {r['GBps']:.0f} | "
+                     f"{r['pct_read_ceiling']:.1f} | {r['x_fp16']:.2f} |")
+    with open(out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    _plot(rows, ms, out + ".png", f"{args.model}, {layers} layers, {result['gpu']}")
+    return 0
+
+
+def _plot(rows, ms, path, title) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(r["variant"] for r in rows))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / max(len(ms), 1)
+    for j, m in enumerate(ms):
+        vals = [next((r["x_fp16"] for r in rows if r["variant"] == v and r["M"] == m), 0.0) for v in labels]
+        ax.bar([i + j * width for i in range(len(labels))], vals, width, label=f"M = {m}")
+    ax.set_xticks([i + width * (len(ms) - 1) / 2 for i in range(len(labels))])
+    ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("× fp16 cuBLAS (chain in one CUDA graph)")
+    ax.set_title(title, fontsize=9)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
