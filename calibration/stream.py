@@ -33,7 +33,7 @@ from torch import nn
 from qgemv import checkpoint, formats
 from qgemv.formats import QuantConfig
 from qgemv.nn import FUSE_GROUPS, FusedQuantLinear, FusedSlice, QuantLinear, fuse_linears, layer_format, set_submodule
-from qgemv.stream import LayerWriter, Reader
+from qgemv.stream import LayerWriter, Lazy, Reader
 
 from .quantize import (METHODS, Clock, _catch_layer0_inputs, _decoder_layers, forward_context, layer_runner,
                        layer_targets, make_method, quantize_layer)
@@ -201,8 +201,10 @@ def _outside_layers(model, reader: Reader, layers_path: str, cfg, skip, override
     for key in reader.keys():
         if key.startswith(layers_path + ".") or key in rest or key.rpartition(".")[0] in quantized:
             continue
-        t = reader.get(key)
-        rest[key] = t.to(float_dtype) if t.is_floating_point() else t
+        _, dtype, shape, _, _ = reader.index[key]
+        cast = float_dtype if dtype.is_floating_point else dtype
+        # read when its bytes are written: the embeddings and lm_head are never in memory together
+        rest[key] = Lazy(cast, tuple(shape), lambda key=key, cast=cast: reader.get(key).to(cast))
     return rest
 
 

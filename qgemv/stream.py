@@ -3,6 +3,8 @@
 :class:`Reader` parses each file's header once and reads a tensor's bytes
 with plain file reads when it is asked for: nothing is memory-mapped, so the
 source's pages never count towards the process's resident memory.
+:func:`write_safetensors` writes each tensor's bytes straight from its
+storage, loading :class:`Lazy` ones one at a time.
 :class:`LayerWriter` writes a checkpoint one unit (a decoder layer) per file
 into a work directory ``OUT.partial`` beside ``OUT``, records each finished
 unit in ``progress.json``, and renames the finished directory into place; an
@@ -16,12 +18,20 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from . import checkpoint, formats
 from .checkpoint import CheckpointError, OutputDirError
+
+class Lazy(NamedTuple):
+    """A tensor to be written that is produced only when its bytes are due: dtype, shape, load() -> tensor."""
+
+    dtype: torch.dtype
+    shape: tuple
+    load: Callable[[], torch.Tensor]
+
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -55,6 +65,42 @@ def _header(path: Path) -> tuple:
                                   f"in {data} bytes of data")
         out[name] = (dtype, shape, a, b)
     return out, 8 + n
+
+
+def write_safetensors(path, tensors: dict, metadata: Optional[dict] = None) -> None:
+    """Write ``tensors`` ({name: tensor or Lazy}) as a safetensors file, one tensor in memory at a time.
+
+    The header is computed from dtypes and shapes first; then each tensor's
+    bytes are written straight from its storage (a Lazy one is loaded just
+    before and dropped after), so no second copy of the data is made, as
+    safetensors' own save_file would.
+    """
+    names = {v: k for k, v in _DTYPES.items()}
+    head, offset = {}, 0
+    for name, t in tensors.items():
+        dtype, shape = t.dtype, tuple(t.shape)
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        head[name] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    if metadata:
+        head["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    raw = json.dumps(head, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor):
+                t = t.load()
+            t = t.detach().to("cpu").contiguous()
+            if t.dtype != _DTYPES[head[name]["dtype"]] or list(t.shape) != head[name]["shape"]:
+                raise ValueError(f"{name}: produced {t.dtype} {list(t.shape)}, announced {head[name]['dtype']} "
+                                 f"{head[name]['shape']}")
+            if t.numel():
+                f.write(memoryview(t.view(-1).view(torch.uint8).numpy()))
 
 
 class Reader:
@@ -139,11 +185,8 @@ class LayerWriter:
         os.replace(tmp, self.work / "progress.json")
 
     def _save(self, tensors: dict, name: str) -> None:
-        from safetensors.torch import save_file
-
         tmp = self.work / (name + ".tmp")
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp),
-                  metadata={"format": "pt", "qgemv_format_version": str(formats.FORMAT_VERSION)})
+        write_safetensors(tmp, tensors, {"format": "pt", "qgemv_format_version": formats.FORMAT_VERSION})
         os.replace(tmp, self.work / name)
 
     def write_unit(self, unit: int, tensors: dict, resume_tensors: Optional[dict] = None) -> None:
@@ -167,7 +210,7 @@ class LayerWriter:
         return set(_header(self.work / self._name(unit))[0])
 
     def finish(self, rest: dict, config_json: dict, tokenizer=None, extra_json=None) -> Path:
-        """Write ``rest`` (the tensors outside the units) as the last shard, the index, config.json and the
+        """Write ``rest`` (the tensors outside the units; values may be :class:`Lazy`) as the last shard, the index, config.json and the
         tokenizer; rename the work directory to OUT (an existing OUT is replaced only once this is complete).
 
         The checkpoint has one shard per unit plus one for ``rest``

@@ -201,6 +201,40 @@ def test_stream_refuses_what_it_does_not_do(sharded, tmp_path, capsys):
     assert not (tmp_path / "q").exists() and not (tmp_path / "q.partial").exists()
 
 
+def test_written_files_are_safetensors_and_lazy_tensors_load_one_at_a_time(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from qgemv.stream import Lazy, write_safetensors
+
+    alive = []
+
+    def big(seed):
+        def load():
+            assert not any(r() is not None for r in alive)  # the previous lazy tensor is gone
+            t = torch.randn(64, 33, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+            alive.append(weakref.ref(t.untyped_storage()))
+            return t
+        return load
+
+    ts = {"a": torch.randn(3, 5), "q": torch.randint(-5, 5, (4, 4), dtype=torch.int32),
+          "odd": torch.ones(3, dtype=torch.uint8), "e": torch.zeros(0, 2, dtype=torch.float16), "lazy1": Lazy(torch.bfloat16, (64, 33), big(1)),
+          "lazy2": Lazy(torch.bfloat16, (64, 33), big(2))}
+    write_safetensors(tmp_path / "x.safetensors", ts, {"format": "pt", "v": 3})
+    got = load_file(str(tmp_path / "x.safetensors"))
+    assert sorted(got) == sorted(ts)
+    for k, v in ts.items():
+        if isinstance(v, torch.Tensor):
+            assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    for k, seed in (("lazy1", 1), ("lazy2", 2)):
+        alive.clear()
+        assert got[k].dtype == torch.bfloat16 and torch.equal(got[k], big(seed)()), k
+    with safe_open(str(tmp_path / "x.safetensors"), framework="pt") as f:
+        assert f.metadata() == {"format": "pt", "v": "3"}
+    with pytest.raises(ValueError, match="announced"):
+        write_safetensors(tmp_path / "y.safetensors", {"w": Lazy(torch.float32, (2,), lambda: torch.zeros(3))})
+
+
 def test_reader_reads_without_mapping_and_names_a_truncated_tensor(tmp_path):
     from safetensors.torch import save_file
 
