@@ -249,3 +249,39 @@ def test_reader_reads_without_mapping_and_names_a_truncated_tensor(tmp_path):
         f.truncate(os.path.getsize(tmp_path / "model.safetensors") - 4)
     with pytest.raises(checkpoint.CheckpointError, match="tensor"):
         Reader(tmp_path).get("c")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("method", [GPTQ, ["--method", "awq_gptq", "--samples", "6", "--seq-len", "24"]],
+                         ids=["gptq", "awq_gptq"])
+def test_streamed_qwen_equals_the_in_memory_one(tiny_llama_dir, tmp_path, family, method):
+    """q/k/v biases (Qwen2, scaled by AWQ along with v_proj) and q/k norms (Qwen3) go through the
+    streamed path, resumed mid-way, exactly as through the in-memory one."""
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_llama_dir)
+    kw = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
+    cfg = (transformers.Qwen2Config(**kw) if family == "qwen2"
+           else transformers.Qwen3Config(head_dim=16, **kw))
+    torch.manual_seed(7)
+    model = (transformers.Qwen2ForCausalLM if family == "qwen2" else transformers.Qwen3ForCausalLM)(cfg)
+    if family == "qwen2":
+        assert model.model.layers[0].self_attn.q_proj.bias is not None
+        for layer in model.model.layers:
+            layer.self_attn.v_proj.bias.data.normal_(0, 0.5)
+    src = tmp_path / "src"
+    model.to(torch.bfloat16).save_pretrained(src, max_shard_size="40KB")
+    tok.save_pretrained(src)
+    args = [str(src), "--bits", "4", "--group-size", "32", "--asym"] + method
+    assert cli.main(args + ["--out", str(tmp_path / "mem")]) == 0
+
+    def stop(li):
+        raise KeyboardInterrupt
+
+    parsed = cli.build_parser().parse_args(args + ["--out", str(tmp_path / "st"), "--stream"])
+    samples = calibration_samples(tok, "default", 6, 24, 0)
+    with pytest.raises(KeyboardInterrupt):
+        cstream.quantize_streaming(str(src), str(tmp_path / "st"), QuantConfig(4, 32, False), parsed.method,
+                                   samples, act_order=parsed.act_order, batch_size=parsed.batch_size,
+                                   progress=False, on_layer=stop, calibration=cli._calib_record(parsed))
+    assert cli.main(args + ["--stream", "--resume", "--out", str(tmp_path / "st")]) == 0
+    _same_checkpoints(tmp_path / "mem", tmp_path / "st")
