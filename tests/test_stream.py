@@ -23,6 +23,7 @@ from conftest import load_tiny
 transformers = pytest.importorskip("transformers")
 
 GPTQ = ["--method", "gptq", "--act-order", "--samples", "6", "--seq-len", "24", "--batch-size", "4"]
+AWQ = ["--method", "awq", "--samples", "6", "--seq-len", "24"]
 
 
 @pytest.fixture()
@@ -51,8 +52,7 @@ def _same_checkpoints(a_dir, b_dir, keys_equal=True):
     return qa, qb
 
 
-@pytest.mark.parametrize("method", [["--method", "rtn"], GPTQ, ["--method", "awq", "--samples", "6", "--seq-len", "24"]],
-                         ids=["rtn", "gptq-act-order", "awq"])
+@pytest.mark.parametrize("method", [["--method", "rtn"], GPTQ, AWQ], ids=["rtn", "gptq-act-order", "awq"])
 def test_streamed_checkpoint_equals_the_in_memory_one(sharded, tmp_path, method):
     common = [str(sharded), "--bits", "4", "--group-size", "32", "--asym"] + method
     assert cli.main(common + ["--out", str(tmp_path / "mem")]) == 0
@@ -153,7 +153,8 @@ def test_rtn_resume_reads_no_finished_layer_again(sharded, tmp_path, monkeypatch
         cstream.quantize_streaming(str(sharded), str(tmp_path / "cut"), QuantConfig(4, 32, False), "rtn",
                                    progress=False, on_layer=stop)
     read, materialize = [], cstream._materialize
-    monkeypatch.setattr(cstream, "_materialize", lambda m, prefix, *a: read.append(prefix) or materialize(m, prefix, *a))
+    monkeypatch.setattr(cstream, "_materialize",
+                        lambda m, prefix, *a: read.append(prefix) or materialize(m, prefix, *a))
     assert cli.main(args + ["--resume", "--out", str(tmp_path / "cut")]) == 0
     assert not any(p.startswith("model.layers.0.") for p in read) and "model.layers.1." in read
     _same_checkpoints(tmp_path / "whole", tmp_path / "cut")
@@ -218,7 +219,8 @@ def test_written_files_are_safetensors_and_lazy_tensors_load_one_at_a_time(tmp_p
         return load
 
     ts = {"a": torch.randn(3, 5), "q": torch.randint(-5, 5, (4, 4), dtype=torch.int32),
-          "odd": torch.ones(3, dtype=torch.uint8), "e": torch.zeros(0, 2, dtype=torch.float16), "lazy1": Lazy(torch.bfloat16, (64, 33), big(1)),
+          "odd": torch.ones(3, dtype=torch.uint8), "e": torch.zeros(0, 2, dtype=torch.float16),
+          "lazy1": Lazy(torch.bfloat16, (64, 33), big(1)),
           "lazy2": Lazy(torch.bfloat16, (64, 33), big(2))}
     write_safetensors(tmp_path / "x.safetensors", ts, {"format": "pt", "v": 3})
     got = load_file(str(tmp_path / "x.safetensors"))
