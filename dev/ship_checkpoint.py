@@ -37,24 +37,28 @@ def _sha256(t: torch.Tensor) -> str:
 
 
 def pack(src: str, prefix: str, drop=("model.embed_tokens.weight",), piece_mb: float = 15.0) -> list:
-    """Write ``src`` (a qgemv checkpoint directory) minus ``drop`` as pieces PREFIX0..; returns their paths."""
+    """Write ``src`` (a qgemv checkpoint directory) minus ``drop`` as pieces PREFIX0..; returns their paths.
+
+    A sharded checkpoint travels as one ``model.safetensors`` (its shards merged, the index left out)."""
     from safetensors.torch import load_file, save
+
+    from qgemv import checkpoint as C
 
     step = int(piece_mb * 1e6)
     if step <= 0:
         raise ValueError(f"piece_mb must be > 0, got {piece_mb}")
     src_p = Path(src)
-    files = sorted(src_p.glob("*.safetensors"))
-    if len(files) != 1:
-        raise ValueError(f"{src}: expected one .safetensors file, found {len(files)}")
-    state = load_file(str(files[0]))
+    files = C.checkpoint_files(src_p)
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
     dropped = {}
     for key in drop:
         if key not in state:
             raise KeyError(f"{src}: no tensor {key!r} to drop")
         t = state.pop(key)
         dropped[key] = {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape), "sha256": _sha256(t)}
-    manifest = {"file": files[0].name, "dropped": dropped}
+    manifest = {"file": "model.safetensors", "dropped": dropped}
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
         def add(name: str, data: bytes) -> None:
@@ -64,8 +68,9 @@ def pack(src: str, prefix: str, drop=("model.embed_tokens.weight",), piece_mb: f
 
         add(PAYLOAD, save(state, metadata={"format": "pt"}))
         add(MANIFEST, json.dumps(manifest, indent=1).encode())
+        merged = set(files) | {src_p / "model.safetensors.index.json"}
         for f in sorted(src_p.iterdir()):
-            if f.is_file() and f != files[0]:
+            if f.is_file() and f not in merged:
                 add(f.name, f.read_bytes())
     data = buf.getvalue()
     out = []
