@@ -270,112 +270,118 @@ def quantize_streaming(src, out, cfg: QuantConfig, method: str = "gptq", samples
                        device=torch.device(device).type, samples=_samples_digest(samples),
                        format_version=formats.FORMAT_VERSION)
     writer = LayerWriter(out_p, len(layers), fingerprint, resume=resume)
-    resumed = sorted(writer.done)
-    clock = Clock(device)
-    cuda = torch.device(device).type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    algo = make_method(method, damp, act_order, clip_grid,
-                       tf32_hessian=forward_dtype in (torch.bfloat16, torch.float16)) if method != "rtn" else None
-    fwd = forward_context(forward_dtype, device)
-    skipped, per_layer, held = {}, [], [0, 0]
-    hidden = kwargs = None
-    if algo is not None and len(writer.done) < len(layers):
-        with clock("forward"):
-            hidden, kwargs = _layer0_inputs(model, base, layers[0], reader, config, src_p, samples, batch_size,
-                                            device)
-    run = layer_runner(kwargs or {}, fwd)
-    last_needed = max((li for li in range(len(layers)) if li not in writer.done), default=-1)
+    try:
+        resumed = sorted(writer.done)
+        clock = Clock(device)
+        cuda = torch.device(device).type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        algo = make_method(method, damp, act_order, clip_grid,
+                           tf32_hessian=forward_dtype in (torch.bfloat16, torch.float16)) if method != "rtn" else None
+        fwd = forward_context(forward_dtype, device)
+        skipped, per_layer, held = {}, [], [0, 0]
+        hidden = kwargs = None
+        if algo is not None and len(writer.done) < len(layers):
+            with clock("forward"):
+                hidden, kwargs = _layer0_inputs(model, base, layers[0], reader, config, src_p, samples, batch_size,
+                                                device)
+        run = layer_runner(kwargs or {}, fwd)
+        last_needed = max((li for li in range(len(layers)) if li not in writer.done), default=-1)
 
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(layers), desc=f"{method} {cfg.name} (streamed)", unit="layer", initial=0)
-    with checkpoint._terminate_raises():
-        for li in range(len(layers)):
-            tl = time.time()
-            prefix = f"{layers_path}.{li}."
-            # a finished layer is read again only when later layers need its outputs
-            needed = li not in writer.done or (hidden is not None and li < last_needed)
-            if needed:
-                with clock("read"):
-                    layer = _materialize(layers[li], prefix, reader, device)
-                held[0] += 1
-                held[1] = max(held)
-            else:
-                layer = layers[li]  # meta: its names and shapes give the format record
-            targets = layer_targets(layer, prefix, cfg, skip, overrides, group_fallback, skipped)
-            info = {}
-            if li in writer.done:  # resumed: rebuild its function from what was written
+            bar = tqdm(total=len(layers), desc=f"{method} {cfg.name} (streamed)", unit="layer", initial=0)
+
+        with checkpoint._terminate_raises():
+            for li in range(len(layers)):
+                tl = time.time()
+                prefix = f"{layers_path}.{li}."
+                # a finished layer is read again only when later layers need its outputs
+                needed = li not in writer.done or (hidden is not None and li < last_needed)
                 if needed:
-                    tensors, exact = writer.read_unit(li)
-                    _restore_layer(layer, prefix, targets, tensors, exact)
-                    with clock("forward"):
-                        _advance(layer, hidden, kwargs, fwd)
+                    with clock("read"):
+                        layer = _materialize(layers[li], prefix, reader, device)
+                    held[0] += 1
+                    held[1] = max(held)
                 else:
-                    tensors = writer.unit_names(li)
-                _shells(layer, prefix, targets, tensors)
-            else:
-                if algo is None:
-                    with clock("solve"):
-                        quantized = {n: QuantLinear.from_linear(m, c.bits, c.group_size, c.symmetric,
-                                                                name=prefix + n, device=device)
-                                     for n, (m, c) in targets.items()}
-                else:
-                    pending, originals, info = quantize_layer(layer, prefix, targets, algo, hidden, kwargs, run,
-                                                              fwd, device, true_sequential, clock)
-                    del originals  # the float weights: gone before the next layer is read
-                    if li < last_needed:
+                    layer = layers[li]  # meta: its names and shapes give the format record
+                targets = layer_targets(layer, prefix, cfg, skip, overrides, group_fallback, skipped)
+                info = {}
+                if li in writer.done:  # resumed: rebuild its function from what was written
+                    if needed:
+                        tensors, exact = writer.read_unit(li)
+                        _restore_layer(layer, prefix, targets, tensors, exact)
                         with clock("forward"):
                             _advance(layer, hidden, kwargs, fwd)
-                    quantized = {n: QuantLinear.from_quantized(m, c, qw, s, z) for n, m, c, qw, s, z in pending}
-                    pending = None
-                weights = {f"{n}.weight" for n in targets}
-                exact = {n: p.detach() for n, p in layer.named_parameters() if n not in weights}
-                with clock("write"):
-                    tensors = _pack_layer(layer, prefix, quantized, fuse, float_dtype)
-                    writer.write_unit(li, tensors, exact)
-                quantized = tensors = exact = None
-            layers[li] = layer.to("meta")
-            layer = targets = None
-            held[0] -= int(needed)
-            per_layer.append({"layer": li, "seconds": time.time() - tl, "resumed": li in resumed, "info": info})
+                    else:
+                        tensors = writer.unit_names(li)
+                    _shells(layer, prefix, targets, tensors)
+                else:
+                    if algo is None:
+                        with clock("solve"):
+                            quantized = {n: QuantLinear.from_linear(m, c.bits, c.group_size, c.symmetric,
+                                                                    name=prefix + n, device=device)
+                                         for n, (m, c) in targets.items()}
+                    else:
+                        pending, originals, info = quantize_layer(layer, prefix, targets, algo, hidden, kwargs, run,
+                                                                  fwd, device, true_sequential, clock)
+                        del originals  # the float weights: gone before the next layer is read
+                        if li < last_needed:
+                            with clock("forward"):
+                                _advance(layer, hidden, kwargs, fwd)
+                        quantized = {n: QuantLinear.from_quantized(m, c, qw, s, z) for n, m, c, qw, s, z in pending}
+                        pending = None
+                    weights = {f"{n}.weight" for n in targets}
+                    exact = {n: p.detach() for n, p in layer.named_parameters() if n not in weights}
+                    with clock("write"):
+                        tensors = _pack_layer(layer, prefix, quantized, fuse, float_dtype)
+                        writer.write_unit(li, tensors, exact)
+                    quantized = tensors = exact = None
+                layers[li] = layer.to("meta")
+                layer = targets = None
+                held[0] -= int(needed)
+                per_layer.append({"layer": li, "seconds": time.time() - tl, "resumed": li in resumed, "info": info})
+                if bar is not None:
+                    post = {"rss": f"{checkpoint.peak_rss_mb():.0f}MB"}
+                    if cuda:
+                        post["gpu"] = f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f}MB"
+                    bar.set_postfix(post)
+                    bar.update(1)
+                if on_layer is not None and li not in resumed:
+                    on_layer(li)
             if bar is not None:
-                post = {"rss": f"{checkpoint.peak_rss_mb():.0f}MB"}
-                if cuda:
-                    post["gpu"] = f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f}MB"
-                bar.set_postfix(post)
-                bar.update(1)
-            if on_layer is not None and li not in resumed:
-                on_layer(li)
-        if bar is not None:
-            bar.close()
-        hidden = None
-        with clock("write"):
-            rest = _outside_layers(model, reader, layers_path, cfg, skip, overrides, group_fallback, skipped,
-                                   device, float_dtype, config)
-            cfg_json = config.to_dict()
-            cfg_json["dtype"] = str(float_dtype).replace("torch.", "")
-            cfg_json.pop("torch_dtype", None)
-            cfg_json["quantization_config"] = dict(
-                checkpoint.quantization_config(model, method, calibration, cfg, sorted(skipped)),
-                source_model=str(src), streamed=True)
-            try:
-                tok = checkpoint.load_tokenizer(str(src_p))
-                tok_error = None
-            except Exception as e:  # noqa: BLE001 - a model without a tokenizer still quantizes; it is reported
-                tok, tok_error = None, f"{type(e).__name__}: {e}"
-            steps = dict(clock.seconds)
-            if "hessian" in steps:
-                steps["forward"] = steps.get("forward", 0.0) - steps["hessian"]  # reported apart
-            report = dict(method=method, format=cfg.name, device=str(device), layers=len(layers),
-                          resumed_layers=resumed, steps_seconds=steps, per_layer=per_layer,
-                          peak_rss_mb=checkpoint.peak_rss_mb(),
-                          peak_gpu_mb=torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None,
-                          most_float_layers_held=held[1], tokenizer_error=tok_error, skipped=skipped,
-                          converted=sorted(n for n, m in model.named_modules() if isinstance(m, QuantLinear)))
-            report["seconds"] = time.time() - t0
-            writer.finish(rest, cfg_json, tok, {"quantize_report.json": report})
+                bar.close()
+            hidden = None
+            with clock("write"):
+                rest = _outside_layers(model, reader, layers_path, cfg, skip, overrides, group_fallback, skipped,
+                                       device, float_dtype, config)
+                cfg_json = config.to_dict()
+                cfg_json["dtype"] = str(float_dtype).replace("torch.", "")
+                cfg_json.pop("torch_dtype", None)
+                cfg_json["quantization_config"] = dict(
+                    checkpoint.quantization_config(model, method, calibration, cfg, sorted(skipped)),
+                    source_model=str(src), streamed=True)
+                try:
+                    tok = checkpoint.load_tokenizer(str(src_p))
+                    tok_error = None
+                except Exception as e:  # noqa: BLE001 - a model without a tokenizer still quantizes; it is reported
+                    tok, tok_error = None, f"{type(e).__name__}: {e}"
+                steps = dict(clock.seconds)
+                if "hessian" in steps:
+                    steps["forward"] = steps.get("forward", 0.0) - steps["hessian"]  # reported apart
+                report = dict(method=method, format=cfg.name, device=str(device), layers=len(layers),
+                              resumed_layers=resumed, steps_seconds=steps, per_layer=per_layer,
+                              peak_rss_mb=checkpoint.peak_rss_mb(),
+                              peak_gpu_mb=torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None,
+                              most_float_layers_held=held[1], tokenizer_error=tok_error, skipped=skipped,
+                              converted=sorted(n for n, m in model.named_modules() if isinstance(m, QuantLinear)))
+                report["seconds"] = time.time() - t0
+                writer.finish(rest, cfg_json, tok, {"quantize_report.json": report})
+    except BaseException:
+        if not writer.done:  # nothing finished: leave no work directory to resume or delete
+            writer.discard()
+        raise
     report["seconds"] = time.time() - t0
     return report

@@ -137,6 +137,15 @@ class Reader:
         return t
 
 
+def finished_units(out) -> Optional[list]:
+    """The units an interrupted run for ``out`` finished (from ``OUT.partial/progress.json``); None when
+    there is no such run or its record is unreadable."""
+    try:
+        return list(json.loads((Path(str(out) + ".partial") / "progress.json").read_text())["done"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 class LayerWriter:
     """Writes a checkpoint into ``OUT.partial`` one unit at a time, resumably, then renames it to ``OUT``.
 
@@ -152,6 +161,8 @@ class LayerWriter:
         self.work = self.out.parent / (self.out.name + ".partial")
         self.fingerprint = json.loads(json.dumps(fingerprint, default=str))
         self.done = set()
+        if self.work.exists() and not resume and finished_units(self.out) == []:
+            shutil.rmtree(self.work)  # an interrupted run that finished nothing: nothing to keep
         if self.work.exists():
             if not resume:
                 raise OutputDirError(f"{self.work} holds an interrupted run for {self.out}: pass --resume to "

@@ -183,6 +183,24 @@ def test_resume_after_kill_9(sharded, tmp_path):
     _same_checkpoints(tmp_path / "whole", tmp_path / "cut")
 
 
+def test_a_failure_before_any_finished_layer_leaves_nothing(sharded, tmp_path, monkeypatch):
+    """A run that fails before finishing a layer leaves no work directory, and one that left an empty
+    record (killed at that point) does not stand in a new run's way; one with a finished layer does."""
+    def broken(*a, **k):
+        raise RuntimeError("solver exploded")
+
+    monkeypatch.setattr(cstream, "quantize_layer", broken)
+    args = [str(sharded), "--bits", "4", "--group-size", "32", "--asym", "--stream", "--out", str(tmp_path / "q")]
+    args += GPTQ
+    with pytest.raises(RuntimeError, match="exploded"):
+        cli.main(args)
+    assert not (tmp_path / "q.partial").exists() and not (tmp_path / "q").exists()
+    monkeypatch.undo()
+    (tmp_path / "q.partial").mkdir()
+    (tmp_path / "q.partial" / "progress.json").write_text(json.dumps({"fingerprint": {}, "done": []}))
+    assert cli.main(args) == 0 and not (tmp_path / "q.partial").exists()
+
+
 def test_resume_refuses_other_settings(sharded, tmp_path, capsys):
     args = [str(sharded), "--bits", "4", "--group-size", "32", "--asym", "--stream", "--out", str(tmp_path / "q")]
     (tmp_path / "q.partial").mkdir()
