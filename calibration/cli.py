@@ -172,6 +172,14 @@ def _stream(args, cfg, skip, overrides) -> int:
         print(f"qgemv-quantize: interrupted; the finished layers are kept in {work}: run the same command with "
               f"--resume to continue", file=sys.stderr)
         return code
+    except Exception as e:  # a crash mid-run (out of memory, ...): say what is kept, then the traceback
+        from qgemv.stream import finished_units
+
+        done = finished_units(args.out)
+        if done:
+            print(f"qgemv-quantize: failed ({type(e).__name__}: {e}); {len(done)} finished layer(s) are kept in "
+                  f"{args.out}.partial: fix the cause and run the same command with --resume", file=sys.stderr)
+        raise
     steps = ", ".join(f"{k} {v:.1f} s" for k, v in rep["steps_seconds"].items())
     gpu = f"; peak GPU memory {rep['peak_gpu_mb'] / 1024:.2f} GiB" if rep["peak_gpu_mb"] is not None else ""
     resumed = f", {len(rep['resumed_layers'])} resumed" if rep["resumed_layers"] else ""

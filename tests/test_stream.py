@@ -201,6 +201,25 @@ def test_a_failure_before_any_finished_layer_leaves_nothing(sharded, tmp_path, m
     assert cli.main(args) == 0 and not (tmp_path / "q.partial").exists()
 
 
+def test_a_crash_after_a_finished_layer_says_how_to_resume(sharded, tmp_path, monkeypatch, capsys):
+    real, calls = cstream.quantize_layer, []
+
+    def second_fails(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real(*a, **k)
+
+    monkeypatch.setattr(cstream, "quantize_layer", second_fails)
+    args = [str(sharded), "--bits", "4", "--group-size", "32", "--asym", "--stream", "--out", str(tmp_path / "q")]
+    with pytest.raises(RuntimeError, match="simulated"):
+        cli.main(args + GPTQ)
+    err = capsys.readouterr().err
+    assert "1 finished layer(s) are kept" in err and "--resume" in err
+    monkeypatch.undo()
+    assert cli.main(args + GPTQ + ["--resume"]) == 0
+
+
 def test_resume_refuses_other_settings(sharded, tmp_path, capsys):
     args = [str(sharded), "--bits", "4", "--group-size", "32", "--asym", "--stream", "--out", str(tmp_path / "q")]
     (tmp_path / "q.partial").mkdir()
