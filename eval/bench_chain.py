@@ -11,9 +11,11 @@ that time (GB/s), their share of the read ceiling measured in the same run
 (torch's sum over 4 GiB), and the speed-up over fp16 cuBLAS in the same
 kind of graph.  qgemv's variants run twice on compute capability 9.0+: as
 plain launches and as programmatic dependent launches (``PDL``, mode 7 of
-``qgemv._C.set_gemv_pdl``).  Peers: torch's tinygemm int4 g128 (bf16) and
-int8 weight-only kernels; gemlite and bitsandbytes, which the lent GPU needs
-carried in, are not wired in yet.  Writes <out>.json, <out>.md and <out>.png.
+``qgemv._C.set_gemv_pdl``).  Peers, each where it imports: torch's tinygemm
+int4 g128 (bf16) and int8 weight-only kernels; gemlite 0.6 int4 g128 with
+zero points and int8 (``A16W4_HQQ_INT`` / ``A16W8_INT8``, Triton);
+bitsandbytes NF4 (blocks of 64) and LLM.int8.  Writes <out>.json, <out>.md
+and <out>.png.
 """
 
 from __future__ import annotations
@@ -33,8 +35,41 @@ MODELS = {
     "llama3-70b": (4, [(10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672)]),
     "qwen2.5-7b": (16, [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)]),
 }
-VARIANTS = ["fp16", "bf16", "int8", "int4", "int4g128", "int4g128a", "tinygemm_g128", "torch_int8"]
+VARIANTS = ["fp16", "bf16", "int8", "int4", "int4g128", "int4g128a", "tinygemm_g128", "torch_int8",
+            "gemlite_int4g128a", "gemlite_int8", "bnb_nf4", "bnb_int8"]
 QGEMV = ("int8", "int4", "int4g128", "int4g128a")
+
+
+def peer_variant(name: str, n: int, k: int):
+    """(fn(x) -> y, weight bytes, activation dtype) of a peer library's layer; ImportError where it is missing."""
+    w = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
+    if name == "gemlite_int4g128a":
+        from gemlite.helper import A16W4_HQQ_INT
+
+        g = 128
+        wf = w.float().view(n, k // g, g)
+        lo, hi = wf.amin(-1), wf.amax(-1)
+        s = (hi - lo).clamp(min=1e-6) / 15
+        z = torch.round(-lo / s)
+        q = torch.clamp(torch.round(wf / s[..., None]) + z[..., None], 0, 15).to(torch.uint8).view(n, k)
+        lin = A16W4_HQQ_INT(device="cuda").from_weights(q, s.half(), z.half())  # w = (q - z) * s
+        return lin, n * k // 2 + 2 * 2 * n * (k // g), torch.float16
+    if name == "gemlite_int8":
+        from gemlite.helper import A16W8_INT8
+
+        return A16W8_INT8(device="cuda").from_weights(w), n * k + 4 * n, torch.float16
+    if name == "bnb_nf4":
+        import bitsandbytes as bnb
+
+        w4, state = bnb.functional.quantize_4bit(w, blocksize=64, quant_type="nf4")
+        return (lambda x: bnb.matmul_4bit(x, w4.t(), quant_state=state)), n * k // 2 + 4 * n * k // 64, torch.float16
+    if name == "bnb_int8":
+        import bitsandbytes as bnb
+
+        lin = bnb.nn.Linear8bitLt(k, n, bias=False, has_fp16_weights=False)
+        lin.weight = bnb.nn.Int8Params(w.cpu(), requires_grad=False, has_fp16_weights=False)
+        return lin.cuda(), n * k + 4 * n, torch.float16
+    raise ValueError(f"unknown variant {name}")
 
 
 def chain(name: str, layers: int, shapes: list):
@@ -42,7 +77,7 @@ def chain(name: str, layers: int, shapes: list):
     calls, nbytes, dtype = [], 0, None
     for li in range(layers):
         for n, k in shapes:
-            fn, b, dtype = make_variant(name, n, k)
+            fn, b, dtype = (peer_variant if name.startswith(("gemlite", "bnb")) else make_variant)(name, n, k)
             calls.append((fn, k))
             if li == 0:
                 nbytes += b
