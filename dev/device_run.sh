@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|chain|import|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -39,6 +39,13 @@ for step in "${@:-all}"; do
         | tee "$OUT/decode.log" | tail -40 ;;
     lab)
       VARIANTS="new=csrc:" OUT="$OUT" bash dev/lab_ab.sh 2>&1 | tail -100 ;;
+    chain)
+      for m in ${CHAIN_MODELS:-llama3-8b qwen2.5-7b llama3-70b}; do
+        PYTHONPATH=".peers${PYTHONPATH:+:$PYTHONPATH}" python3 -m qgemv.eval.bench_chain --model "$m" \
+          --out "$OUT/chain_$m" 2>&1 | grep -v -i warn | tail -60
+      done ;;
+    import)
+      python3 -m qgemv.eval.bench_import --out "$OUT/bench_import" 2>&1 | grep -v -i warn ;;
   esac
 done
 echo "total: $(( $(date +%s) - start )) s"
