@@ -143,6 +143,7 @@ def _stream(args, cfg, skip, overrides) -> int:
     import torch
 
     from qgemv import checkpoint
+    from qgemv.stream import finished_units, partial_dir
 
     from .data import calibration_samples
     from .stream import quantize_streaming
@@ -152,10 +153,10 @@ def _stream(args, cfg, skip, overrides) -> int:
     try:
         path = checkpoint.resolve_model(args.model)
         dtype = None if args.save_dtype == "auto" else getattr(torch, args.save_dtype)
-        samples = calib = None
+        samples = calib = tok = None
         if args.method != "rtn":
-            samples = calibration_samples(checkpoint.load_tokenizer(path), args.calib, args.samples, args.seq_len,
-                                          args.seed)
+            tok = checkpoint.load_tokenizer(path)
+            samples = calibration_samples(tok, args.calib, args.samples, args.seq_len, args.seed)
             calib = _calib_record(args)
         rep = quantize_streaming(path, args.out, cfg, args.method, samples, skip=skip, overrides=overrides,
                                  damp=args.damp, act_order=args.act_order, clip_grid=args.clip_grid,
@@ -163,22 +164,20 @@ def _stream(args, cfg, skip, overrides) -> int:
                                  float_dtype=dtype, true_sequential=args.true_sequential,
                                  forward_dtype=getattr(torch, args.forward_dtype),
                                  group_fallback=not args.no_group_fallback, overwrite=args.overwrite,
-                                 resume=args.resume, calibration=calib)
+                                 resume=args.resume, calibration=calib, tokenizer=tok)
     except (ValueError, FileNotFoundError, FileExistsError, checkpoint.CheckpointError) as e:
         return _fail(e)
     except (KeyboardInterrupt, SystemExit) as e:
-        work = f"{args.out}.partial"
+        work = partial_dir(args.out)
         code = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 130
         print(f"qgemv-quantize: interrupted; the finished layers are kept in {work}: run the same command with "
               f"--resume to continue", file=sys.stderr)
         return code
     except Exception as e:  # a crash mid-run (out of memory, ...): say what is kept, then the traceback
-        from qgemv.stream import finished_units
-
         done = finished_units(args.out)
         if done:
             print(f"qgemv-quantize: failed ({type(e).__name__}: {e}); {len(done)} finished layer(s) are kept in "
-                  f"{args.out}.partial: fix the cause and run the same command with --resume", file=sys.stderr)
+                  f"{partial_dir(args.out)}: fix the cause and run the same command with --resume", file=sys.stderr)
         raise
     steps = ", ".join(f"{k} {v:.1f} s" for k, v in rep["steps_seconds"].items())
     gpu = f"; peak GPU memory {rep['peak_gpu_mb'] / 1024:.2f} GiB" if rep["peak_gpu_mb"] is not None else ""
@@ -217,7 +216,7 @@ def main(argv=None) -> int:
     from qgemv import checkpoint
     from qgemv.formats import QuantConfig
     from qgemv.nn import QuantLinear, check_rules, fuse_llama_projections
-    from qgemv.stream import finished_units
+    from qgemv.stream import finished_units, partial_dir
     from qgemv.text import TextError, load_text
 
     from .data import calibration_samples
@@ -234,9 +233,9 @@ def main(argv=None) -> int:
         source = checkpoint.default_model_dir() if args.model in (None, "", "default", "smollm2") else args.model
         sources = [source, checkpoint.default_gguf_file()] if source == checkpoint.default_model_dir() else [source]
         checkpoint.check_output_dir(args.out, args.overwrite, sources=sources)
-        if args.stream and not args.resume and os.path.lexists(f"{args.out}.partial") and \
+        if args.stream and not args.resume and os.path.lexists(partial_dir(args.out)) and \
                 finished_units(args.out) != []:
-            raise checkpoint.OutputDirError(f"{args.out}.partial holds an interrupted run for {args.out}: pass "
+            raise checkpoint.OutputDirError(f"{partial_dir(args.out)} holds an interrupted run for {args.out}: pass "
                                             f"--resume to continue it, or delete it to start over")
         if source != checkpoint.default_model_dir():
             checkpoint.check_float_model(source)

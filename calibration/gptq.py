@@ -107,6 +107,8 @@ def gptq_quantize(
     """
     formats.check_weight(W, name, cfg.group_size)
     n, k = W.shape
+    if split is not None and sum(split) != n:
+        raise ValueError(f"{name}: split {list(split)} does not add up to {n} rows")
     W = W.detach().to(H.device, torch.float32).clone()
     H = H.clone()
     dead = torch.diag(H) == 0
@@ -191,8 +193,6 @@ def gptq_quantize(
         out.append((formats.quantize_with_params(Q[a:b], scales[a:b], zp, cfg), scales[a:b].contiguous(), zp,
                     {"damp": used_damp, "loss": float(loss[a:b].sum())}))
         a = b
-    if a != n:
-        raise ValueError(f"{name}: split {list(split)} does not add up to {n} rows")
     return out
 
 

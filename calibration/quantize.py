@@ -186,18 +186,22 @@ def forward_context(forward_dtype: Optional[torch.dtype], device):
     return fwd
 
 
+def advance(layer: nn.Module, xs: list, kwargs: dict, fwd) -> None:
+    """xs[i] <- layer(xs[i]) for each [b, L, hidden] batch, in place and in xs[i]'s dtype (autocast can
+    leave a layer's output in the lower dtype; the residual stream between layers keeps the model's)."""
+    with fwd():
+        for i, h in enumerate(xs):
+            o = layer(h, **kwargs)
+            xs[i] = (o[0] if isinstance(o, tuple) else o).to(h.dtype)
+
+
 def layer_runner(kwargs: dict, fwd):
-    """run(layer, xs) -> the layer's outputs for each [b, L, hidden] tensor of xs, in xs' dtype."""
+    """run(layer, xs) -> the layer's outputs for each [b, L, hidden] tensor of xs (a new list; see advance)."""
 
     def run(layer, xs):
-        outs = []
-        with fwd():
-            for h in xs:
-                o = layer(h, **kwargs)
-                outs.append(o[0] if isinstance(o, tuple) else o)
-        # autocast can leave a layer's output in the lower dtype; the residual
-        # stream between layers stays in the model's dtype
-        return [o.to(xs[0].dtype) for o in outs]
+        ys = list(xs)
+        advance(layer, ys, kwargs, fwd)
+        return ys
 
     return run
 
@@ -405,7 +409,7 @@ def quantize_causal_lm(
         targets = layer_targets(layer, prefix, cfg, skip, overrides, group_fallback, rep.skipped)
         pending, originals, info = quantize_layer(layer, prefix, targets, algo, hidden, kwargs, run, fwd, device,
                                                   true_sequential)
-        hidden = run(layer, hidden)
+        advance(layer, hidden, kwargs, fwd)  # the next layer's inputs, in place
         for n, m, lcfg, qw, s, z in pending:
             m.weight.data = originals[n]
             _count(rep, m, qw, s, z)

@@ -32,11 +32,11 @@ from torch import nn
 
 from qgemv import checkpoint, formats
 from qgemv.formats import QuantConfig
-from qgemv.nn import FUSE_GROUPS, FusedQuantLinear, FusedSlice, QuantLinear, fuse_linears, layer_format, set_submodule
+from qgemv.nn import FUSE_GROUPS, QuantLinear, fuse_linears, layer_format, set_submodule
 from qgemv.stream import LayerWriter, Lazy, Reader
 
-from .quantize import (METHODS, Clock, _catch_layer0_inputs, _decoder_layers, forward_context, layer_runner,
-                       layer_targets, make_method, quantize_layer)
+from .quantize import (METHODS, Clock, _catch_layer0_inputs, _decoder_layers, advance, forward_context,
+                       layer_runner, layer_targets, make_method, quantize_layer)
 
 
 def _materialize(module: nn.Module, prefix: str, reader: Reader, device) -> nn.Module:
@@ -71,52 +71,45 @@ def _layer0_inputs(model, base: nn.Module, layer0: nn.Module, reader: Reader, co
         emb.to("meta")
 
 
-def _advance(layer: nn.Module, hidden: list, kwargs: dict, fwd) -> None:
-    """hidden[i] <- layer(hidden[i]), batch by batch, in place (the same arithmetic as layer_runner)."""
-    with fwd():
-        for i, h in enumerate(hidden):
-            o = layer(h, **kwargs)
-            hidden[i] = (o[0] if isinstance(o, tuple) else o).to(h.dtype)
+def _shell(lin: nn.Module, c: QuantConfig) -> QuantLinear:
+    """A QuantLinear of lin's shape in format c on the meta device (for the quantization_config record)."""
+    return QuantLinear(lin.in_features, lin.out_features, c.bits, c.group_size, c.symmetric,
+                       bias=lin.bias is not None, device="meta")
 
 
-def _meta_shell(q: QuantLinear) -> QuantLinear:
-    """A QuantLinear of q's shape and format on the meta device (for the quantization_config record)."""
-    return QuantLinear(q.in_features, q.out_features, q.bits, q.group_size, q.config.symmetric,
-                       bias=q.bias is not None, device="meta")
+def _quant_tensors(name: str, q: QuantLinear, float_dtype) -> dict:
+    """A QuantLinear's checkpoint tensors under ``name`` (its bias cast to float_dtype)."""
+    return {f"{name}.{key}": (t.to(float_dtype) if key == "bias" else t)
+            for key in ("qweight", "scales", "zeros", "bias") if (t := getattr(q, key)) is not None}
+
+
+def _fused_name(n: str) -> Optional[str]:
+    """``owner.qkv`` / ``owner.gate_up`` for a member of a fusable group, else None."""
+    owner, _, child = n.rpartition(".")
+    kind = next((k for k, ms in FUSE_GROUPS.items() if child in ms), None)
+    return None if kind is None else (f"{owner}.{kind}" if owner else kind)
+
+
+def _members(whole: str) -> list:
+    owner, _, kind = whole.rpartition(".")
+    return [f"{owner}.{m}" if owner else m for m in FUSE_GROUPS[kind]]
 
 
 def _pack_layer(layer: nn.Module, prefix: str, quantized: dict, fuse: bool, float_dtype) -> dict:
     """The layer's checkpoint tensors: its QuantLinears (q/k/v and gate/up fused where they share a
     format), and every other parameter cast to ``float_dtype``.  Puts meta shells into ``layer``."""
-    tensors = {}
-
-    def emit(name: str, q: QuantLinear) -> None:
-        for key in ("qweight", "scales", "zeros", "bias"):
-            t = getattr(q, key)
-            if t is not None:
-                tensors[f"{prefix}{name}.{key}"] = t.to(float_dtype) if key == "bias" else t
-
-    done = set()
-    if fuse:
-        for owner_name, owner in list(layer.named_modules()):
-            for kind, members in FUSE_GROUPS.items():
-                names = [f"{owner_name}.{m}" if owner_name else m for m in members]
-                if not all(n in quantized for n in names):
-                    continue
-                fused = fuse_linears([quantized[n] for n in names])
-                if fused is None:
-                    continue
-                whole = f"{owner_name}.{kind}" if owner_name else kind
-                emit(whole + ".fused", fused)
-                f = FusedQuantLinear(_meta_shell(fused), [quantized[n].out_features for n in names])
-                set_submodule(layer, whole, f)
-                for i, n in enumerate(names):
-                    set_submodule(layer, n, FusedSlice(f, i))
-                done.update(names)
+    tensors, done = {}, set()
+    for whole in dict.fromkeys(filter(None, map(_fused_name, quantized))) if fuse else ():
+        names = _members(whole)
+        fused = fuse_linears([quantized[n] for n in names]) if all(n in quantized for n in names) else None
+        if fused is not None:
+            tensors.update(_quant_tensors(f"{prefix}{whole}.fused", fused, float_dtype))
+            checkpoint._fuse_skeleton(layer, whole, fused.config, float_dtype, prefix)
+            done.update(names)
     for n, q in quantized.items():
         if n not in done:
-            emit(n, q)
-            set_submodule(layer, n, _meta_shell(q))
+            tensors.update(_quant_tensors(prefix + n, q, float_dtype))
+            set_submodule(layer, n, _shell(q, q.config))
     for n, p in layer.named_parameters():  # norms, float linears (the QuantLinear shells hold none)
         if not p.is_meta:
             tensors[prefix + n] = p.detach().to(float_dtype)
@@ -126,51 +119,32 @@ def _pack_layer(layer: nn.Module, prefix: str, quantized: dict, fuse: bool, floa
 def _restore_layer(layer: nn.Module, prefix: str, targets: dict, tensors: dict, exact: dict) -> None:
     """Put a finished layer's quantized function back into its float module: each target's weight is
     dequantized from the stored codes, every other parameter comes from the exact float32 copy."""
-    by_weight = {}
+    fused_rows = {}
     for n, (m, cfg) in targets.items():
-        owner, _, child = n.rpartition(".")
-        kind = next((k for k, ms in FUSE_GROUPS.items() if child in ms), None)
-        fused = f"{prefix}{owner}.{kind}.fused" if kind else None
-        if fused and f"{fused}.qweight" in tensors:
-            members = [f"{owner}.{c}" for c in FUSE_GROUPS[kind]]
-            if fused not in by_weight:
-                w = formats.dequantize(tensors[f"{fused}.qweight"], tensors[f"{fused}.scales"],
-                                       tensors.get(f"{fused}.zeros"), cfg, m.in_features)
-                by_weight[fused] = dict(zip(members, w.split([targets[x][0].out_features for x in members])))
-            w = by_weight[fused][n]
-        else:
-            key = f"{prefix}{n}"
+        whole = _fused_name(n)
+        key = f"{prefix}{whole}.fused" if whole and f"{prefix}{whole}.fused.qweight" in tensors else prefix + n
+        if key not in fused_rows:
             w = formats.dequantize(tensors[f"{key}.qweight"], tensors[f"{key}.scales"], tensors.get(f"{key}.zeros"),
                                    cfg, m.in_features)
+            members = _members(whole) if key != prefix + n else [n]
+            fused_rows[key] = dict(zip(members, w.split([targets[x][0].out_features for x in members])))
         with torch.no_grad():
-            m.weight.copy_(w)
+            m.weight.copy_(fused_rows[key][n])
     with torch.no_grad():
         for n, p in layer.named_parameters():
             if n in exact:
                 p.copy_(exact[n])
 
 
-def _shells(layer: nn.Module, prefix: str, targets: dict, tensors: dict) -> None:
-    """Meta QuantLinear shells (fused as the stored tensors say) in place of a resumed layer's targets."""
-    fused_done = set()
+def _shells(layer: nn.Module, prefix: str, targets: dict, names: set, float_dtype) -> None:
+    """Meta QuantLinear shells (fused as the stored tensor ``names`` say) in place of a resumed layer's targets."""
     for n, (m, c) in targets.items():
-        owner, _, child = n.rpartition(".")
-        kind = next((k for k, ms in FUSE_GROUPS.items() if child in ms), None)
-        whole = f"{owner}.{kind}" if owner else kind
-        if kind and f"{prefix}{whole}.fused.qweight" in tensors:
-            if whole not in fused_done:
-                members = [f"{owner}.{x}" if owner else x for x in FUSE_GROUPS[kind]]
-                sizes = [targets[x][0].out_features for x in members]
-                shell = QuantLinear(m.in_features, sum(sizes), c.bits, c.group_size, c.symmetric,
-                                    bias=m.bias is not None, device="meta")
-                f = FusedQuantLinear(shell, sizes)
-                set_submodule(layer, whole, f)
-                for i, x in enumerate(members):
-                    set_submodule(layer, x, FusedSlice(f, i))
-                fused_done.add(whole)
+        whole = _fused_name(n)
+        if whole and f"{prefix}{whole}.fused.qweight" in names:
+            if type(layer.get_submodule(n)) is nn.Linear:  # the group's first member: fuse it once
+                checkpoint._fuse_skeleton(layer, whole, c, float_dtype, prefix)
         else:
-            set_submodule(layer, n, QuantLinear(m.in_features, m.out_features, c.bits, c.group_size, c.symmetric,
-                                                bias=m.bias is not None, device="meta"))
+            set_submodule(layer, n, _shell(m, c))
 
 
 def _outside_layers(model, reader: Reader, layers_path: str, cfg, skip, overrides, group_fallback, skipped: dict,
@@ -191,11 +165,8 @@ def _outside_layers(model, reader: Reader, layers_path: str, cfg, skip, override
             continue
         real = _materialize(m, name + ".", reader, device)
         q = QuantLinear.from_linear(real, c.bits, c.group_size, c.symmetric, name=name, device=device)
-        for key in ("qweight", "scales", "zeros", "bias"):
-            t = getattr(q, key)
-            if t is not None:
-                rest[f"{name}.{key}"] = t.to(float_dtype) if key == "bias" else t
-        set_submodule(model, name, _meta_shell(q))
+        rest.update(_quant_tensors(name, q, float_dtype))
+        set_submodule(model, name, _shell(q, c))
         m.to("meta")
     quantized = {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     for key in reader.keys():
@@ -221,7 +192,8 @@ def quantize_streaming(src, out, cfg: QuantConfig, method: str = "gptq", samples
                        fuse: bool = True, float_dtype: Optional[torch.dtype] = None, true_sequential: bool = False,
                        forward_dtype: Optional[torch.dtype] = None, group_fallback: bool = True,
                        overwrite: bool = False, resume: bool = False, calibration: Optional[dict] = None,
-                       progress: bool = True, on_layer: Optional[Callable[[int], None]] = None) -> dict:
+                       progress: bool = True, on_layer: Optional[Callable[[int], None]] = None,
+                       tokenizer=None) -> dict:
     """Quantize the safetensors checkpoint directory ``src`` into the qgemv checkpoint ``out``, layer by layer.
 
     Args:
@@ -236,6 +208,7 @@ def quantize_streaming(src, out, cfg: QuantConfig, method: str = "gptq", samples
         resume: continue the run whose work directory ``OUT.partial`` exists
             (same settings required); otherwise such a directory is an error.
         calibration: recorded in quantization_config.
+        tokenizer: saved with the checkpoint (default: the source's, loaded here).
         on_layer: called with each layer's index once it is written.
 
     Returns a report: converted and skipped modules, per-layer seconds,
@@ -314,10 +287,10 @@ def quantize_streaming(src, out, cfg: QuantConfig, method: str = "gptq", samples
                         tensors, exact = writer.read_unit(li)
                         _restore_layer(layer, prefix, targets, tensors, exact)
                         with clock("forward"):
-                            _advance(layer, hidden, kwargs, fwd)
+                            advance(layer, hidden, kwargs, fwd)
                     else:
                         tensors = writer.unit_names(li)
-                    _shells(layer, prefix, targets, tensors)
+                    _shells(layer, prefix, targets, tensors, float_dtype)
                 else:
                     if algo is None:
                         with clock("solve"):
@@ -330,7 +303,7 @@ def quantize_streaming(src, out, cfg: QuantConfig, method: str = "gptq", samples
                         del originals  # the float weights: gone before the next layer is read
                         if li < last_needed:
                             with clock("forward"):
-                                _advance(layer, hidden, kwargs, fwd)
+                                advance(layer, hidden, kwargs, fwd)
                         quantized = {n: QuantLinear.from_quantized(m, c, qw, s, z) for n, m, c, qw, s, z in pending}
                         pending = None
                     weights = {f"{n}.weight" for n in targets}
@@ -364,7 +337,7 @@ def quantize_streaming(src, out, cfg: QuantConfig, method: str = "gptq", samples
                     checkpoint.quantization_config(model, method, calibration, cfg, sorted(skipped)),
                     source_model=str(src), streamed=True)
                 try:
-                    tok = checkpoint.load_tokenizer(str(src_p))
+                    tok = tokenizer if tokenizer is not None else checkpoint.load_tokenizer(str(src_p))
                     tok_error = None
                 except Exception as e:  # noqa: BLE001 - a model without a tokenizer still quantizes; it is reported
                     tok, tok_error = None, f"{type(e).__name__}: {e}"

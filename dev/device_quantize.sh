@@ -14,7 +14,7 @@ TOK=${TOK:-.tok}
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1
 
-make() {  # make NAME SHAPE [ARGS]: a random checkpoint, once
+make_ckpt() {  # make_ckpt NAME SHAPE [ARGS]: a random checkpoint, once
   local name=$1 shape=$2; shift 2
   [ -f "$W/$name/config.json" ] || python3 dev/make_random_checkpoint.py "$shape" "$W/$name" --tokenizer "$TOK" "$@" \
     2>&1 | grep -v -i warn | tail -2 | tee -a "$OUT/make.log"
@@ -34,11 +34,11 @@ quant() {  # quant NAME SRC ARGS: qgemv-quantize --stream, wall time, the report
 GPTQ="--method gptq --act-order --bits 4 --group-size 128 --asym --samples 128 --seq-len 2048 --forward-dtype bfloat16"
 for step in "$@"; do
   case "$step" in
-    rtn7b) make l2 llama2-7b; quant rtn7b l2 --method rtn --bits 4 --group-size 128 --asym; rm -rf "$W/rtn7b" ;;
-    gptq7b) make l2 llama2-7b; quant gptq7b l2 $GPTQ; rm -rf "$W/gptq7b" ;;
-    gptq7b8) make l2x8 llama2-7b --layers 8; quant gptq7b8 l2x8 $GPTQ; rm -rf "$W/gptq7b8" "$W/l2x8" ;;
-    gptq70b) rm -rf "$W/l2"; make l70x2 llama3-70b --layers 2; quant gptq70b l70x2 $GPTQ; rm -rf "$W/gptq70b" ;;
-    rtn8b) make l3 llama3-8b; quant rtn8b l3 --method rtn --bits 4 --group-size 128 --asym; rm -rf "$W/rtn8b" "$W/l3" ;;
+    rtn7b) make_ckpt l2 llama2-7b; quant rtn7b l2 --method rtn --bits 4 --group-size 128 --asym; rm -rf "$W/rtn7b" ;;
+    gptq7b) make_ckpt l2 llama2-7b; quant gptq7b l2 $GPTQ; rm -rf "$W/gptq7b" ;;
+    gptq7b8) make_ckpt l2x8 llama2-7b --layers 8; quant gptq7b8 l2x8 $GPTQ; rm -rf "$W/gptq7b8" "$W/l2x8" ;;
+    gptq70b) rm -rf "$W/l2"; make_ckpt l70x2 llama3-70b --layers 2; quant gptq70b l70x2 $GPTQ; rm -rf "$W/gptq70b" ;;
+    rtn8b) make_ckpt l3 llama3-8b; quant rtn8b l3 --method rtn --bits 4 --group-size 128 --asym; rm -rf "$W/rtn8b" "$W/l3" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

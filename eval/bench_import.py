@@ -17,6 +17,7 @@ weight byte comes from the 60 MB L2), median of 20 replays; the gather
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -91,7 +92,7 @@ def main(argv=None) -> int:
         want = base["native"](x_check)
         assert torch.equal(base["imported"](x_check), want)  # the same codes, repacked exactly
         assert base["imported act-order"].perm is not None
-        copies = {label: [m.to("cuda") if i == 0 else _clone(m).to("cuda") for i in range(args.copies)]
+        copies = {label: [copy.deepcopy(m).to("cuda") for _ in range(args.copies)]  # own storage: L2 misses
                   for label, m in base.items()}
         perm = copies["imported act-order"][0].perm
         for mtok in [int(v) for v in args.ms.split(",")]:
@@ -120,16 +121,6 @@ def main(argv=None) -> int:
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     return 0
-
-
-def _clone(m: QuantLinear) -> QuantLinear:
-    """A copy of m with its own weight storage (so rotating copies miss L2)."""
-    c = QuantLinear.from_quantized(torch.nn.Linear(m.in_features, m.out_features, bias=False, device="meta"),
-                                   m.config, m.qweight.clone(), m.scales.clone(),
-                                   None if m.zeros is None else m.zeros.clone())
-    if m.perm is not None:
-        c.perm = m.perm.clone()
-    return c
 
 
 if __name__ == "__main__":

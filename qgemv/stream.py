@@ -15,6 +15,7 @@ continues after its last finished unit.  calibration/stream.py drives both.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -57,10 +58,7 @@ def _header(path: Path) -> tuple:
             dtype, shape, (a, b) = _DTYPES[v["dtype"]], [int(d) for d in v["shape"]], v["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: tensor {name}: unreadable header entry {v!r}") from None
-        numel = 1
-        for d in shape:
-            numel *= d
-        if not 0 <= a <= b <= data or b - a != numel * torch.empty(0, dtype=dtype).element_size():
+        if not 0 <= a <= b <= data or b - a != math.prod(shape) * dtype.itemsize:
             raise CheckpointError(f"{path}: tensor {name}: byte range [{a}, {b}) does not fit {v['dtype']} {shape} "
                                   f"in {data} bytes of data")
         out[name] = (dtype, shape, a, b)
@@ -79,10 +77,7 @@ def write_safetensors(path, tensors: dict, metadata: Optional[dict] = None) -> N
     head, offset = {}, 0
     for name, t in tensors.items():
         dtype, shape = t.dtype, tuple(t.shape)
-        numel = 1
-        for d in shape:
-            numel *= d
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         head[name] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     if metadata:
@@ -137,11 +132,17 @@ class Reader:
         return t
 
 
+def partial_dir(out) -> Path:
+    """``OUT.partial``: where a streamed write of ``out`` works until it is complete."""
+    out = Path(out)
+    return out.parent / (out.name + ".partial")
+
+
 def finished_units(out) -> Optional[list]:
     """The units an interrupted run for ``out`` finished (from ``OUT.partial/progress.json``); None when
     there is no such run or its record is unreadable."""
     try:
-        return list(json.loads((Path(str(out) + ".partial") / "progress.json").read_text())["done"])
+        return list(json.loads((partial_dir(out) / "progress.json").read_text())["done"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -158,7 +159,7 @@ class LayerWriter:
 
     def __init__(self, out, units: int, fingerprint: dict, resume: bool = False):
         self.out, self.units = Path(out), units
-        self.work = self.out.parent / (self.out.name + ".partial")
+        self.work = partial_dir(self.out)
         self.fingerprint = json.loads(json.dumps(fingerprint, default=str))
         self.done = set()
         if self.work.exists() and not resume and finished_units(self.out) == []:
