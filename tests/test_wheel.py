@@ -69,7 +69,12 @@ def test_wheel_installs_and_runs_from_an_empty_directory(tmp_path):
                 "--device", "cpu"], work, env)
     assert out.strip()  # the streamed text
     assert "--out" in _run([bindir / "qgemv-convert", "--help"], work, env)
-    assert sorted(p.name for p in work.iterdir()) == ["q8"]
+    # the streamed path (one shard per decoder layer, through OUT.partial) from the wheel
+    _run([bindir / "qgemv-quantize", "default", "--bits", "8", "--method", "rtn", "--stream", "--out", "q8s"], work,
+         env)
+    assert (work / "q8s" / "model.safetensors.index.json").exists() and not (work / "q8s.partial").exists()
+    assert "--model" in _run([py, "-m", "qgemv.eval.bench_chain", "--help"], work, env)
+    assert sorted(p.name for p in work.iterdir()) == ["q8", "q8s"]
 
 
 def test_missing_transformers_is_a_clear_error(tmp_path):
