@@ -135,19 +135,24 @@ def gptq_quantize(
     H = H[perm][:, perm]
     U, used_damp = _inverse_cholesky(H, damp, name)
 
-    # Each permuted column's scale and zero point as [N] views, looked up on the
-    # host (one device sync for the whole permutation, none per column).
+    # Each permuted column's scale and code bounds as [N] views, looked up on
+    # the host (one device sync for the whole permutation, none per column).
+    # The codes are clamp(round(w / s) + z, qmin, qmax) - z = clamp(round(w / s),
+    # qmin - z, qmax - z): small integers in fp32, so the two forms are equal.
     perm_host = perm.tolist()
     scales_f = scales.float()
-    zeros_f = zeros.float() if zeros is not None else None
-    flat_zero = torch.full((n,), 0.0 if cfg.bits == 8 else 8.0, device=W.device)
+    z_const = 0.0 if cfg.bits == 8 else 8.0
+    lo_f = qmin - zeros.float() if zeros is not None else None
+    hi_f = qmax - zeros.float() if zeros is not None else None
 
     def col_params(j_perm: int):
-        """(scale [N] fp32, zero [N] fp32) of the permuted column j_perm."""
+        """(scale [N] fp32, lowest and highest code minus zero point: [N] fp32 or floats) of column j_perm."""
         if G is None:
-            return scales_f, flat_zero
+            return scales_f, qmin - z_const, qmax - z_const
         g = perm_host[j_perm] // G
-        return scales_f[:, g], (zeros_f[:, g] if zeros_f is not None else flat_zero)
+        if lo_f is None:
+            return scales_f[:, g], qmin - z_const, qmax - z_const
+        return scales_f[:, g], lo_f[:, g], hi_f[:, g]
 
     Q = torch.zeros_like(W)
     loss = torch.zeros(n, device=W.device)
@@ -167,16 +172,15 @@ def gptq_quantize(
                 scales_f[:, j // G] = scales[:, j // G].float()
                 if zeros is not None:
                     zeros[:, j // G] = z.reshape(n)
-                    zeros_f[:, j // G] = zeros[:, j // G].float()
-            s, z = col_params(j)
+                    lo_f[:, j // G] = qmin - zeros[:, j // G].float()
+                    hi_f[:, j // G] = qmax - zeros[:, j // G].float()
+            s, lo, hi = col_params(j)
             w = W1[:, i]
             d = U1[i, i]
-            q = torch.clamp(torch.round(w / s) + z, qmin, qmax)
-            dq = (q - z) * s
-            Q1[:, i] = dq
-            err = (w - dq) / d
+            # seven kernels per column: the dequantized value and the error are written in place
+            dq = torch.mul(torch.round(w / s).clamp_(lo, hi), s, out=Q1[:, i])
+            err = torch.div(w - dq, d, out=E1[:, i])
             W1[:, i:].addr_(err, U1[i, i:], alpha=-1)  # one kernel: W1 -= err (x) U1[i, i:]
-            E1[:, i] = err
         loss += E1.square().sum(1) / 2  # (w - dq)^2 / d^2 / 2, summed over the block
         Q[:, i1:i2] = Q1
         W[:, i2:] -= E1 @ U[i1:i2, i2:]
