@@ -53,7 +53,11 @@ MODELS = {
                  intermediate_size=256, vocab_size=512),  # for the CPU test of this script
 }
 VARIANTS = {"fp16": None, "bf16": None, "int8": (8, None, True), "int4": (4, None, True),
-            "int4g128a": (4, 128, False)}
+            "int4g128a": (4, 128, False), "int4g128a_act": (4, 128, False), "int4g128a_act_sep": (4, 128, False)}
+# int4g128a_act: int4 g128a with act-order input permutations as an imported GPTQ checkpoint has them after
+# qgemv.importers (one random perm shared by q/k/v, one by o, one by gate/up; down_proj's folded into gate/up's
+# rows); the engine gathers q/k/v's and gate/up's inputs inside its RMSNorm glue.  int4g128a_act_sep: the same
+# model with those gathers as separate kernels (QuantLinear's own index_select), for the comparison.
 
 
 def build_model(name: str, layers: int = 0, device: str = "cuda"):
@@ -84,6 +88,14 @@ def prepare(model, variant: str):
     if q is not None:
         bits, group, sym = q
         qgemv.quantize_model(model, bits=bits, group_size=group, symmetric=sym)
+    if variant.startswith("int4g128a_act"):
+        g = torch.Generator().manual_seed(1)
+        for layer in model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            for group_of in ([a.q_proj, a.k_proj, a.v_proj], [a.o_proj], [m.gate_proj, m.up_proj]):
+                perm = torch.randperm(group_of[0].in_features, generator=g).to(group_of[0].qweight.device)
+                for lin in group_of:
+                    lin.perm = perm
     return model
 
 
@@ -91,6 +103,9 @@ def run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown
     rows = []
     wb = weight_bytes(model)
     engine = Engine(model, max_seq_len=prompt + gen + 8)
+    if variant == "int4g128a_act_sep":  # the projections gather their own inputs
+        for L in engine.layers:
+            L.qkv.perm = L.gate_up.perm = None
     engine.eos_ids = set()
     vocab = model.config.vocab_size
     for b in batches:

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.nn import functional as Fn
 
-from .nn import FusedSlice, fuse_linears
+from .nn import FusedSlice, QuantLinear, fuse_linears
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # rope types whose cos/sin depend only on the position (tabulated once); the
@@ -66,11 +66,15 @@ class _Projection:
         else:
             self.fused = fuse_linears(mods)
         self.mods = list(mods) if self.fused is None else None
+        # An act-order input permutation of the one fused QuantLinear: the engine gathers x inside the norm
+        # that produces it (glue add_rms_gather) and calls the linear with gathered=True
+        self.perm = getattr(self.fused, "perm", None) if isinstance(self.fused, QuantLinear) else None
 
-    def __call__(self, x: torch.Tensor) -> list:
+    def __call__(self, x: torch.Tensor, gathered: bool = False) -> list:
         if self.fused is None:
             return [m(x) for m in self.mods]
-        return list(self.fused(x).split(self.sizes, -1))
+        y = self.fused(x, gathered=True) if gathered and self.perm is not None else self.fused(x)
+        return list(y.split(self.sizes, -1))
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -96,6 +100,13 @@ def glue_add_rms(x, delta, w, eps: float):
     return x, _rms(x, w, eps)
 
 
+def glue_add_rms_gather(x, delta, w, perm, eps: float):
+    """glue_add_rms with the normalized output's features gathered by ``perm`` (an act-order linear's input
+    order), in the same kernel: (x + delta, (rms(x + delta) * w)[..., perm])."""
+    x = x + delta
+    return x, _rms(x, w, eps).index_select(-1, perm)
+
+
 def glue_attention_in(q, k, v, cos, sin, k_cache, v_cache, slots, q_norm, k_norm, eps: float):
     """q/k RMSNorm (Qwen3), RoPE, and the cache write of k and v at ``slots``; returns q [B, H, T, D].
 
@@ -113,7 +124,8 @@ def glue_swiglu(gate, up):
     return Fn.silu(gate) * up
 
 
-EAGER_GLUE = dict(add_rms=glue_add_rms, attention_in=glue_attention_in, swiglu=glue_swiglu)
+EAGER_GLUE = dict(add_rms=glue_add_rms, add_rms_gather=glue_add_rms_gather, attention_in=glue_attention_in,
+                  swiglu=glue_swiglu)
 _COMPILED = {}
 
 
@@ -293,17 +305,23 @@ class Engine:
         x = self.embed(ids)
         delta = torch.zeros_like(x)
         for i, L in enumerate(self.layers):
-            x, h = g["add_rms"](x, delta, L.in_norm, self.eps)
-            q, k, v = L.qkv(h)
+            x, h = self._norm(g, x, delta, L.in_norm, L.qkv.perm)
+            q, k, v = L.qkv(h, gathered=True)
             q = g["attention_in"](q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D), cos, sin,
                                   k_cache[i], v_cache[i], slots, L.q_norm, L.k_norm, self.eps)
             a = Fn.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=mask, scale=self.scale,
                                                 enable_gqa=H != Hkv)
-            x, h = g["add_rms"](x, L.o_proj(a.transpose(1, 2).reshape(B, T, H * D)), L.post_norm, self.eps)
-            gate, up = L.gate_up(h)
+            x, h = self._norm(g, x, L.o_proj(a.transpose(1, 2).reshape(B, T, H * D)), L.post_norm, L.gate_up.perm)
+            gate, up = L.gate_up(h, gathered=True)
             delta = L.down_proj(g["swiglu"](gate, up))
         x = x[:, -1] + delta[:, -1]
         return self.lm_head(_rms(x, self.norm, self.eps)).float()
+
+    def _norm(self, g: dict, x, delta, w, perm):
+        """(x + delta, the next projection's input): the RMSNorm, gathered by the projection's perm if any."""
+        if perm is None:
+            return g["add_rms"](x, delta, w, self.eps)
+        return g["add_rms_gather"](x, delta, w, perm, self.eps)
 
     def _decode(self, ids: torch.Tensor, slot: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         """One decode step (ids [B, 1]); through the batch size's CUDA graph where graphs are on."""

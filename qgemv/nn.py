@@ -189,17 +189,23 @@ class QuantLinear(_StoredFormat, nn.Module):
             ops._check_cuda_pointers("QuantLinear", qweight=(self.qweight, 16), scales=(self.scales, 2))
         self.__dict__["_checked_on"] = x.device
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gathered: bool = False) -> torch.Tensor:
+        """y [..., N] = x [..., K] @ W^T (+ bias), in x's dtype.
+
+        gathered: x is already ``input[..., perm]`` (a caller that fused the
+        act-order gather into the op producing x, as the generation engine
+        does in its norm); without a perm it changes nothing.
+        """
         cfg = self.config
         k = self.in_features
         if x.dtype == torch.float64:  # a model cast with .double(): the ops run in fp32 at most
-            return self.forward(x.float()).double()
+            return self.forward(x.float(), gathered).double()
         if not torch.compiler.is_compiling():
             if self.__dict__.get("_checked_on") != x.device:
                 self._check_buffers(x)  # also x's dtype, width and device, with the full messages
             elif x.shape[-1] != k or x.dtype not in ops.FLOAT_DTYPES:
                 self._check_buffers(x)  # raises, naming the rule
-        if self.perm is not None:
+        if self.perm is not None and not gathered:
             x = x.index_select(-1, self.perm)  # one gather of K per token (act-order checkpoints)
         if cfg.bits == 8:
             y = torch.ops.qgemv.linear_int8(x, self.qweight, self.scales, k)

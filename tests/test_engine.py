@@ -251,14 +251,19 @@ def test_bench_generate_runs_its_engine_rows_on_cpu(tmp_path):
     from qgemv.eval import bench_generate as bg
 
     rows = []
-    for variant in ("fp16", "int8", "int4g128a"):
+    variants = ("fp16", "int8", "int4g128a", "int4g128a_act", "int4g128a_act_sep")
+    for variant in variants:
         model = bg.prepare(bg.build_model("tiny", device="cpu").float(), variant)
+        if variant.startswith("int4g128a_act"):  # the act-order variants: permuted inputs, shared per projection
+            a = model.model.layers[0].self_attn
+            assert a.q_proj.perm is a.v_proj.perm and not torch.equal(a.q_proj.perm, torch.arange(128))
+            assert model.model.layers[0].mlp.down_proj.perm is None
         rows += bg.run_engine(model, "tiny", variant, [1, 2], prompt=12, gen=6, read_gbps=1000.0, breakdown=False)
-    assert [(r["variant"], r["batch"]) for r in rows] == [(v, b) for v in ("fp16", "int8", "int4g128a") for b in (1, 2)]
+    assert [(r["variant"], r["batch"]) for r in rows] == [(v, b) for v in variants for b in (1, 2)]
     assert all(r["ms_per_step"] > 0 and r["decode_tokens_per_s"] > 0 and 0 < r["floor_share"] < 1 for r in rows)
     assert rows[0]["weight_MB"] > rows[2]["weight_MB"] > rows[4]["weight_MB"]  # fp16 > int8 > int4 bytes
     out = str(tmp_path / "bg")
     bg.write_outputs(dict(date="today", gpu="cpu", torch=torch.__version__, command="test", rows=rows,
                           baselines={"hf_static_compiled_fp16": {"error": "RuntimeError: x"}}), out)
     md = open(out + ".md").read()
-    assert md.count("| tiny |") == 6 and "RuntimeError: x" in md
+    assert md.count("| tiny |") == 10 and "RuntimeError: x" in md

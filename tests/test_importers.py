@@ -293,3 +293,24 @@ def test_imported_layers_on_cuda_equal_the_reference(name, tmp_path):
     with torch.no_grad():
         a, b = gpu_model(ids).logits.float(), conv(ids).logits.float()
     torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-2 * float(a.abs().max()))
+
+
+def test_the_engine_gathers_act_order_inputs_in_its_norm():
+    """q/k/v and gate/up that share an act-order perm are fused with it; the engine then gathers their
+    input inside the RMSNorm and calls the fused GEMV with gathered=True: the same greedy tokens and
+    step logits as transformers' generate() on the same model."""
+    model, _ = load(DATA / "gptq_v1_actorder")
+    for owner, members in ((model.model.layers[0].self_attn, ("q_proj", "k_proj", "v_proj")),
+                           (model.model.layers[0].mlp, ("gate_proj", "up_proj"))):
+        first = getattr(owner, members[0])
+        for m in members[1:]:
+            getattr(owner, m).perm = first.perm.clone()  # another model, but one whose members share a perm
+    assert qgemv.nn.fuse_llama_projections(model) == 2
+    assert model.model.layers[0].self_attn.qkv.fused.perm is not None
+    model.generation_config.eos_token_id = None
+    engine = qgemv.Engine(model, None)
+    assert engine.layers[0].qkv.perm is not None and engine.layers[0].gate_up.perm is not None
+    ids = [3, 1, 4, 1, 5, 9, 2]
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=0)[0, 7:].tolist()
+    assert engine.generate([ids], max_new_tokens=8).tokens[0] == hf
