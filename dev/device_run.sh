@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|chain|import|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|chain|gptqab|genact|import|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -44,6 +44,22 @@ for step in "${@:-all}"; do
         PYTHONPATH=".peers${PYTHONPATH:+:$PYTHONPATH}" python3 -m qgemv.eval.bench_chain --model "$m" \
           --out "$OUT/chain_$m" 2>&1 | grep -v -i warn | tail -60
       done ;;
+    labchain)
+      # the kernel lab's chain mode (dev/gemv_lab.cu --chain), every model; LABCHAIN_ARGS adds flags
+      nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc dev/gemv_lab.cu csrc/gemv_int4.cu csrc/gemv_int8.cu csrc/runtime.cpp \
+        -o /tmp/lab_chain || exit 1
+      for m in ${CHAIN_MODELS:-llama3-8b qwen2.5-7b llama3-70b}; do
+        /tmp/lab_chain --chain "$m" ${LABCHAIN_ARGS:-} 2>&1 | tee -a "$OUT/labchain.txt"
+      done ;;
+    gptqab)
+      # GPTQ's column solve, the committed version against GPTQ_OLD (a saved earlier calibration/gptq.py)
+      python3 dev/bench_gptq_step.py "${GPTQ_OLD:-.peers/gptq_old.py}" --act-order 2>&1 | grep -v -i warn \
+        | tee "$OUT/gptqab.txt" ;;
+    genact)
+      # the engine on act-order int4 g128a (gathers in the norm glue, or separate) against plain int4 g128a
+      python3 -m qgemv.eval.bench_generate --models llama2-7b --batches 1 --no-hf --no-breakdown \
+        --variants int4g128a,int4g128a_act,int4g128a_act_sep ${GENACT_ARGS:-} --out "$OUT/genact" 2>&1 \
+        | grep -v -i warn | tail -20 ;;
     import)
       python3 -m qgemv.eval.bench_import --out "$OUT/bench_import" 2>&1 | grep -v -i warn ;;
   esac

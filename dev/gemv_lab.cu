@@ -10,6 +10,14 @@
 //   --ms           timed token counts (default 1,16; 1..16)
 //   --shapes       timed shapes (default 4096x4096,8192x8192,28672x8192,8192x28672)
 //   --warps        warps per block to time (0 = the launcher's choice; default 0,4, or 0 with --quick)
+//   --chain MODEL  instead: decode's chain of linears (llama3-8b, llama3-70b, qwen2.5-7b; fused q/k/v,
+//                  o, fused gate/up, down per layer, each layer its own weights) in one CUDA graph,
+//                  per format and M, with a plain streaming-read kernel over the same buffers as the
+//                  floor a kernel chain of this length reaches; timing only (the odd shapes of the
+//                  normal mode check the results)
+//   --layers L     decoder layers in the chain (default: the model's, 16 or 4)
+//   --pdl MODES    set_gemv_pdl modes for the chain (default 0,7; 15 = 7 + whole-panel prefetch)
+//   --chain-warps  warps for the four linears, Q:O:GU:D, several comma-separated (default 0:0:0:0)
 //
 // Why a separate program: an A/B comparison of two versions of csrc/ (for
 // example HEAD and the working tree, compiled from two include paths) costs
@@ -103,6 +111,26 @@ __global__ void read_kernel(const uint4* p, size_t n, unsigned* sink) {
   if (acc == 0x9e3779b9u) *sink = acc;  // practically never; keeps the loads alive
 }
 
+// Median µs between two events around body() on stream st, over reps runs
+// after 3 warm-ups; before(i) runs ahead of each timed run, outside the events.
+template <typename Before, typename Body>
+float median_event_us(cudaStream_t st, cudaEvent_t a, cudaEvent_t b, int reps, Before&& before, Body&& body) {
+  for (int i = 0; i < 3; ++i) body();
+  std::vector<float> ts;
+  for (int i = 0; i < reps; ++i) {
+    before(i);
+    CK(cudaEventRecord(a, st));
+    body();
+    CK(cudaEventRecord(b, st));
+    CK(cudaEventSynchronize(b));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    ts.push_back(ms * 1000.f);
+  }
+  std::sort(ts.begin(), ts.end());
+  return ts[ts.size() / 2];
+}
+
 struct Timer {
   void* flush = nullptr;
   size_t flush_bytes = size_t(512) << 20;
@@ -114,20 +142,7 @@ struct Timer {
   }
   template <typename F>
   float median_us(F&& f, int reps) {
-    for (int i = 0; i < 3; ++i) f();
-    std::vector<float> ts;
-    for (int i = 0; i < reps; ++i) {
-      CK(cudaMemsetAsync(flush, i & 0xff, flush_bytes));
-      CK(cudaEventRecord(a));
-      f();
-      CK(cudaEventRecord(b));
-      CK(cudaEventSynchronize(b));
-      float ms;
-      CK(cudaEventElapsedTime(&ms, a, b));
-      ts.push_back(ms * 1000.f);
-    }
-    std::sort(ts.begin(), ts.end());
-    return ts[ts.size() / 2];
+    return median_event_us(0, a, b, reps, [&](int i) { CK(cudaMemsetAsync(flush, i & 0xff, flush_bytes)); }, f);
   }
 };
 
@@ -151,6 +166,146 @@ bool parse_ints(char* text, const char* flag, int lo, int hi, std::vector<int>& 
   return true;
 }
 
+
+// The GEMV parameters of one packed fp16 linear [N, K] (x [M, K] and y [M, N] dense; M set by the caller).
+qgemv::GemvParams make_params(const void* x, const void* w, const void* s, const void* z, void* y, int N, int K,
+                              int Kp, int group) {
+  qgemv::GemvParams p{};
+  p.x = x;
+  p.qweight = w;
+  p.scales = s;
+  p.zeros = static_cast<const uint8_t*>(z);
+  p.y = y;
+  p.N = N;
+  p.K = K;
+  p.Kp = Kp;
+  p.ldx = K;
+  p.ldy = N;
+  p.group_size = group;
+  p.act = qgemv::ActType::kHalf;
+  return p;
+}
+
+struct ChainModel {
+  const char* name;
+  int layers;
+  int shapes[4][2];  // (N, K) of fused q/k/v, o, fused gate/up, down
+};
+const ChainModel kChainModels[] = {
+    {"llama3-8b", 16, {{6144, 4096}, {4096, 4096}, {28672, 4096}, {4096, 14336}}},
+    {"llama3-70b", 4, {{10240, 8192}, {8192, 8192}, {57344, 8192}, {8192, 28672}}},
+    {"qwen2.5-7b", 16, {{4608, 3584}, {3584, 3584}, {37888, 3584}, {3584, 18944}}},
+};
+
+// Median µs of one replay of the graph that body() launches into st when
+// captured (20 replays after 3 warm-ups).
+template <typename F>
+float capture_us(F&& body, cudaStream_t st, cudaEvent_t a, cudaEvent_t b) {
+  cudaGraph_t g;
+  cudaGraphExec_t exec;
+  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+  body();
+  CK(cudaStreamEndCapture(st, &g));
+  CK(cudaGraphInstantiate(&exec, g, 0));
+  const float us = median_event_us(st, a, b, 20, [](int) {}, [&] { CK(cudaGraphLaunch(exec, st)); });
+  CK(cudaGraphExecDestroy(exec));
+  CK(cudaGraphDestroy(g));
+  return us;
+}
+
+int run_chain(const ChainModel& model, int layers, const std::vector<int>& Ms, const std::vector<int>& pdls,
+              const std::vector<std::vector<int>>& chain_warps, double ceiling, int sms) {
+  const Case cases[] = {{"int8", 8, 0, false}, {"int4", 4, 0, false}, {"int4_g128", 4, 128, false},
+                        {"int4_g128_zp", 4, 128, true}};
+  cudaStream_t st;
+  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  unsigned* sink;
+  CK(cudaMalloc(&sink, 4));
+  void *dx, *dy;
+  CK(cudaMalloc(&dx, size_t(16) * 28672 * 2));
+  CK(cudaMemset(dx, 0, size_t(16) * 28672 * 2));  // zeros: fp16 0, finite in every format
+  CK(cudaMalloc(&dy, size_t(16) * 57344 * 2));
+  std::printf("chain %s, %d layers, read ceiling %.0f GB/s\n", model.name, layers, ceiling);
+  std::printf("%-13s %3s %4s %-11s %9s %8s %7s\n", "variant", "M", "pdl", "warps", "us/layer", "GB/s", "%ceil");
+  for (const Case& cs : cases) {
+    // Every layer's own weights, scales and zeros (contents do not matter for the timing).
+    struct Lin {
+      qgemv::GemvParams p;
+      void *w, *s, *z;
+      size_t wbytes, bytes;
+    };
+    std::vector<Lin> lins;
+    double layer_bytes = 0, layer_wbytes = 0;
+    for (int l = 0; l < layers; ++l)
+      for (int i = 0; i < 4; ++i) {
+        const int N = model.shapes[i][0], K = model.shapes[i][1];
+        const int Kp = cs.bits == 4 ? (K + 31) / 32 * 32 : (K + 15) / 16 * 16;
+        const int ng = cs.group ? K / cs.group : 1;
+        Lin L{};
+        const size_t wbytes = cs.bits == 4 ? size_t(N) * Kp / 2 : size_t(N) * Kp;
+        CK(cudaMalloc(&L.w, wbytes));
+        CK(cudaMemset(L.w, 0x11, wbytes));
+        CK(cudaMalloc(&L.s, size_t(N) * ng * 2));
+        CK(cudaMemset(L.s, 0x20, size_t(N) * ng * 2));
+        if (cs.zeros) {
+          CK(cudaMalloc(&L.z, size_t(N) * ng));
+          CK(cudaMemset(L.z, 8, size_t(N) * ng));
+        }
+        L.wbytes = wbytes;
+        L.bytes = wbytes + size_t(N) * ng * 2 + (cs.zeros ? size_t(N) * ng : 0);
+        if (l == 0) layer_bytes += L.bytes, layer_wbytes += wbytes;
+        L.p = make_params(dx, L.w, L.s, L.z, dy, N, K, Kp, cs.group);
+        lins.push_back(L);
+      }
+    // The floor: a plain streaming read of the same weight buffers (scales and
+    // zeros left out), one kernel per linear; its GB/s counts the bytes it read.
+    const float read_us = capture_us(
+        [&] {
+          for (const Lin& L : lins)
+            read_kernel<<<sms * 8, 512, 0, st>>>(static_cast<const uint4*>(L.w), L.wbytes / 16, sink);
+        },
+        st, a, b) / layers;
+    std::printf("%-13s %3s %4s %-11s %9.1f %8.0f %6.1f%%\n", cs.name, "-", "-", "read", read_us,
+                layer_wbytes / (read_us * 1e3), 100 * layer_wbytes / (read_us * 1e3) / ceiling);
+    for (int M : Ms)
+      for (int pdl : pdls)
+        for (const auto& w4 : chain_warps) {
+          qgemv::set_gemv_pdl(pdl);
+          const float us = capture_us(
+              [&] {
+                for (size_t j = 0; j < lins.size(); ++j) {
+                  qgemv::GemvParams p = lins[j].p;
+                  p.M = M;
+                  p.warps_per_block = w4[j % 4];
+                  const qgemv::Status s = cs.bits == 4 ? qgemv::gemv_int4(p, st) : qgemv::gemv_int8(p, st);
+                  if (s != qgemv::Status::kOk) {
+                    std::fprintf(stderr, "status %d\n", static_cast<int>(s));
+                    std::exit(1);
+                  }
+                }
+              },
+              st, a, b) / layers;
+          char wl[32];
+          std::snprintf(wl, sizeof wl, "%d:%d:%d:%d", w4[0], w4[1], w4[2], w4[3]);
+          const double gbs = layer_bytes / (us * 1e3);
+          std::printf("%-13s %3d %4d %-11s %9.1f %8.0f %6.1f%%\n", cs.name, M, pdl, wl, us, gbs, 100 * gbs / ceiling);
+          std::fflush(stdout);
+        }
+    qgemv::set_gemv_pdl(-1);
+    for (Lin& L : lins) {
+      CK(cudaFree(L.w));
+      CK(cudaFree(L.s));
+      if (L.z) CK(cudaFree(L.z));
+    }
+  }
+  CK(cudaFree(dx));
+  CK(cudaFree(dy));
+  CK(cudaFree(sink));
+  return 0;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -158,6 +313,10 @@ int main(int argc, char** argv) {
   std::vector<std::pair<int, int>> shapes = {{4096, 4096}, {8192, 8192}, {28672, 8192}, {8192, 28672}};
   std::vector<int> warps;
   std::vector<int> ms_arg;
+  const ChainModel* chain = nullptr;
+  int layers = 0;
+  std::vector<int> pdls;
+  std::vector<std::vector<int>> chain_warps;
   for (int a = 1; a < argc; ++a) {
     if (std::strcmp(argv[a], "--quick") == 0) {
       quick = true;
@@ -173,6 +332,31 @@ int main(int argc, char** argv) {
       }
     } else if (std::strcmp(argv[a], "--ms") == 0 && a + 1 < argc) {
       if (!parse_ints(argv[++a], "--ms", 1, 16, ms_arg)) return 2;
+    } else if (std::strcmp(argv[a], "--chain") == 0 && a + 1 < argc) {
+      ++a;
+      for (const ChainModel& m : kChainModels)
+        if (std::strcmp(argv[a], m.name) == 0) chain = &m;
+      if (!chain) {
+        std::fprintf(stderr, "--chain: unknown model %s (llama3-8b, llama3-70b, qwen2.5-7b)\n", argv[a]);
+        return 2;
+      }
+    } else if (std::strcmp(argv[a], "--layers") == 0 && a + 1 < argc) {
+      layers = std::atoi(argv[++a]);
+      if (layers < 1) {
+        std::fprintf(stderr, "--layers: must be >= 1\n");
+        return 2;
+      }
+    } else if (std::strcmp(argv[a], "--pdl") == 0 && a + 1 < argc) {
+      if (!parse_ints(argv[++a], "--pdl", 0, 15, pdls)) return 2;
+    } else if (std::strcmp(argv[a], "--chain-warps") == 0 && a + 1 < argc) {
+      for (char* tok = std::strtok(argv[++a], ","); tok; tok = std::strtok(nullptr, ",")) {
+        std::vector<int> w(4);
+        if (std::sscanf(tok, "%d:%d:%d:%d", &w[0], &w[1], &w[2], &w[3]) != 4) {
+          std::fprintf(stderr, "--chain-warps: expected Q:O:GU:D, got %s\n", tok);
+          return 2;
+        }
+        chain_warps.push_back(w);
+      }
     } else if (std::strcmp(argv[a], "--warps") == 0 && a + 1 < argc) {
       if (!parse_ints(argv[++a], "--warps", 0, 8, warps)) return 2;
     } else {
@@ -202,6 +386,12 @@ int main(int argc, char** argv) {
   // What any single launch costs under this method, and how long the read
   // kernel takes for exactly one weight matrix's bytes (the "same bytes"
   // column): the achievable floor for a one-shot read of that size.
+  if (chain) {
+    if (pdls.empty()) pdls = {0, 7};
+    if (chain_warps.empty()) chain_warps = {{0, 0, 0, 0}};
+    return run_chain(*chain, layers ? layers : chain->layers, ms_arg.empty() ? std::vector<int>{1, 16} : ms_arg,
+                     pdls, chain_warps, ceiling, prop.multiProcessorCount);
+  }
   const float empty_us = timer.median_us([&] { empty_kernel<<<1, 32>>>(); }, 15);
   std::printf("empty kernel: %.1f us\n", empty_us);
   auto read_us_for = [&](size_t bytes) {
@@ -257,20 +447,8 @@ int main(int argc, char** argv) {
         CK(cudaMalloc(&dref, size_t(Mmax) * N * 4));
         const std::vector<int> mlist = pass == 0 ? std::vector<int>{1, 3, 16} : Ms;
         for (int M : mlist) {
-          qgemv::GemvParams p{};
-          p.x = dx;
-          p.qweight = dw;
-          p.scales = ds;
-          p.zeros = static_cast<const uint8_t*>(dz);
-          p.y = dy;
+          qgemv::GemvParams p = make_params(dx, dw, ds, dz, dy, N, K, Kp, cs.group);
           p.M = M;
-          p.N = N;
-          p.K = K;
-          p.Kp = Kp;
-          p.ldx = K;
-          p.ldy = N;
-          p.group_size = cs.group;
-          p.act = qgemv::ActType::kHalf;
           dim3 rg((N + 127) / 128, M);
           if (cs.bits == 4)
             ref_int4<<<rg, 128>>>(static_cast<uint32_t*>(dw), static_cast<__half*>(ds),
