@@ -566,6 +566,8 @@ __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvPa
 // One row tile per warp (11 shapes x 7 formats):
 //   * short rows (K <= 4096) and at least 640 panels: 2 warps, each with a
 //     longer run of tiles (int4 12288x4096: 16.7 -> 13.8 us against 8 warps);
+//   * short rows and 288..639 panels: 4 warps (measured in decode's chain of
+//     linears, tuning.h);
 //   * long rows (K >= 8192) and at least 512 panels: 4 warps;
 //   * otherwise (few panels) 8 warps, so that split-K fills the GPU.
 //   Within 8% of the best of {2, 4, 8} on every measured shape and format.
@@ -580,6 +582,8 @@ inline int choose_warps(int N, int K, int Kp, int tile_k, int row_tiles) {
   if (row_tiles == 1) {
     if (K <= tuning::kShortRowK && panels >= tuning::kShortRowMinPanels) {
       w = 2;
+    } else if (K <= tuning::kShortRowK && panels >= tuning::kShortRowMidPanels) {
+      w = 4;
     } else if (K >= tuning::kLongRowK && panels >= tuning::kLongRowMinPanels) {
       w = 4;
     }

@@ -50,10 +50,19 @@ constexpr int kInt8RegsTwoNTiles = 96;
 // 7 formats; within 8% of the best of {2, 4, 8} everywhere):
 //   short rows (K <= kShortRowK) with at least kShortRowMinPanels panels: 2
 //   (int4 12288x4096 16.7 -> 13.8 us against 8 warps);
+//   short rows with kShortRowMidPanels..kShortRowMinPanels - 1 panels: 4
+//   (decode's chain of linears, dev/gemv_lab.cu --chain, H100: the fused
+//   q/k/v of Llama-3-8B (384 panels) with 4 warps instead of 8 took the
+//   chain of 16 layers from 51.4 to 49.7 us a layer for int4 and 56.8 ->
+//   53.9 for G = 128 with zero points at M = 1, 3-6% at M = 16, int8
+//   level at M = 1; single calls at 288 and 384 panels 12-20% faster.  At
+//   224 and 256 panels (the o projections) 4 warps lost up to 35% in single
+//   calls at M = 16 and nothing was gained in the chain, so they keep 8);
 //   long rows (K >= kLongRowK) with at least kLongRowMinPanels panels: 4;
 //   otherwise 8, so that split-K fills the GPU.
 constexpr int kShortRowK = 4096;
 constexpr int kShortRowMinPanels = 640;
+constexpr int kShortRowMidPanels = 288;
 constexpr int kLongRowK = 8192;
 constexpr int kLongRowMinPanels = 512;
 // Two row tiles (M = 16, 7 shapes x 3 formats): what matters is the number of
