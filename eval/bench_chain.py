@@ -24,6 +24,7 @@ import argparse
 import datetime
 import json
 import os
+import sys
 
 import torch
 
@@ -143,7 +144,7 @@ def main(argv=None) -> int:
         del calls
         torch.cuda.empty_cache()
     result = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  command="python -m qgemv.eval.bench_chain " + " ".join(argv if argv is not None else []),
+                  command="python -m qgemv.eval.bench_chain " + " ".join(sys.argv[1:] if argv is None else argv),
                   model=args.model, layers=layers, shapes=shapes, ceiling=ceiling, rows=rows)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out + ".json", "w") as f:
