@@ -18,6 +18,8 @@
 //   --layers L     decoder layers in the chain (default: the model's, 16 or 4)
 //   --pdl MODES    set_gemv_pdl modes for the chain (default 0,7; 15 = 7 + whole-panel prefetch)
 //   --chain-warps  warps for the four linears, Q:O:GU:D, several comma-separated (default 0:0:0:0)
+//   --chain-linears  which of them the chain holds (0 q/k/v, 1 o, 2 gate/up, 3 down; default 0,1,2,3):
+//                  one at a time, each kernel's own efficiency against the read floor
 //
 // Why a separate program: an A/B comparison of two versions of csrc/ (for
 // example HEAD and the working tree, compiled from two include paths) costs
@@ -213,8 +215,9 @@ float capture_us(F&& body, cudaStream_t st, cudaEvent_t a, cudaEvent_t b) {
   return us;
 }
 
-int run_chain(const ChainModel& model, int layers, const std::vector<int>& Ms, const std::vector<int>& pdls,
-              const std::vector<std::vector<int>>& chain_warps, double ceiling, int sms) {
+int run_chain(const ChainModel& model, int layers, const std::vector<int>& linears, const std::vector<int>& Ms,
+              const std::vector<int>& pdls, const std::vector<std::vector<int>>& chain_warps, double ceiling,
+              int sms) {
   const Case cases[] = {{"int8", 8, 0, false}, {"int4", 4, 0, false}, {"int4_g128", 4, 128, false},
                         {"int4_g128_zp", 4, 128, true}};
   cudaStream_t st;
@@ -228,23 +231,27 @@ int run_chain(const ChainModel& model, int layers, const std::vector<int>& Ms, c
   CK(cudaMalloc(&dx, size_t(16) * 28672 * 2));
   CK(cudaMemset(dx, 0, size_t(16) * 28672 * 2));  // zeros: fp16 0, finite in every format
   CK(cudaMalloc(&dy, size_t(16) * 57344 * 2));
-  std::printf("chain %s, %d layers, read ceiling %.0f GB/s\n", model.name, layers, ceiling);
+  std::printf("chain %s, %d layers, linears", model.name, layers);
+  for (int i : linears) std::printf(" %d", i);
+  std::printf(", read ceiling %.0f GB/s\n", ceiling);
   std::printf("%-13s %3s %4s %-11s %9s %8s %7s\n", "variant", "M", "pdl", "warps", "us/layer", "GB/s", "%ceil");
   for (const Case& cs : cases) {
     // Every layer's own weights, scales and zeros (contents do not matter for the timing).
     struct Lin {
       qgemv::GemvParams p;
+      int which;  // 0..3: q/k/v, o, gate/up, down
       void *w, *s, *z;
       size_t wbytes, bytes;
     };
     std::vector<Lin> lins;
     double layer_bytes = 0, layer_wbytes = 0;
     for (int l = 0; l < layers; ++l)
-      for (int i = 0; i < 4; ++i) {
+      for (int i : linears) {
         const int N = model.shapes[i][0], K = model.shapes[i][1];
         const int Kp = cs.bits == 4 ? (K + 31) / 32 * 32 : (K + 15) / 16 * 16;
         const int ng = cs.group ? K / cs.group : 1;
         Lin L{};
+        L.which = i;
         const size_t wbytes = cs.bits == 4 ? size_t(N) * Kp / 2 : size_t(N) * Kp;
         CK(cudaMalloc(&L.w, wbytes));
         CK(cudaMemset(L.w, 0x11, wbytes));
@@ -279,7 +286,7 @@ int run_chain(const ChainModel& model, int layers, const std::vector<int>& Ms, c
                 for (size_t j = 0; j < lins.size(); ++j) {
                   qgemv::GemvParams p = lins[j].p;
                   p.M = M;
-                  p.warps_per_block = w4[j % 4];
+                  p.warps_per_block = w4[lins[j].which];
                   const qgemv::Status s = cs.bits == 4 ? qgemv::gemv_int4(p, st) : qgemv::gemv_int8(p, st);
                   if (s != qgemv::Status::kOk) {
                     std::fprintf(stderr, "status %d\n", static_cast<int>(s));
@@ -317,6 +324,7 @@ int main(int argc, char** argv) {
   int layers = 0;
   std::vector<int> pdls;
   std::vector<std::vector<int>> chain_warps;
+  std::vector<int> linears;
   for (int a = 1; a < argc; ++a) {
     if (std::strcmp(argv[a], "--quick") == 0) {
       quick = true;
@@ -348,6 +356,8 @@ int main(int argc, char** argv) {
       }
     } else if (std::strcmp(argv[a], "--pdl") == 0 && a + 1 < argc) {
       if (!parse_ints(argv[++a], "--pdl", 0, 15, pdls)) return 2;
+    } else if (std::strcmp(argv[a], "--chain-linears") == 0 && a + 1 < argc) {
+      if (!parse_ints(argv[++a], "--chain-linears", 0, 3, linears)) return 2;
     } else if (std::strcmp(argv[a], "--chain-warps") == 0 && a + 1 < argc) {
       for (char* tok = std::strtok(argv[++a], ","); tok; tok = std::strtok(nullptr, ",")) {
         std::vector<int> w(4);
@@ -389,7 +399,8 @@ int main(int argc, char** argv) {
   if (chain) {
     if (pdls.empty()) pdls = {0, 7};
     if (chain_warps.empty()) chain_warps = {{0, 0, 0, 0}};
-    return run_chain(*chain, layers ? layers : chain->layers, ms_arg.empty() ? std::vector<int>{1, 16} : ms_arg,
+    if (linears.empty()) linears = {0, 1, 2, 3};
+    return run_chain(*chain, layers ? layers : chain->layers, linears, ms_arg.empty() ? std::vector<int>{1, 16} : ms_arg,
                      pdls, chain_warps, ceiling, prop.multiProcessorCount);
   }
   const float empty_us = timer.median_us([&] { empty_kernel<<<1, 32>>>(); }, 15);
