@@ -216,7 +216,7 @@ def main(argv=None) -> int:
     from qgemv import checkpoint
     from qgemv.formats import QuantConfig
     from qgemv.nn import QuantLinear, check_rules, fuse_llama_projections
-    from qgemv.stream import finished_units, partial_dir
+    from qgemv.stream import check_no_interrupted_run
     from qgemv.text import TextError, load_text
 
     from .data import calibration_samples
@@ -233,10 +233,8 @@ def main(argv=None) -> int:
         source = checkpoint.default_model_dir() if args.model in (None, "", "default", "smollm2") else args.model
         sources = [source, checkpoint.default_gguf_file()] if source == checkpoint.default_model_dir() else [source]
         checkpoint.check_output_dir(args.out, args.overwrite, sources=sources)
-        if args.stream and not args.resume and os.path.lexists(partial_dir(args.out)) and \
-                finished_units(args.out) != []:
-            raise checkpoint.OutputDirError(f"{partial_dir(args.out)} holds an interrupted run for {args.out}: pass "
-                                            f"--resume to continue it, or delete it to start over")
+        if args.stream and not args.resume:
+            check_no_interrupted_run(args.out)
         if source != checkpoint.default_model_dir():
             checkpoint.check_float_model(source)
     except (ValueError, TextError, FileNotFoundError, FileExistsError, checkpoint.CheckpointError) as e:

@@ -50,15 +50,12 @@ class Hessian:
         self.H.mul_(self.n / (self.n + m))
         self.n += m
         x = x * math.sqrt(2.0 / self.n)
-        if self.tf32:
-            old = torch.backends.cuda.matmul.allow_tf32
-            torch.backends.cuda.matmul.allow_tf32 = True
-            try:
-                self.H.addmm_(x.t(), x)
-            finally:
-                torch.backends.cuda.matmul.allow_tf32 = old
-        else:
+        prev = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = prev or self.tf32
+        try:
             self.H.addmm_(x.t(), x)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = prev
 
 
 def _inverse_cholesky(H: torch.Tensor, damp: float, name: str):

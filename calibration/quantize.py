@@ -252,10 +252,15 @@ def quantize_layer(layer, prefix: str, targets: dict, algo, hidden: list, kwargs
     inputs) and ``originals`` holds the float weights it replaced.
     """
     clock = clock or Clock()
+    pending, originals = [], {}
+
+    def swap_in(n, m, lcfg, qw, s, z):  # the target's float weight out, its dequantized codes in
+        originals[n] = m.weight.data
+        m.weight.data = formats.dequantize(qw, s, z, lcfg, m.in_features).to(m.weight.dtype)
+
     with clock("solve"):  # AWQ's scale search (GPTQ: nothing)
         pre = algo.before(layer, targets, hidden, run)
     info = dict(getattr(algo, "info", {}))
-    pending, originals = [], {}
     # True-sequential: q/k/v, then o, then gate/up, then down, each stage's
     # statistics collected with the earlier stages already quantized, so
     # o_proj sees the inputs the quantized model gives it.
@@ -285,16 +290,14 @@ def quantize_layer(layer, prefix: str, targets: dict, algo, hidden: list, kwargs
                     info[n] = inf
                 pending.append((n, m, lcfg, qw, s, z))
                 if len(stages) > 1:
-                    originals[n] = m.weight.data
-                    m.weight.data = formats.dequantize(qw, s, z, lcfg, m.in_features).to(m.weight.dtype)
+                    swap_in(*pending[-1])
         del stats
     # The next layer's inputs come from the quantized layer, run on the
     # dequantized weights as dense nn.Linear (the same function as
     # QuantLinear's reference, without unpacking on every call).
-    for n, m, lcfg, qw, s, z in pending:
-        if n not in originals:
-            originals[n] = m.weight.data
-            m.weight.data = formats.dequantize(qw, s, z, lcfg, m.in_features).to(m.weight.dtype)
+    for item in pending:
+        if item[0] not in originals:
+            swap_in(*item)
     return pending, originals, info
 
 

@@ -331,8 +331,7 @@ def quantize_streaming(src, out, cfg: QuantConfig, method: str = "gptq", samples
                 rest = _outside_layers(model, reader, layers_path, cfg, skip, overrides, group_fallback, skipped,
                                        device, float_dtype, config)
                 cfg_json = config.to_dict()
-                cfg_json["dtype"] = str(float_dtype).replace("torch.", "")
-                cfg_json.pop("torch_dtype", None)
+                checkpoint._record_float_dtype(cfg_json, float_dtype)
                 cfg_json["quantization_config"] = dict(
                     checkpoint.quantization_config(model, method, calibration, cfg, sorted(skipped)),
                     source_model=str(src), streamed=True)

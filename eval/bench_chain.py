@@ -24,11 +24,10 @@ import argparse
 import datetime
 import json
 import os
-import sys
 
 import torch
 
-from .bench_gemv import Timer, graph_time, make_variant, read_ceiling
+from .bench_gemv import Timer, command_line, graph_time, make_variant, read_ceiling
 
 # (layers, [(N, K) of fused q/k/v, o, fused gate/up, down])
 MODELS = {
@@ -144,7 +143,7 @@ def main(argv=None) -> int:
         del calls
         torch.cuda.empty_cache()
     result = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  command="python -m qgemv.eval.bench_chain " + " ".join(sys.argv[1:] if argv is None else argv),
+                  command=command_line("bench_chain", argv),
                   model=args.model, layers=layers, shapes=shapes, ceiling=ceiling, rows=rows)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out + ".json", "w") as f:

@@ -42,7 +42,7 @@ from torch.nn import functional as Fn
 
 
 import qgemv  # noqa: E402
-from .bench_gemv import Timer, graph_time, read_ceiling  # noqa: E402
+from .bench_gemv import Timer, command_line, graph_time, read_ceiling  # noqa: E402
 from qgemv import formats  # noqa: E402
 
 MODELS = {
@@ -349,7 +349,7 @@ def main(argv=None):
             rows += run_model(name, MODELS[name], [int(b) for b in args.batches.split(",")], ceiling["read_GBps"],
                               glue, pdl=pdl, breakdown=args.breakdown)
     result = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  command="python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]), ceiling=ceiling, rows=rows)
+                  command=command_line("bench_decode", argv), ceiling=ceiling, rows=rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=1)

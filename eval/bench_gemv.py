@@ -134,6 +134,12 @@ def bench_shapes(timer, shapes, ms, variants, ceiling):
     return rows
 
 
+def command_line(module: str, argv=None) -> str:
+    """The command a benchmark's report records: ``python -m qgemv.eval.MODULE`` and its arguments (argv, or
+    the process's own when main() was called without them)."""
+    return " ".join(["python -m qgemv.eval." + module] + list(sys.argv[1:] if argv is None else argv))
+
+
 def graph_time(fn, replays=20, before=None) -> float:
     """Median ms of replaying one CUDA graph of fn() (captured after two warm-up calls).
 
@@ -344,7 +350,7 @@ def main(argv=None):
     ms = [1, 16] if args.quick else [int(v) for v in args.ms.split(",")]
     rows = [] if args.prefill_only else bench_shapes(timer, shapes, ms, VARIANTS, ceiling)
     result = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  command="python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+                  command=command_line("bench_gemv", argv),
                   ceiling=ceiling, rows=rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 

@@ -42,7 +42,7 @@ import qgemv
 from qgemv.engine import Engine
 
 from .bench_decode import kernel_breakdown, weight_bytes
-from .bench_gemv import Timer, read_ceiling
+from .bench_gemv import Timer, command_line, read_ceiling
 
 MODELS = {
     "llama2-7b": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=32,
@@ -241,7 +241,7 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     rows, baselines = [], {}
     result = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  command="python -m qgemv.eval.bench_generate " + " ".join(sys.argv[1:] if argv is None else argv),
+                  command=command_line("bench_generate", argv),
                   ceiling=ceiling, rows=rows, baselines=baselines)
     for mname in args.models.split(","):
         for variant in args.variants.split(","):

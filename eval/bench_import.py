@@ -28,7 +28,7 @@ from qgemv import formats, importers
 from qgemv.formats import QuantConfig
 from qgemv.nn import QuantLinear
 
-from .bench_gemv import graph_time
+from .bench_gemv import command_line, graph_time
 
 SHAPES = [(4096, 4096), (28672, 4096)]
 
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
                   f"({row['act-order / native']:.3f}x), gather alone {gather:.2f} us", flush=True)
         del copies
     result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "command": "python -m qgemv.eval.bench_import " + " ".join(argv or []),
+              "torch": torch.__version__, "command": command_line("bench_import", argv),
               "rows": rows}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:

@@ -426,6 +426,20 @@ def quantization_config(model: nn.Module, algorithm: str, calibration: Optional[
     }
 
 
+def _record_float_dtype(cfg: dict, dtype: torch.dtype) -> None:
+    """Make config.json (as a dict) declare ``dtype`` for the tensors kept in float."""
+    cfg["dtype"] = str(dtype).replace("torch.", "")
+    cfg.pop("torch_dtype", None)
+
+
+def _write_side_files(directory: Path, tokenizer, extra_json: Optional[dict]) -> None:
+    """The tokenizer's files and the reports ({file name: JSON-able object}) beside a checkpoint's tensors."""
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    for fname, obj in (extra_json or {}).items():
+        (directory / fname).write_text(json.dumps(obj, indent=1, default=str))
+
+
 def save_quantized(model: nn.Module, tokenizer, out_dir: str, qconfig: dict, overwrite: bool = False,
                    extra_json: Optional[dict] = None, float_dtype: Optional[torch.dtype] = None) -> Path:
     """Write config.json, model.safetensors and the tokenizer to out_dir, atomically.
@@ -452,17 +466,13 @@ def save_quantized(model: nn.Module, tokenizer, out_dir: str, qconfig: dict, ove
         state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
         if float_dtype is not None:
             state = {k: (v.to(float_dtype) if _kept_float(k, v) else v) for k, v in state.items()}
-            cfg["dtype"] = str(float_dtype).replace("torch.", "")
-            cfg.pop("torch_dtype", None)
+            _record_float_dtype(cfg, float_dtype)
         # tied weights (lm_head = embed_tokens) are stored once, as transformers does
         if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" in state:
             state.pop("lm_head.weight")
         save_file(state, str(tmp / "model.safetensors"),
                   metadata={"format": "pt", "qgemv_format_version": str(formats.FORMAT_VERSION)})
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        for fname, obj in (extra_json or {}).items():
-            (tmp / fname).write_text(json.dumps(obj, indent=1, default=str))
+        _write_side_files(tmp, tokenizer, extra_json)
         # config.json last: a directory without it is never mistaken for a checkpoint
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
     return out

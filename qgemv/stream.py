@@ -147,6 +147,14 @@ def finished_units(out) -> Optional[list]:
         return None
 
 
+def check_no_interrupted_run(out) -> None:
+    """OutputDirError if ``OUT.partial`` holds an interrupted run's finished work (or an unreadable record of
+    it), which only ``--resume`` may continue; a work directory that finished nothing is not such a run."""
+    if partial_dir(out).exists() and finished_units(out) != []:
+        raise OutputDirError(f"{partial_dir(out)} holds an interrupted run for {out}: pass --resume to continue "
+                             f"it, or delete it to start over")
+
+
 class LayerWriter:
     """Writes a checkpoint into ``OUT.partial`` one unit at a time, resumably, then renames it to ``OUT``.
 
@@ -162,12 +170,11 @@ class LayerWriter:
         self.work = partial_dir(self.out)
         self.fingerprint = json.loads(json.dumps(fingerprint, default=str))
         self.done = set()
-        if self.work.exists() and not resume and finished_units(self.out) == []:
-            shutil.rmtree(self.work)  # an interrupted run that finished nothing: nothing to keep
+        if not resume:
+            check_no_interrupted_run(self.out)
+            if self.work.exists():
+                shutil.rmtree(self.work)  # an interrupted run that finished nothing: nothing to keep
         if self.work.exists():
-            if not resume:
-                raise OutputDirError(f"{self.work} holds an interrupted run for {self.out}: pass --resume to "
-                                     f"continue it, or delete it to start over")
             try:
                 prog = json.loads((self.work / "progress.json").read_text())
                 old, done = prog["fingerprint"], prog["done"]
@@ -240,10 +247,7 @@ class LayerWriter:
         index = {"metadata": {"qgemv_format_version": formats.FORMAT_VERSION},
                  "weight_map": dict(sorted(weight_map.items()))}
         (self.work / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(self.work)
-        for fname, obj in (extra_json or {}).items():
-            (self.work / fname).write_text(json.dumps(obj, indent=1, default=str))
+        checkpoint._write_side_files(self.work, tokenizer, extra_json)
         (self.work / "progress.json").unlink()
         for f in self.work.glob("unit-*"):
             f.unlink()
