@@ -148,8 +148,11 @@ struct GemvMma {
   uint32_t sym_z, sym_y;      // symmetric zero point 8 as (magic + 8), (magic/16 + 8)
 
   // blk: the logical block (kRT panels) this warp works on; blockIdx.x except
-  // in the persistent kernel, whose blocks walk several.
-  __device__ __forceinline__ GemvMma(const GemvParams& params, int lane, int blk) : p(params) {
+  // in the persistent kernel, whose blocks walk several.  x / ldx: the
+  // activations the tiles read, p.x and p.ldx, or the block's gathered copy
+  // in shared memory (kGather).
+  __device__ __forceinline__ GemvMma(const GemvParams& params, int lane, int blk, const T* x, int ldx)
+      : p(params) {
     g = lane >> 2;
     t = lane & 3;
     const int npanels = num_panels(p.N);
@@ -177,7 +180,7 @@ struct GemvMma {
 #pragma unroll
     for (int n = 0; n < kNT; ++n) {
       const int tok = min(n * 8 + g, p.M - 1);
-      xl[n] = static_cast<const T*>(p.x) + static_cast<size_t>(tok) * p.ldx + kLaneK * t;
+      xl[n] = x + static_cast<size_t>(tok) * ldx + kLaneK * t;
     }
     sym_z = magic_zero_pair<T>(8);
     sym_y = ActTraits<T>::splat(ActTraits<T>::kMagicValue / 16.f + 8.f);
@@ -360,7 +363,13 @@ struct MaxRegisters {
 // kPdlLaunch it then waits for the kernel before it.  Nothing is read into
 // registers or shared memory before the wait: x may be that kernel's output,
 // and so may a weight just written.
-template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kRT, bool kPersist>
+//
+// kGather: the activations are x[:, p.perm] (act-order).  After its first
+// ring fill is in flight, each block gathers them into shared memory once
+// (M x K elements, at most kGatherMaxBytes: gemv_gathers) and its tiles read
+// that copy instead of x; the gather's L2 round trips overlap the weights'
+// first HBM reads.
+template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kRT, bool kPersist, bool kGather>
 __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvParams p, int pdl) {
   using Lane = GemvMma<T, kBits, kGroup, kZeros, kNT, kRT>;
   constexpr int kTileK = Lane::kTileK;
@@ -409,10 +418,12 @@ __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvPa
     }
   };
 
-  // Shared memory: [weight ring: nwarps x kStages x kSlot x 16 B] [reduction]
+  // Shared memory: [weight ring: nwarps x kStages x kSlot x 16 B] [reduction:
+  // nwarps x kRT x kNT x 4 x 32 floats] [kGather: x[:, perm], M x K]
   extern __shared__ __align__(16) unsigned char smem[];
   uint4* ring = reinterpret_cast<uint4*>(smem) + warp * kStages * kSlot + lane;
   float* red = reinterpret_cast<float*>(smem + static_cast<size_t>(nwarps) * kStages * kSlot * sizeof(uint4));
+  T* xs = reinterpret_cast<T*>(red + nwarps * kRT * kNT * 4 * kWarpSize);
 
   const int count = warp < nclean ? (nclean - warp + nwarps - 1) / nwarps : 0;  // clean tiles per block
   int issue_blk = blockIdx.x;  // logical block the next issue reads from
@@ -457,9 +468,36 @@ __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvPa
 #pragma unroll
   for (int j = 0; j < kStages - 1; ++j) issue();
 
+  if constexpr (kGather) {
+    // Eight k per step: two 16-byte loads of perm, then eight independent
+    // 2-byte loads of each token's x (L1 / L2), one 16-byte store per token.
+    const int chunks = p.K / 8;
+    const T* x = static_cast<const T*>(p.x);
+#pragma unroll 2
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+      const int4 pa = *reinterpret_cast<const int4*>(p.perm + 8 * c);
+      const int4 pb = *reinterpret_cast<const int4*>(p.perm + 8 * c + 4);
+      // Clamped into [0, K): a bad perm gives wrong outputs, never a read outside x.
+      const unsigned last = static_cast<unsigned>(p.K - 1);
+      const unsigned idx[8] = {min(static_cast<unsigned>(pa.x), last), min(static_cast<unsigned>(pa.y), last),
+                               min(static_cast<unsigned>(pa.z), last), min(static_cast<unsigned>(pa.w), last),
+                               min(static_cast<unsigned>(pb.x), last), min(static_cast<unsigned>(pb.y), last),
+                               min(static_cast<unsigned>(pb.z), last), min(static_cast<unsigned>(pb.w), last)};
+      for (int m = 0; m < p.M; ++m) {
+        const T* xm = x + static_cast<size_t>(m) * p.ldx;
+        uint4 v;
+        T* e = reinterpret_cast<T*>(&v);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) e[i] = xm[idx[i]];
+        *reinterpret_cast<uint4*>(xs + static_cast<size_t>(m) * p.K + 8 * c) = v;
+      }
+    }
+    __syncthreads();
+  }
+
   for (int blk = blockIdx.x; kPersist ? blk < nblk : blk == static_cast<int>(blockIdx.x);
        blk += kPersist ? gridDim.x : 1) {
-  Lane s(p, lane, blk);
+  Lane s(p, lane, blk, kGather ? xs : static_cast<const T*>(p.x), kGather ? p.K : p.ldx);
   TileMeta meta_cur[kRT], meta_next[kRT];
   if (grouped && count > 0) s.template load_meta<false>(warp, meta_cur);
   int j = 0;
@@ -617,23 +655,28 @@ bool gemv_pdl_ok(Kernel kernel) {
          }) == 1;
 }
 
-template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kRT>
+template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kRT, bool kGather>
 Status launch_gemv_mma(const GemvParams& p, cudaStream_t stream) {
   constexpr int kTileK = GemvMma<T, kBits, kGroup, kZeros, kNT, kRT>::kTileK;
   const int w = p.warps_per_block > 0 ? p.warps_per_block : choose_warps(p.N, p.K, p.Kp, kTileK, kRT);
   if (w > kMaxWarps) return Status::kBadShape;
   const int nblk = (p.N + kRT * kPanelRows - 1) / (kRT * kPanelRows);
   const size_t smem = static_cast<size_t>(w) * kStages * kRT * 64 * sizeof(uint4) +
-                      static_cast<size_t>(w) * kRT * kNT * 4 * kWarpSize * sizeof(float);
-  auto kernel = gemv_mma_kernel<T, kBits, kGroup, kZeros, kNT, kRT, false>;
+                      static_cast<size_t>(w) * kRT * kNT * 4 * kWarpSize * sizeof(float) +
+                      (kGather ? static_cast<size_t>(p.M) * p.K * sizeof(T) : 0);
+  auto kernel = gemv_mma_kernel<T, kBits, kGroup, kZeros, kNT, kRT, false, kGather>;
   int grid = nblk;
   if constexpr (gemv_row(kBits, kGroup, kZeros, kNT, kRT) == 2) {
-    // Resident blocks per SM for this instance and warp count, asked once per device.
+    // Resident blocks per SM for this instance and warp count, asked once per
+    // device (kGather: the shared memory grows with M x K, so the answer is
+    // kept with the byte count it was asked for and asked again when that
+    // changes).
     static std::atomic<int> resident[kMaxWarps + 1][kMaxDevices] = {};
+    static std::atomic<long long> resident_at[kMaxWarps + 1][kMaxDevices] = {};
     const int sms = device_sm_count();
     if (sms == 0) return Status::kLaunchFailed;
-    auto pkernel = gemv_mma_kernel<T, kBits, kGroup, kZeros, kNT, kRT, true>;
-    const int per_sm = per_device(resident[w], [&] {
+    auto pkernel = gemv_mma_kernel<T, kBits, kGroup, kZeros, kNT, kRT, true, kGather>;
+    auto ask = [&] {
       int n = 0;
       if (smem > 48 * 1024 &&
           cudaFuncSetAttribute(pkernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) !=
@@ -642,7 +685,22 @@ Status launch_gemv_mma(const GemvParams& p, cudaStream_t stream) {
       if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pkernel, w * kWarpSize, smem) != cudaSuccess)
         return -1;
       return n > 0 ? n : 1;
-    });
+    };
+    int per_sm = 0;
+    if constexpr (kGather) {
+      int dev = 0;
+      if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return Status::kLaunchFailed;
+      const long long key = static_cast<long long>(smem) << 16;
+      const long long got = resident_at[w][dev].load();
+      if ((got & ~0xffffLL) == key) {
+        per_sm = static_cast<int>(got & 0xffff);
+      } else {
+        per_sm = ask();
+        if (per_sm > 0) resident_at[w][dev].store(key | per_sm);
+      }
+    } else {
+      per_sm = per_device(resident[w], ask);
+    }
     if (per_sm <= 0) return Status::kLaunchFailed;
     const int slots = per_sm * sms;
     if (nblk >= tuning::kPersistMinWaves * slots) {
@@ -682,6 +740,7 @@ Status launch_gemv_mma(const GemvParams& p, cudaStream_t stream) {
 template <int kBits>
 Status dispatch_gemv(const GemvParams& p, cudaStream_t stream) {
   if (p.M < 1 || p.M > kMaxGemvTokens) return Status::kBadShape;
+  if (p.perm != nullptr && !gemv_gathers(p.M, p.K)) return Status::kBadShape;  // the caller gathers x
   const bool zeros = p.zeros != nullptr;
   const int nt = p.M <= 8 ? 1 : 2;
   const int rt = nt == 2 && num_panels(p.N) >= tuning::kWideMinPanels &&
@@ -691,8 +750,16 @@ Status dispatch_gemv(const GemvParams& p, cudaStream_t stream) {
 #define QGEMV_ROW(B, G, Z, NT, RT, P)                                                                \
   if constexpr (B == kBits) {                                                                        \
     if (p.group_size == G && zeros == Z && nt == NT && rt == RT) {                                   \
-      if (p.act == ActType::kHalf) return launch_gemv_mma<__half, B, G, Z, NT, RT>(p, stream);        \
-      if (p.act == ActType::kBFloat16) return launch_gemv_mma<__nv_bfloat16, B, G, Z, NT, RT>(p, stream); \
+      if constexpr (NT == 1) {                                                                       \
+        if (p.perm != nullptr) {                                                                     \
+          if (p.act == ActType::kHalf) return launch_gemv_mma<__half, B, G, Z, NT, RT, true>(p, stream); \
+          if (p.act == ActType::kBFloat16)                                                           \
+            return launch_gemv_mma<__nv_bfloat16, B, G, Z, NT, RT, true>(p, stream);                 \
+          return Status::kNoKernel;                                                                  \
+        }                                                                                            \
+      }                                                                                              \
+      if (p.act == ActType::kHalf) return launch_gemv_mma<__half, B, G, Z, NT, RT, false>(p, stream); \
+      if (p.act == ActType::kBFloat16) return launch_gemv_mma<__nv_bfloat16, B, G, Z, NT, RT, false>(p, stream); \
       return Status::kNoKernel;                                                                      \
     }                                                                                                \
   }

@@ -41,12 +41,24 @@ struct GemvParams {
   int group_size;         // 0 = one scale per output channel
   ActType act;
   int warps_per_block;    // 0 = let the launcher choose (see choose_warps)
+  const int32_t* perm;    // [K] or nullptr: multiply x[:, perm] instead of x (an act-order
+                          // checkpoint's input order), 16-byte aligned.  The GEMV gathers
+                          // in its prologue when gemv_gathers(M, K) holds; every other
+                          // path needs the caller to gather x first (torch_bindings.cpp).
 };
 
 // Largest number of tokens the GEMV kernels take in one launch; above it the
 // caller must chunk or use the dequantize + GEMM path (see dispatch in
 // torch_bindings.cpp).
 constexpr int kMaxGemvTokens = 16;
+
+// The GEMV gathers x[:, perm] itself (each block copies it into shared
+// memory once, before its first tile) for up to 8 tokens when the gathered
+// activations take at most kGatherMaxBytes; elsewhere perm must be nullptr.
+constexpr int kGatherMaxBytes = 32 * 1024;
+inline bool gemv_gathers(int M, int K) {
+  return M >= 1 && M <= 8 && static_cast<long long>(M) * K * 2 <= kGatherMaxBytes;
+}
 
 // Programmatic dependent launch of the GEMV (compute capability 9.0 and up):
 // the launch may begin while the kernel before it in the stream finishes.

@@ -49,6 +49,9 @@ namespace {
 enum class Prefill : int { kChunks = 0, kTiled = 1, kDense = 2, kWgmma = 3 };
 std::atomic<int> forced_prefill_path{-1};  // -1: the measured rule
 
+// Tests and benchmarks turn the GEMV's own gather off to compare it with gathering first.
+std::atomic<bool> gemv_gather_enabled{true};
+
 Prefill prefill_path(int64_t N, int64_t K, int64_t M) {
   using namespace tuning;
   const int forced = forced_prefill_path.load();
@@ -129,16 +132,41 @@ using GemmFn = Status (*)(const GemvParams&, float*, int, cudaStream_t);
 using DequantFn = Status (*)(const GemvParams&, void*, cudaStream_t);
 using WgmmaFn = Status (*)(const GemvParams&, void*, float*, int, cudaStream_t);
 
+// perm (act-order): int32 [K] on x's device, contiguous, 16-byte aligned.
+// Its values are the caller's to check (a check here would synchronize);
+// the GEMV clamps each index into [0, K) so that a bad one cannot read
+// outside x.
+void check_perm(const at::Tensor& x, const c10::optional<at::Tensor>& perm, int64_t K, const char* op) {
+  if (!perm.has_value()) return;
+  const at::Tensor& q = *perm;
+  check_same_device(x, q, "perm", op);
+  QG_CHECK(q.scalar_type() == at::kInt, op, "perm must be int32, got ", q.scalar_type());
+  QG_CHECK(q.dim() == 1 && q.size(0) == K, op, "perm must have shape [", K, "], got ", q.sizes());
+  QG_CHECK(q.is_contiguous(), op, "perm must be contiguous");
+  check_aligned(q, 16, "perm", op);
+}
+
 // The one dispatch function: by dtype, token count and weight size (see Prefill and prefill_path).
+// With perm, y = x[..., perm] @ W^T: the GEMV gathers x itself where
+// gemv_gathers(M, K) holds (qgemv.h); every other path gets x gathered here first.
 at::Tensor run_linear(const at::Tensor& x, GemvParams p, int bits, GemvFn gemv, GemmFn gemm,
-                      WgmmaFn wgmma, DequantFn dequant, const char* op) {
+                      WgmmaFn wgmma, DequantFn dequant, const c10::optional<at::Tensor>& perm,
+                      const char* op) {
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor x2 = prepare_x(x, p.K, op);
   const int64_t M = x2.size(0);
   at::Tensor y = at::empty({M, p.N}, x.options());
   p.act = act_type(x, op);
+  p.perm = nullptr;
   if (M == 0) return y.reshape(out_shape(x, p.N));
+  if (perm.has_value()) {
+    if (p.act != ActType::kFloat32 && M <= kMaxGemvTokens && gemv_gathers(static_cast<int>(M), p.K) &&
+        gemv_gather_enabled.load())
+      p.perm = perm->data_ptr<int32_t>();
+    else
+      x2 = x2.index_select(1, *perm);  // contiguous, freshly allocated: 16-byte aligned rows
+  }
 
   const Prefill path = M <= kMaxGemvTokens ? Prefill::kChunks : prefill_path(p.N, p.K, M);
   GemvParams c = p;  // the whole batch, for the GEMMs
@@ -210,7 +238,7 @@ void check_scales(const at::Tensor& x, const at::Tensor& scales, int64_t N, int6
 }
 
 at::Tensor linear_int8_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                            int64_t in_features) {
+                            int64_t in_features, const c10::optional<at::Tensor>& perm) {
   const char* op = "linear_int8";
   act_type(x, op);
   check_same_device(x, qweight, "qweight", op);
@@ -224,13 +252,14 @@ at::Tensor linear_int8_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
            (K + 15) / 16 * 16, ", got ", Kp);
   check_scales(x, scales, N, 0, op);
   check_aligned(qweight, 16, "qweight", op);
+  check_perm(x, perm, K, op);
   GemvParams p = base_params(x, qweight, scales, N, K, Kp);
-  return run_linear(x, p, 8, gemv_int8, gemm_int8, wgmma_int8, dequant_int8, op);
+  return run_linear(x, p, 8, gemv_int8, gemm_int8, wgmma_int8, dequant_int8, perm, op);
 }
 
 at::Tensor linear_int4_impl(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                             const c10::optional<at::Tensor>& zeros, bool grouped, int64_t group_size,
-                            int64_t in_features, const char* op) {
+                            int64_t in_features, const c10::optional<at::Tensor>& perm, const char* op) {
   act_type(x, op);
   check_same_device(x, qweight, "qweight", op);
   check_same_device(x, scales, "scales", op);
@@ -262,18 +291,21 @@ at::Tensor linear_int4_impl(const at::Tensor& x, const at::Tensor& qweight, cons
     p.zeros = z.data_ptr<uint8_t>();
   }
   check_aligned(qweight, 16, "qweight", op);
-  return run_linear(x, p, 4, gemv_int4, gemm_int4, wgmma_int4, dequant_int4, op);
+  check_perm(x, perm, K, op);
+  return run_linear(x, p, 4, gemv_int4, gemm_int4, wgmma_int4, dequant_int4, perm, op);
 }
 
 at::Tensor linear_int4_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                            int64_t in_features) {
-  return linear_int4_impl(x, qweight, scales, c10::nullopt, false, 0, in_features, "linear_int4");
+                            int64_t in_features, const c10::optional<at::Tensor>& perm) {
+  return linear_int4_impl(x, qweight, scales, c10::nullopt, false, 0, in_features, perm, "linear_int4");
 }
 
 at::Tensor linear_int4_grouped_cuda(const at::Tensor& x, const at::Tensor& qweight,
                                     const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
-                                    int64_t group_size, int64_t in_features) {
-  return linear_int4_impl(x, qweight, scales, zeros, true, group_size, in_features, "linear_int4_grouped");
+                                    int64_t group_size, int64_t in_features,
+                                    const c10::optional<at::Tensor>& perm) {
+  return linear_int4_impl(x, qweight, scales, zeros, true, group_size, in_features, perm,
+                          "linear_int4_grouped");
 }
 
 at::Tensor sgemv_cuda(const at::Tensor& A, const at::Tensor& x, int64_t kernel) {
@@ -306,7 +338,7 @@ at::Tensor sgemv_cuda(const at::Tensor& A, const at::Tensor& x, int64_t kernel) 
 // schema mismatch there, e.g. a stale build after an upgrade, aborts the
 // process; registered from a call, it is an exception the loader turns into
 // "rebuild the extension" and the reference backend.)
-constexpr int kOpsVersion = 2;
+constexpr int kOpsVersion = 3;
 
 void register_cuda_kernels() {
   static std::unique_ptr<torch::Library> lib;
@@ -373,6 +405,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         "Path the dispatch takes for mt tokens of an n x k weight on the current device: 0 chunks, 1 tiled, "
         "2 dense, 3 wgmma; -1 one GEMV launch.");
+  t.def("set_gemv_gather", [](bool on) { qgemv::gemv_gather_enabled.store(on); },
+        "False: an act-order perm is applied by gathering x first (one more kernel) instead of inside the "
+        "GEMV; True (the default) restores the in-kernel gather.");
+  t.def("gemv_gathers", [](int64_t m, int64_t k) {
+          return qgemv::gemv_gather_enabled.load() && m >= 1 && m <= qgemv::kMaxGemvTokens &&
+                 qgemv::gemv_gathers(static_cast<int>(m), static_cast<int>(k));
+        },
+        "Whether the GEMV gathers x[:, perm] itself for m tokens of width k (qgemv.h, gemv_gathers).");
   t.def("wgmma_shape_count", &qgemv::testing::wgmma_shape_count);
   t.def("set_wgmma_shape", [](int v) {
           if (v < -1 || v >= qgemv::testing::wgmma_shape_count())

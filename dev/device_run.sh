@@ -66,7 +66,7 @@ for step in "${@:-all}"; do
     genact)
       # the engine on act-order int4 g128a (gathers in the norm glue, or separate) against plain int4 g128a
       python3 -m qgemv.eval.bench_generate --models llama2-7b --batches 1 --no-hf --no-breakdown \
-        --variants int4g128a,int4g128a_act,int4g128a_act_sep ${GENACT_ARGS:-} --out "$OUT/genact" 2>&1 \
+        --variants int4g128a,int4g128a_act,int4g128a_act_first,int4g128a_act_sep ${GENACT_ARGS:-} --out "$OUT/genact" 2>&1 \
         | grep -v -i warn | tail -20 ;;
     import)
       python3 -m qgemv.eval.bench_import --out "$OUT/bench_import" 2>&1 | grep -v -i warn ;;

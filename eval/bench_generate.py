@@ -53,11 +53,14 @@ MODELS = {
                  intermediate_size=256, vocab_size=512),  # for the CPU test of this script
 }
 VARIANTS = {"fp16": None, "bf16": None, "int8": (8, None, True), "int4": (4, None, True),
-            "int4g128a": (4, 128, False), "int4g128a_act": (4, 128, False), "int4g128a_act_sep": (4, 128, False)}
+            "int4g128a": (4, 128, False), "int4g128a_act": (4, 128, False), "int4g128a_act_sep": (4, 128, False),
+            "int4g128a_act_first": (4, 128, False)}
 # int4g128a_act: int4 g128a with act-order input permutations as an imported GPTQ checkpoint has them after
 # qgemv.importers (one random perm shared by q/k/v, one by o, one by gate/up; down_proj's folded into gate/up's
-# rows); the engine gathers q/k/v's and gate/up's inputs inside its RMSNorm glue.  int4g128a_act_sep: the same
-# model with those gathers as separate kernels (QuantLinear's own index_select), for the comparison.
+# rows); the engine gathers q/k/v's and gate/up's inputs inside its RMSNorm glue, and o_proj's GEMV gathers its
+# own.  int4g128a_act_sep: every projection's GEMV gathers its own input (none in the norm).
+# int4g128a_act_first: as int4g128a_act, with o_proj's input gathered by its own kernel first
+# (qgemv._C.testing.set_gemv_gather(False)), the path before the GEMV gathered.
 
 
 def build_model(name: str, layers: int = 0, device: str = "cuda"):
@@ -100,6 +103,19 @@ def prepare(model, variant: str):
 
 
 def run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown) -> list:
+    if variant != "int4g128a_act_first":
+        return _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown)
+    from qgemv import _ext
+    if _ext.MODULE is None:
+        raise SystemExit(f"{variant} needs the compiled extension: {_ext.REASON}")
+    _ext.MODULE.testing.set_gemv_gather(False)
+    try:
+        return _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown)
+    finally:
+        _ext.MODULE.testing.set_gemv_gather(True)
+
+
+def _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown) -> list:
     rows = []
     wb = weight_bytes(model)
     engine = Engine(model, max_seq_len=prompt + gen + 8)

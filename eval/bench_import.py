@@ -10,8 +10,12 @@ with the plain g_idx and once with an act-order g_idx (equal groups in
 shuffled column order: QuantLinear.perm gathers x).  The native layer holds
 the same codes written by qgemv itself.  Each is timed per call under
 CUDA-graph replay, 20 calls on rotating weight copies per graph (so no
-weight byte comes from the 60 MB L2), median of 20 replays; the gather
-``x[..., perm]`` is also timed alone.  Writes <out>.json and <out>.md.
+weight byte comes from the 60 MB L2), median of 20 replays.  The act-order
+layer is timed twice: with the GEMV gathering x[..., perm] itself (up to 8
+tokens while M x K x 2 bytes fit in 32 KB, else gathered first), and with
+the gather forced to its own kernel first (qgemv._C.testing.set_gemv_gather);
+the gather ``x[..., perm]`` is also timed alone.  Writes <out>.json and
+<out>.md.
 """
 
 from __future__ import annotations
@@ -80,11 +84,15 @@ def per_call_us(fns, x) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="runs/bench_import")
-    ap.add_argument("--ms", default="1,16")
+    ap.add_argument("--ms", default="1,4,16")
     ap.add_argument("--copies", type=int, default=20)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_import needs a CUDA GPU")
+    from qgemv import _ext
+    if _ext.MODULE is None:
+        raise SystemExit(f"bench_import needs the compiled extension: {_ext.REASON}")
+    testing = _ext.MODULE.testing
     rows = []
     for n, k in SHAPES:
         base = layers(n, k)
@@ -98,14 +106,23 @@ def main(argv=None) -> int:
         for mtok in [int(v) for v in args.ms.split(",")]:
             x = torch.randn(mtok, k, device="cuda", dtype=torch.float16)
             t = {label: per_call_us(fns, x) for label, fns in copies.items()}
+            testing.set_gemv_gather(False)
+            try:
+                t["act-order gather-first"] = per_call_us(copies["imported act-order"], x)
+            finally:
+                testing.set_gemv_gather(True)
             gather = per_call_us([lambda v: v.index_select(-1, perm)] * args.copies, x)
             row = dict(N=n, K=k, M=mtok, **{f"{label} us": v for label, v in t.items()}, **{"gather us": gather})
             row["imported / native"] = t["imported"] / t["native"]
             row["act-order / native"] = t["imported act-order"] / t["native"]
+            row["gather-first / native"] = t["act-order gather-first"] / t["native"]
+            row["in GEMV"] = bool(testing.gemv_gathers(mtok, k))
             rows.append(row)
             print(f"{n}x{k} M={mtok}: native {t['native']:.2f} us, imported {t['imported']:.2f} "
                   f"({row['imported / native']:.3f}x), act-order {t['imported act-order']:.2f} "
-                  f"({row['act-order / native']:.3f}x), gather alone {gather:.2f} us", flush=True)
+                  f"({row['act-order / native']:.3f}x, gathered {'in the GEMV' if row['in GEMV'] else 'first'}), "
+                  f"gathered first {t['act-order gather-first']:.2f} ({row['gather-first / native']:.3f}x), "
+                  f"gather alone {gather:.2f} us", flush=True)
         del copies
     result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "command": command_line("bench_import", argv),
@@ -113,8 +130,9 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
-    cols = ["N", "K", "M", "native us", "imported us", "imported act-order us", "gather us", "imported / native",
-            "act-order / native"]
+    cols = ["N", "K", "M", "native us", "imported us", "imported act-order us", "in GEMV",
+            "act-order gather-first us", "gather us", "imported / native", "act-order / native",
+            "gather-first / native"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         lines.append("| " + " | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")

@@ -185,6 +185,8 @@ class QuantLinear(_StoredFormat, nn.Module):
                     torch.sort(p).values, torch.arange(k, device=p.device)):
                 raise ValueError(f"QuantLinear: perm must be an int64 permutation of 0..{k - 1} on {x.device}, got "
                                  f"{p.dtype} {list(p.shape)} on {p.device}")
+        # The ops take perm as int32 (the GEMV gathers x with it in its prologue); kept until a buffer changes.
+        self.__dict__["_perm_i32"] = None if self.perm is None else self.perm.to(torch.int32).contiguous()
         if x.is_cuda:
             ops._check_cuda_pointers("QuantLinear", qweight=(self.qweight, 16), scales=(self.scales, 2))
         self.__dict__["_checked_on"] = x.device
@@ -205,14 +207,22 @@ class QuantLinear(_StoredFormat, nn.Module):
                 self._check_buffers(x)  # also x's dtype, width and device, with the full messages
             elif x.shape[-1] != k or x.dtype not in ops.FLOAT_DTYPES:
                 self._check_buffers(x)  # raises, naming the rule
+        perm = None
         if self.perm is not None and not gathered:
-            x = x.index_select(-1, self.perm)  # one gather of K per token (act-order checkpoints)
+            if torch.compiler.is_compiling():
+                x = x.index_select(-1, self.perm)  # the compiler fuses the gather into x's producer
+            else:
+                perm = self.__dict__.get("_perm_i32")  # the op gathers (up to 8 tokens: inside the GEMV)
+                if perm is None or perm.device != x.device:
+                    self._check_buffers(x)
+                    perm = self.__dict__["_perm_i32"]
         if cfg.bits == 8:
-            y = torch.ops.qgemv.linear_int8(x, self.qweight, self.scales, k)
+            y = torch.ops.qgemv.linear_int8(x, self.qweight, self.scales, k, perm)
         elif cfg.group_size is None:
-            y = torch.ops.qgemv.linear_int4(x, self.qweight, self.scales, k)
+            y = torch.ops.qgemv.linear_int4(x, self.qweight, self.scales, k, perm)
         else:
-            y = torch.ops.qgemv.linear_int4_grouped(x, self.qweight, self.scales, self.zeros, cfg.group_size, k)
+            y = torch.ops.qgemv.linear_int4_grouped(x, self.qweight, self.scales, self.zeros, cfg.group_size, k,
+                                                    perm)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y

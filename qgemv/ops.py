@@ -2,16 +2,24 @@
 
 Every op lives in the ``qgemv`` torch.library namespace:
 
-* ``qgemv::linear_int8(Tensor x, Tensor qweight, Tensor scales, int in_features) -> Tensor``
-* ``qgemv::linear_int4(Tensor x, Tensor qweight, Tensor scales, int in_features) -> Tensor``
+* ``qgemv::linear_int8(Tensor x, Tensor qweight, Tensor scales, int in_features, Tensor? perm=None) -> Tensor``
+* ``qgemv::linear_int4(Tensor x, Tensor qweight, Tensor scales, int in_features, Tensor? perm=None) -> Tensor``
 * ``qgemv::linear_int4_grouped(Tensor x, Tensor qweight, Tensor scales,
-  Tensor? zeros, int group_size, int in_features) -> Tensor``
+  Tensor? zeros, int group_size, int in_features, Tensor? perm=None) -> Tensor``
 * ``qgemv::sgemv(Tensor A, Tensor x, int kernel=0) -> Tensor``
 
 ``in_features`` is the K the weight was packed for.  The packed rows are
 padded (to 16 k for int8, 32 k for int4), so the packed width alone cannot
 tell K = 56 from K = 64: every op takes K and refuses an x whose last
 dimension differs from it.
+
+``perm`` (int32 [K], optional) is an act-order checkpoint's input order: the
+op computes ``x[..., perm] @ W^T``.  The GEMV gathers x itself for up to 8
+tokens while M x K x 2 bytes fit in 32 KB (csrc/qgemv.h, gemv_gathers); the
+other paths gather x first.  Its values are checked by the reference and by
+the Python wrappers below, not by the CUDA op (that would synchronize); there
+a bad index is clamped into [0, K), so it gives wrong outputs, never a read
+outside x.
 
 The reference below is registered for the CPU key and is what the tests
 compare the CUDA kernels against.  The CUDA key is served by the compiled
@@ -31,13 +39,16 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 #: Version of the schemas below; csrc/torch_bindings.cpp's kOpsVersion must equal it
 #: for the compiled kernels to be registered (qgemv/_ext.py).
-OPS_VERSION = 2
+OPS_VERSION = 3
 
-torch.library.define("qgemv::linear_int8", "(Tensor x, Tensor qweight, Tensor scales, int in_features) -> Tensor")
-torch.library.define("qgemv::linear_int4", "(Tensor x, Tensor qweight, Tensor scales, int in_features) -> Tensor")
+torch.library.define(
+    "qgemv::linear_int8", "(Tensor x, Tensor qweight, Tensor scales, int in_features, Tensor? perm=None) -> Tensor")
+torch.library.define(
+    "qgemv::linear_int4", "(Tensor x, Tensor qweight, Tensor scales, int in_features, Tensor? perm=None) -> Tensor")
 torch.library.define(
     "qgemv::linear_int4_grouped",
-    "(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, int group_size, int in_features) -> Tensor",
+    "(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, int group_size, int in_features, "
+    "Tensor? perm=None) -> Tensor",
 )
 torch.library.define("qgemv::sgemv", "(Tensor A, Tensor x, int kernel=0) -> Tensor")
 
@@ -86,15 +97,35 @@ def _check_scales(op: str, scales: torch.Tensor, n: int, groups: int):
         _fail(op, f"scales must have shape {list(want)}, got {list(scales.shape)}")
 
 
-def check_linear_int8(x, qweight, scales, in_features) -> None:
+def _check_perm(op: str, perm: Optional[torch.Tensor], k: int) -> None:
+    """perm's dtype, shape and layout (its device is _check_x's); not its values: see check_perm_values."""
+    if perm is None:
+        return
+    if perm.dtype != torch.int32:
+        _fail(op, f"perm must be int32, got {perm.dtype}")
+    if tuple(perm.shape) != (k,):
+        _fail(op, f"perm must have shape [{k}], got {list(perm.shape)}")
+    if not perm.is_contiguous():
+        _fail(op, "perm must be contiguous")
+
+
+def check_perm_values(op: str, perm: Optional[torch.Tensor], k: int) -> None:
+    """perm holds every index 0..k-1 once (reads perm: on a GPU, a synchronization)."""
+    if perm is not None and not torch.equal(torch.sort(perm.long()).values, torch.arange(k, device=perm.device)):
+        _fail(op, f"perm must be a permutation of 0..{k - 1}")
+
+
+def check_linear_int8(x, qweight, scales, in_features, perm=None) -> None:
     op = "linear_int8"
-    k = _check_x(op, x, {"qweight": qweight, "scales": scales}, in_features)
+    k = _check_x(op, x, {"qweight": qweight, "scales": scales, "perm": perm}, in_features)
     _check_qweight(op, qweight, torch.int8, (k + 15) // 16 * 16, "round_up(K, 16)")
     _check_scales(op, scales, qweight.shape[0], 0)
+    _check_perm(op, perm, k)
 
 
-def check_linear_int4(x, qweight, scales, in_features, zeros=None, group_size=0, op="linear_int4") -> None:
-    k = _check_x(op, x, {"qweight": qweight, "scales": scales, "zeros": zeros}, in_features)
+def check_linear_int4(x, qweight, scales, in_features, zeros=None, group_size=0, op="linear_int4",
+                      perm=None) -> None:
+    k = _check_x(op, x, {"qweight": qweight, "scales": scales, "zeros": zeros, "perm": perm}, in_features)
     _check_qweight(op, qweight, torch.int32, (k + 31) // 32 * 4, "round_up(K, 32) / 8")
     groups = 0
     if op == "linear_int4_grouped":
@@ -112,6 +143,7 @@ def check_linear_int4(x, qweight, scales, in_features, zeros=None, group_size=0,
             _fail(op, "zeros must be contiguous")
         if tuple(zeros.shape) != (n, groups):
             _fail(op, f"zeros must have shape [{n}, {groups}], got {list(zeros.shape)}")
+    _check_perm(op, perm, k)
 
 
 def check_sgemv(A, x, kernel) -> None:
@@ -133,28 +165,40 @@ def check_sgemv(A, x, kernel) -> None:
 # --------------------------------------------------------------------------
 # References: dequantize in fp32, multiply in fp32, return x's dtype.
 # --------------------------------------------------------------------------
-def _ref_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _check_ref_perm(op: str, perm, k: int) -> None:
+    # On the CPU the values are checked; on a GPU (the reference standing in for a missing build) reading
+    # them back would synchronize, which a CUDA-graph capture forbids: index_select's own bounds check stays.
+    if perm is not None and perm.device.type == "cpu":
+        check_perm_values(op, perm, k)
+
+
+def _ref_matmul(x: torch.Tensor, w: torch.Tensor, perm: Optional[torch.Tensor] = None) -> torch.Tensor:
+    if perm is not None:
+        x = x.index_select(-1, perm)
     y = x.to(torch.float32) @ w.t()
     return y.to(x.dtype)
 
 
-def ref_linear_int8(x, qweight, scales, in_features):
+def ref_linear_int8(x, qweight, scales, in_features, perm=None):
     """Reference for qgemv::linear_int8; x [..., K] -> [..., N] in x.dtype."""
-    check_linear_int8(x, qweight, scales, in_features)
-    return _ref_matmul(x, formats.dequantize_int8(qweight, scales, in_features))
+    check_linear_int8(x, qweight, scales, in_features, perm)
+    _check_ref_perm("linear_int8", perm, in_features)
+    return _ref_matmul(x, formats.dequantize_int8(qweight, scales, in_features), perm)
 
 
-def ref_linear_int4(x, qweight, scales, in_features):
+def ref_linear_int4(x, qweight, scales, in_features, perm=None):
     """Reference for qgemv::linear_int4 (per-channel, symmetric)."""
-    check_linear_int4(x, qweight, scales, in_features)
-    return _ref_matmul(x, formats.dequantize_int4(qweight, scales, None, None, in_features))
+    check_linear_int4(x, qweight, scales, in_features, perm=perm)
+    _check_ref_perm("linear_int4", perm, in_features)
+    return _ref_matmul(x, formats.dequantize_int4(qweight, scales, None, None, in_features), perm)
 
 
-def ref_linear_int4_grouped(x, qweight, scales, zeros, group_size, in_features):
+def ref_linear_int4_grouped(x, qweight, scales, zeros, group_size, in_features, perm=None):
     """Reference for qgemv::linear_int4_grouped."""
-    check_linear_int4(x, qweight, scales, in_features, zeros, group_size, op="linear_int4_grouped")
+    check_linear_int4(x, qweight, scales, in_features, zeros, group_size, op="linear_int4_grouped", perm=perm)
+    _check_ref_perm("linear_int4_grouped", perm, in_features)
     w = formats.dequantize_int4(qweight, scales, zeros, group_size, in_features)
-    return _ref_matmul(x, w)
+    return _ref_matmul(x, w, perm)
 
 
 def ref_sgemv(A, x, kernel=0):
@@ -176,20 +220,20 @@ for _name, _ref in (
 # Fakes: the same checks, then an empty result of the right shape.
 # --------------------------------------------------------------------------
 @torch.library.register_fake("qgemv::linear_int8")
-def _fake_linear_int8(x, qweight, scales, in_features):
-    check_linear_int8(x, qweight, scales, in_features)
+def _fake_linear_int8(x, qweight, scales, in_features, perm=None):
+    check_linear_int8(x, qweight, scales, in_features, perm)
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 
 @torch.library.register_fake("qgemv::linear_int4")
-def _fake_linear_int4(x, qweight, scales, in_features):
-    check_linear_int4(x, qweight, scales, in_features)
+def _fake_linear_int4(x, qweight, scales, in_features, perm=None):
+    check_linear_int4(x, qweight, scales, in_features, perm=perm)
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 
 @torch.library.register_fake("qgemv::linear_int4_grouped")
-def _fake_linear_int4_grouped(x, qweight, scales, zeros, group_size, in_features):
-    check_linear_int4(x, qweight, scales, in_features, zeros, group_size, op="linear_int4_grouped")
+def _fake_linear_int4_grouped(x, qweight, scales, zeros, group_size, in_features, perm=None):
+    check_linear_int4(x, qweight, scales, in_features, zeros, group_size, op="linear_int4_grouped", perm=perm)
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 
@@ -236,7 +280,13 @@ def _precheck_cuda(*tensors) -> bool:
     return any(t is not None and t.is_cuda for t in tensors) and not torch.compiler.is_compiling()
 
 
-def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, in_features: int) -> torch.Tensor:
+_PERM_DOC = """perm: optional int32 [K], a permutation of 0..K-1 (act-order): the op
+            computes x[..., perm] @ W^T.  Checked here on every call (on a GPU
+            that reads perm back); :class:`qgemv.QuantLinear` checks it once."""
+
+
+def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, in_features: int,
+                perm: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y = x @ dequant(W)^T for the int8 per-channel format.
 
     Args:
@@ -244,16 +294,19 @@ def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, in
         qweight: int8 [N, round_up(K, 16)] from :func:`qgemv.formats.quantize_int8`.
         scales: float16 [N].
         in_features: K, the width the weight was packed for (a multiple of 8).
+        {perm}
     Returns:
         [..., N] in x.dtype, accumulated in fp32.
     """
-    if _precheck_cuda(x, qweight, scales):
-        check_linear_int8(x, qweight, scales, in_features)
-        _check_cuda_pointers("linear_int8", qweight=(qweight, 16), scales=(scales, 2))
-    return torch.ops.qgemv.linear_int8(x, qweight, scales, in_features)
+    if _precheck_cuda(x, qweight, scales, perm):
+        check_linear_int8(x, qweight, scales, in_features, perm)
+        check_perm_values("linear_int8", perm, in_features)
+        _check_cuda_pointers("linear_int8", qweight=(qweight, 16), scales=(scales, 2), perm=(perm, 16))
+    return torch.ops.qgemv.linear_int8(x, qweight, scales, in_features, perm)
 
 
-def linear_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, in_features: int) -> torch.Tensor:
+def linear_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, in_features: int,
+                perm: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y = x @ dequant(W)^T for the int4 per-channel symmetric format.
 
     Args:
@@ -261,13 +314,15 @@ def linear_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, in
         qweight: int32 [N, round_up(K, 32) / 8] from :func:`qgemv.formats.quantize_int4`.
         scales: float16 [N].
         in_features: K, the width the weight was packed for (a multiple of 8).
+        {perm}
     Returns:
         [..., N] in x.dtype, accumulated in fp32.
     """
-    if _precheck_cuda(x, qweight, scales):
-        check_linear_int4(x, qweight, scales, in_features)
-        _check_cuda_pointers("linear_int4", qweight=(qweight, 16), scales=(scales, 2))
-    return torch.ops.qgemv.linear_int4(x, qweight, scales, in_features)
+    if _precheck_cuda(x, qweight, scales, perm):
+        check_linear_int4(x, qweight, scales, in_features, perm=perm)
+        check_perm_values("linear_int4", perm, in_features)
+        _check_cuda_pointers("linear_int4", qweight=(qweight, 16), scales=(scales, 2), perm=(perm, 16))
+    return torch.ops.qgemv.linear_int4(x, qweight, scales, in_features, perm)
 
 
 def linear_int4_grouped(
@@ -277,6 +332,7 @@ def linear_int4_grouped(
     zeros: Optional[torch.Tensor],
     group_size: int,
     in_features: int,
+    perm: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """y = x @ dequant(W)^T for the group-wise int4 format.
 
@@ -287,13 +343,19 @@ def linear_int4_grouped(
         zeros: uint8 [N, K / group_size] zero points in [0, 15], or None for symmetric (zero 8).
         group_size: 32, 64 or 128, dividing K.
         in_features: K, the width the weight was packed for.
+        {perm}
     Returns:
         [..., N] in x.dtype, accumulated in fp32.
     """
-    if _precheck_cuda(x, qweight, scales, zeros):
-        check_linear_int4(x, qweight, scales, in_features, zeros, group_size, op="linear_int4_grouped")
-        _check_cuda_pointers("linear_int4_grouped", qweight=(qweight, 16), scales=(scales, 2))
-    return torch.ops.qgemv.linear_int4_grouped(x, qweight, scales, zeros, group_size, in_features)
+    if _precheck_cuda(x, qweight, scales, zeros, perm):
+        check_linear_int4(x, qweight, scales, in_features, zeros, group_size, op="linear_int4_grouped", perm=perm)
+        check_perm_values("linear_int4_grouped", perm, in_features)
+        _check_cuda_pointers("linear_int4_grouped", qweight=(qweight, 16), scales=(scales, 2), perm=(perm, 16))
+    return torch.ops.qgemv.linear_int4_grouped(x, qweight, scales, zeros, group_size, in_features, perm)
+
+
+for _f in (linear_int8, linear_int4, linear_int4_grouped):
+    _f.__doc__ = _f.__doc__.replace("{perm}", _PERM_DOC)
 
 
 def sgemv(A: torch.Tensor, x: torch.Tensor, kernel: str = "auto") -> torch.Tensor:

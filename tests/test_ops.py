@@ -170,6 +170,8 @@ def _opcheck_cases():
     yield "int4g_asym", torch.ops.qgemv.linear_int4_grouped.default, (x, qw, s, z, 32, 64)
     yield "int4g_sym", torch.ops.qgemv.linear_int4_grouped.default, (x.bfloat16(), qw, s, None, 32, 64)
     yield "sgemv", torch.ops.qgemv.sgemv.default, (torch.randn(6, 20), torch.randn(20), 0)
+    perm = torch.randperm(64, dtype=torch.int32)
+    yield "int4g_asym_perm", torch.ops.qgemv.linear_int4_grouped.default, (x, qw, s, z, 32, 64, perm)
 
 
 @pytest.mark.parametrize("case", list(_opcheck_cases()), ids=lambda c: c[0])
@@ -197,3 +199,39 @@ def test_set_gemv_pdl_validates_mode():
                 qgemv.set_gemv_pdl(bad)
     finally:
         qgemv.set_gemv_pdl(-1)
+
+
+@pytest.mark.parametrize("name", list(CFGS))
+def test_perm_multiplies_the_gathered_input(name):
+    """perm (act-order): every op computes x[..., perm] @ W^T, the same numbers as gathering first."""
+    cfg = CFGS[name]
+    torch.manual_seed(3)
+    k = 256
+    qw, s, z = formats.quantize(torch.randn(24, k), cfg)
+    x = torch.randn(2, 3, k, dtype=torch.bfloat16)
+    perm = torch.randperm(k, dtype=torch.int32)
+    if cfg.bits == 8:
+        y, want = qgemv.linear_int8(x, qw, s, k, perm), qgemv.linear_int8(x[..., perm.long()], qw, s, k)
+    elif cfg.group_size is None:
+        y, want = qgemv.linear_int4(x, qw, s, k, perm), qgemv.linear_int4(x[..., perm.long()], qw, s, k)
+    else:
+        y = qgemv.linear_int4_grouped(x, qw, s, z, cfg.group_size, k, perm)
+        want = qgemv.linear_int4_grouped(x[..., perm.long()], qw, s, z, cfg.group_size, k)
+    assert torch.equal(y, want)
+    assert not torch.equal(y, _call(cfg, x, qw, s, z))
+
+
+@pytest.mark.parametrize("bad,rule", [
+    (lambda p: p.long(), "perm must be int32"),
+    (lambda p: p[:-8], r"perm must have shape \[64\]"),
+    (lambda p: torch.stack([p, p], 1)[:, 0], "perm must be contiguous"),
+    (lambda p: torch.zeros_like(p), "perm must be a permutation of 0..63"),
+    (lambda p: p + 1, "perm must be a permutation of 0..63"),
+])
+def test_bad_perm_is_refused_naming_the_rule(bad, rule):
+    qw, s, z = formats.quantize(torch.randn(8, 64), formats.QuantConfig(4, 32, False))
+    perm = bad(torch.randperm(64, dtype=torch.int32))
+    with pytest.raises(ValueError, match=rule):
+        qgemv.linear_int4_grouped(torch.randn(1, 64), qw, s, z, 32, 64, perm)
+    with pytest.raises(ValueError, match=rule):  # the op itself (the reference on the CPU)
+        torch.ops.qgemv.linear_int4_grouped(torch.randn(1, 64), qw, s, z, 32, 64, perm)
