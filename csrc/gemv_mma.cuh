@@ -364,11 +364,15 @@ struct MaxRegisters {
 // registers or shared memory before the wait: x may be that kernel's output,
 // and so may a weight just written.
 //
-// kGather: the activations are x[:, p.perm] (act-order).  After its first
-// ring fill is in flight, each block gathers them into shared memory once
-// (M x K elements, at most kGatherMaxBytes: gemv_gathers) and its tiles read
-// that copy instead of x; the gather's L2 round trips overlap the weights'
-// first HBM reads.
+// kGather: the activations are x[:, p.perm] (act-order).  Each block copies
+// x and perm into shared memory with cp.async (one group, committed before
+// the weight ring's first tiles, so that it lands first), then gathers x
+// there, and its tiles read the gathered copy instead of x.  A gather straight
+// from global memory (2-byte loads at random k through L1) cost every block
+// M x K scattered L1 accesses: 4096x4096 M = 1 +2.2 us, 28672x4096 M = 4
+// 7x the plain GEMV, measured on the H200; from shared memory the random
+// reads are bank conflicts of a few ways instead of one L1 wavefront per
+// lane.  Shared memory: M x K x 2 elements and K int32 (gemv_gathers).
 template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kRT, bool kPersist, bool kGather>
 __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvParams p, int pdl) {
   using Lane = GemvMma<T, kBits, kGroup, kZeros, kNT, kRT>;
@@ -419,11 +423,24 @@ __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvPa
   };
 
   // Shared memory: [weight ring: nwarps x kStages x kSlot x 16 B] [reduction:
-  // nwarps x kRT x kNT x 4 x 32 floats] [kGather: x[:, perm], M x K]
+  // nwarps x kRT x kNT x 4 x 32 floats] [kGather: x[:, perm] (M x K), x (M x K), perm (K int32)]
   extern __shared__ __align__(16) unsigned char smem[];
   uint4* ring = reinterpret_cast<uint4*>(smem) + warp * kStages * kSlot + lane;
   float* red = reinterpret_cast<float*>(smem + static_cast<size_t>(nwarps) * kStages * kSlot * sizeof(uint4));
   T* xs = reinterpret_cast<T*>(red + nwarps * kRT * kNT * 4 * kWarpSize);
+  if constexpr (kGather) {
+    // x's rows and perm into shared memory, one cp.async group older than every ring slot.
+    T* xraw = xs + p.M * p.K;
+    int32_t* perm_s = reinterpret_cast<int32_t*>(xraw + p.M * p.K);
+    const int chunks = p.K / 8;  // 16-byte pieces of one row of x
+    const T* x = static_cast<const T*>(p.x);
+    for (int c = threadIdx.x; c < p.M * chunks; c += blockDim.x) {
+      const int m = c / chunks, j = c - m * chunks;
+      cp_async_16_shared_data(xraw + m * p.K + 8 * j, x + static_cast<size_t>(m) * p.ldx + 8 * j);
+    }
+    for (int c = threadIdx.x; c < 2 * chunks; c += blockDim.x) cp_async_16_shared_data(perm_s + 4 * c, p.perm + 4 * c);
+    cp_async_commit();
+  }
 
   const int count = warp < nclean ? (nclean - warp + nwarps - 1) / nwarps : 0;  // clean tiles per block
   int issue_blk = blockIdx.x;  // logical block the next issue reads from
@@ -469,14 +486,16 @@ __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvPa
   for (int j = 0; j < kStages - 1; ++j) issue();
 
   if constexpr (kGather) {
-    // Eight k per step: two 16-byte loads of perm, then eight independent
-    // 2-byte loads of each token's x (L1 / L2), one 16-byte store per token.
+    // The gather, in shared memory: eight k per step (two 16-byte reads of
+    // perm, eight 2-byte reads of each token's row, one 16-byte write).
+    cp_async_wait<kStages - 1>();  // this thread's x / perm copies (the ring's kStages - 1 slots may still fly)
+    __syncthreads();
+    const T* xraw = xs + p.M * p.K;
+    const int32_t* perm_s = reinterpret_cast<const int32_t*>(xraw + p.M * p.K);
     const int chunks = p.K / 8;
-    const T* x = static_cast<const T*>(p.x);
-#pragma unroll 2
     for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-      const int4 pa = *reinterpret_cast<const int4*>(p.perm + 8 * c);
-      const int4 pb = *reinterpret_cast<const int4*>(p.perm + 8 * c + 4);
+      const int4 pa = *reinterpret_cast<const int4*>(perm_s + 8 * c);
+      const int4 pb = *reinterpret_cast<const int4*>(perm_s + 8 * c + 4);
       // Clamped into [0, K): a bad perm gives wrong outputs, never a read outside x.
       const unsigned last = static_cast<unsigned>(p.K - 1);
       const unsigned idx[8] = {min(static_cast<unsigned>(pa.x), last), min(static_cast<unsigned>(pa.y), last),
@@ -484,7 +503,7 @@ __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvPa
                                min(static_cast<unsigned>(pb.x), last), min(static_cast<unsigned>(pb.y), last),
                                min(static_cast<unsigned>(pb.z), last), min(static_cast<unsigned>(pb.w), last)};
       for (int m = 0; m < p.M; ++m) {
-        const T* xm = x + static_cast<size_t>(m) * p.ldx;
+        const T* xm = xraw + m * p.K;
         uint4 v;
         T* e = reinterpret_cast<T*>(&v);
 #pragma unroll
@@ -663,7 +682,7 @@ Status launch_gemv_mma(const GemvParams& p, cudaStream_t stream) {
   const int nblk = (p.N + kRT * kPanelRows - 1) / (kRT * kPanelRows);
   const size_t smem = static_cast<size_t>(w) * kStages * kRT * 64 * sizeof(uint4) +
                       static_cast<size_t>(w) * kRT * kNT * 4 * kWarpSize * sizeof(float) +
-                      (kGather ? static_cast<size_t>(p.M) * p.K * sizeof(T) : 0);
+                      (kGather ? gemv_gather_smem_bytes(p.M, p.K) : 0);
   auto kernel = gemv_mma_kernel<T, kBits, kGroup, kZeros, kNT, kRT, false, kGather>;
   int grid = nblk;
   if constexpr (gemv_row(kBits, kGroup, kZeros, kNT, kRT) == 2) {

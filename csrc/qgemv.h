@@ -52,12 +52,14 @@ struct GemvParams {
 // torch_bindings.cpp).
 constexpr int kMaxGemvTokens = 16;
 
-// The GEMV gathers x[:, perm] itself (each block copies it into shared
-// memory once, before its first tile) for up to 8 tokens when the gathered
-// activations take at most kGatherMaxBytes; elsewhere perm must be nullptr.
-constexpr int kGatherMaxBytes = 32 * 1024;
+// The GEMV gathers x[:, perm] itself (each block, in shared memory, before
+// its first tile: x and the gathered x, M x K fp16 / bf16 each, and perm, K
+// int32) for up to 8 tokens while that takes at most kGatherMaxBytes
+// (M = 1 up to K = 8192, M = 3 up to 4096); elsewhere perm must be nullptr.
+constexpr long long kGatherMaxBytes = 64 * 1024;
+inline long long gemv_gather_smem_bytes(int M, int K) { return 4LL * M * K + 4LL * K; }
 inline bool gemv_gathers(int M, int K) {
-  return M >= 1 && M <= 8 && static_cast<long long>(M) * K * 2 <= kGatherMaxBytes;
+  return M >= 1 && M <= 8 && gemv_gather_smem_bytes(M, K) <= kGatherMaxBytes;
 }
 
 // Programmatic dependent launch of the GEMV (compute capability 9.0 and up):

@@ -453,6 +453,7 @@ def test_runs_on_current_stream_and_device_guard():
     qw, s, z = _quantized(cfg, 512, 512)
     x = torch.randn(2, 512, device="cuda", dtype=torch.float16)
     side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # x and the weights are written on the default stream
     with torch.cuda.stream(side):
         y = _call(cfg, x, qw, s, z)
     side.synchronize()
@@ -528,9 +529,9 @@ def _perm_case(name, n, k, m, dtype, seed=0):
 @pytest.mark.parametrize("name,k", _fitting(CFGS, [24, 136, 2880, 5128]), ids=str)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_act_order_perm_gathered_in_the_gemv(dtype, name, k, n, m):
-    """perm (act-order) for 1..8 tokens is gathered inside the GEMV while M x K x 2 bytes fit in 32 KB
-    (qgemv.h, gemv_gathers: K = 5128 at 5 and 8 tokens, and 13 tokens, take the gather-first path):
-    odd K with an edge tile, a 7-row panel, every format."""
+    """perm (act-order) for 1..8 tokens is gathered inside the GEMV while its shared memory, 4 (M + 1) K
+    bytes, fits in 64 KB (qgemv.h, gemv_gathers: K = 2880 up to 4 tokens, K = 5128 up to 2; the other
+    cases and 13 tokens take the gather-first path): odd K with an edge tile, a 7-row panel, every format."""
     _perm_case(name, n, k, m, dtype)
 
 
