@@ -685,17 +685,14 @@ Status launch_gemv_mma(const GemvParams& p, cudaStream_t stream) {
                       (kGather ? gemv_gather_smem_bytes(p.M, p.K) : 0);
   auto kernel = gemv_mma_kernel<T, kBits, kGroup, kZeros, kNT, kRT, false, kGather>;
   int grid = nblk;
-  if constexpr (gemv_row(kBits, kGroup, kZeros, kNT, kRT) == 2) {
-    // Resident blocks per SM for this instance and warp count, asked once per
-    // device (kGather: the shared memory grows with M x K, so the answer is
-    // kept with the byte count it was asked for and asked again when that
-    // changes).
+  // (The gathering kernels are never persistent: they run on at most kGatherMaxPanels panels.)
+  if constexpr (gemv_row(kBits, kGroup, kZeros, kNT, kRT) == 2 && !kGather) {
+    // Resident blocks per SM for this instance and warp count, asked once per device.
     static std::atomic<int> resident[kMaxWarps + 1][kMaxDevices] = {};
-    static std::atomic<long long> resident_at[kMaxWarps + 1][kMaxDevices] = {};
     const int sms = device_sm_count();
     if (sms == 0) return Status::kLaunchFailed;
-    auto pkernel = gemv_mma_kernel<T, kBits, kGroup, kZeros, kNT, kRT, true, kGather>;
-    auto ask = [&] {
+    auto pkernel = gemv_mma_kernel<T, kBits, kGroup, kZeros, kNT, kRT, true, false>;
+    const int per_sm = per_device(resident[w], [&] {
       int n = 0;
       if (smem > 48 * 1024 &&
           cudaFuncSetAttribute(pkernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) !=
@@ -704,22 +701,7 @@ Status launch_gemv_mma(const GemvParams& p, cudaStream_t stream) {
       if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pkernel, w * kWarpSize, smem) != cudaSuccess)
         return -1;
       return n > 0 ? n : 1;
-    };
-    int per_sm = 0;
-    if constexpr (kGather) {
-      int dev = 0;
-      if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return Status::kLaunchFailed;
-      const long long key = static_cast<long long>(smem) << 16;
-      const long long got = resident_at[w][dev].load();
-      if ((got & ~0xffffLL) == key) {
-        per_sm = static_cast<int>(got & 0xffff);
-      } else {
-        per_sm = ask();
-        if (per_sm > 0) resident_at[w][dev].store(key | per_sm);
-      }
-    } else {
-      per_sm = per_device(resident[w], ask);
-    }
+    });
     if (per_sm <= 0) return Status::kLaunchFailed;
     const int slots = per_sm * sms;
     if (nblk >= tuning::kPersistMinWaves * slots) {
@@ -759,7 +741,7 @@ Status launch_gemv_mma(const GemvParams& p, cudaStream_t stream) {
 template <int kBits>
 Status dispatch_gemv(const GemvParams& p, cudaStream_t stream) {
   if (p.M < 1 || p.M > kMaxGemvTokens) return Status::kBadShape;
-  if (p.perm != nullptr && !gemv_gathers(p.M, p.K)) return Status::kBadShape;  // the caller gathers x
+  if (p.perm != nullptr && !gemv_gathers(p.M, p.N, p.K)) return Status::kBadShape;  // the caller gathers x
   const bool zeros = p.zeros != nullptr;
   const int nt = p.M <= 8 ? 1 : 2;
   const int rt = nt == 2 && num_panels(p.N) >= tuning::kWideMinPanels &&

@@ -148,7 +148,7 @@ void check_perm(const at::Tensor& x, const c10::optional<at::Tensor>& perm, int6
 
 // The one dispatch function: by dtype, token count and weight size (see Prefill and prefill_path).
 // With perm, y = x[..., perm] @ W^T: the GEMV gathers x itself where
-// gemv_gathers(M, K) holds (qgemv.h); every other path gets x gathered here first.
+// gemv_gathers(M, N, K) holds (qgemv.h); every other path gets x gathered here first.
 at::Tensor run_linear(const at::Tensor& x, GemvParams p, int bits, GemvFn gemv, GemmFn gemm,
                       WgmmaFn wgmma, DequantFn dequant, const c10::optional<at::Tensor>& perm,
                       const char* op) {
@@ -161,7 +161,7 @@ at::Tensor run_linear(const at::Tensor& x, GemvParams p, int bits, GemvFn gemv, 
   p.perm = nullptr;
   if (M == 0) return y.reshape(out_shape(x, p.N));
   if (perm.has_value()) {
-    if (p.act != ActType::kFloat32 && M <= kMaxGemvTokens && gemv_gathers(static_cast<int>(M), p.K) &&
+    if (p.act != ActType::kFloat32 && M <= kMaxGemvTokens && gemv_gathers(static_cast<int>(M), p.N, p.K) &&
         gemv_gather_enabled.load())
       p.perm = perm->data_ptr<int32_t>();
     else
@@ -408,11 +408,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   t.def("set_gemv_gather", [](bool on) { qgemv::gemv_gather_enabled.store(on); },
         "False: an act-order perm is applied by gathering x first (one more kernel) instead of inside the "
         "GEMV; True (the default) restores the in-kernel gather.");
-  t.def("gemv_gathers", [](int64_t m, int64_t k) {
+  t.def("gemv_gathers", [](int64_t m, int64_t n, int64_t k) {
           return qgemv::gemv_gather_enabled.load() && m >= 1 && m <= qgemv::kMaxGemvTokens &&
-                 qgemv::gemv_gathers(static_cast<int>(m), static_cast<int>(k));
+                 qgemv::gemv_gathers(static_cast<int>(m), static_cast<int>(n), static_cast<int>(k));
         },
-        "Whether the GEMV gathers x[:, perm] itself for m tokens of width k (qgemv.h, gemv_gathers).");
+        "Whether the GEMV gathers x[:, perm] itself for m tokens of an n x k weight (qgemv.h, gemv_gathers).");
   t.def("wgmma_shape_count", &qgemv::testing::wgmma_shape_count);
   t.def("set_wgmma_shape", [](int v) {
           if (v < -1 || v >= qgemv::testing::wgmma_shape_count())

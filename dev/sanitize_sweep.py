@@ -11,7 +11,9 @@ without an edge tile, N not a multiple of 16 (a partial panel), small N with
 long rows (the tiled GEMM splits K: 40 x 4096 four ways, 17 x 17408 eight),
 N = 8197 (the two-row-tile instance for 9..16 tokens), N = 20005 (1251
 blocks of 16 rows: the persistent grid for 1..8 tokens on an H200), and the
-three SGEMV kernels; every result is compared with the reference too.
+three SGEMV kernels; every result is compared with the reference too.  Up to
+8 tokens each case runs again with an act-order perm (the GEMV's own gather
+in shared memory where csrc/qgemv.h's gemv_gathers allows it).
 
     --ms 1,5,16,24,40,72   only the token counts that stay on qgemv's own
                            kernels (M = 200 also runs cuBLAS, whose kernels
@@ -92,6 +94,16 @@ def main(argv=None) -> int:
                 print(f"MISMATCH {cfg.name} {n}x{k} M={m} {dt} path {path} shape {shape}: rel {rel:.2e}")
         _C.testing.set_prefill_path(-1)
         _C.testing.set_wgmma_shape(-1)
+        if m <= 8:  # act-order: a permuted input, gathered inside the GEMV where gemv_gathers holds
+            lin.perm = torch.randperm(k, device="cuda")
+            y = lin(x).double()
+            ref_p = x[:, lin.perm].double() @ F.dequantize(qw, s, z, cfg, k).double().t()
+            rel = ((y - ref_p).norm() / ref_p.norm()).item()
+            n_runs += 1
+            if not rel < 1e-2:
+                bad += 1
+                print(f"MISMATCH {cfg.name} {n}x{k} M={m} {dt} with perm: rel {rel:.2e}")
+            lin.perm = None
     for kern, (n, k) in itertools.product(["k32", "k128", "k16"], [(9, 12), (33, 136), (5, 1000)]):
         if kern == "k16" and k > 16:
             continue

@@ -12,8 +12,8 @@ the same codes written by qgemv itself.  Each is timed per call under
 CUDA-graph replay, 20 calls on rotating weight copies per graph (so no
 weight byte comes from the 60 MB L2), median of 20 replays.  The act-order
 layer is timed twice: with the GEMV gathering x[..., perm] itself (up to 8
-tokens while 4 (M + 1) K bytes fit in 64 KB of shared memory, else gathered
-first), and with the gather forced to its own kernel first
+tokens while 4 (M + 1) K bytes fit in 64 KB of shared memory, on at most 512
+16-row panels; else gathered first), and with the gather forced to its own kernel first
 (qgemv._C.testing.set_gemv_gather); the gather ``x[..., perm]`` is also timed
 alone.  Writes <out>.json and <out>.md.
 """
@@ -34,7 +34,7 @@ from qgemv.nn import QuantLinear
 
 from .bench_gemv import command_line, graph_time
 
-SHAPES = [(4096, 4096), (28672, 4096)]
+SHAPES = [(4096, 4096), (6144, 4096), (8192, 8192), (14336, 4096), (28672, 4096)]
 
 
 def gptq_tensors(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, g_idx: torch.Tensor) -> dict:
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
             row["imported / native"] = t["imported"] / t["native"]
             row["act-order / native"] = t["imported act-order"] / t["native"]
             row["gather-first / native"] = t["act-order gather-first"] / t["native"]
-            row["in GEMV"] = bool(testing.gemv_gathers(mtok, k))
+            row["in GEMV"] = bool(testing.gemv_gathers(mtok, n, k))
             rows.append(row)
             print(f"{n}x{k} M={mtok}: native {t['native']:.2f} us, imported {t['imported']:.2f} "
                   f"({row['imported / native']:.3f}x), act-order {t['imported act-order']:.2f} "

@@ -530,16 +530,18 @@ def _perm_case(name, n, k, m, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_act_order_perm_gathered_in_the_gemv(dtype, name, k, n, m):
     """perm (act-order) for 1..8 tokens is gathered inside the GEMV while its shared memory, 4 (M + 1) K
-    bytes, fits in 64 KB (qgemv.h, gemv_gathers: K = 2880 up to 4 tokens, K = 5128 up to 2; the other
-    cases and 13 tokens take the gather-first path): odd K with an edge tile, a 7-row panel, every format."""
+    bytes, fits in 64 KB, on up to 512 panels (qgemv.h, gemv_gathers: K = 2880 up to 4 tokens, K = 5128 up
+    to 2; the other cases and 13 tokens take the gather-first path): odd K with an edge tile, a 7-row
+    panel, every format."""
     _perm_case(name, n, k, m, dtype)
 
 
 @requires_cuda
 @pytest.mark.parametrize("m", [1, 8])
 @pytest.mark.parametrize("name,k", _fitting(["int8", "int4", "int4g128"], [136, 1152]), ids=str)
-def test_act_order_perm_in_the_persistent_kernel(name, k, m):
-    """The persistent grid (N = 50005: blocks walk several panels) gathers once per block."""
+def test_act_order_perm_on_many_panels(name, k, m):
+    """N = 50005 (the persistent grid's shapes, 3126 panels) gathers x first (gemv_gathers: at most 512
+    panels), then runs the plain kernels."""
     _perm_case(name, 50005, k, m, torch.float16)
 
 
