@@ -55,14 +55,16 @@ constexpr int kMaxGemvTokens = 16;
 // The GEMV gathers x[:, perm] itself (each block, in shared memory, before
 // its first tile: x and the gathered x, M x K fp16 / bf16 each, and perm, K
 // int32) for up to 8 tokens while that takes at most kGatherMaxBytes
-// (M = 1 up to K = 8192, M = 3 up to 4096), on at most kGatherMaxPanels
+// (M = 1 up to K = 4096, M = 3 up to 2048), on at most kGatherMaxPanels
 // 16-row panels; elsewhere perm must be nullptr and the caller gathers.
 // Every block re-reads x and perm (4 (M + 1) K bytes from L2, against its
-// 8 K bytes of int4 weights) and the shared memory cuts the resident blocks:
-// measured on the H200, 4096x4096 M = 1 took 6.19 us against 5.97 without
-// a perm and 10.60 with the gather as its own kernel, but 28672x4096 took
-// 30.66 against 29.66 gathered first.
-constexpr long long kGatherMaxBytes = 64 * 1024;
+// 8 K bytes of int4 weights) and the shared memory cuts the resident blocks.
+// Measured on the H200 (bench_import, int4 g128 with zeros, M = 1; us with
+// the gather in the GEMV / as its own kernel first / without a perm):
+// 4096x4096 6.12 / 10.45 / 6.02, 6144x4096 7.81 / 11.46 / 7.08; but
+// 8192x8192 (64 KB) 20.51 / 18.50 / 13.16 and 28672x4096 30.66 / 29.66 /
+// 22.82, hence the two limits.
+constexpr long long kGatherMaxBytes = 32 * 1024;
 constexpr int kGatherMaxPanels = 512;
 inline long long gemv_gather_smem_bytes(int M, int K) { return 4LL * M * K + 4LL * K; }
 inline bool gemv_gathers(int M, int N, int K) {

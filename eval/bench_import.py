@@ -12,7 +12,7 @@ the same codes written by qgemv itself.  Each is timed per call under
 CUDA-graph replay, 20 calls on rotating weight copies per graph (so no
 weight byte comes from the 60 MB L2), median of 20 replays.  The act-order
 layer is timed twice: with the GEMV gathering x[..., perm] itself (up to 8
-tokens while 4 (M + 1) K bytes fit in 64 KB of shared memory, on at most 512
+tokens while 4 (M + 1) K bytes fit in 32 KB of shared memory, on at most 512
 16-row panels; else gathered first), and with the gather forced to its own kernel first
 (qgemv._C.testing.set_gemv_gather); the gather ``x[..., perm]`` is also timed
 alone.  Writes <out>.json and <out>.md.

@@ -15,8 +15,8 @@ dimension differs from it.
 
 ``perm`` (int32 [K], optional) is an act-order checkpoint's input order: the
 op computes ``x[..., perm] @ W^T``.  The GEMV gathers x itself for up to 8
-tokens while 4 (M + 1) K bytes of shared memory fit in 64 KB (one token up to
-K = 8192, three up to 4096) on weights of at most 512 16-row panels (N <=
+tokens while 4 (M + 1) K bytes of shared memory fit in 32 KB (one token up to
+K = 4096, three up to 2048) on weights of at most 512 16-row panels (N <=
 8192; csrc/qgemv.h, gemv_gathers); the other paths gather x first.  Its values are checked by the reference and by
 the Python wrappers below, not by the CUDA op (that would synchronize); there
 a bad index is clamped into [0, K), so it gives wrong outputs, never a read

@@ -530,8 +530,8 @@ def _perm_case(name, n, k, m, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_act_order_perm_gathered_in_the_gemv(dtype, name, k, n, m):
     """perm (act-order) for 1..8 tokens is gathered inside the GEMV while its shared memory, 4 (M + 1) K
-    bytes, fits in 64 KB, on up to 512 panels (qgemv.h, gemv_gathers: K = 2880 up to 4 tokens, K = 5128 up
-    to 2; the other cases and 13 tokens take the gather-first path): odd K with an edge tile, a 7-row
+    bytes, fits in 32 KB, on up to 512 panels (qgemv.h, gemv_gathers: K = 24 and 136 up to 8 tokens,
+    K = 2880 at 1; K = 5128 and 13 tokens take the gather-first path): odd K with an edge tile, a 7-row
     panel, every format."""
     _perm_case(name, n, k, m, dtype)
 
