@@ -235,3 +235,21 @@ def test_bad_perm_is_refused_naming_the_rule(bad, rule):
         qgemv.linear_int4_grouped(torch.randn(1, 64), qw, s, z, 32, 64, perm)
     with pytest.raises(ValueError, match=rule):  # the op itself (the reference on the CPU)
         torch.ops.qgemv.linear_int4_grouped(torch.randn(1, 64), qw, s, z, 32, 64, perm)
+
+
+@pytest.mark.skipif(qgemv._ext.MODULE is None, reason="needs the compiled extension (its rule is C++)")
+def test_gemv_gather_rule_as_documented():
+    """Where the GEMV gathers an act-order input itself (csrc/qgemv.h, gemv_gathers; README and ops.py
+    quote it): up to 8 tokens, 4 (M + 1) K bytes of shared memory within 32 KB, at most 512 16-row panels;
+    and the testing knob turns it off."""
+    t = qgemv._ext.MODULE.testing
+    assert t.gemv_gathers(1, 4096, 4096) and t.gemv_gathers(1, 8192, 4096) and t.gemv_gathers(3, 4096, 2048)
+    assert not t.gemv_gathers(2, 4096, 4096)  # 48 KB
+    assert not t.gemv_gathers(1, 8208, 4096)  # 513 panels
+    assert not t.gemv_gathers(1, 4096, 8192)  # 64 KB
+    assert not t.gemv_gathers(9, 64, 64) and not t.gemv_gathers(0, 64, 64)
+    t.set_gemv_gather(False)
+    try:
+        assert not t.gemv_gathers(1, 4096, 4096)
+    finally:
+        t.set_gemv_gather(True)
