@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|chain|gptqab|genact|import|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|chain|gptqab|genact|import|overlap|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -70,6 +70,10 @@ for step in "${@:-all}"; do
         | grep -v -i warn | tail -20 ;;
     import)
       python3 -m qgemv.eval.bench_import --out "$OUT/bench_import" 2>&1 | grep -v -i warn ;;
+    overlap)
+      # prefill by dequantize + cuBLAS in row slices on two streams (issue 24 part 3; an experiment)
+      python3 dev/prefill_overlap.py ${OVERLAP_ARGS:-} --out "$OUT/prefill_overlap" 2>&1 | grep -v -i warn \
+        | tee "$OUT/prefill_overlap.txt" ;;
   esac
 done
 echo "total: $(( $(date +%s) - start )) s"
