@@ -40,7 +40,9 @@
 //     stored in 16-row panels (qgemv/formats.py, to_panels): a warp's
 //     cp.async for one half of a tile covers 512 contiguous bytes.
 //   * Activations are read from global memory through L1 (the weights bypass
-//     L1, so the few KB of x that every block re-reads stay cached there).
+//     L1, so the few KB of x that every block re-reads stay cached there);
+//     with an act-order perm, from the block's gathered copy in shared
+//     memory (kGather, below).
 //     Each lane keeps one pointer per n-tile; a tile's loads are that pointer
 //     plus compile-time offsets.
 //   * "Clean" tiles, whose k are all < K, run without a single bounds check:
