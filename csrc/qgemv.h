@@ -43,7 +43,7 @@ struct GemvParams {
   int warps_per_block;    // 0 = let the launcher choose (see choose_warps)
   const int32_t* perm;    // [K] or nullptr: multiply x[:, perm] instead of x (an act-order
                           // checkpoint's input order), 16-byte aligned.  The GEMV gathers
-                          // in its prologue when gemv_gathers(M, K) holds; every other
+                          // in its prologue when gemv_gathers(M, N, K) holds; every other
                           // path needs the caller to gather x first (torch_bindings.cpp).
 };
 

@@ -18,6 +18,7 @@ roofline plot <out>_roofline.png.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -138,6 +139,20 @@ def command_line(module: str, argv=None) -> str:
     """The command a benchmark's report records: ``python -m qgemv.eval.MODULE`` and its arguments (argv, or
     the process's own when main() was called without them)."""
     return " ".join(["python -m qgemv.eval." + module] + list(sys.argv[1:] if argv is None else argv))
+
+
+@contextlib.contextmanager
+def gemv_gather_off():
+    """Act-order perms gathered by their own kernel first instead of inside the GEMV, for A/B runs
+    (qgemv._C.testing.set_gemv_gather); yields the extension's testing module."""
+    mod = qgemv._ext.MODULE
+    if mod is None:
+        raise SystemExit(f"needs the compiled extension: {qgemv._ext.REASON}")
+    mod.testing.set_gemv_gather(False)
+    try:
+        yield mod.testing
+    finally:
+        mod.testing.set_gemv_gather(True)
 
 
 def graph_time(fn, replays=20, before=None) -> float:

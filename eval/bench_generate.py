@@ -30,6 +30,7 @@ Writes <out>.json, <out>.md and <out>.png.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -42,7 +43,7 @@ import qgemv
 from qgemv.engine import Engine
 
 from .bench_decode import kernel_breakdown, weight_bytes
-from .bench_gemv import Timer, command_line, read_ceiling
+from .bench_gemv import Timer, command_line, gemv_gather_off, read_ceiling
 
 MODELS = {
     "llama2-7b": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=32,
@@ -103,16 +104,8 @@ def prepare(model, variant: str):
 
 
 def run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown) -> list:
-    if variant != "int4g128a_act_first":
+    with gemv_gather_off() if variant == "int4g128a_act_first" else contextlib.nullcontext():
         return _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown)
-    from qgemv import _ext
-    if _ext.MODULE is None:
-        raise SystemExit(f"{variant} needs the compiled extension: {_ext.REASON}")
-    _ext.MODULE.testing.set_gemv_gather(False)
-    try:
-        return _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown)
-    finally:
-        _ext.MODULE.testing.set_gemv_gather(True)
 
 
 def _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown) -> list:

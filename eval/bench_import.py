@@ -32,7 +32,7 @@ from qgemv import formats, importers
 from qgemv.formats import QuantConfig
 from qgemv.nn import QuantLinear
 
-from .bench_gemv import command_line, graph_time
+from .bench_gemv import command_line, gemv_gather_off, graph_time
 
 SHAPES = [(4096, 4096), (6144, 4096), (8192, 8192), (14336, 4096), (28672, 4096)]
 
@@ -89,10 +89,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_import needs a CUDA GPU")
-    from qgemv import _ext
-    if _ext.MODULE is None:
-        raise SystemExit(f"bench_import needs the compiled extension: {_ext.REASON}")
-    testing = _ext.MODULE.testing
     rows = []
     for n, k in SHAPES:
         base = layers(n, k)
@@ -106,11 +102,8 @@ def main(argv=None) -> int:
         for mtok in [int(v) for v in args.ms.split(",")]:
             x = torch.randn(mtok, k, device="cuda", dtype=torch.float16)
             t = {label: per_call_us(fns, x) for label, fns in copies.items()}
-            testing.set_gemv_gather(False)
-            try:
+            with gemv_gather_off() as testing:
                 t["act-order gather-first"] = per_call_us(copies["imported act-order"], x)
-            finally:
-                testing.set_gemv_gather(True)
             gather = per_call_us([lambda v: v.index_select(-1, perm)] * args.copies, x)
             row = dict(N=n, K=k, M=mtok, **{f"{label} us": v for label, v in t.items()}, **{"gather us": gather})
             row["imported / native"] = t["imported"] / t["native"]
