@@ -430,11 +430,11 @@ __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvPa
   uint4* ring = reinterpret_cast<uint4*>(smem) + warp * kStages * kSlot + lane;
   float* red = reinterpret_cast<float*>(smem + static_cast<size_t>(nwarps) * kStages * kSlot * sizeof(uint4));
   T* xs = reinterpret_cast<T*>(red + nwarps * kRT * kNT * 4 * kWarpSize);
+  T* xraw = xs + p.M * p.K;                                      // (kGather only)
+  int32_t* perm_s = reinterpret_cast<int32_t*>(xraw + p.M * p.K);  // (kGather only)
+  const int chunks = p.K / 8;                                    // 16-byte pieces of one row of x
   if constexpr (kGather) {
     // x's rows and perm into shared memory, one cp.async group older than every ring slot.
-    T* xraw = xs + p.M * p.K;
-    int32_t* perm_s = reinterpret_cast<int32_t*>(xraw + p.M * p.K);
-    const int chunks = p.K / 8;  // 16-byte pieces of one row of x
     const T* x = static_cast<const T*>(p.x);
     for (int c = threadIdx.x; c < p.M * chunks; c += blockDim.x) {
       const int m = c / chunks, j = c - m * chunks;
@@ -492,9 +492,6 @@ __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvPa
     // perm, eight 2-byte reads of each token's row, one 16-byte write).
     cp_async_wait<kStages - 1>();  // this thread's x / perm copies (the ring's kStages - 1 slots may still fly)
     __syncthreads();
-    const T* xraw = xs + p.M * p.K;
-    const int32_t* perm_s = reinterpret_cast<const int32_t*>(xraw + p.M * p.K);
-    const int chunks = p.K / 8;
     for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
       const int4 pa = *reinterpret_cast<const int4*>(perm_s + 8 * c);
       const int4 pb = *reinterpret_cast<const int4*>(perm_s + 8 * c + 4);

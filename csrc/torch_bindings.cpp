@@ -52,6 +52,12 @@ std::atomic<int> forced_prefill_path{-1};  // -1: the measured rule
 // Tests and benchmarks turn the GEMV's own gather off to compare it with gathering first.
 std::atomic<bool> gemv_gather_enabled{true};
 
+// Whether the GEMV gathers x[:, perm] itself for M tokens of an N x K weight (qgemv.h, gemv_gathers).
+bool gather_in_gemv(int64_t M, int64_t N, int64_t K) {
+  return gemv_gather_enabled.load() && M >= 1 && M <= kMaxGemvTokens &&
+         gemv_gathers(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K));
+}
+
 Prefill prefill_path(int64_t N, int64_t K, int64_t M) {
   using namespace tuning;
   const int forced = forced_prefill_path.load();
@@ -161,8 +167,7 @@ at::Tensor run_linear(const at::Tensor& x, GemvParams p, int bits, GemvFn gemv, 
   p.perm = nullptr;
   if (M == 0) return y.reshape(out_shape(x, p.N));
   if (perm.has_value()) {
-    if (p.act != ActType::kFloat32 && M <= kMaxGemvTokens && gemv_gathers(static_cast<int>(M), p.N, p.K) &&
-        gemv_gather_enabled.load())
+    if (p.act != ActType::kFloat32 && gather_in_gemv(M, p.N, p.K))
       p.perm = perm->data_ptr<int32_t>();
     else
       x2 = x2.index_select(1, *perm);  // contiguous, freshly allocated: 16-byte aligned rows
@@ -408,10 +413,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   t.def("set_gemv_gather", [](bool on) { qgemv::gemv_gather_enabled.store(on); },
         "False: an act-order perm is applied by gathering x first (one more kernel) instead of inside the "
         "GEMV; True (the default) restores the in-kernel gather.");
-  t.def("gemv_gathers", [](int64_t m, int64_t n, int64_t k) {
-          return qgemv::gemv_gather_enabled.load() && m >= 1 && m <= qgemv::kMaxGemvTokens &&
-                 qgemv::gemv_gathers(static_cast<int>(m), static_cast<int>(n), static_cast<int>(k));
-        },
+  t.def("gemv_gathers", &qgemv::gather_in_gemv,
         "Whether the GEMV gathers x[:, perm] itself for m tokens of an n x k weight (qgemv.h, gemv_gathers).");
   t.def("wgmma_shape_count", &qgemv::testing::wgmma_shape_count);
   t.def("set_wgmma_shape", [](int v) {
