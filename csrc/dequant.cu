@@ -6,15 +6,6 @@
 namespace qgemv {
 namespace {
 
-template <typename OutT>
-__device__ __forceinline__ OutT cvt(float v);
-template <>
-__device__ __forceinline__ __half cvt<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 cvt<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <>
-__device__ __forceinline__ float cvt<float>(float v) { return v; }
-
 // Eight consecutive outputs with 16-byte stores (rows are K % 8 == 0 long, so
 // every 8-element chunk is 16-byte aligned for 2-byte types).
 template <typename OutT>
@@ -57,7 +48,7 @@ __global__ void dequant_int4_kernel(const GemvParams p, OutT* __restrict__ out) 
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int e = (i < 4) ? 2 * i : 2 * (i - 4) + 1;
-    v[e] = cvt<OutT>((static_cast<float>((w >> (4 * i)) & 0xf) - zero) * scale);
+    v[e] = from_float<OutT>((static_cast<float>((w >> (4 * i)) & 0xf) - zero) * scale);
   }
   store8(out + static_cast<size_t>(row) * p.K + lw * 8, v);
 }
@@ -81,7 +72,7 @@ __global__ void dequant_int8_kernel(const GemvParams p, OutT* __restrict__ out) 
   const int8_t* b = reinterpret_cast<const int8_t*>(&raw);
   OutT v[8];
 #pragma unroll
-  for (int e = 0; e < 8; ++e) v[e] = cvt<OutT>(static_cast<float>(b[e]) * scale);
+  for (int e = 0; e < 8; ++e) v[e] = from_float<OutT>(static_cast<float>(b[e]) * scale);
   store8(out + static_cast<size_t>(row) * p.K + ch * 8, v);
 }
 

@@ -135,6 +135,14 @@ Status reduce_splits(const GemvParams& p, const float* partial, int splits, cuda
 Status dequant_int4(const GemvParams& p, void* w_out, cudaStream_t stream);
 Status dequant_int8(const GemvParams& p, void* w_out, cudaStream_t stream);
 
+// The generation engine's residual add + RMSNorm with an act-order gather
+// (csrc/rmsnorm.cu), over `rows` contiguous rows of width H (1..kNormMaxWidth)
+// of the activation type: x_out = x + delta; y[k] = w[perm[k]] * n[perm[k]],
+// n = x_out / sqrt(mean(x_out^2) + eps) rounded to the activation type.
+constexpr int kNormMaxWidth = 16384;  // two rows of it in shared memory: 128 KB in fp32
+Status add_rms_gather(ActType act, const void* x, const void* delta, const void* w, const int32_t* perm,
+                      void* x_out, void* y, int rows, int H, float eps, cudaStream_t stream);
+
 // The seed's fp32 SGEMV family: y[N] = A[N, K] @ x[K], all fp32, contiguous.
 enum class SgemvKernel : int { kAuto = 0, kK32 = 1, kK128 = 2, kK16 = 3 };
 SgemvKernel sgemv_choose(int N, int K, const float* A, const float* x);

@@ -130,6 +130,20 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// Scalar conversions between fp32 and an element type (__half, __nv_bfloat16
+// or float), rounding to nearest even.
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(float v) { return v; }
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+
 // ---------------------------------------------------------------------------
 // Activation-type traits.  T is __half or __nv_bfloat16; the MMA takes two
 // elements per 32-bit register, so everything below moves uint32_t pairs.

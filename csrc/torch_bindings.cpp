@@ -12,7 +12,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <limits>
 #include <memory>
+#include <tuple>
 #include <vector>
 
 #include "qgemv.h"
@@ -337,13 +340,51 @@ at::Tensor sgemv_cuda(const at::Tensor& A, const at::Tensor& x, int64_t kernel) 
   return y;
 }
 
+// x_out = x + delta and the RMSNorm of x_out (gain weight) gathered by perm,
+// for the generation engine's act-order layers (csrc/rmsnorm.cu).  The
+// rules are qgemv/ops.py's check_add_rms_gather, with its messages.
+std::tuple<at::Tensor, at::Tensor> add_rms_gather_cuda(const at::Tensor& x, const at::Tensor& delta,
+                                                       const at::Tensor& weight, const at::Tensor& perm,
+                                                       double eps) {
+  const char* op = "add_rms_gather";
+  QG_CHECK(x.is_cuda(), op, "x must be a CUDA tensor, got ", x.device());
+  const ActType act = act_type(x, op);
+  QG_CHECK(x.dim() >= 1, op, "x must have at least 1 dimension");
+  const int64_t H = x.size(-1);
+  QG_CHECK(H >= 1 && H <= kNormMaxWidth, op, "x.shape[-1] must be in 1..", kNormMaxWidth, ", got ", H);
+  QG_CHECK(delta.sizes() == x.sizes(), op, "delta must have x's shape ", x.sizes(), ", got ", delta.sizes());
+  QG_CHECK(delta.scalar_type() == x.scalar_type(), op, "delta must have x's dtype ", x.scalar_type(), ", got ",
+           delta.scalar_type());
+  QG_CHECK(weight.dim() == 1 && weight.size(0) == H, op, "weight must have shape [", H, "], got ", weight.sizes());
+  QG_CHECK(weight.scalar_type() == x.scalar_type(), op, "weight must have x's dtype ", x.scalar_type(), ", got ",
+           weight.scalar_type());
+  QG_CHECK(perm.scalar_type() == at::kInt, op, "perm must be int32, got ", perm.scalar_type());
+  QG_CHECK(perm.dim() == 1 && perm.size(0) == H, op, "perm must have shape [", H, "], got ", perm.sizes());
+  QG_CHECK(perm.is_contiguous(), op, "perm must be contiguous");
+  QG_CHECK(eps >= 0 && std::isfinite(eps), op, "eps must be a finite number >= 0, got ", eps);
+  check_same_device(x, delta, "delta", op);
+  check_same_device(x, weight, "weight", op);
+  check_same_device(x, perm, "perm", op);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor x2 = x.contiguous(), d2 = delta.contiguous(), w2 = weight.contiguous();
+  at::Tensor x_out = at::empty(x.sizes(), x.options());
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  const int64_t rows = x.numel() / H;
+  QG_CHECK(rows <= std::numeric_limits<int>::max() / H, op, "x has too many elements (", x.numel(), ")");
+  check_status(add_rms_gather(act, x2.data_ptr(), d2.data_ptr(), w2.data_ptr(), perm.data_ptr<int32_t>(),
+                              x_out.data_ptr(), y.data_ptr(), static_cast<int>(rows), static_cast<int>(H),
+                              static_cast<float>(eps), c10::cuda::getCurrentCUDAStream()),
+               op);
+  return {x_out, y};
+}
+
 // The op schemas live in qgemv/ops.py; this number changes with them, and
 // qgemv/_ext.py registers these kernels only when its own number matches.
 // (TORCH_LIBRARY_IMPL would register them while the library loads, and a
 // schema mismatch there, e.g. a stale build after an upgrade, aborts the
 // process; registered from a call, it is an exception the loader turns into
 // "rebuild the extension" and the reference backend.)
-constexpr int kOpsVersion = 3;
+constexpr int kOpsVersion = 4;
 
 void register_cuda_kernels() {
   static std::unique_ptr<torch::Library> lib;
@@ -354,6 +395,7 @@ void register_cuda_kernels() {
   l->impl("linear_int4", &linear_int4_cuda);
   l->impl("linear_int4_grouped", &linear_int4_grouped_cuda);
   l->impl("sgemv", &sgemv_cuda);
+  l->impl("add_rms_gather", &add_rms_gather_cuda);
   lib = std::move(l);
 }
 

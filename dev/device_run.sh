@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|chain|gptqab|genact|import|overlap|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|chain|gptqab|genact|import|glue|overlap|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -70,6 +70,16 @@ for step in "${@:-all}"; do
         | grep -v -i warn | tail -20 ;;
     import)
       python3 -m qgemv.eval.bench_import --out "$OUT/bench_import" 2>&1 | grep -v -i warn ;;
+    glue)
+      # the engine's norm glue with an act-order gather: gathered after the norm or before it
+      timeout 200 python3 dev/glue_gather_probe.py 2>&1 | grep -v -i warn | tee "$OUT/glue.txt" ;;
+    linears)
+      # the kernel lab's chain, one linear at a time (llama3-8b, M = 1 and 16)
+      nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc dev/gemv_lab.cu csrc/gemv_int4.cu csrc/gemv_int8.cu csrc/runtime.cpp \
+        -o /tmp/lab_chain || exit 1
+      for i in 0 1 2 3; do
+        timeout 60 /tmp/lab_chain --chain llama3-8b --chain-linears $i ${LABCHAIN_ARGS:-} 2>&1 | tee -a "$OUT/linears.txt"
+      done ;;
     overlap)
       # prefill by dequantize + cuBLAS in row slices on two streams (issue 24 part 3; an experiment)
       python3 dev/prefill_overlap.py ${OVERLAP_ARGS:-} --out "$OUT/prefill_overlap" 2>&1 | grep -v -i warn \

@@ -18,7 +18,9 @@ concatenated, no requantization), so each is one GEMV launch.
 Per step the engine runs the decoder in plain torch ops around the linears:
 RMSNorm, RoPE from the model's own rotary module (tabulated once for every
 cache slot), the cache write, SDPA over the whole static cache with a mask,
-SwiGLU.  On a GPU the decode step (one token per sequence) is captured in a
+SwiGLU.  Before an act-order projection the residual add, the RMSNorm and
+the gather of its output into the projection's input order are one op,
+``qgemv::add_rms_gather`` (one CUDA kernel).  On a GPU the decode step (one token per sequence) is captured in a
 CUDA graph on its first use for each batch size and replayed afterwards;
 on a CPU the same code runs eagerly on the reference kernels.
 
@@ -42,6 +44,7 @@ import torch
 from torch import nn
 from torch.nn import functional as Fn
 
+from . import ops
 from .nn import FusedSlice, QuantLinear, fuse_linears
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -66,9 +69,10 @@ class _Projection:
         else:
             self.fused = fuse_linears(mods)
         self.mods = list(mods) if self.fused is None else None
-        # An act-order input permutation of the one fused QuantLinear: the engine gathers x inside the norm
-        # that produces it (glue add_rms_gather) and calls the linear with gathered=True
-        self.perm = getattr(self.fused, "perm", None) if isinstance(self.fused, QuantLinear) else None
+        # An act-order input permutation of the one fused QuantLinear (int32): the engine gathers x inside
+        # the norm that produces it (qgemv::add_rms_gather) and calls the linear with gathered=True
+        perm = getattr(self.fused, "perm", None) if isinstance(self.fused, QuantLinear) else None
+        self.perm = None if perm is None else perm.to(torch.int32).contiguous()
 
     def __call__(self, x: torch.Tensor, gathered: bool = False) -> list:
         if self.fused is None:
@@ -102,7 +106,9 @@ def glue_add_rms(x, delta, w, eps: float):
 
 def glue_add_rms_gather(x, delta, w, perm, eps: float):
     """glue_add_rms with the normalized output's features gathered by ``perm`` (an act-order linear's input
-    order), in the same kernel: (x + delta, (rms(x + delta) * w)[..., perm])."""
+    order): (x + delta, (rms(x + delta) * w)[..., perm]).  The engine runs it as one kernel,
+    qgemv::add_rms_gather (torch.compile makes two of it: the norm, then the gather); this eager form
+    serves a norm weight of another dtype than the activations."""
     x = x + delta
     return x, _rms(x, w, eps).index_select(-1, perm)
 
@@ -124,8 +130,7 @@ def glue_swiglu(gate, up):
     return Fn.silu(gate) * up
 
 
-EAGER_GLUE = dict(add_rms=glue_add_rms, add_rms_gather=glue_add_rms_gather, attention_in=glue_attention_in,
-                  swiglu=glue_swiglu)
+EAGER_GLUE = dict(add_rms=glue_add_rms, attention_in=glue_attention_in, swiglu=glue_swiglu)
 _COMPILED = {}
 
 
@@ -251,6 +256,10 @@ class Engine:
                 gate_up=_Projection([m.gate_proj, m.up_proj]), down_proj=m.down_proj,
                 q_norm=a.q_norm.weight if hasattr(a, "q_norm") else None,
                 k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None))
+        for i, L in enumerate(self.layers):  # act-order perms, checked once here instead of in every norm call
+            for name, proj in (("q/k/v", L.qkv), ("gate/up", L.gate_up)):
+                if proj.perm is not None:
+                    ops.check_perm_values(f"engine: layer {i} {name}", proj.perm, proj.fused.in_features)
         self.norm = inner.norm.weight
         self.lm_head = model.lm_head
         with torch.no_grad():
@@ -321,7 +330,9 @@ class Engine:
         """(x + delta, the next projection's input): the RMSNorm, gathered by the projection's perm if any."""
         if perm is None:
             return g["add_rms"](x, delta, w, self.eps)
-        return g["add_rms_gather"](x, delta, w, perm, self.eps)
+        if w.dtype == x.dtype:
+            return torch.ops.qgemv.add_rms_gather(x, delta, w, perm, self.eps)
+        return glue_add_rms_gather(x, delta, w, perm, self.eps)
 
     def _decode(self, ids: torch.Tensor, slot: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         """One decode step (ids [B, 1]); through the batch size's CUDA graph where graphs are on."""

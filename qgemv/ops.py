@@ -7,6 +7,9 @@ Every op lives in the ``qgemv`` torch.library namespace:
 * ``qgemv::linear_int4_grouped(Tensor x, Tensor qweight, Tensor scales,
   Tensor? zeros, int group_size, int in_features, Tensor? perm=None) -> Tensor``
 * ``qgemv::sgemv(Tensor A, Tensor x, int kernel=0) -> Tensor``
+* ``qgemv::add_rms_gather(Tensor x, Tensor delta, Tensor weight, Tensor perm, float eps) -> (Tensor, Tensor)``:
+  the generation engine's residual add and RMSNorm with the normalized row
+  gathered into an act-order linear's input order, in one kernel.
 
 ``in_features`` is the K the weight was packed for.  The packed rows are
 padded (to 16 k for int8, 32 k for int4), so the packed width alone cannot
@@ -40,7 +43,7 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 #: Version of the schemas below; csrc/torch_bindings.cpp's kOpsVersion must equal it
 #: for the compiled kernels to be registered (qgemv/_ext.py).
-OPS_VERSION = 3
+OPS_VERSION = 4
 
 torch.library.define(
     "qgemv::linear_int8", "(Tensor x, Tensor qweight, Tensor scales, int in_features, Tensor? perm=None) -> Tensor")
@@ -52,6 +55,11 @@ torch.library.define(
     "Tensor? perm=None) -> Tensor",
 )
 torch.library.define("qgemv::sgemv", "(Tensor A, Tensor x, int kernel=0) -> Tensor")
+torch.library.define("qgemv::add_rms_gather",
+                     "(Tensor x, Tensor delta, Tensor weight, Tensor perm, float eps) -> (Tensor, Tensor)")
+
+#: Widest row qgemv::add_rms_gather takes (csrc/qgemv.h, kNormMaxWidth: the row sits in shared memory).
+NORM_MAX_WIDTH = 16384
 
 
 # --------------------------------------------------------------------------
@@ -163,6 +171,31 @@ def check_sgemv(A, x, kernel) -> None:
         _fail(op, f"kernel must be 0 (auto), 1 (k32), 2 (k128) or 3 (k16), got {kernel}")
 
 
+def check_add_rms_gather(x, delta, weight, perm, eps) -> None:
+    op = "add_rms_gather"
+    if x.dtype not in FLOAT_DTYPES:
+        _fail(op, f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    if x.dim() < 1:
+        _fail(op, "x must have at least 1 dimension")
+    h = x.shape[-1]
+    if not 1 <= h <= NORM_MAX_WIDTH:
+        _fail(op, f"x.shape[-1] must be in 1..{NORM_MAX_WIDTH}, got {h}")
+    if delta.shape != x.shape:
+        _fail(op, f"delta must have x's shape {list(x.shape)}, got {list(delta.shape)}")
+    if delta.dtype != x.dtype:
+        _fail(op, f"delta must have x's dtype {x.dtype}, got {delta.dtype}")
+    if weight.dim() != 1 or weight.shape[0] != h:
+        _fail(op, f"weight must have shape [{h}], got {list(weight.shape)}")
+    if weight.dtype != x.dtype:
+        _fail(op, f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
+    _check_perm(op, perm, h)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
+        _fail(op, f"eps must be a finite number >= 0, got {eps!r}")
+    for name, t in (("delta", delta), ("weight", weight), ("perm", perm)):
+        if t.device != x.device:
+            _fail(op, f"{name} must be on the same device as x ({x.device}), got {t.device}")
+
+
 # --------------------------------------------------------------------------
 # References: dequantize in fp32, multiply in fp32, return x's dtype.
 # --------------------------------------------------------------------------
@@ -208,11 +241,26 @@ def ref_sgemv(A, x, kernel=0):
     return A @ x
 
 
+def ref_add_rms_gather(x, delta, weight, perm, eps):
+    """Reference for qgemv::add_rms_gather: (s, (rms(s) * weight)[..., perm]) with s = x + delta.
+
+    rms is transformers' LlamaRMSNorm, operation for operation: fp32
+    statistics, the normalized value cast back to x's dtype, then the gain.
+    """
+    check_add_rms_gather(x, delta, weight, perm, eps)
+    _check_ref_perm("add_rms_gather", perm, x.shape[-1])
+    s = x + delta
+    f = s.float()
+    n = (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(s.dtype)
+    return s, (weight * n).index_select(-1, perm)
+
+
 for _name, _ref in (
     ("linear_int8", ref_linear_int8),
     ("linear_int4", ref_linear_int4),
     ("linear_int4_grouped", ref_linear_int4_grouped),
     ("sgemv", ref_sgemv),
+    ("add_rms_gather", ref_add_rms_gather),
 ):
     torch.library.impl(f"qgemv::{_name}", "cpu")(_ref)
 
@@ -244,11 +292,18 @@ def _fake_sgemv(A, x, kernel=0):
     return A.new_empty((A.shape[0],))
 
 
+@torch.library.register_fake("qgemv::add_rms_gather")
+def _fake_add_rms_gather(x, delta, weight, perm, eps):
+    check_add_rms_gather(x, delta, weight, perm, eps)
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
 REFERENCES = {
     "linear_int8": ref_linear_int8,
     "linear_int4": ref_linear_int4,
     "linear_int4_grouped": ref_linear_int4_grouped,
     "sgemv": ref_sgemv,
+    "add_rms_gather": ref_add_rms_gather,
 }
 
 
@@ -373,7 +428,29 @@ def sgemv(A: torch.Tensor, x: torch.Tensor, kernel: str = "auto") -> torch.Tenso
     return torch.ops.qgemv.sgemv(A, x, codes[kernel])
 
 
+def add_rms_gather(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor,
+                   eps: float) -> tuple:
+    """Residual add and RMSNorm with the normalized row gathered by an act-order perm, in one kernel.
+
+    Args:
+        x, delta: [..., H] float16, bfloat16 or float32 (one dtype), 1 <= H <= 16384.
+        weight: [H] in x's dtype, the norm's gain.
+        perm: int32 [H], a permutation of 0..H-1 (checked here, which on a GPU
+            reads it back; the generation engine checks it once and calls
+            ``torch.ops.qgemv.add_rms_gather``).
+        eps: the norm's epsilon, >= 0.
+    Returns:
+        (s, y), both [..., H] in x's dtype: s = x + delta, and
+        y = (weight * rms(s))[..., perm] with rms(s) = s / sqrt(mean(s^2) + eps)
+        in fp32, cast to x's dtype before the gain (transformers' LlamaRMSNorm).
+    """
+    check_add_rms_gather(x, delta, weight, perm, eps)
+    check_perm_values("add_rms_gather", perm, x.shape[-1])
+    return torch.ops.qgemv.add_rms_gather(x, delta, weight, perm, eps)
+
+
 __all__ = [
+    "add_rms_gather",
     "linear_int8",
     "linear_int4",
     "linear_int4_grouped",
@@ -383,4 +460,5 @@ __all__ = [
     "ref_linear_int4",
     "ref_linear_int4_grouped",
     "ref_sgemv",
+    "ref_add_rms_gather",
 ]

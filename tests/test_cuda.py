@@ -584,6 +584,69 @@ def test_act_order_perm_under_cuda_graph_and_opcheck():
     torch.library.opcheck(op.default, (x, qw, s, z, 128, 1024, perm))
 
 
+NORM_SHAPES = [(1, 1), (3, 7), (2, 1, 33), (1, 576), (1, 4096), (5, 5120), (16, 1, 8200), (2, 12300), (1, 16384)]
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", NORM_SHAPES, ids=lambda v: "x".join(map(str, v)))
+def test_add_rms_gather_kernel_matches_the_reference(shape, dtype):
+    """The one-kernel residual add + RMSNorm + act-order gather against the CPU reference on fresh data:
+    the sum exactly, the normalized row within one rounding of the output per rounding step (the fp32 sum
+    of squares is taken in another order), poisoned outputs.  12300 and 16384 take over 48 KB of shared
+    memory; 12300 and the widths that are not a multiple of 8 run the scalar path."""
+    x = torch.randn(shape, device="cuda").to(dtype)
+    d = torch.randn(shape, device="cuda").to(dtype)
+    w = (torch.rand(shape[-1], device="cuda") + 0.5).to(dtype)
+    perm = torch.randperm(shape[-1], device="cuda", dtype=torch.int32)
+    _poison_like(shape, dtype)
+    _poison_like(shape, dtype)
+    s, y = qgemv.ops.add_rms_gather(x, d, w, perm, 1e-5)
+    torch.cuda.synchronize()
+    want_s, want_y = qgemv.ops.ref_add_rms_gather(x.cpu(), d.cpu(), w.cpu(), perm.cpu(), 1e-5)
+    assert not torch.isnan(s).any() and not torch.isnan(y).any(), "unwritten (NaN-poisoned) outputs"
+    assert torch.equal(s.cpu(), want_s)
+    # n = s * r rounded (r within a few fp32 ulps of the reference's, whose sum runs in another order),
+    # then times w rounded: one ulp apart at most per rounding; fp32 keeps the sum's and rsqrtf's error
+    ulp = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 4e-6}[dtype]
+    bound = 2.5 * ulp * want_y.float().abs() + 1e-6
+    err = (y.cpu().float() - want_y.float()).abs()
+    assert (err <= bound).all(), f"max error {err.max().item():.3g}"
+
+
+@requires_cuda
+def test_add_rms_gather_under_cuda_graph_opcheck_and_bad_perm():
+    """Graph replay reads the x, delta and perm of replay time; opcheck; a misaligned perm (the scalar
+    path) gives the same row; a perm out of range is clamped (wrong values, no read outside the row, no
+    error)."""
+    op = torch.ops.qgemv.add_rms_gather
+    x = torch.randn(2, 1, 4096, device="cuda", dtype=torch.float16)
+    d, w = torch.randn_like(x), torch.rand(4096, device="cuda", dtype=torch.float16)
+    perm = torch.randperm(4096, device="cuda", dtype=torch.int32)
+    op(x, d, w, perm, 1e-6)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        s, y = op(x, d, w, perm, 1e-6)
+    x.copy_(torch.randn_like(x))
+    perm.copy_(torch.randperm(4096, device="cuda", dtype=torch.int32))
+    g.replay()
+    torch.cuda.synchronize()
+    want = op(x, d, w, perm, 1e-6)
+    assert torch.equal(s, want[0]) and torch.equal(y, want[1])
+    torch.library.opcheck(op.default, (x, d, w, perm, 1e-6))
+    shifted = torch.empty(4097, device="cuda", dtype=torch.int32)[1:]  # not 16-byte aligned: the scalar path
+    shifted.copy_(perm)
+    torch.testing.assert_close(op(x, d, w, shifted, 1e-6)[1], want[1], rtol=2.0**-9, atol=1e-3)
+    bad = perm.clone()
+    bad[:8] = torch.tensor([-1, 4096, 1 << 30, -(1 << 30), 5000, 4095, 0, 7], dtype=torch.int32)
+    _, y = op(x, d, w, bad, 1e-6)
+    torch.cuda.synchronize()
+    assert torch.isfinite(y).all()
+    with pytest.raises(ValueError, match="perm must be a permutation of 0..4095"):
+        qgemv.ops.add_rms_gather(x, d, w, bad, 1e-6)
+
+
 SGEMV_SHAPES = [(1, 1), (7, 5), (33, 16), (65, 17), (129, 128), (4097, 130), (300, 4100), (28, 8192)]
 
 
@@ -615,7 +678,7 @@ def test_extension_ops_registered_when_buildable():
     if not (shutil.which("nvcc") and torch.version.cuda):
         pytest.skip("no nvcc or a CPU-only torch: the extension cannot be built here")
     assert _ext.BACKEND in ("aot", "jit"), _ext.REASON
-    for name in ("linear_int8", "linear_int4", "linear_int4_grouped", "sgemv"):
+    for name in ("linear_int8", "linear_int4", "linear_int4_grouped", "sgemv", "add_rms_gather"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"qgemv::{name}", "CUDA"), name
 
 

@@ -172,6 +172,9 @@ def _opcheck_cases():
     yield "sgemv", torch.ops.qgemv.sgemv.default, (torch.randn(6, 20), torch.randn(20), 0)
     perm = torch.randperm(64, dtype=torch.int32)
     yield "int4g_asym_perm", torch.ops.qgemv.linear_int4_grouped.default, (x, qw, s, z, 32, 64, perm)
+    xn = torch.randn(2, 3, 40, dtype=torch.float16)
+    yield "add_rms_gather", torch.ops.qgemv.add_rms_gather.default, (
+        xn, torch.randn_like(xn), torch.rand(40, dtype=torch.float16), torch.randperm(40, dtype=torch.int32), 1e-6)
 
 
 @pytest.mark.parametrize("case", list(_opcheck_cases()), ids=lambda c: c[0])
@@ -253,3 +256,53 @@ def test_gemv_gather_rule_as_documented():
         assert not t.gemv_gathers(1, 4096, 4096)
     finally:
         t.set_gemv_gather(True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 37), (2, 1, 576)])
+def test_add_rms_gather_is_the_norm_then_the_gather(dtype, shape):
+    """The reference equals the generation engine's eager glue (add, transformers' RMSNorm, index_select)
+    bit for bit, and the kernel's arithmetic (one rounding after the gain) gives the same bits."""
+    from qgemv.engine import glue_add_rms_gather
+
+    g = torch.Generator().manual_seed(shape[-1])
+    x = torch.randn(shape, generator=g).to(dtype)
+    d = torch.randn(shape, generator=g).to(dtype)
+    w = (torch.rand(shape[-1], generator=g) + 0.5).to(dtype)
+    perm = torch.randperm(shape[-1], generator=g).to(torch.int32)
+    s, y = qgemv.ops.add_rms_gather(x, d, w, perm, 1e-5)
+    want_s, want_y = glue_add_rms_gather(x, d, w, perm.long(), 1e-5)
+    assert s.dtype == y.dtype == dtype and s.shape == y.shape == x.shape
+    assert torch.equal(s, want_s) and torch.equal(y, want_y)
+    sf = s.float()
+    n = (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    plain = (w.float() * n.float()).to(dtype)  # the CUDA kernel's arithmetic: one rounding after the gain
+    assert torch.equal(y, plain[..., perm.long()])
+    assert not torch.equal(y, w * (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)) \
+        or shape[-1] == 1  # the gather moved something
+
+
+@pytest.mark.parametrize("change,rule", [
+    (dict(x=lambda t: t.long()), "x must be float16, bfloat16 or float32, got torch.int64"),
+    (dict(x=lambda t: t[..., :0], delta=lambda t: t[..., :0], w=lambda t: t[:0], perm=lambda t: t[:0]),
+     r"x.shape\[-1\] must be in 1..16384, got 0"),
+    (dict(delta=lambda t: t[:1]), r"delta must have x's shape \[2, 24\], got \[1, 24\]"),
+    (dict(delta=lambda t: t.float()), "delta must have x's dtype torch.float16, got torch.float32"),
+    (dict(w=lambda t: t[:-1]), r"weight must have shape \[24\], got \[23\]"),
+    (dict(w=lambda t: t.float()), "weight must have x's dtype torch.float16, got torch.float32"),
+    (dict(perm=lambda t: t.long()), "perm must be int32, got torch.int64"),
+    (dict(perm=lambda t: t[:-1]), r"perm must have shape \[24\]"),
+    (dict(perm=lambda t: torch.zeros_like(t)), "perm must be a permutation of 0..23"),
+    (dict(eps=lambda e: -1.0), "eps must be a finite number >= 0, got -1.0"),
+    (dict(eps=lambda e: float("nan")), "eps must be a finite number >= 0, got nan"),
+    (dict(w=lambda t: t.to("meta")), "weight must be on the same device as x"),
+])
+def test_add_rms_gather_refuses_bad_input_naming_the_rule(change, rule):
+    args = dict(x=torch.randn(2, 24, dtype=torch.float16), delta=torch.randn(2, 24, dtype=torch.float16),
+                w=torch.rand(24, dtype=torch.float16), perm=torch.randperm(24, dtype=torch.int32), eps=1e-6)
+    args = {k: change.get(k, lambda v: v)(v) for k, v in args.items()}
+    call = (args["x"], args["delta"], args["w"], args["perm"], args["eps"])
+    with pytest.raises(ValueError, match="qgemv.add_rms_gather: " + rule):
+        qgemv.ops.add_rms_gather(*call)
+    with pytest.raises(ValueError, match="qgemv.add_rms_gather: " + rule):  # the op (the CPU reference)
+        torch.ops.qgemv.add_rms_gather(*call)
