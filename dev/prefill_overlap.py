@@ -15,6 +15,11 @@ they should overlap almost fully; the sliced time should approach fp16's plus on
 dequantization.  28672x8192 int4 at M = 1024: dense 851 us, fp16 647 (BENCHMARKS.md, 2026-12-01),
 dequantization about 200 us, so with 8 slices about 647 + 25 + the cat (about 30 us), 1.09x fp16
 instead of 1.31x; at M = 4096 within 3% of fp16.
+
+Measured (2026-12-02, H200, --ms 1024,4096 --slices 8): no gain.  The large shapes are level
+with the shipped path (57344x8192 int4 M = 1024: 1.31x fp16 against 1.30x), the small ones 1.3-7x
+slower (eight launches per call): cuBLAS's GEMM fills every SM, so the second stream's
+dequantization runs only in its tails.  Kept as the record of that experiment (BENCHMARKS.md).
 """
 
 from __future__ import annotations
