@@ -20,9 +20,10 @@ RMSNorm, RoPE from the model's own rotary module (tabulated once for every
 cache slot), the cache write, SDPA over the whole static cache with a mask,
 SwiGLU.  Before an act-order projection the residual add, the RMSNorm and
 the gather of its output into the projection's input order are one op,
-``qgemv::add_rms_gather`` (one CUDA kernel).  On a GPU the decode step (one token per sequence) is captured in a
-CUDA graph on its first use for each batch size and replayed afterwards;
-on a CPU the same code runs eagerly on the reference kernels.
+``qgemv::add_rms_gather`` (one CUDA kernel).  On a GPU the decode step (one
+token per sequence) is captured in a CUDA graph on its first use for each
+batch size and replayed afterwards; on a CPU the same code runs eagerly on
+the reference kernels.
 
 Batches of prompts of different lengths are left-padded: every sequence
 writes the same cache slot at each step, padded slots are masked out, and
@@ -44,7 +45,6 @@ import torch
 from torch import nn
 from torch.nn import functional as Fn
 
-from . import ops
 from .nn import FusedSlice, QuantLinear, fuse_linears
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -70,7 +70,8 @@ class _Projection:
             self.fused = fuse_linears(mods)
         self.mods = list(mods) if self.fused is None else None
         # An act-order input permutation of the one fused QuantLinear (int32): the engine gathers x inside
-        # the norm that produces it (qgemv::add_rms_gather) and calls the linear with gathered=True
+        # the norm that produces it (qgemv::add_rms_gather) and calls the linear with gathered=True.  Its
+        # values are checked by the QuantLinear on its first call (prefill), before any graph capture.
         perm = getattr(self.fused, "perm", None) if isinstance(self.fused, QuantLinear) else None
         self.perm = None if perm is None else perm.to(torch.int32).contiguous()
 
@@ -256,10 +257,6 @@ class Engine:
                 gate_up=_Projection([m.gate_proj, m.up_proj]), down_proj=m.down_proj,
                 q_norm=a.q_norm.weight if hasattr(a, "q_norm") else None,
                 k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None))
-        for i, L in enumerate(self.layers):  # act-order perms, checked once here instead of in every norm call
-            for name, proj in (("q/k/v", L.qkv), ("gate/up", L.gate_up)):
-                if proj.perm is not None:
-                    ops.check_perm_values(f"engine: layer {i} {name}", proj.perm, proj.fused.in_features)
         self.norm = inner.norm.weight
         self.lm_head = model.lm_head
         with torch.no_grad():

@@ -435,17 +435,18 @@ def add_rms_gather(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, p
     Args:
         x, delta: [..., H] float16, bfloat16 or float32 (one dtype), 1 <= H <= 16384.
         weight: [H] in x's dtype, the norm's gain.
-        perm: int32 [H], a permutation of 0..H-1 (checked here, which on a GPU
-            reads it back; the generation engine checks it once and calls
-            ``torch.ops.qgemv.add_rms_gather``).
+        perm: int32 [H], a permutation of 0..H-1 (checked on every call, which
+            on a GPU reads it back; the generation engine calls
+            ``torch.ops.qgemv.add_rms_gather`` with its QuantLinear's checked perm).
         eps: the norm's epsilon, >= 0.
     Returns:
         (s, y), both [..., H] in x's dtype: s = x + delta, and
         y = (weight * rms(s))[..., perm] with rms(s) = s / sqrt(mean(s^2) + eps)
         in fp32, cast to x's dtype before the gain (transformers' LlamaRMSNorm).
     """
-    check_add_rms_gather(x, delta, weight, perm, eps)
-    check_perm_values("add_rms_gather", perm, x.shape[-1])
+    if _precheck_cuda(x, delta, weight, perm):  # (the CPU reference checks the same itself)
+        check_add_rms_gather(x, delta, weight, perm, eps)
+        check_perm_values("add_rms_gather", perm, x.shape[-1])
     return torch.ops.qgemv.add_rms_gather(x, delta, weight, perm, eps)
 
 
