@@ -5,6 +5,10 @@ Environment:
                          built as sm_90a, for the wgmma prefill GEMM
   QGEMV_SKIP_CUDA_BUILD  "1" skips the extension (the reference serves CUDA tensors)
   MAX_JOBS               parallel compile jobs (torch's build helper reads it)
+
+Without torch in the build environment (pip's default isolated build: see
+pyproject.toml) the wheel is pure Python; `pip install --no-build-isolation .`
+compiles the extension against the installed torch.
 """
 
 import os
@@ -18,8 +22,13 @@ SRC = runpy.run_path(os.path.join(HERE, "qgemv", "_sources.py"))
 
 ext_modules = []
 cmdclass = {}
-if os.environ.get("QGEMV_SKIP_CUDA_BUILD") != "1":
+try:
     import torch
+except ImportError:  # pip's isolated build environment
+    torch = None
+    print("qgemv: torch is not importable in this build environment: building the pure-Python package "
+          "(for the CUDA extension: pip install --no-build-isolation ., or QGEMV_JIT=1 at run time)")
+if torch is not None and os.environ.get("QGEMV_SKIP_CUDA_BUILD") != "1":
     from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
 
     if torch.version.cuda and CUDA_HOME and shutil.which("nvcc"):

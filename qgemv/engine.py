@@ -35,6 +35,7 @@ batched kernels).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 import warnings
@@ -199,6 +200,34 @@ class Generation:
                 f"{self.decode_tokens_per_s:.1f} tok/s ({'CUDA graph' if self.graphs else 'eager'})")
 
 
+def check_stop(stop) -> tuple:
+    """The stop strings as a tuple: one str is one stop string; each must be a non-empty str."""
+    if isinstance(stop, str):
+        stop = (stop,)
+    try:
+        stop = tuple(stop)
+    except TypeError:
+        raise TypeError(f"stop must be a str or a sequence of str, got {type(stop).__name__}") from None
+    for s in stop:
+        if not isinstance(s, str):
+            raise TypeError(f"stop strings must be str, got {type(s).__name__} {s!r}")
+        if s == "":
+            raise ValueError("an empty stop string would end every sequence at once; drop it")
+    return stop
+
+
+def printable_prefix(text: str, stop: Sequence[str]) -> int:
+    """How much of ``text`` can be shown while it grows: up to the first stop string, and short of
+    any tail that could still become one."""
+    cut = min((text.find(s) for s in stop if s in text), default=-1)
+    if cut >= 0:
+        return cut
+    for start in range(max(0, len(text) - max((len(s) for s in stop), default=0) + 1), len(text)):
+        if any(s.startswith(text[start:]) for s in stop):
+            return start
+    return len(text)
+
+
 class Engine:
     """Runs a Llama-family transformers model with a static KV cache (see the module docstring).
 
@@ -231,6 +260,7 @@ class Engine:
         self.model, self.tokenizer, self.arch = model, tokenizer, arch
         inner = model.model
         self.embed = inner.embed_tokens
+        self.vocab_size = self.embed.weight.shape[0]
         self.device, self.dtype = self.embed.weight.device, self.embed.weight.dtype
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
@@ -394,6 +424,9 @@ class Engine:
                 ids = [int(t) for t in (p.tolist() if isinstance(p, torch.Tensor) else p)]
             if len(ids) == 0:
                 raise ValueError(f"prompt {i} is empty (no tokens)")
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:  # checked here: an out-of-range id is an IndexError on the CPU, a device assert on CUDA
+                raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
             out.append(ids)
         return out
 
@@ -412,8 +445,10 @@ class Engine:
         """
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-            raise ValueError(f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got {temperature}, {top_p}, {top_k}")
+        if not (math.isfinite(temperature) and temperature >= 0) or not 0 < top_p <= 1 or top_k < 0:
+            raise ValueError(f"need a finite temperature >= 0, 0 < top_p <= 1, top_k >= 0; "
+                             f"got {temperature}, {top_p}, {top_k}")
+        stop = check_stop(stop)
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         seqs = self.encode(prompts)
@@ -579,6 +614,14 @@ def main(argv=None) -> int:
     for i, p in enumerate(args.prompt):
         if not p.strip():
             ap.error(f"--prompt {i + 1} is empty")
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that are not UTF-8 arrive as lone surrogates
+            ap.error(f"--prompt {i + 1} is not valid UTF-8 text")
+    try:
+        check_stop(args.stop)
+    except ValueError as e:
+        ap.error(f"--stop: {e}")
     try:
         model, tok, what = load_for_generation(args.model, device, dtype, args.bits, args.group_size, args.asym)
         engine = Engine(model, tok, max_seq_len=args.max_seq_len, cuda_graphs=not args.no_graphs)
@@ -589,11 +632,13 @@ def main(argv=None) -> int:
     single = len(args.prompt) == 1
     streamed, shown = [], [""]
 
-    def on_token(_i, t):  # one prompt: print the text as it grows
+    def on_token(_i, t):  # one prompt: print the text as it grows, never a stop string or what follows it
         streamed.append(t)
         text = tok.decode(streamed, skip_special_tokens=True)
-        print(text[len(shown[0]):], end="", flush=True)
-        shown[0] = text
+        text = text[:printable_prefix(text, args.stop)]
+        if len(text) > len(shown[0]) and text.startswith(shown[0]):
+            print(text[len(shown[0]):], end="", flush=True)
+            shown[0] = text
 
     try:
         out = engine.generate(args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
@@ -602,7 +647,8 @@ def main(argv=None) -> int:
         print(f"qgemv-generate: {e}", file=sys.stderr)
         return 2
     if single:
-        print()
+        final = out.texts[0]  # the held-back tail (cut at a stop string)
+        print(final[len(shown[0]):] if final.startswith(shown[0]) else "", flush=True)
     else:
         for i, (p, t) in enumerate(zip(args.prompt, out.texts)):
             print(f"[{i}] {p}{t}")

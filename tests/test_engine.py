@@ -157,6 +157,35 @@ def test_errors_name_the_rule(tiny_llama_dir):
         Engine(gpt2)
 
 
+def test_bad_sampling_and_stop_arguments_are_refused_up_front(tiny_llama_dir):
+    from qgemv import checkpoint
+
+    model, tok = checkpoint.load_float_model(tiny_llama_dir)
+    engine = Engine(model, tok, max_seq_len=32)
+    for t in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="finite temperature"):
+            engine.generate(["a"], max_new_tokens=2, temperature=t)
+    with pytest.raises(ValueError, match="empty stop string"):
+        engine.generate(["a"], max_new_tokens=2, stop=[""])
+    with pytest.raises(TypeError, match="stop strings must be str"):
+        engine.generate(["a"], max_new_tokens=2, stop=[3])
+    vocab = engine.vocab_size
+    for bad in (-1, vocab):
+        with pytest.raises(ValueError, match=f"token id {bad} is outside the vocabulary"):
+            engine.generate([[1, bad]], max_new_tokens=2)
+
+
+def test_a_plain_str_stop_is_one_stop_string():
+    from qgemv.engine import check_stop, printable_prefix
+
+    assert check_stop("si") == ("si",) and check_stop(["a", "b"]) == ("a", "b")
+    # growing text: nothing of a stop string, nor what follows it, is shown
+    assert printable_prefix("Paris is", ["is"]) == len("Par")
+    assert printable_prefix("The capital i", ["is"]) == len("The capital ")
+    assert printable_prefix("The capital", ["is"]) == len("The capital")
+    assert printable_prefix("abc", []) == 3
+
+
 def test_generate_reuses_the_engine_kept_on_the_model():
     model = tiny("llama")
     a = qgemv.generate(model, None, [[1, 2, 3]], max_new_tokens=4, max_seq_len=32)
@@ -200,6 +229,23 @@ def test_cli_refuses_bad_input(tmp_path, tiny_llama_dir):
     assert r.returncode == 2 and "missing" in r.stderr
     r = run_cli(tiny_llama_dir, "--prompt", "word " * 40, "--max-seq-len", "16", "--device", "cpu")
     assert r.returncode == 2 and "exceeds the cache" in r.stderr
+    r = run_cli(tiny_llama_dir, "--prompt", "x", "--stop", "", "--device", "cpu")
+    assert r.returncode == 2 and "empty stop string" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "qgemv", "generate", tiny_llama_dir, "--prompt", b"caf\xe9", "--device",
+                        "cpu"], capture_output=True, timeout=600)
+    assert r.returncode == 2 and b"not valid UTF-8" in r.stderr, r.stderr[-2000:]
+
+
+def test_cli_one_prompt_never_prints_its_stop_string(tiny_llama_dir):
+    free = run_cli(tiny_llama_dir, "--prompt", "the history of", "--max-new-tokens", "12", "--device", "cpu")
+    assert free.returncode == 0, free.stderr[-2000:]
+    text = free.stdout.rstrip("\n")
+    stop = text.strip()[2:4]
+    assert len(stop) == 2
+    r = run_cli(tiny_llama_dir, "--prompt", "the history of", "--max-new-tokens", "12", "--device", "cpu",
+                "--stop", stop)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.rstrip("\n") == text[:text.find(stop)]
 
 
 def forced_logits(engine, prompts, forced):
