@@ -1,0 +1,630 @@
+// Issue 35's lab: what a dependency costs on this GPU, and the decode step's
+// linears as one persistent launch (csrc/persist_chain.cuh) against one
+// kernel per linear, in one run.
+//
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc dev/persist_lab.cu \
+//        csrc/gemv_int4.cu csrc/gemv_int8.cu csrc/runtime.cpp -o /tmp/persist_lab
+//   /tmp/persist_lab [--probe-only] [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers L] [--ms 1,16]
+//                    [--warps 8,16] [--stages 4,8] [--prefetch 0,1,2] [--formats int4g128a,int4,int8]
+//
+// Part 1, the probes (a co-resident grid of SMs x 1 blocks of 256 threads):
+//   * grid barrier: every block adds 1 to a counter and spins until it holds
+//     (r + 1) x blocks; time per barrier from 4000 barriers;
+//   * handoff: block r % G waits for a flag to reach r, then sets it to
+//     r + 1 (blocks on different SMs): one producer -> consumer latency;
+//   * barrier under load: the same barrier while every block also streams
+//     weights (256 KB per block between barriers), against the same stream
+//     without barriers.
+// Part 2, the chain: per layer q/k/v (fused) -> o (+ residual; attention's
+// stand-in: o reads q's columns of the q/k/v output) -> gate/up with
+// SiLU * mul -> down (+ residual) -> the next layer, every layer its own
+// weights, random data.  Three forms in CUDA graphs: the persistent launch;
+// qgemv's GEMVs one kernel each with the same glue as small kernels (the
+// reference: the persistent result is checked against it); the GEMVs alone
+// (the lab's earlier chain).  Plus a plain read of the same weight buffers,
+// one kernel per matrix.  Percentages are of the read ceiling measured in
+// the same run (a streaming read over 2 GB).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "persist_chain.cuh"
+
+#define CK(x)                                                                                     \
+  do {                                                                                            \
+    cudaError_t e_ = (x);                                                                         \
+    if (e_ != cudaSuccess) {                                                                      \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));     \
+      std::exit(1);                                                                               \
+    }                                                                                             \
+  } while (0)
+
+namespace {
+
+using qgemv::ChainEpilogue;
+using qgemv::ChainOp;
+
+__global__ void read_kernel(const uint4* p, size_t n, unsigned* sink) {
+  uint32_t acc = 0;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const uint4 v = __ldcs(p + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9e3779b9u) *sink = acc;
+}
+
+// ---- probes ---------------------------------------------------------------
+__global__ void barrier_kernel(unsigned* ctr, int rounds, const uint4* w, size_t per_block, unsigned* sink) {
+  uint32_t acc = 0;
+  const uint4* mine = w ? w + blockIdx.x * per_block * static_cast<size_t>(rounds) : nullptr;
+  for (int r = 0; r < rounds; ++r) {
+    if (w) {
+      for (size_t i = threadIdx.x; i < per_block; i += blockDim.x) {
+        const uint4 v = __ldcs(mine + r * per_block + i);
+        acc ^= v.x ^ v.w;
+      }
+    }
+    if (ctr) {
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(ctr, 1u);
+        const unsigned need = (r + 1) * gridDim.x;
+        while (qgemv::ld_acquire_gpu(ctr) < need) {
+        }
+      }
+      __syncthreads();
+    }
+  }
+  if (acc == 0x9e3779b9u) *sink = acc;
+}
+
+__global__ void handoff_kernel(unsigned* flag, int rounds) {
+  if (threadIdx.x != 0) return;
+  for (int r = blockIdx.x; r < rounds; r += gridDim.x) {
+    while (qgemv::ld_acquire_gpu(flag) < static_cast<unsigned>(r)) {
+    }
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flag), "r"(static_cast<unsigned>(r + 1)) : "memory");
+  }
+}
+
+__global__ void add_kernel(const __half* a, const __half* b, __half* y, int n) {  // y = a + b (fp32, rounded)
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = __float2half_rn(__half2float(a[i]) + __half2float(b[i]));
+}
+// y[m, i] = silu(gu[m, i]) * gu[m, I + i]
+__global__ void silu_mul_kernel(const __half* gu, __half* y, int M, int I) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= M * I) return;
+  const int m = i / I, c = i % I;
+  const float g = __half2float(gu[static_cast<size_t>(m) * 2 * I + c]);
+  const float u = __half2float(gu[static_cast<size_t>(m) * 2 * I + I + c]);
+  y[i] = __float2half_rn(g / (1.f + __expf(-g)) * u);
+}
+
+struct Model {
+  const char* name;
+  int layers, H, Nqkv, I;
+};
+const Model kModels[] = {
+    {"llama3-8b", 16, 4096, 6144, 14336},
+    {"llama3-70b", 4, 8192, 10240, 28672},
+    {"qwen2.5-7b", 16, 3584, 4608, 18944},
+};
+
+struct Fmt {
+  const char* name;
+  int bits, group;
+  bool zeros;
+};
+
+template <typename F>
+float graph_us(F&& body, cudaStream_t st, int reps = 30) {
+  cudaGraph_t g;
+  cudaGraphExec_t ex;
+  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+  body();
+  CK(cudaStreamEndCapture(st, &g));
+  CK(cudaGraphInstantiate(&ex, g, 0));
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ex, st));
+  std::vector<float> ts;
+  for (int i = 0; i < reps; ++i) {
+    CK(cudaEventRecord(a, st));
+    CK(cudaGraphLaunch(ex, st));
+    CK(cudaEventRecord(b, st));
+    CK(cudaEventSynchronize(b));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    ts.push_back(ms * 1000.f);
+  }
+  CK(cudaGraphExecDestroy(ex));
+  CK(cudaGraphDestroy(g));
+  std::sort(ts.begin(), ts.end());
+  return ts[ts.size() / 2];
+}
+
+// One linear's packed weight on the device.
+struct Lin {
+  void *w = nullptr, *s = nullptr, *z = nullptr;
+  int N, K, Kp;
+  size_t wbytes, bytes;
+};
+
+Lin make_lin(const Fmt& f, int N, int K, std::mt19937& rng) {
+  Lin L;
+  L.N = N;
+  L.K = K;
+  L.Kp = f.bits == 4 ? (K + 31) / 32 * 32 : (K + 15) / 16 * 16;
+  L.wbytes = f.bits == 4 ? size_t(N) * L.Kp / 2 : size_t(N) * L.Kp;
+  const int ng = f.group ? K / f.group : 1;
+  std::vector<uint8_t> hw(L.wbytes);
+  for (auto& v : hw) v = static_cast<uint8_t>(rng());
+  if (f.bits == 8)
+    for (auto& v : hw)
+      if (v == 0x80) v = 0x81;  // the int8 format's codes are -127..127
+  // Scales so that a linear keeps the activations' magnitude: int4 codes
+  // minus zero have a standard deviation of about 4.6 (with zero points) or
+  // 4.6 (symmetric, 8), int8 about 73.
+  const float sd = f.bits == 4 ? 4.6f : 73.f;
+  std::uniform_real_distribution<float> us(0.5f, 1.5f);
+  std::vector<__half> hs(size_t(N) * ng);
+  for (auto& v : hs) v = __float2half(us(rng) / (sd * std::sqrt(float(K))));
+  L.bytes = L.wbytes + hs.size() * 2;
+  CK(cudaMalloc(&L.w, L.wbytes));
+  CK(cudaMemcpy(L.w, hw.data(), L.wbytes, cudaMemcpyHostToDevice));
+  CK(cudaMalloc(&L.s, hs.size() * 2));
+  CK(cudaMemcpy(L.s, hs.data(), hs.size() * 2, cudaMemcpyHostToDevice));
+  if (f.zeros) {
+    std::vector<uint8_t> hz(size_t(N) * ng);
+    for (auto& v : hz) v = rng() & 15;
+    CK(cudaMalloc(&L.z, hz.size()));
+    CK(cudaMemcpy(L.z, hz.data(), hz.size(), cudaMemcpyHostToDevice));
+    L.bytes += hz.size();
+  }
+  return L;
+}
+
+qgemv::GemvParams params(const Fmt& f, const Lin& L, const void* x, int ldx, void* y, int ldy, int M) {
+  qgemv::GemvParams p{};
+  p.x = x;
+  p.qweight = L.w;
+  p.scales = L.s;
+  p.zeros = static_cast<const uint8_t*>(L.z);
+  p.y = y;
+  p.M = M;
+  p.N = L.N;
+  p.K = L.K;
+  p.Kp = L.Kp;
+  p.ldx = ldx;
+  p.ldy = ldy;
+  p.group_size = f.group;
+  p.act = qgemv::ActType::kHalf;
+  return p;
+}
+
+__half* dalloc(size_t n) {
+  __half* p;
+  CK(cudaMalloc(&p, n * 2));
+  CK(cudaMemset(p, 0xff, n * 2));  // poison: NaN
+  return p;
+}
+
+struct Variant {
+  int warps, stages, prefetch;
+};
+
+template <int kBits, int kGroup, bool kZeros, int kNT, int kS>
+bool launch_v(const Variant& v, const ChainOp* ops, int nops, const int* sched, const int* off, unsigned* cnt,
+              int sms, cudaStream_t st, int* blocks_out) {
+  const int per_sm = qgemv::chain_blocks_per_sm<__half, kBits, kGroup, kZeros, kNT, kS>(v.warps);
+  if (per_sm < 1) return false;
+  *blocks_out = per_sm * sms;
+  if (!ops) return true;  // just asking for the grid
+  return qgemv::chain_launch<__half, kBits, kGroup, kZeros, kNT, kS>(ops, nops, sched, off, cnt, *blocks_out,
+                                                                   v.warps, v.prefetch, st) == qgemv::Status::kOk;
+}
+
+template <int kBits, int kGroup, bool kZeros>
+bool launch_any(const Variant& v, int M, const ChainOp* ops, int nops, const int* sched, const int* off,
+                unsigned* cnt, int sms, cudaStream_t st, int* blocks_out) {
+  if (M <= 8) {
+    if (v.stages == 4) return launch_v<kBits, kGroup, kZeros, 1, 4>(v, ops, nops, sched, off, cnt, sms, st, blocks_out);
+    return launch_v<kBits, kGroup, kZeros, 1, 8>(v, ops, nops, sched, off, cnt, sms, st, blocks_out);
+  }
+  if (v.stages == 4) return launch_v<kBits, kGroup, kZeros, 2, 4>(v, ops, nops, sched, off, cnt, sms, st, blocks_out);
+  return launch_v<kBits, kGroup, kZeros, 2, 8>(v, ops, nops, sched, off, cnt, sms, st, blocks_out);
+}
+
+bool launch_fmt(const Fmt& f, const Variant& v, int M, const ChainOp* ops, int nops, const int* sched,
+                const int* off, unsigned* cnt, int sms, cudaStream_t st, int* blocks_out) {
+  if (f.bits == 8) return launch_any<8, 0, false>(v, M, ops, nops, sched, off, cnt, sms, st, blocks_out);
+  if (f.group == 0) return launch_any<4, 0, false>(v, M, ops, nops, sched, off, cnt, sms, st, blocks_out);
+  if (f.zeros) return launch_any<4, 128, true>(v, M, ops, nops, sched, off, cnt, sms, st, blocks_out);
+  return launch_any<4, 128, false>(v, M, ops, nops, sched, off, cnt, sms, st, blocks_out);
+}
+
+int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const std::vector<int>& Ms,
+              const std::vector<Variant>& variants, double ceiling, int sms) {
+  cudaStream_t st;
+  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  unsigned* sink;
+  CK(cudaMalloc(&sink, 4));
+  int failures = 0;
+  std::printf("\nchain %s, %d layers, read ceiling %.0f GB/s\n", m.name, layers, ceiling);
+  std::printf("%-10s %3s %-22s %6s %9s %8s %7s %9s\n", "format", "M", "form", "blocks", "us/layer", "GB/s", "%ceil",
+              "rel.err");
+  for (const Fmt& f : fmts) {
+    std::mt19937 rng(7);
+    std::vector<Lin> lins;
+    double layer_bytes = 0;
+    for (int l = 0; l < layers; ++l) {
+      lins.push_back(make_lin(f, m.Nqkv, m.H, rng));
+      lins.push_back(make_lin(f, m.H, m.H, rng));
+      lins.push_back(make_lin(f, 2 * m.I, m.H, rng));
+      lins.push_back(make_lin(f, m.H, m.I, rng));
+      if (l == 0)
+        for (int i = 0; i < 4; ++i) layer_bytes += lins[i].bytes;
+    }
+    const float read_us = graph_us(
+        [&] {
+          for (const Lin& L : lins)
+            read_kernel<<<sms * 8, 512, 0, st>>>(static_cast<const uint4*>(L.w), L.wbytes / 16, sink);
+        },
+        st) / layers;
+    double layer_wbytes = 0;
+    for (int i = 0; i < 4; ++i) layer_wbytes += lins[i].wbytes;
+    std::printf("%-10s %3s %-22s %6s %9.1f %8.0f %6.1f%%\n", f.name, "-", "read, one kernel/matrix", "-", read_us,
+                layer_wbytes / (read_us * 1e3), 100 * layer_wbytes / (read_us * 1e3) / ceiling);
+    for (int M : Ms) {
+      // Activations: X[l] the layer inputs (X[layers] the output), per layer
+      // qkv, h (after o), act (after SiLU * mul); the reference's own copies.
+      std::vector<__half*> X(layers + 1), Q(layers), Hh(layers), A(layers);
+      std::vector<__half*> rX(layers + 1), rQ(layers), rH(layers), rA(layers), rGU(layers), rO(layers), rD(layers);
+      for (int l = 0; l <= layers; ++l) X[l] = dalloc(size_t(M) * m.H), rX[l] = dalloc(size_t(M) * m.H);
+      for (int l = 0; l < layers; ++l) {
+        Q[l] = dalloc(size_t(M) * m.Nqkv), rQ[l] = dalloc(size_t(M) * m.Nqkv);
+        Hh[l] = dalloc(size_t(M) * m.H), rH[l] = dalloc(size_t(M) * m.H), rO[l] = dalloc(size_t(M) * m.H);
+        A[l] = dalloc(size_t(M) * m.I), rA[l] = dalloc(size_t(M) * m.I);
+        rGU[l] = dalloc(size_t(M) * 2 * m.I), rD[l] = dalloc(size_t(M) * m.H);
+      }
+      std::vector<__half> hx(size_t(M) * m.H);
+      std::normal_distribution<float> nd(0.f, 1.f);
+      for (auto& v : hx) v = __float2half(nd(rng));
+      CK(cudaMemcpy(X[0], hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(rX[0], hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
+
+      std::vector<ChainOp> ops;
+      std::vector<int> items;
+      for (int l = 0; l < layers; ++l) {
+        const Lin* L = &lins[4 * l];
+        const int base = static_cast<int>(ops.size());
+        ChainOp o{};
+        o.p = params(f, L[0], X[l], m.H, Q[l], m.Nqkv, M);
+        o.epilogue = static_cast<int>(ChainEpilogue::kStore);
+        o.dep = l == 0 ? -1 : base - 1;
+        o.items = qgemv::num_panels(m.Nqkv);
+        ops.push_back(o);
+        o.p = params(f, L[1], Q[l], m.Nqkv, Hh[l], m.H, M);
+        o.res = X[l];
+        o.epilogue = static_cast<int>(ChainEpilogue::kResidual);
+        o.dep = base;
+        o.items = qgemv::num_panels(m.H);
+        ops.push_back(o);
+        o.p = params(f, L[2], Hh[l], m.H, A[l], m.I, M);
+        o.res = nullptr;
+        o.epilogue = static_cast<int>(ChainEpilogue::kSiluMul);
+        o.dep = base + 1;
+        o.items = qgemv::num_panels(m.I);
+        ops.push_back(o);
+        o.p = params(f, L[3], A[l], m.I, X[l + 1], m.H, M);
+        o.res = Hh[l];
+        o.epilogue = static_cast<int>(ChainEpilogue::kResidual);
+        o.dep = base + 2;
+        o.items = qgemv::num_panels(m.H);
+        ops.push_back(o);
+      }
+      for (const ChainOp& o : ops) items.push_back(o.items);
+      ChainOp* d_ops;
+      CK(cudaMalloc(&d_ops, ops.size() * sizeof(ChainOp)));
+      CK(cudaMemcpy(d_ops, ops.data(), ops.size() * sizeof(ChainOp), cudaMemcpyHostToDevice));
+      unsigned* d_cnt;
+      CK(cudaMalloc(&d_cnt, (ops.size() + 1) * 4));
+      CK(cudaMemset(d_cnt, 0, (ops.size() + 1) * 4));
+
+      // The reference: one kernel per GEMV and per glue step.
+      auto gemv = [&](const qgemv::GemvParams& p) {
+        const qgemv::Status s = f.bits == 4 ? qgemv::gemv_int4(p, st) : qgemv::gemv_int8(p, st);
+        if (s != qgemv::Status::kOk) {
+          std::fprintf(stderr, "gemv status %d\n", static_cast<int>(s));
+          std::exit(1);
+        }
+      };
+      auto per_op = [&](bool glue) {
+        for (int l = 0; l < layers; ++l) {
+          const Lin* L = &lins[4 * l];
+          gemv(params(f, L[0], rX[l], m.H, rQ[l], m.Nqkv, M));
+          gemv(params(f, L[1], rQ[l], m.Nqkv, rO[l], m.H, M));
+          if (glue) add_kernel<<<(M * m.H + 255) / 256, 256, 0, st>>>(rO[l], rX[l], rH[l], M * m.H);
+          gemv(params(f, L[2], glue ? rH[l] : rO[l], m.H, rGU[l], 2 * m.I, M));
+          if (glue) silu_mul_kernel<<<(M * m.I + 255) / 256, 256, 0, st>>>(rGU[l], rA[l], M, m.I);
+          gemv(params(f, L[3], rA[l], m.I, rD[l], m.H, M));
+          if (glue) add_kernel<<<(M * m.H + 255) / 256, 256, 0, st>>>(rD[l], rH[l], rX[l + 1], M * m.H);
+        }
+      };
+      per_op(true);
+      CK(cudaStreamSynchronize(st));
+      std::vector<__half> ref(size_t(M) * m.H);
+      CK(cudaMemcpy(ref.data(), rX[layers], ref.size() * 2, cudaMemcpyDeviceToHost));
+      double refmax = 1e-6;
+      for (auto v : ref) refmax = std::max(refmax, double(std::fabs(__half2float(v))));
+      const float glue_us = graph_us([&] { per_op(true); }, st) / layers;
+      const float gemv_us = graph_us([&] { per_op(false); }, st) / layers;
+      auto row = [&](const char* form, int blocks, float us, double err) {
+        const double gbs = layer_bytes / (us * 1e3);
+        std::printf("%-10s %3d %-22s %6d %9.1f %8.0f %6.1f%%", f.name, M, form, blocks, us, gbs, 100 * gbs / ceiling);
+        if (err >= 0) std::printf(" %9.1e%s", err, err < 2e-2 ? "" : "  FAIL");
+        std::printf("\n");
+        std::fflush(stdout);
+      };
+      row("per-op GEMVs + glue", 0, glue_us, -1);
+      row("per-op GEMVs alone", 0, gemv_us, -1);
+      std::printf("%-10s %3d reference output max |y| %.3g\n", f.name, M, refmax);
+
+      for (const Variant& v : variants) {
+        int blocks = 0;
+        if (!launch_fmt(f, v, M, nullptr, 0, nullptr, nullptr, nullptr, sms, st, &blocks)) {
+          std::printf("%-10s %3d persistent w%d s%d: does not fit\n", f.name, M, v.warps, v.stages);
+          continue;
+        }
+        std::vector<int> sched, off;
+        qgemv::chain_schedule(items, blocks, sched, off);
+        int *d_sched, *d_off;
+        CK(cudaMalloc(&d_sched, sched.size() * 4));
+        CK(cudaMalloc(&d_off, off.size() * 4));
+        CK(cudaMemcpy(d_sched, sched.data(), sched.size() * 4, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(d_off, off.data(), off.size() * 4, cudaMemcpyHostToDevice));
+        for (int l = 1; l <= layers; ++l) CK(cudaMemset(X[l], 0xff, size_t(M) * m.H * 2));  // poison
+        auto go = [&] {
+          if (!launch_fmt(f, v, M, d_ops, static_cast<int>(ops.size()), d_sched, d_off, d_cnt, sms, st, &blocks)) {
+            std::fprintf(stderr, "persistent launch failed\n");
+            std::exit(1);
+          }
+        };
+        go();
+        CK(cudaStreamSynchronize(st));
+        CK(cudaGetLastError());
+        std::vector<__half> out(ref.size());
+        CK(cudaMemcpy(out.data(), X[layers], out.size() * 2, cudaMemcpyDeviceToHost));
+        double err = 0;
+        for (size_t i = 0; i < out.size(); ++i) {
+          const double d = std::fabs(double(__half2float(out[i])) - __half2float(ref[i]));
+          err = std::max(err, d != d ? 1e30 : d);
+        }
+        err /= refmax;
+        failures += !(err < 2e-2);
+        const float us = graph_us(go, st) / layers;
+        // The second check: after many graph replays the counters must still be right.
+        CK(cudaMemcpy(out.data(), X[layers], out.size() * 2, cudaMemcpyDeviceToHost));
+        double err2 = 0;
+        for (size_t i = 0; i < out.size(); ++i) {
+          const double d = std::fabs(double(__half2float(out[i])) - __half2float(ref[i]));
+          err2 = std::max(err2, d != d ? 1e30 : d);
+        }
+        err = std::max(err, err2 / refmax);
+        failures += !(err2 / refmax < 2e-2);
+        char form[48];
+        std::snprintf(form, sizeof form, "persistent w%d s%d pf%d", v.warps, v.stages, v.prefetch);
+        row(form, blocks, us, err);
+        CK(cudaFree(d_sched));
+        CK(cudaFree(d_off));
+      }
+      CK(cudaFree(d_ops));
+      CK(cudaFree(d_cnt));
+      for (auto* p : X) CK(cudaFree(p));
+      for (auto* p : rX) CK(cudaFree(p));
+      for (auto* v : {&Q, &Hh, &A, &rQ, &rH, &rA, &rGU, &rO, &rD})
+        for (auto* p : *v) CK(cudaFree(p));
+    }
+    for (Lin& L : lins) {
+      CK(cudaFree(L.w));
+      CK(cudaFree(L.s));
+      if (L.z) CK(cudaFree(L.z));
+    }
+  }
+  return failures;
+}
+
+void probes(int sms, double ceiling) {
+  cudaStream_t st;
+  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  unsigned *ctr, *sink;
+  CK(cudaMalloc(&ctr, 4));
+  CK(cudaMalloc(&sink, 4));
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  auto time = [&](auto&& body) {
+    body();
+    CK(cudaStreamSynchronize(st));
+    std::vector<float> ts;
+    for (int i = 0; i < 7; ++i) {
+      CK(cudaEventRecord(a, st));
+      body();
+      CK(cudaEventRecord(b, st));
+      CK(cudaEventSynchronize(b));
+      float ms;
+      CK(cudaEventElapsedTime(&ms, a, b));
+      ts.push_back(ms * 1000.f);
+    }
+    std::sort(ts.begin(), ts.end());
+    return ts[ts.size() / 2];
+  };
+  std::printf("\nprobes (%d blocks of 256 threads, one per SM)\n", sms);
+  for (int per_sm : {1, 2}) {
+    const int G = sms * per_sm;
+    const int R = 4000;
+    const float t0 = time([&] { barrier_kernel<<<G, 256, 0, st>>>(nullptr, R, nullptr, 0, sink); });
+    const float t1 = time([&] {
+      CK(cudaMemsetAsync(ctr, 0, 4, st));
+      barrier_kernel<<<G, 256, 0, st>>>(ctr, R, nullptr, 0, sink);
+    });
+    std::printf("grid barrier, %d blocks: %.3f us each (%d barriers in %.0f us; empty loop %.0f us)\n", G,
+                (t1 - t0) / R, R, t1, t0);
+    const int H = 20000;
+    const float th = time([&] {
+      CK(cudaMemsetAsync(ctr, 0, 4, st));
+      handoff_kernel<<<G, 32, 0, st>>>(ctr, H);
+    });
+    std::printf("handoff between blocks, %d blocks: %.3f us per producer -> consumer hop\n", G, th / H);
+  }
+  // Barrier under load: each block streams per_block x 16 bytes between barriers.
+  const int G = sms;
+  for (size_t kb : {64, 256, 1024}) {
+    const size_t per_block = kb * 1024 / 16;
+    const int R = 16;
+    uint4* w;
+    const size_t total = per_block * R * G;
+    CK(cudaMalloc(&w, total * 16));
+    CK(cudaMemset(w, 1, total * 16));
+    const float tl = time([&] { barrier_kernel<<<G, 1024, 0, st>>>(nullptr, R, w, per_block, sink); });
+    const float tb = time([&] {
+      CK(cudaMemsetAsync(ctr, 0, 4, st));
+      barrier_kernel<<<G, 1024, 0, st>>>(ctr, R, w, per_block, sink);
+    });
+    std::printf("stream %4zu KB/block then barrier: %.2f us per round with, %.2f without (%.1f%% / %.1f%% of ceiling)\n",
+                kb, tb / R, tl / R, 100 * total * 16 / (tb * 1e3) / ceiling, 100 * total * 16 / (tl * 1e3) / ceiling);
+    CK(cudaFree(w));
+  }
+  CK(cudaFree(ctr));
+  CK(cudaFree(sink));
+}
+
+bool parse(char* text, const char* flag, std::vector<int>& out) {
+  for (char* tok = std::strtok(text, ","); tok; tok = std::strtok(nullptr, ",")) {
+    char* end;
+    const long v = std::strtol(tok, &end, 10);
+    if (*end || v < 0 || v > 1000) {
+      std::fprintf(stderr, "%s: expected small non-negative integers, got %s\n", flag, tok);
+      return false;
+    }
+    out.push_back(static_cast<int>(v));
+  }
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool probe_only = false, no_probe = false;
+  const Model* model = &kModels[0];
+  int layers = 0;
+  std::vector<int> Ms, warps, stages, pfs;
+  std::vector<Fmt> fmts;
+  const Fmt all[] = {{"int4g128a", 4, 128, true}, {"int4g128", 4, 128, false}, {"int4", 4, 0, false},
+                     {"int8", 8, 0, false}};
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const bool has = i + 1 < argc;
+    if (a == "--probe-only") {
+      probe_only = true;
+    } else if (a == "--no-probe") {
+      no_probe = true;
+    } else if (a == "--model" && has) {
+      model = nullptr;
+      for (const Model& m : kModels)
+        if (std::strcmp(m.name, argv[i + 1]) == 0) model = &m;
+      ++i;
+      if (!model) {
+        std::fprintf(stderr, "--model: llama3-8b, llama3-70b or qwen2.5-7b\n");
+        return 2;
+      }
+    } else if (a == "--layers" && has) {
+      layers = std::atoi(argv[++i]);
+    } else if (a == "--ms" && has) {
+      if (!parse(argv[++i], "--ms", Ms)) return 2;
+    } else if (a == "--warps" && has) {
+      if (!parse(argv[++i], "--warps", warps)) return 2;
+    } else if (a == "--stages" && has) {
+      if (!parse(argv[++i], "--stages", stages)) return 2;
+    } else if (a == "--prefetch" && has) {
+      if (!parse(argv[++i], "--prefetch", pfs)) return 2;
+    } else if (a == "--formats" && has) {
+      for (char* tok = std::strtok(argv[++i], ","); tok; tok = std::strtok(nullptr, ",")) {
+        bool found = false;
+        for (const Fmt& f : all)
+          if (std::strcmp(f.name, tok) == 0) fmts.push_back(f), found = true;
+        if (!found) {
+          std::fprintf(stderr, "--formats: unknown %s\n", tok);
+          return 2;
+        }
+      }
+    } else {
+      std::fprintf(stderr, "unknown argument %s (see the header of dev/persist_lab.cu)\n", argv[i]);
+      return 2;
+    }
+  }
+  for (int m : Ms)
+    if (m < 1 || m > 16) {
+      std::fprintf(stderr, "--ms: 1..16\n");
+      return 2;
+    }
+  for (int s : stages)
+    if (s != 4 && s != 8) {
+      std::fprintf(stderr, "--stages: 4 or 8\n");
+      return 2;
+    }
+  if (Ms.empty()) Ms = {1, 16};
+  if (warps.empty()) warps = {8, 16};
+  if (stages.empty()) stages = {4};
+  if (pfs.empty()) pfs = {0, 1, 2};
+  if (fmts.empty()) fmts = {all[0], all[2], all[3]};
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
+  const size_t rbytes = size_t(2) << 30;
+  void* rbuf;
+  unsigned* sink;
+  CK(cudaMalloc(&rbuf, rbytes));
+  CK(cudaMalloc(&sink, 4));
+  CK(cudaMemset(rbuf, 1, rbytes));
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<float> ts;
+  for (int i = 0; i < 6; ++i) {
+    CK(cudaEventRecord(a));
+    read_kernel<<<prop.multiProcessorCount * 8, 512>>>(static_cast<uint4*>(rbuf), rbytes / 16, sink);
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    if (i) ts.push_back(ms * 1000.f);
+  }
+  std::sort(ts.begin(), ts.end());
+  const double ceiling = rbytes / (ts[ts.size() / 2] * 1e3);
+  std::printf("read ceiling: %.0f GB/s\n", ceiling);
+  CK(cudaFree(rbuf));
+  if (!no_probe) probes(prop.multiProcessorCount, ceiling);
+  if (probe_only) return 0;
+  std::vector<Variant> variants;
+  for (int w : warps)
+    for (int s : stages)
+      for (int pf : pfs) variants.push_back({w, s, pf});
+  const int failures = run_chain(*model, layers ? layers : model->layers, fmts, Ms, variants, ceiling,
+                                 prop.multiProcessorCount);
+  std::printf("%s (%d failures)\n", failures ? "FAILED" : "every persistent result matches the per-op chain",
+              failures);
+  return failures ? 1 : 0;
+}
