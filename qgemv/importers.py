@@ -37,6 +37,7 @@ than "gemm".  Linears the checkpoint stores unquantized (lm_head, the
 from __future__ import annotations
 
 import json
+import re
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,6 +175,47 @@ def _take(state: dict, key: str, used: set) -> torch.Tensor:
     return state[key]
 
 
+def _take_packed(state: dict, key: str, used: set) -> torch.Tensor:
+    """A tensor of packed 32-bit words: int32 or uint32, nothing else (a cast copy would decode as garbage)."""
+    t = _take(state, key, used)
+    if t.dtype not in (torch.int32, torch.uint32):
+        raise ForeignCheckpointError(f"tensor {key} is {str(t.dtype).replace('torch.', '')}; packed words must be "
+                                     f"int32 or uint32")
+    return t
+
+
+def _take_int(state: dict, key: str, used: set) -> torch.Tensor:
+    t = _take(state, key, used)
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise ForeignCheckpointError(f"tensor {key} is {str(t.dtype).replace('torch.', '')}; expected integers")
+    return t
+
+
+def _group_size(value, k: int, name: str, key: str = "group_size") -> int:
+    """A config's group size: -1 or None is per channel (k); otherwise a positive integer dividing k."""
+    if value in (-1, None):
+        return k
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ForeignCheckpointError(f"{name}: quantization_config {key} {value!r} is not a positive integer "
+                                     f"(or -1 for one group per row)")
+    if k % value:
+        raise ForeignCheckpointError(f"{name}: group_size {value} does not divide in_features {k}")
+    return value
+
+
+def _pattern_matches(pattern: str, name: str) -> bool:
+    """compressed-tensors' target / ignore rule: the module name itself, or 're:' and a regular expression."""
+    if not isinstance(pattern, str):
+        raise ForeignCheckpointError(f"quantization_config: a target or ignore entry {pattern!r} is not a string")
+    if not pattern.startswith("re:"):
+        return pattern == name
+    try:
+        return re.search(pattern[3:], name) is not None
+    except re.error as e:
+        raise ForeignCheckpointError(f"quantization_config: {pattern!r} is not a valid regular expression ({e})") \
+            from None
+
+
 def _group_order(g_idx: torch.Tensor, group: int, k: int, name: str) -> Optional[torch.Tensor]:
     """None when g_idx is k // group; else the permutation that makes the groups contiguous (act-order).
 
@@ -186,6 +228,9 @@ def _group_order(g_idx: torch.Tensor, group: int, k: int, name: str) -> Optional
     want = torch.arange(k, dtype=torch.int64) // group
     if g_idx.shape != (k,):
         raise ForeignCheckpointError(f"{name}.g_idx has shape {list(g_idx.shape)}, expected [{k}]")
+    if k and (int(g_idx.min()) < 0 or int(g_idx.max()) >= k // group):
+        raise ForeignCheckpointError(f"{name}.g_idx holds {int(g_idx.min())}..{int(g_idx.max())}; group indices "
+                                     f"must lie in [0, {k // group})")
     if torch.equal(g_idx, want):
         return None
     perm = torch.sort(g_idx, stable=True).indices
@@ -199,15 +244,13 @@ def decode_gptq(name: str, state: dict, used: set, qc: dict, k: int, n: int) -> 
     bits = qc.get("bits")
     if bits not in (4, 8):
         raise ForeignCheckpointError(f"{name}: GPTQ bits {bits!r}; qgemv reads 4 and 8")
-    group = qc.get("group_size", 128)
-    group = k if group in (-1, None) else int(group)
+    group = _group_size(qc.get("group_size", 128), k, name)
     fmt = qc.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         raise ForeignCheckpointError(f"GPTQ checkpoint_format {fmt!r}; qgemv reads 'gptq' (v1) and 'gptq_v2'")
-    if k % group:
-        raise ForeignCheckpointError(f"{name}: group_size {group} does not divide in_features {k}")
     ng = k // group
-    qweight, qzeros, scales = (_take(state, f"{name}.{t}", used) for t in ("qweight", "qzeros", "scales"))
+    qweight, qzeros = (_take_packed(state, f"{name}.{t}", used) for t in ("qweight", "qzeros"))
+    scales = _take(state, f"{name}.scales", used)
     per = 32 // bits
     for t, want in ((qweight, (k // per, n)), (qzeros, (ng, math.ceil(n / per))), (scales, (ng, n))):
         if tuple(t.shape) != want:
@@ -215,7 +258,7 @@ def decode_gptq(name: str, state: dict, used: set, qc: dict, k: int, n: int) -> 
                                f"(bits {bits}, group_size {group}, in {k}, out {n})")
     perm = None
     if f"{name}.g_idx" in state:
-        perm = _group_order(_take(state, f"{name}.g_idx", used), group, k, name)
+        perm = _group_order(_take_int(state, f"{name}.g_idx", used), group, k, name)
     elif qc.get("desc_act"):
         raise ForeignCheckpointError(f"{name}.g_idx is missing, and desc_act is true")
     q = unpack_words(qweight, bits, 0, k).t()  # [N, K]
@@ -244,12 +287,11 @@ def decode_awq(name: str, state: dict, used: set, qc: dict, k: int, n: int) -> D
     bits = qc.get("bits", qc.get("w_bit", 4))
     if bits != 4:
         raise ForeignCheckpointError(f"{name}: AWQ bits {bits!r}; qgemv reads 4")
-    group = int(qc.get("group_size", qc.get("q_group_size", 128)))
-    group = k if group == -1 else group
-    if k % group:
-        raise ForeignCheckpointError(f"{name}: group_size {group} does not divide in_features {k}")
+    key = "group_size" if "group_size" in qc else "q_group_size"
+    group = _group_size(qc.get(key, 128), k, name, key)
     ng = k // group
-    qweight, qzeros, scales = (_take(state, f"{name}.{t}", used) for t in ("qweight", "qzeros", "scales"))
+    qweight, qzeros = (_take_packed(state, f"{name}.{t}", used) for t in ("qweight", "qzeros"))
+    scales = _take(state, f"{name}.scales", used)
     for t, want in ((qweight, (k, n // 8)), (qzeros, (ng, n // 8)), (scales, (ng, n))):
         if tuple(t.shape) != want:
             raise ForeignCheckpointError(f"{name}: an AWQ tensor has shape {list(t.shape)}, expected {list(want)} "
@@ -266,14 +308,12 @@ def decode_awq(name: str, state: dict, used: set, qc: dict, k: int, n: int) -> D
 
 def _ct_weights_args(qc: dict, name: str) -> Optional[dict]:
     """The weights' quantization args of the config group that targets linear ``name`` (None: not quantized)."""
-    import re
-
     for pattern in qc.get("ignore") or []:
-        if pattern == name or (pattern.startswith("re:") and re.search(pattern[3:], name)):
+        if _pattern_matches(pattern, name):
             return None
     for group in (qc.get("config_groups") or {}).values():
         targets = group.get("targets") or []
-        if any(t == "Linear" or t == name or (t.startswith("re:") and re.search(t[3:], name)) for t in targets):
+        if any(t == "Linear" or _pattern_matches(t, name) for t in targets):
             return group.get("weights")
     return None
 
@@ -293,15 +333,15 @@ def decode_compressed(name: str, state: dict, used: set, qc: dict, k: int, n: in
     if strategy == "channel":
         group = k
     elif strategy == "group":
-        group = int(args["group_size"])
+        if args.get("group_size") is None:
+            raise ForeignCheckpointError(f"{name}: strategy 'group' needs a group_size in its quantization args")
+        group = _group_size(args["group_size"], k, name)
     else:
         raise ForeignCheckpointError(f"{name}: quantization strategy {strategy!r}; qgemv reads 'group' and 'channel'")
-    if k % group:
-        raise ForeignCheckpointError(f"{name}: group_size {group} does not divide in_features {k}")
     ng = k // group
-    packed, scale = _take(state, f"{name}.weight_packed", used), _take(state, f"{name}.weight_scale", used)
+    packed, scale = _take_packed(state, f"{name}.weight_packed", used), _take(state, f"{name}.weight_scale", used)
     if f"{name}.weight_shape" in state:
-        shape = [int(v) for v in _take(state, f"{name}.weight_shape", used).tolist()]
+        shape = _take_int(state, f"{name}.weight_shape", used).reshape(-1).tolist()
         if shape != [n, k]:
             raise ForeignCheckpointError(f"{name}.weight_shape is {shape}, but the model's linear is [{n}, {k}]")
     off = 1 << (bits - 1)
@@ -312,7 +352,7 @@ def decode_compressed(name: str, state: dict, used: set, qc: dict, k: int, n: in
     if args.get("symmetric", True):
         z = torch.full((n, ng), off, dtype=torch.int64)
     else:
-        zp = _take(state, f"{name}.weight_zero_point", used)
+        zp = _take_packed(state, f"{name}.weight_zero_point", used)
         if tuple(zp.shape) != (math.ceil(n * bits / 32), ng):
             raise ForeignCheckpointError(f"{name}.weight_zero_point has shape {list(zp.shape)}, expected "
                                f"[{math.ceil(n * bits / 32)}, {ng}] (packed along out_features)")
@@ -358,6 +398,12 @@ def load(path, device: str = "cpu", dtype: torch.dtype = torch.float16, report: 
         if d is None:
             kept.append(name)
             continue
+        if d.bias is not None and lin.bias is None:
+            raise ForeignCheckpointError(f"{path}: tensor {name}.bias, but the model's {name} has no bias "
+                                         f"({config.model_type}'s config)")
+        if d.bias is not None and tuple(d.bias.shape) != (lin.out_features,):
+            raise ForeignCheckpointError(f"{path}: tensor {name}.bias has shape {list(d.bias.shape)}, expected "
+                                         f"[{lin.out_features}] (out_features)")
         q, change = to_quant_linear(d, lin.in_features, dtype)
         worst = max(worst, change)
         set_submodule(model, name, q)
@@ -451,7 +497,7 @@ def main(argv=None) -> int:
                                f"quantization_config.quant_method)")
         rep = {}
         model, tok = load(args.src, "cpu", torch.float16, rep)
-    except (checkpoint.CheckpointError, checkpoint.OutputDirError, FileNotFoundError) as e:
+    except (checkpoint.CheckpointError, checkpoint.OutputDirError, FileNotFoundError, FileExistsError) as e:
         print(f"qgemv-convert: {e}", file=sys.stderr)
         return 2
     first = model.get_submodule(rep["converted"][0]).config

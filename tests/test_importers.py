@@ -154,10 +154,66 @@ def edited(tmp_path, name, config=None, tensors=None):
      lambda s: s.update({"model.layers.0.mlp.up_proj.qzeros": s["model.layers.0.mlp.up_proj.qzeros"][:1]}),
      "has shape \\[1, 8\\], expected \\[2, 8\\]"),
     ("group size 48", lambda q: q.update(group_size=48), None, "group_size 48 does not divide"),
+    ("group size 0", lambda q: q.update(group_size=0), None, "group_size 0 is not a positive integer"),
+    ("group size text", lambda q: q.update(group_size="abc"), None, "group_size 'abc' is not a positive integer"),
+    ("g_idx -1", None, lambda s: s["model.layers.0.mlp.up_proj.g_idx"].__setitem__(0, -1),
+     "g_idx holds -1..1; group indices must lie in \\[0, 2\\)"),
+    ("g_idx huge", None, lambda s: s["model.layers.0.mlp.up_proj.g_idx"].__setitem__(0, 2 ** 30),
+     "group indices must lie in"),
+    ("qweight as int8", None, lambda s: s.update({"model.layers.0.mlp.up_proj.qweight":
+                                                   s["model.layers.0.mlp.up_proj.qweight"].to(torch.int8)}),
+     "qweight is int8; packed words must be int32 or uint32"),
+    ("qzeros as float", None, lambda s: s.update({"model.layers.0.mlp.up_proj.qzeros":
+                                                   s["model.layers.0.mlp.up_proj.qzeros"].float()}),
+     "qzeros is float32; packed words"),
+    ("bias without a slot", None, lambda s: s.update({"model.layers.0.mlp.up_proj.bias": torch.zeros(64)}),
+     "up_proj.bias, but the model's model.layers.0.mlp.up_proj has no bias"),
 ])
 def test_bad_gptq_files_are_refused(tmp_path, case, config, tensors, rule):
     d = edited(tmp_path, "gptq_v1_sym_g32", config, tensors)
     with pytest.raises(importers.ForeignCheckpointError, match=rule):
+        load(d)
+
+
+def test_a_bias_of_the_wrong_shape_is_refused(tmp_path):
+    def biased(state):  # a model whose attention has biases (attention_bias), one of them of the wrong shape
+        state["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(1)
+
+    d = edited(tmp_path, "gptq_v1_sym_g32", tensors=biased)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(cfg, attention_bias=True)))
+    with pytest.raises(importers.ForeignCheckpointError, match=r"q_proj.bias has shape \[1\], expected \[64\]"):
+        load(d)
+
+
+@pytest.mark.parametrize("case,config,rule", [
+    ("no group_size", lambda a: a.pop("group_size"), "strategy 'group' needs a group_size"),
+    ("group_size 0", lambda a: a.update(group_size=0), "group_size 0 is not a positive integer"),
+    ("group_size null", lambda a: a.update(group_size=None), "strategy 'group' needs a group_size"),
+])
+def test_bad_compressed_tensors_configs_are_refused(tmp_path, case, config, rule):
+    d = Path(ct_checkpoint(str(tmp_path / "ct"), 4, "group", 32, True))
+    cfg = json.loads((d / "config.json").read_text())
+    config(next(iter(cfg["quantization_config"]["config_groups"].values()))["weights"])
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(importers.ForeignCheckpointError, match=rule):
+        load(d)
+
+
+def test_bad_compressed_tensors_patterns_and_shapes_are_refused(tmp_path):
+    d = Path(ct_checkpoint(str(tmp_path / "ct"), 4, "group", 32, True))
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"]["ignore"] = ["re:(["]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(importers.ForeignCheckpointError, match=r"'re:\(\[' is not a valid regular expression"):
+        load(d)
+    cfg["quantization_config"]["ignore"] = ["lm_head"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    state = load_file(str(d / "model.safetensors"))
+    key = "model.layers.0.mlp.up_proj.weight_shape"
+    state[key] = torch.tensor([[1, 2]])
+    save_file(state, str(d / "model.safetensors"))
+    with pytest.raises(importers.ForeignCheckpointError, match=r"weight_shape is \[1, 2\]"):
         load(d)
 
 
@@ -193,6 +249,10 @@ def test_convert_refuses_bad_input_with_exit_2(tmp_path, tiny_llama_dir):
     assert r.returncode == 2 and "not a GPTQ, AWQ or compressed-tensors checkpoint" in r.stderr
     r = run_convert(str(DATA / "gptq_v1_asym_zero0"), "--out", str(tmp_path / "q"))
     assert r.returncode == 2 and "zero point of 0" in r.stderr and not (tmp_path / "q").exists()
+    (tmp_path / "taken").mkdir()
+    r = run_convert(str(DATA / "gptq_v1_asym_g32"), "--out", str(tmp_path / "taken"))
+    assert r.returncode == 2 and "exists (pass overwrite=True / --overwrite" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 # ------------------------------------------------------------------ compressed-tensors
