@@ -225,6 +225,10 @@ def main(argv=None) -> int:
     # 1. everything that needs no model: formats, rules, text, the paths
     skip = args.skip if args.skip is not None else [r"lm_head", r"embed"]
     try:
+        checkpoint.require_transformers()  # before anything else: every model this tool reads goes through it
+    except ImportError as e:
+        return _fail(e)
+    try:
         cfg = QuantConfig(args.bits, args.group_size, not args.asym)
         overrides = _overrides(args.override)
         check_rules(cfg, skip, overrides)

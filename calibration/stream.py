@@ -220,7 +220,7 @@ def quantize_streaming(src, out, cfg: QuantConfig, method: str = "gptq", samples
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if method != "rtn" and samples is None:
         raise ValueError(f"method {method!r} needs calibration samples")
-    checkpoint._require_transformers()
+    checkpoint.require_transformers()
     src_p = Path(src)
     checkpoint.check_float_model(src_p)
     if src_p.is_file():

@@ -237,7 +237,7 @@ def check_output_dir(out, overwrite: bool = False, sources=()) -> Path:
     return out
 
 
-def _require_transformers():
+def require_transformers():
     try:
         import transformers  # noqa: F401
     except ImportError as e:  # pragma: no cover - depends on the environment
@@ -365,7 +365,7 @@ def max_positions(path) -> Optional[int]:
 
 def load_tokenizer(path):
     """The tokenizer of a Hugging Face directory or .gguf file, alone (no weights loaded)."""
-    transformers = _require_transformers()
+    transformers = require_transformers()
     p = Path(path)
     if p.is_file():
         return transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
@@ -378,7 +378,7 @@ def load_float_model(path: str, dtype: torch.dtype = torch.float32, device: str 
     Raises FileNotFoundError for a missing path and CheckpointError for a
     bad directory (see :func:`check_float_model`).
     """
-    transformers = _require_transformers()
+    transformers = require_transformers()
     check_float_model(path)
     p = Path(path)
     kw = dict(dtype=dtype)
@@ -674,7 +674,7 @@ def meta_model(path, dtype: Optional[torch.dtype] = None) -> tuple:
     The skeleton every loader fills: names and shapes without a byte of weight.
     CheckpointError when transformers cannot read the config.
     """
-    transformers = _require_transformers()
+    transformers = require_transformers()
     try:
         config = transformers.AutoConfig.from_pretrained(str(path))
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad config
@@ -718,7 +718,7 @@ def checked_checkpoint(path, dtype: torch.dtype = torch.float16) -> tuple:
     quantization_config.  Raises CheckpointError naming the file, tensor or
     field (see :func:`load_quantized`).
     """
-    _require_transformers()  # the clear error before any reading
+    require_transformers()  # the clear error before any reading
     p = Path(path)
     cfg_path = p / "config.json"
     if not cfg_path.exists():
@@ -814,7 +814,7 @@ def load_quantized(path: str, device: str = "cpu", dtype: torch.dtype = torch.fl
 
     if importers.detect(path) is not None:  # GPTQ / AWQ / compressed-tensors: repacked as it loads
         return importers.load(path, device, dtype)
-    transformers = _require_transformers()
+    transformers = require_transformers()
     model, state, config, _ = checked_checkpoint(path, dtype)
     for k, v in state.items():
         if _kept_float(k, v):

@@ -374,7 +374,7 @@ def load(path, device: str = "cpu", dtype: torch.dtype = torch.float16, report: 
     """
     from . import checkpoint
 
-    transformers = checkpoint._require_transformers()
+    transformers = checkpoint.require_transformers()
     p = Path(path)
     method = detect(p)
     if method is None:
