@@ -355,5 +355,7 @@ def quantize_streaming(src, out, cfg: QuantConfig, method: str = "gptq", samples
         if not writer.done:  # nothing finished: leave no work directory to resume or delete
             writer.discard()
         raise
+    finally:
+        writer.release()
     report["seconds"] = time.time() - t0
     return report

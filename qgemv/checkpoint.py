@@ -60,7 +60,7 @@ class CheckpointError(ValueError):
 _RUN_STARTED = time.time()  # "older than this run", for temporary directories left by earlier runs
 
 
-def _umask() -> int:
+def current_umask() -> int:
     """The process umask, read without changing it where Linux allows (os.umask would race)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -165,7 +165,7 @@ def _atomic_dir(out: Path):
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     try:
         with _terminate_raises():
-            os.chmod(tmp, 0o777 & ~_umask())
+            os.chmod(tmp, 0o777 & ~current_umask())
             yield tmp
             _swap_in(tmp, out)
     finally:

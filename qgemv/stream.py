@@ -14,6 +14,7 @@ continues after its last finished unit.  calibration/stream.py drives both.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -155,6 +156,50 @@ def check_no_interrupted_run(out) -> None:
                              f"it, or delete it to start over")
 
 
+class RunLock:
+    """An exclusive lock on the streamed write of ``out``: the file ``OUT.partial.lock`` held with flock.
+
+    A second run for the same ``out`` is refused (OutputDirError naming the
+    pid that holds it) while the first lives; the kernel drops the lock of a
+    process that ended, however it ended, so a killed run's lock is simply
+    taken over.  The file holds the owner's pid for the message.
+    """
+
+    def __init__(self, out):
+        self.path = partial_dir(out).with_name(partial_dir(out).name + ".lock")
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666 & ~checkpoint.current_umask())
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise OutputDirError(f"another run (pid {owner}) is writing {out} through {partial_dir(out)}: "
+                                     f"wait for it to end, or stop it") from None
+            try:  # the file may have been removed (and made anew) by a run that finished in between
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self.fd = fd
+
+    def release(self, remove: bool = False) -> None:
+        """Drop the lock (idempotent); ``remove``: delete the lock file first (the run is complete)."""
+        if self.fd is None:
+            return
+        if remove:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        os.close(self.fd)
+        self.fd = None
+
+
 class LayerWriter:
     """Writes a checkpoint into ``OUT.partial`` one unit at a time, resumably, then renames it to ``OUT``.
 
@@ -168,6 +213,14 @@ class LayerWriter:
     def __init__(self, out, units: int, fingerprint: dict, resume: bool = False):
         self.out, self.units = Path(out), units
         self.work = partial_dir(self.out)
+        self.lock = RunLock(self.out)  # before anything in the work directory is read or removed
+        try:
+            self._open(fingerprint, resume)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _open(self, fingerprint: dict, resume: bool) -> None:
         self.fingerprint = json.loads(json.dumps(fingerprint, default=str))
         self.done = set()
         if not resume:
@@ -189,7 +242,7 @@ class LayerWriter:
             self.done = {int(u) for u in done if (self.work / self._name(int(u))).is_file()}
         else:
             self.work.mkdir(parents=True)
-            os.chmod(self.work, 0o777 & ~checkpoint._umask())
+            os.chmod(self.work, 0o777 & ~checkpoint.current_umask())
             self._save_progress()
 
     def _name(self, unit: int, kind: str = "") -> str:
@@ -253,8 +306,14 @@ class LayerWriter:
             f.unlink()
         (self.work / "config.json").write_text(json.dumps(config_json, indent=2, default=str))  # last
         checkpoint._swap_in(self.work, self.out)
+        self.lock.release(remove=True)
         return self.out
 
     def discard(self) -> None:
         """Remove the work directory (a run that failed before finishing any unit)."""
         shutil.rmtree(self.work, ignore_errors=True)
+        self.lock.release(remove=True)
+
+    def release(self) -> None:
+        """Drop the lock, keeping the work directory (an interrupted run that --resume continues)."""
+        self.lock.release()

@@ -220,6 +220,31 @@ def test_a_crash_after_a_finished_layer_says_how_to_resume(sharded, tmp_path, mo
     assert cli.main(args + GPTQ + ["--resume"]) == 0
 
 
+def test_a_second_run_on_the_same_out_waits_for_no_one(sharded, tmp_path, capsys):
+    """While a run holds OUT.partial's lock, another run for OUT (fresh, --resume, RTN or GPTQ) is refused with
+    exit 2 and touches nothing; once that process is gone (here: killed), its lock is taken over."""
+    out = tmp_path / "q"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom qgemv.stream import RunLock\n"
+         f"lock = RunLock({str(out)!r})\nprint('held', flush=True)\ntime.sleep(120)\n"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        (tmp_path / "q.partial").mkdir()
+        (tmp_path / "q.partial" / "progress.json").write_text(json.dumps({"fingerprint": {}, "done": []}))
+        common = [str(sharded), "--bits", "4", "--group-size", "32", "--asym", "--stream", "--out", str(out)]
+        for extra in (["--method", "rtn"], GPTQ, ["--method", "rtn", "--resume"]):
+            capsys.readouterr()
+            assert cli.main(common + extra) == 2, extra
+            assert f"another run (pid {holder.pid}) is writing" in capsys.readouterr().err
+            assert (tmp_path / "q.partial" / "progress.json").exists() and not out.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert cli.main(common + ["--method", "rtn"]) == 0  # the dead run's lock is taken over
+    assert out.is_dir() and not (tmp_path / "q.partial").exists() and not (tmp_path / "q.partial.lock").exists()
+
+
 def test_resume_refuses_other_settings(sharded, tmp_path, capsys):
     args = [str(sharded), "--bits", "4", "--group-size", "32", "--asym", "--stream", "--out", str(tmp_path / "q")]
     (tmp_path / "q.partial").mkdir()
