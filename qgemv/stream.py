@@ -40,8 +40,10 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "BOOL": torch.bool}
 
 
-def _header(path: Path) -> tuple:
-    """({name: (dtype, shape, begin, end)}, offset of the data) of a safetensors file; CheckpointError if malformed."""
+def _header(path: Path, metadata: Optional[dict] = None) -> tuple:
+    """({name: (dtype, shape, begin, end)}, offset of the data) of a safetensors file; CheckpointError if malformed.
+
+    ``metadata``, if given, receives the file's ``__metadata__`` entries."""
     try:
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
@@ -49,8 +51,12 @@ def _header(path: Path) -> tuple:
             if n <= 0 or 8 + n > size:
                 raise CheckpointError(f"{path}: not a safetensors file (header length {n}, file size {size})")
             head = json.loads(f.read(n))
+        if not isinstance(head, dict):
+            raise ValueError("the header is not a JSON object")
     except (OSError, ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: cannot read the safetensors header ({type(e).__name__}: {e})") from None
+    if metadata is not None and isinstance(head.get("__metadata__"), dict):
+        metadata.update(head["__metadata__"])
     out, data = {}, size - 8 - n
     for name, v in head.items():
         if name == "__metadata__":
@@ -97,6 +103,8 @@ def write_safetensors(path, tensors: dict, metadata: Optional[dict] = None) -> N
                                  f"{head[name]['shape']}")
             if t.numel():
                 f.write(memoryview(t.view(-1).view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())  # on disk before anything records the file as finished
 
 
 class Reader:
@@ -131,6 +139,21 @@ class Reader:
                 raise CheckpointError(f"{f}: tensor {key}: read {got} of {nbytes} bytes (truncated file?)")
         self.read.add(key)
         return t
+
+
+def read_file(path) -> dict:
+    """Every tensor of one safetensors file, read through the checked header (CheckpointError names the file)."""
+    head, base = _header(Path(path))
+    out = {}
+    with open(path, "rb") as fh:
+        for name, (dtype, shape, a, b) in head.items():
+            t = torch.empty(shape, dtype=dtype)
+            if b > a:
+                fh.seek(base + a)
+                if fh.readinto(t.view(-1).view(torch.uint8).numpy()) != b - a:
+                    raise CheckpointError(f"{path}: tensor {name}: the file ends early (truncated?)")
+            out[name] = t
+    return out
 
 
 def partial_dir(out) -> Path:
@@ -228,22 +251,54 @@ class LayerWriter:
             if self.work.exists():
                 shutil.rmtree(self.work)  # an interrupted run that finished nothing: nothing to keep
         if self.work.exists():
+            record = self.work / "progress.json"
             try:
-                prog = json.loads((self.work / "progress.json").read_text())
+                prog = json.loads(record.read_text())
                 old, done = prog["fingerprint"], prog["done"]
+                if not isinstance(old, dict):
+                    raise TypeError(f"fingerprint is {type(old).__name__}, not an object")
+                if not isinstance(done, list) or not all(type(u) is int and 0 <= u < self.units for u in done):
+                    raise TypeError(f"done is {done!r}, not a list of layer numbers 0..{self.units - 1}")
             except (OSError, ValueError, KeyError, TypeError) as e:
-                raise OutputDirError(f"{self.work}/progress.json is unreadable ({type(e).__name__}: {e}); "
+                raise OutputDirError(f"{record} is unreadable ({type(e).__name__}: {e}); "
                                      f"delete {self.work} to start over") from None
-            differ = sorted(k for k in set(old) | set(self.fingerprint) if old.get(k) != self.fingerprint.get(k))
-            if differ:
-                what = "; ".join(f"{k}: {old.get(k)!r} then, {self.fingerprint.get(k)!r} now" for k in differ)
-                raise OutputDirError(f"{self.work} was started with other settings ({what}); resume with the same "
-                                     f"ones, or delete it to start over")
-            self.done = {int(u) for u in done if (self.work / self._name(int(u))).is_file()}
+            self._check_fingerprint(old, str(record))
+            self.done = set()
+            for u in sorted(done):
+                if self._finished_shard_ok(u):
+                    self.done.add(u)
         else:
             self.work.mkdir(parents=True)
             os.chmod(self.work, 0o777 & ~checkpoint.current_umask())
             self._save_progress()
+
+    def _check_fingerprint(self, old: dict, where: str) -> None:
+        differ = sorted(k for k in set(old) | set(self.fingerprint) if old.get(k) != self.fingerprint.get(k))
+        if differ:
+            what = "; ".join(f"{k}: {old.get(k)!r} then, {self.fingerprint.get(k)!r} now" for k in differ)
+            raise OutputDirError(f"{where} was written with other settings ({what}); resume with the same ones, "
+                                 f"or delete {self.work} to start over")
+
+    def _finished_shard_ok(self, unit: int) -> bool:
+        """Whether unit's shards (and its .resume file) can be resumed from: readable headers whose own record
+        names this unit and these settings.  A damaged or missing file is named, and the layer recomputed;
+        a shard written with other settings is refused (OutputDirError)."""
+        import warnings
+
+        for path in (self.work / self._name(unit), self.work / self._name(unit, ".resume")):
+            if not path.exists() and path.name.startswith("unit-"):
+                continue  # an RTN run writes no .resume file
+            meta = {}
+            try:
+                _header(path, meta)
+                own = json.loads(meta.get("qgemv_fingerprint", "null"))
+                if meta.get("qgemv_unit") != str(unit) or not isinstance(own, dict):
+                    raise CheckpointError(f"{path}: its record names layer {meta.get('qgemv_unit')!r}, not {unit}")
+            except (CheckpointError, ValueError) as e:
+                warnings.warn(f"qgemv: {e}; layer {unit} is computed again", RuntimeWarning, stacklevel=4)
+                return False
+            self._check_fingerprint(own, str(path))
+        return True
 
     def _name(self, unit: int, kind: str = "") -> str:
         """Unit u's shard has its final name from the start (units + 1 shards: the last holds the rest)."""
@@ -256,26 +311,31 @@ class LayerWriter:
         tmp.write_text(json.dumps({"fingerprint": self.fingerprint, "done": sorted(self.done)}, indent=1))
         os.replace(tmp, self.work / "progress.json")
 
-    def _save(self, tensors: dict, name: str) -> None:
+    def _save(self, tensors: dict, name: str, unit: Optional[int] = None) -> None:
         tmp = self.work / (name + ".tmp")
-        write_safetensors(tmp, tensors, {"format": "pt", "qgemv_format_version": formats.FORMAT_VERSION})
+        meta = {"format": "pt", "qgemv_format_version": formats.FORMAT_VERSION}
+        if unit is not None:  # what resuming checks: which layer, written with which settings
+            meta.update(qgemv_unit=unit, qgemv_fingerprint=json.dumps(self.fingerprint, sort_keys=True))
+        try:
+            write_safetensors(tmp, tensors, meta)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk, an interruption: no half-written file stays behind
+            raise
         os.replace(tmp, self.work / name)
 
     def write_unit(self, unit: int, tensors: dict, resume_tensors: Optional[dict] = None) -> None:
         """Store one finished unit's checkpoint tensors (and, for resuming, tensors that only a resumed run
         reads back: :meth:`read_unit`), then record it as done."""
         if resume_tensors:
-            self._save(resume_tensors, self._name(unit, ".resume"))
-        self._save(tensors, self._name(unit))
+            self._save(resume_tensors, self._name(unit, ".resume"), unit)
+        self._save(tensors, self._name(unit), unit)
         self.done.add(unit)
         self._save_progress()
 
     def read_unit(self, unit: int) -> tuple:
         """(checkpoint tensors, resume tensors) of a finished unit."""
-        from safetensors.torch import load_file
-
         extra = self.work / self._name(unit, ".resume")
-        return load_file(str(self.work / self._name(unit))), (load_file(str(extra)) if extra.exists() else {})
+        return read_file(self.work / self._name(unit)), (read_file(extra) if extra.exists() else {})
 
     def unit_names(self, unit: int) -> set:
         """The tensor names a finished unit's shard holds (its header only)."""

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import weakref
@@ -243,6 +244,82 @@ def test_a_second_run_on_the_same_out_waits_for_no_one(sharded, tmp_path, capsys
         holder.wait()
     assert cli.main(common + ["--method", "rtn"]) == 0  # the dead run's lock is taken over
     assert out.is_dir() and not (tmp_path / "q.partial").exists() and not (tmp_path / "q.partial.lock").exists()
+
+
+def _interrupted_after_layer_0(sharded, tmp_path, monkeypatch, args):
+    real, calls = cstream.quantize_layer, []
+
+    def second_fails(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("stopped (simulated)")
+        return real(*a, **k)
+
+    monkeypatch.setattr(cstream, "quantize_layer", second_fails)
+    with pytest.raises(RuntimeError, match="simulated"):
+        cli.main(args)
+    monkeypatch.undo()
+    work = Path(str(args[args.index("--out") + 1]) + ".partial")
+    assert json.loads((work / "progress.json").read_text())["done"] == [0]
+    return work
+
+
+@pytest.mark.parametrize("damage", ["truncated shard", "garbage resume file", "shard of another layer"])
+def test_resume_recomputes_a_damaged_layer_and_names_its_file(sharded, tmp_path, monkeypatch, damage):
+    args = [str(sharded), "--bits", "4", "--group-size", "32", "--asym", "--stream"] + GPTQ
+    assert cli.main(args + ["--out", str(tmp_path / "whole")]) == 0
+    work = _interrupted_after_layer_0(sharded, tmp_path, monkeypatch, args + ["--out", str(tmp_path / "cut")])
+    shard = work / "model-00001-of-00003.safetensors"
+    if damage == "truncated shard":
+        shard.write_bytes(shard.read_bytes()[:100])
+        named = shard.name
+    elif damage == "garbage resume file":
+        (work / "unit-00000.resume.safetensors").write_bytes(b"\x07" * 64)
+        named = "unit-00000.resume.safetensors"
+    else:  # layer 0's shard under layer 1's name, recorded as done
+        (work / "model-00002-of-00003.safetensors").write_bytes(shard.read_bytes())
+        prog = json.loads((work / "progress.json").read_text())
+        (work / "progress.json").write_text(json.dumps(dict(prog, done=[0, 1])))
+        named = "model-00002-of-00003.safetensors"
+    with pytest.warns(RuntimeWarning, match=f"{named}.*computed again"):
+        assert cli.main(args + ["--resume", "--out", str(tmp_path / "cut")]) == 0
+    _same_checkpoints(tmp_path / "whole", tmp_path / "cut")
+
+
+@pytest.mark.parametrize("edit,rule", [
+    (lambda p: p.update(done=5), "done is 5, not a list"),
+    (lambda p: p.update(done=None), "done is None, not a list"),
+    (lambda p: p.update(fingerprint=[1]), "fingerprint is list"),
+    (lambda p: p.update(done=["0"]), "not a list of layer numbers"),
+    ("rtn", "model-00001-of-00003.safetensors was written with other settings \\(.*method: 'gptq' then, 'rtn' now"),
+], ids=["done-5", "done-null", "fingerprint-list", "done-str", "method-edited"])
+def test_resume_refuses_a_tampered_record_before_any_work(sharded, tmp_path, monkeypatch, capsys, edit, rule):
+    args = [str(sharded), "--bits", "4", "--group-size", "32", "--asym", "--stream"] + GPTQ
+    work = _interrupted_after_layer_0(sharded, tmp_path, monkeypatch, args + ["--out", str(tmp_path / "cut")])
+    prog = json.loads((work / "progress.json").read_text())
+    again = args
+    if edit == "rtn":  # the record edited to what an RTN run records, then resumed as RTN
+        again = args[:7] + ["--method", "rtn"]
+        seen = []
+
+        class Stop(Exception):
+            pass
+
+        def record(out, units, fingerprint, resume=False):
+            seen.append(json.loads(json.dumps(fingerprint, default=str)))
+            raise Stop
+
+        monkeypatch.setattr(cstream, "LayerWriter", record)
+        with pytest.raises(Stop):
+            cli.main(again + ["--out", str(tmp_path / "other")])
+        monkeypatch.undo()
+        prog["fingerprint"] = seen[0]
+    else:
+        edit(prog)
+    (work / "progress.json").write_text(json.dumps(prog))
+    capsys.readouterr()
+    assert cli.main(again + ["--resume", "--out", str(tmp_path / "cut")]) == 2
+    assert re.search(rule, capsys.readouterr().err)
 
 
 def test_resume_refuses_other_settings(sharded, tmp_path, capsys):
