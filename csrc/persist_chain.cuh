@@ -56,6 +56,14 @@ struct ChainOp {
   int items;        // work items (panels; kSiluMul: gate panels)
 };
 
+// Synchronization modes of the lab (dev/persist_lab.cu A/Bs them; the sum of):
+//   kSignalOne  1: after an item, __syncthreads, then thread 0 alone fences and adds 1 (else every thread
+//                  fences its own stores before the barrier);
+//   kNoFence    2: no fence at all (a timing probe: results may be wrong);
+//   kWaitBlock  4: thread 0 waits for an input and the block meets at a barrier (else lane 0 of each warp
+//                  waits, and its warp at __syncwarp).
+enum : int { kSignalOne = 1, kNoFence = 2, kWaitBlock = 4 };
+
 // ld.acquire.gpu of a counter that other blocks release.
 __device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
   unsigned v;
@@ -70,7 +78,7 @@ __device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
 template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kS>
 __global__ void __launch_bounds__(512, 1)
     chain_kernel(const ChainOp* __restrict__ ops, int nops, const int* __restrict__ sched,
-                 const int* __restrict__ off, unsigned* cnt, int prefetch) {
+                 const int* __restrict__ off, unsigned* cnt, int prefetch, int mode) {
   using Lane = GemvMma<T, kBits, kGroup, kZeros, kNT, 1>;
   constexpr int kTileK = Lane::kTileK;
   constexpr int kSlot = 64;  // uint4 per ring slot: 2 rows x 32 lanes
@@ -173,19 +181,25 @@ __global__ void __launch_bounds__(512, 1)
   for (int j = 0; j < kS - 1; ++j) issue();
 
   constexpr int kValues = kNT * 4;
+  int satisfied = -1;  // every op up to this one has finished (an op's items waited for the op before)
   for (int q = first; q < last; ++q) {
     const int opi = op_of(q), item = sched[q] & 0xfffff;
     const ChainOp& o = ops[opi];
     const GemvParams& p = o.p;
     if (warp == 0 && lane == 0 && prefetch > 0) prefetch_item(q + prefetch);
     // The input: wait until every item of the op this one reads has finished.
-    if (o.dep >= 0) {
-      if (lane == 0) {
+    if (o.dep > satisfied) {
+      const bool waiter = (mode & kWaitBlock) ? threadIdx.x == 0 : lane == 0;
+      if (waiter) {
         const unsigned need = static_cast<unsigned>(ops[o.dep].items);
         while (ld_acquire_gpu(cnt + o.dep) < need) {
         }
       }
-      __syncwarp();
+      if (mode & kWaitBlock)
+        __syncthreads();
+      else
+        __syncwarp();
+      satisfied = o.dep;
     }
     const int nclean = p.K / kTileK;
     const int count = warp < nclean ? (nclean - warp + nwarps - 1) / nwarps : 0;
@@ -242,10 +256,13 @@ __global__ void __launch_bounds__(512, 1)
           }
         }
       }
-      __threadfence();
+      if (!(mode & (kSignalOne | kNoFence))) __threadfence();
       __syncthreads();  // red and gate are rewritten by the next panel
     }
-    if (threadIdx.x == 0) atomicAdd(cnt + opi, 1u);
+    if (threadIdx.x == 0) {
+      if ((mode & kSignalOne) && !(mode & kNoFence)) __threadfence();  // cumulative: the block's stores, seen at the barrier
+      atomicAdd(cnt + opi, 1u);
+    }
   }
   cp_async_wait<0>();
   // The last block out resets the counters for the next launch: every block
@@ -302,11 +319,11 @@ int chain_blocks_per_sm(int warps) {
 // device; d_cnt zeroed once before the first launch (the kernel re-zeroes it).
 template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kS>
 Status chain_launch(const ChainOp* d_ops, int nops, const int* d_sched, const int* d_off, unsigned* d_cnt,
-                    int blocks, int warps, int prefetch, cudaStream_t stream) {
+                    int blocks, int warps, int prefetch, int mode, cudaStream_t stream) {
   if (warps < 1 || warps > 16 || blocks < 1) return Status::kBadShape;
   const size_t smem = chain_smem_bytes<T, kBits, kGroup, kZeros, kNT, kS>(warps);
   chain_kernel<T, kBits, kGroup, kZeros, kNT, kS>
-      <<<blocks, warps * kWarpSize, smem, stream>>>(d_ops, nops, d_sched, d_off, d_cnt, prefetch);
+      <<<blocks, warps * kWarpSize, smem, stream>>>(d_ops, nops, d_sched, d_off, d_cnt, prefetch, mode);
   return cudaGetLastError() == cudaSuccess ? Status::kOk : Status::kLaunchFailed;
 }
 
