@@ -131,12 +131,37 @@ def make_windows(ids: torch.Tensor, proto: Protocol):
     return out
 
 
+#: Texts are tokenized in pieces of about this many characters, cut after a newline: one call over a
+#: 100 MB text took 20 GB of memory (the fast tokenizer's offsets and encodings); in pieces the
+#: memory is the token ids (8 bytes a token).  A text of up to one piece is tokenized whole, as before.
+TOKENIZE_PIECE_CHARS = 1 << 20
+#: Larger texts are refused: the protocol scores a few windows, and tokenizing more is only waiting.
+MAX_TEXT_CHARS = 256 << 20
+
+
+def tokenize_text(tokenizer, text: str) -> torch.Tensor:
+    """int64 [T] token ids of ``text`` without special tokens, in pieces of TOKENIZE_PIECE_CHARS cut at newlines."""
+    if len(text) > MAX_TEXT_CHARS:
+        raise ValueError(f"the text has {len(text) / 2**20:.0f} M characters, more than the {MAX_TEXT_CHARS >> 20} M "
+                         f"this tool reads; pass a smaller file (the protocol scores --windows windows of --ctx tokens)")
+    parts, start = [], 0
+    while start < len(text):
+        end = min(len(text), start + TOKENIZE_PIECE_CHARS)
+        if end < len(text):
+            cut = text.rfind("\n", start, end)
+            end = cut + 1 if cut > start else end
+        ids = tokenizer(text[start:end], return_tensors="pt", add_special_tokens=False).input_ids[0]
+        parts.append(ids.to(torch.int64))
+        start = end
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
 def prepare_windows(tokenizer, proto: Protocol, text: str):
     """Tokenize ``text`` and cut it per the protocol; returns (windows, BOS id or None).
 
     A tokenizer without a BOS token turns ``proto.bos`` off.
     """
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    ids = tokenize_text(tokenizer, text)
     bos = tokenizer.bos_token_id if proto.bos else None
     if proto.bos and bos is None:
         proto.bos = False
@@ -145,16 +170,20 @@ def prepare_windows(tokenizer, proto: Protocol, text: str):
 
 @torch.no_grad()
 def evaluate(models: dict, tokenizer, proto: Protocol, text: str = None, batch: int = 4, device: str = "cpu",
-             progress: bool = True) -> dict:
+             progress: bool = True, windows=None) -> dict:
     """Score every model in ``models`` ({name: model}, first = reference) in lockstep.
 
+    windows: what :func:`prepare_windows` returned for this protocol, if the
+    caller has it already (the text is then not tokenized again).
     Returns {"protocol": ..., "results": [summary per model]}.
     """
     from qgemv.text import load_text
 
-    if text is None:
-        text = load_text(proto.text, "eval")
-    wins, bos = prepare_windows(tokenizer, proto, text)
+    if windows is None:
+        if text is None:
+            text = load_text(proto.text, "eval")
+        windows = prepare_windows(tokenizer, proto, text)
+    wins, bos = windows
     names = list(models)
     metrics = {n: Metrics(n) for n in names}
     it = range(0, len(wins), batch)

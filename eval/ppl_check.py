@@ -20,10 +20,12 @@ The evaluation protocol is eval/ppl.py's and is printed with the result.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
 import traceback
+from pathlib import Path
 
 
 def _threshold(what: str, hi: float = math.inf, pct: bool = False):
@@ -121,9 +123,25 @@ def _prepare(args):
         n = checkpoint.max_positions(path)
         if n is not None and args.ctx > n:
             raise _BadInput(f"--ctx {args.ctx} exceeds the {n} positions of {path}")
+    ref_vocab = _vocab_size(ref_path)
+    for q in args.quantized:
+        v = _vocab_size(q)
+        if ref_vocab is not None and v is not None and v != ref_vocab:
+            raise _BadInput(f"{q} has a vocabulary of {v} tokens, the reference {ref_path} {ref_vocab}: they were "
+                            f"not made from the same model, so their token probabilities cannot be compared")
     tok = checkpoint.load_tokenizer(ref_path)
-    prepare_windows(tok, proto, text)  # raises for a text too short for the protocol
-    return ref_path, text, proto
+    windows = prepare_windows(tok, proto, text)  # raises for a text too short for the protocol
+    return ref_path, windows, proto
+
+
+def _vocab_size(path):
+    """config.json's vocab_size of a model directory (None where it does not say)."""
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    v = cfg.get("vocab_size", (cfg.get("text_config") or {}).get("vocab_size")) if isinstance(cfg, dict) else None
+    return v if isinstance(v, int) else None
 
 
 def main(argv=None) -> int:
@@ -134,9 +152,9 @@ def main(argv=None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        ref_path, text, proto = _prepare(args)
+        ref_path, windows, proto = _prepare(args)
         models, tok = load_models(ref_path, args.quantized, args.device)
-        report = evaluate(models, tok, proto, text=text, batch=args.batch, device=args.device, progress=False)
+        report = evaluate(models, tok, proto, batch=args.batch, device=args.device, progress=False, windows=windows)
     except (_BadInput, TextError, CheckpointError, FileNotFoundError, ValueError, OSError) as e:
         print(f"qgemv-ppl-check: {e}", file=sys.stderr)
         return 2

@@ -97,6 +97,45 @@ def test_check_exit_codes(tiny_llama_dir, int4_checkpoint, capsys):
     assert ppl_check.main(["--reference", tiny_llama_dir, "--quantized", "/nonexistent/dir"]) == 2
 
 
+def test_a_large_text_is_tokenized_once_in_pieces(tiny_llama_dir, monkeypatch):
+    """Pieces cut at newlines give the whole text's tokens (whitespace-split tokenizer: no merge crosses a
+    newline); a text over the limit is refused before any tokenizing; ppl-check tokenizes once."""
+    from qgemv.eval import ppl
+
+    _, tok = checkpoint.load_float_model(tiny_llama_dir)
+    text = "".join(f"line {i} of the quick brown fox\n" for i in range(3000))
+    whole = tok(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    monkeypatch.setattr(ppl, "TOKENIZE_PIECE_CHARS", 1000)
+    assert torch.equal(ppl.tokenize_text(tok, text), whole)
+    monkeypatch.setattr(ppl, "MAX_TEXT_CHARS", 100)
+    with pytest.raises(ValueError, match="more than the 0 M this tool reads"):
+        ppl.tokenize_text(tok, text)
+
+
+def test_check_tokenizes_once_and_names_a_vocabulary_mismatch(tiny_llama_dir, int4_checkpoint, tmp_path, capsys,
+                                                              monkeypatch):
+    import json
+
+    from qgemv.eval import ppl
+
+    calls = []
+    real = ppl.tokenize_text
+    monkeypatch.setattr(ppl, "tokenize_text", lambda *a: calls.append(1) or real(*a))
+    common = ["--reference", tiny_llama_dir, "--ctx", "64", "--windows", "2", "--max-ppl-increase", "1000%",
+              "--max-kl", "100", "--min-top1", "0"]
+    assert ppl_check.main(common + ["--quantized", int4_checkpoint]) == 0 and len(calls) == 1
+    other = tmp_path / "other"
+    import shutil
+
+    shutil.copytree(int4_checkpoint, other)
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(dict(cfg, vocab_size=cfg["vocab_size"] + 7)))
+    capsys.readouterr()
+    assert ppl_check.main(common + ["--quantized", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert f"has a vocabulary of {cfg['vocab_size'] + 7} tokens" in err and "internal error" not in err
+
+
 def test_check_bad_arguments_exit_2():
     r = subprocess.run([sys.executable, "-m", "qgemv.eval.ppl_check", "--reference", "x"], capture_output=True, text=True)
     assert r.returncode == 2 and "required" in r.stderr
