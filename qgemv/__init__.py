@@ -5,9 +5,10 @@
     report = qgemv.quantize_model(model, bits=8)
     out = qgemv.generate(model, tokenizer, ["Once upon a time"], max_new_tokens=32)
 
-Importing qgemv never initialises CUDA.  Where transformers is installed, it registers
-quant_method "qgemv" so that ``AutoModelForCausalLM.from_pretrained(qgemv_dir)`` loads
-QuantLinear modules (qgemv.hf).
+Importing qgemv never initialises CUDA and does not import transformers; once transformers'
+quantizer table is imported, quant_method "qgemv" is registered with it, so that
+``AutoModelForCausalLM.from_pretrained(qgemv_dir)`` loads QuantLinear modules (qgemv.hf,
+qgemv._lazy_hf).
 """
 
 from . import formats, ops  # noqa: F401  (ops defines the torch.library schemas)
@@ -20,9 +21,9 @@ from .formats import FORMAT_VERSION, QuantConfig  # noqa: E402
 from .nn import QuantLinear, QuantizeReport, quantize_model  # noqa: E402
 from .ops import linear_int4, linear_int4_grouped, linear_int8, sgemv  # noqa: E402
 from .engine import Engine, Generation, generate  # noqa: E402
-from . import hf as _hf  # noqa: E402
+from . import _lazy_hf  # noqa: E402
 
-_hf.register()  # from_pretrained of qgemv checkpoints, when transformers is installed
+_lazy_hf.install()  # from_pretrained of qgemv checkpoints, once transformers is imported
 
 __version__ = "0.1.0"
 

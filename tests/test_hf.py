@@ -5,6 +5,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import qgemv
+import qgemv.hf
 from qgemv import checkpoint, formats
 from qgemv.calibration.quantize import quantize_causal_lm
 
@@ -39,6 +40,28 @@ def test_from_pretrained_equals_load_quantized(qdir):
     assert names == [n for n, m in ref.named_modules() if isinstance(m, qgemv.QuantLinear)] and names
     assert torch.equal(logits(ref, ids), logits(got, ids))
     assert got.hf_quantizer.is_compileable and not got.hf_quantizer.is_serializable()
+
+
+def test_import_qgemv_leaves_transformers_alone_and_from_pretrained_still_works(qdir, tmp_path):
+    """In a fresh process: import qgemv does not import transformers; from_pretrained then loads QuantLinears;
+    the model pickles; save_pretrained is refused with a logged pointer to save_quantized."""
+    import subprocess
+    import sys
+
+    code = (
+        "import pickle, sys\n"
+        "import qgemv\n"
+        "assert 'transformers' not in sys.modules, 'import qgemv imported transformers'\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"m = AutoModelForCausalLM.from_pretrained({qdir!r})\n"
+        "assert isinstance(m.model.layers[0].mlp.down_proj, qgemv.QuantLinear)\n"
+        "m2 = pickle.loads(pickle.dumps(m))\n"
+        "assert type(m2.config.quantization_config).__name__ == 'QgemvConfig'\n"
+        f"try:\n    m.save_pretrained({str(tmp_path / 'out')!r})\nexcept Exception as e:\n    print('refused:', e)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "refused:" in r.stdout and "qgemv.checkpoint.save_quantized" in r.stderr
 
 
 def test_from_pretrained_keeps_the_scales_float16(qdir):

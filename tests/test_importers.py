@@ -74,7 +74,6 @@ def test_act_order_is_stored_with_a_permuted_input_that_round_trips(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         back, _ = checkpoint.load_quantized(str(out), dtype=torch.float32)
-        qgemv.hf.register()
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     ids = torch.randint(0, 32, (2, 7))
     with torch.no_grad():
