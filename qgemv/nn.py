@@ -101,9 +101,18 @@ class QuantLinear(_StoredFormat, nn.Module):
         """Round-to-nearest quantization of ``linear``.
 
         The weight is quantized on ``device`` (default: where it is) and the
-        module is returned on the linear's own device.
+        module is returned on the linear's own device.  A linear on the meta
+        device gives a meta QuantLinear of the same format and shapes (a
+        skeleton to load packed tensors into); it cannot be quantized elsewhere.
         """
         cfg = QuantConfig(bits, group_size, symmetric)
+        if linear.weight.is_meta:
+            if device is not None and torch.device(device).type != "meta":
+                raise ValueError(f"{name}: the linear is on the meta device (no values): it cannot be quantized on "
+                                 f"{device}; load its weights first")
+            has_bias = linear.bias is not None
+            return cls(linear.in_features, linear.out_features, bits, group_size, symmetric, bias=has_bias,
+                       device="meta", bias_dtype=linear.bias.dtype if has_bias else torch.float16)
         w = linear.weight if device is None else linear.weight.to(device)
         qw, s, z = formats.quantize(w, cfg, name)
         dev = linear.weight.device

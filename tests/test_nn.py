@@ -39,6 +39,16 @@ def test_state_dict_round_trip(bits, group, sym, tmp_path):
     assert torch.equal(q(x), q2(x))
 
 
+def test_from_linear_on_the_meta_device_gives_a_meta_skeleton():
+    lin = torch.nn.Linear(64, 48, bias=True, device="meta", dtype=torch.bfloat16)
+    q = qgemv.QuantLinear.from_linear(lin, bits=4, group_size=32, symmetric=False)
+    ref = qgemv.QuantLinear.from_linear(torch.nn.Linear(64, 48, bias=True).to(torch.bfloat16), 4, 32, False)
+    for name, t in q.state_dict().items():
+        assert t.is_meta and t.shape == ref.state_dict()[name].shape and t.dtype == ref.state_dict()[name].dtype, name
+    with pytest.raises(ValueError, match="on the meta device .* cannot be quantized on cpu"):
+        qgemv.QuantLinear.from_linear(lin, bits=8, device="cpu")
+
+
 def test_extra_repr():
     q = qgemv.QuantLinear.from_linear(nn.Linear(64, 8), 4, 32, False)
     assert "bits=4, group_size=32, asymmetric, bias=True" in repr(q)
