@@ -175,6 +175,10 @@ def _stream(args, cfg, skip, overrides) -> int:
         return code
     except Exception as e:  # a crash mid-run (out of memory, ...): say what is kept, then the traceback
         done = finished_units(args.out)
+        if checkpoint.is_disk_full(e):
+            kept = (f"{len(done)} finished layer(s) are kept in {partial_dir(args.out)}: free some space and run the "
+                    f"same command with --resume") if done else "nothing was kept: free some space and run again"
+            return _fail(f"no space left on the device while writing {args.out}; {kept}")
         if done:
             print(f"qgemv-quantize: failed ({type(e).__name__}: {e}); {len(done)} finished layer(s) are kept in "
                   f"{partial_dir(args.out)}: fix the cause and run the same command with --resume", file=sys.stderr)
@@ -275,8 +279,15 @@ def main(argv=None) -> int:
     qc["source_model"] = str(args.model)
     report = {"per_layer": rep.per_layer, "seconds": time.time() - t0, "peak_rss_mb": rep.peak_rss_mb,
               "skipped": rep.skipped, "formats": rep.formats}
-    checkpoint.save_quantized(model, tok, args.out, qc, overwrite=args.overwrite,
-                     extra_json={"quantize_report.json": report}, float_dtype=save_dtype)
+    try:
+        checkpoint.save_quantized(model, tok, args.out, qc, overwrite=args.overwrite,
+                                  extra_json={"quantize_report.json": report}, float_dtype=save_dtype)
+    except Exception as e:
+        if not checkpoint.is_disk_full(e):
+            raise
+        return _fail(f"no space left on the device while writing {args.out} (nothing of it was kept; "
+                     f"{'the earlier checkpoint there is unchanged; ' if os.path.isdir(args.out) else ''}"
+                     f"free some space and run again)")
     print(summary_table(rep, cfg, args.method, time.time() - t0, args.out, fp16_bytes,
                         float_dtype=str(save_dtype).replace("torch.", "")))
     return 0

@@ -173,6 +173,21 @@ def _atomic_dir(out: Path):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def save_tensors(path: Path, state: dict, metadata: dict) -> None:
+    """safetensors' save_file, then the file's mode from the umask (save_file creates files 0600)."""
+    from safetensors.torch import save_file
+
+    save_file(state, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~current_umask())
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """Whether ``e`` reports a full disk (an OSError with ENOSPC, or safetensors' error that quotes it)."""
+    import errno
+
+    return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e)
+
+
 def is_qgemv_checkpoint(path) -> bool:
     """True when ``path`` is a directory whose config.json says ``quant_method: "qgemv"``."""
     cfg = Path(path) / "config.json"
@@ -277,12 +292,10 @@ def default_model_path() -> Path:
     with _atomic_dir(out) as tmp:
         # save_pretrained refuses GGUF-loaded models, so write the plain float
         # state dict and a config without the GGUF quantization block.
-        from safetensors.torch import save_file
-
         state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
         if getattr(model.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_tensors(tmp / "model.safetensors", state, {"format": "pt"})
         cfg = model.config
         for attr in ("quantization_config", "_pre_quantization_dtype"):
             if hasattr(cfg, attr):
@@ -457,8 +470,6 @@ def save_quantized(model: nn.Module, tokenizer, out_dir: str, qconfig: dict, ove
     """
     if float_dtype not in (None, *_FLOAT_DTYPES.values()):
         raise ValueError(f"float_dtype must be None, float32, float16 or bfloat16, got {float_dtype}")
-    from safetensors.torch import save_file
-
     out = check_output_dir(out_dir, overwrite)
     with _atomic_dir(out) as tmp:
         cfg = model.config.to_dict()
@@ -470,8 +481,8 @@ def save_quantized(model: nn.Module, tokenizer, out_dir: str, qconfig: dict, ove
         # tied weights (lm_head = embed_tokens) are stored once, as transformers does
         if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" in state:
             state.pop("lm_head.weight")
-        save_file(state, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt", "qgemv_format_version": str(formats.FORMAT_VERSION)})
+        save_tensors(tmp / "model.safetensors", state,
+                     {"format": "pt", "qgemv_format_version": str(formats.FORMAT_VERSION)})
         _write_side_files(tmp, tokenizer, extra_json)
         # config.json last: a directory without it is never mistaken for a checkpoint
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))

@@ -503,7 +503,14 @@ def main(argv=None) -> int:
     first = model.get_submodule(rep["converted"][0]).config
     fuse_llama_projections(model)  # q/k/v and gate/up of one format: one packed weight each, exactly
     qcfg = checkpoint.quantization_config(model, f"import:{rep['method']}", None, first, rep["kept_float"])
-    checkpoint.save_quantized(model, tok, str(out), qcfg, overwrite=args.overwrite)
+    try:
+        checkpoint.save_quantized(model, tok, str(out), qcfg, overwrite=args.overwrite)
+    except Exception as e:
+        if not checkpoint.is_disk_full(e):
+            raise
+        print(f"qgemv-convert: no space left on the device while writing {out} (nothing of it was kept; free some "
+              f"space and run again)", file=sys.stderr)
+        return 2
     print(f"{args.src} ({rep['method']}): {len(rep['converted'])} linears repacked, {len(rep['kept_float'])} kept "
           f"float; largest relative scale change by float16 rounding {rep['max_scale_change']:.2e}; wrote {out}")
     return 0

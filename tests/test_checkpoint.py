@@ -40,6 +40,12 @@ def saved_int8(tiny_llama_dir, tmp_path):
     return out
 
 
+def test_every_file_gets_the_umask_mode(saved_int8):
+    want = 0o666 & ~checkpoint.current_umask()
+    modes = {f.name: f.stat().st_mode & 0o777 for f in saved_int8.iterdir()}
+    assert modes["model.safetensors"] == want and set(modes.values()) == {want}, modes
+
+
 def test_truncated_safetensors_is_a_clear_error(saved_int8):
     f = saved_int8 / "model.safetensors"
     data = f.read_bytes()

@@ -322,6 +322,40 @@ def test_resume_refuses_a_tampered_record_before_any_work(sharded, tmp_path, mon
     assert re.search(rule, capsys.readouterr().err)
 
 
+def test_a_full_disk_is_exit_2_with_what_was_kept(sharded, tmp_path, monkeypatch, capsys):
+    import errno
+
+    from qgemv import stream
+
+    real, writes = stream.write_safetensors, []
+
+    def second_write_fails(path, *a, **k):
+        writes.append(path)
+        if len(writes) == 3:  # layer 0's .resume file and shard, then layer 1's .resume file
+            Path(path).write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(stream, "write_safetensors", second_write_fails)
+    args = [str(sharded), "--bits", "4", "--group-size", "32", "--asym", "--stream", "--out", str(tmp_path / "q")]
+    capsys.readouterr()
+    assert cli.main(args + GPTQ) == 2
+    err = capsys.readouterr().err
+    assert "no space left on the device" in err and "1 finished layer(s) are kept" in err and "--resume" in err
+    assert not list((tmp_path / "q.partial").glob("*.tmp"))
+    monkeypatch.undo()
+    assert cli.main(args + GPTQ + ["--resume"]) == 0
+
+    def full(*a, **k):
+        raise RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
+                           "\"No space left on device\" })")
+
+    monkeypatch.setattr(checkpoint, "save_tensors", full)
+    assert cli.main([str(sharded), "--bits", "8", "--method", "rtn", "--out", str(tmp_path / "w")]) == 2
+    assert "no space left on the device while writing" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q", "src"]
+
+
 def test_resume_refuses_other_settings(sharded, tmp_path, capsys):
     args = [str(sharded), "--bits", "4", "--group-size", "32", "--asym", "--stream", "--out", str(tmp_path / "q")]
     (tmp_path / "q.partial").mkdir()
