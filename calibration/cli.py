@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from .._args import device_arg, int_at_least, positive_float
+from .._args import device_arg, int_at_least, parser, positive_float
 
 
 def _overrides(values):
@@ -49,7 +49,7 @@ def _overrides(values):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="qgemv-quantize", description=__doc__.split("\n")[0])
+    ap = parser("qgemv-quantize", __doc__.split("\n")[0])
     ap.add_argument("model", help="HF directory, .gguf file, or 'default'")
     ap.add_argument("--out", required=True, help="output directory (written atomically)")
     ap.add_argument("--bits", type=int, choices=(4, 8), default=4)

@@ -78,7 +78,8 @@ __device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
 template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kS>
 __global__ void __launch_bounds__(512, 1)
     chain_kernel(const ChainOp* __restrict__ ops, int nops, const int* __restrict__ sched,
-                 const int* __restrict__ off, unsigned* cnt, int prefetch, int mode) {
+                 const int* __restrict__ off, unsigned* cnt, int prefetch, int mode,
+                 unsigned long long* wait_cycles) {
   using Lane = GemvMma<T, kBits, kGroup, kZeros, kNT, 1>;
   constexpr int kTileK = Lane::kTileK;
   constexpr int kSlot = 64;  // uint4 per ring slot: 2 rows x 32 lanes
@@ -192,8 +193,10 @@ __global__ void __launch_bounds__(512, 1)
       const bool waiter = (mode & kWaitBlock) ? threadIdx.x == 0 : lane == 0;
       if (waiter) {
         const unsigned need = static_cast<unsigned>(ops[o.dep].items);
+        const long long t0 = wait_cycles ? clock64() : 0;
         while (ld_acquire_gpu(cnt + o.dep) < need) {
         }
+        if (wait_cycles) atomicAdd(wait_cycles + blockIdx.x, static_cast<unsigned long long>(clock64() - t0));
       }
       if (mode & kWaitBlock)
         __syncthreads();
@@ -317,13 +320,17 @@ int chain_blocks_per_sm(int warps) {
 // Launch on `blocks` blocks (at most SMs x chain_blocks_per_sm: co-resident,
 // else the spins would never end).  d_ops / d_sched / d_off / d_cnt on the
 // device; d_cnt zeroed once before the first launch (the kernel re-zeroes it).
+// wait_cycles: nullptr, or [blocks] counters to which each block's waiter adds
+// the SM clock cycles it spun (the lab's measure of dependency waits).
 template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kS>
 Status chain_launch(const ChainOp* d_ops, int nops, const int* d_sched, const int* d_off, unsigned* d_cnt,
-                    int blocks, int warps, int prefetch, int mode, cudaStream_t stream) {
+                    int blocks, int warps, int prefetch, int mode, cudaStream_t stream,
+                    unsigned long long* wait_cycles = nullptr) {
   if (warps < 1 || warps > 16 || blocks < 1) return Status::kBadShape;
   const size_t smem = chain_smem_bytes<T, kBits, kGroup, kZeros, kNT, kS>(warps);
   chain_kernel<T, kBits, kGroup, kZeros, kNT, kS>
-      <<<blocks, warps * kWarpSize, smem, stream>>>(d_ops, nops, d_sched, d_off, d_cnt, prefetch, mode);
+      <<<blocks, warps * kWarpSize, smem, stream>>>(d_ops, nops, d_sched, d_off, d_cnt, prefetch, mode,
+                                                                                 wait_cycles);
   return cudaGetLastError() == cudaSuccess ? Status::kOk : Status::kLaunchFailed;
 }
 

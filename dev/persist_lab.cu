@@ -229,6 +229,8 @@ struct Variant {
   int warps, stages, prefetch, mode;
 };
 
+unsigned long long* g_wait = nullptr;  // when set, the next launches count each block's spin cycles there
+
 template <int kBits, int kGroup, bool kZeros, int kNT, int kS>
 bool launch_v(const Variant& v, const ChainOp* ops, int nops, const int* sched, const int* off, unsigned* cnt,
               int sms, cudaStream_t st, int* blocks_out) {
@@ -237,7 +239,8 @@ bool launch_v(const Variant& v, const ChainOp* ops, int nops, const int* sched, 
   *blocks_out = per_sm * sms;
   if (!ops) return true;  // just asking for the grid
   return qgemv::chain_launch<__half, kBits, kGroup, kZeros, kNT, kS>(ops, nops, sched, off, cnt, *blocks_out,
-                                                                   v.warps, v.prefetch, v.mode, st) == qgemv::Status::kOk;
+                                                                   v.warps, v.prefetch, v.mode, st, g_wait) ==
+         qgemv::Status::kOk;
 }
 
 template <int kBits, int kGroup, bool kZeros>
@@ -260,7 +263,9 @@ bool launch_fmt(const Fmt& f, const Variant& v, int M, const ChainOp* ops, int n
 }
 
 int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const std::vector<int>& Ms,
-              const std::vector<Variant>& variants, double ceiling, int sms) {
+              const std::vector<Variant>& variants, double ceiling, int sms, int clock_khz) {
+  unsigned long long* wait_dev;
+  CK(cudaMalloc(&wait_dev, sizeof(unsigned long long) * 4096));
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   unsigned* sink;
@@ -445,9 +450,22 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         }
         err = std::max(err, err2 / refmax);
         failures += !probe && !(err2 / refmax < 2e-2);
+        // Where the time goes: one more launch with each block's spin cycles counted.
+        CK(cudaMemset(wait_dev, 0, sizeof(unsigned long long) * blocks));
+        g_wait = wait_dev;
+        go();
+        g_wait = nullptr;
+        CK(cudaStreamSynchronize(st));
+        std::vector<unsigned long long> wc(blocks);
+        CK(cudaMemcpy(wc.data(), wait_dev, sizeof(unsigned long long) * blocks, cudaMemcpyDeviceToHost));
+        double wsum = 0, wmax = 0;
+        for (auto c : wc) wsum += c, wmax = std::max(wmax, double(c));
+        const double per_us = 1e3 / clock_khz / layers;  // cycles -> us per layer
         char form[48];
         std::snprintf(form, sizeof form, "persist w%d s%d pf%d m%d", v.warps, v.stages, v.prefetch, v.mode);
         row(form, blocks, us, err);
+        std::printf("%-10s %3d   waits per layer: mean %.1f us, max %.1f us a block\n", f.name, M, wsum / blocks * per_us,
+                    wmax * per_us);
         CK(cudaFree(d_sched));
         CK(cudaFree(d_off));
       }
@@ -649,8 +667,10 @@ int main(int argc, char** argv) {
     for (int s : stages)
       for (int pf : pfs)
         for (int md : modes) variants.push_back({w, s, pf, md});
+  int clock_khz = 0;
+  CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
   const int failures = run_chain(*model, layers ? layers : model->layers, fmts, Ms, variants, ceiling,
-                                 prop.multiProcessorCount);
+                                 prop.multiProcessorCount, clock_khz);
   std::printf("%s (%d failures)\n", failures ? "FAILED" : "every persistent result matches the per-op chain",
               failures);
   return failures ? 1 : 0;

@@ -96,9 +96,9 @@ def main(argv=None) -> int:
     if args.samples != 32:
         print(f"note: the limits were measured with --samples 32, this run uses {args.samples}")
     times = {}
-    for job in jobs:
+    for i, job in enumerate(jobs):
         name = job.name
-        print(f"[2/5] quantize {name}", flush=True)
+        print(f"[2/5] quantize {name} ({i + 1} of {len(jobs)})", flush=True)
         ts = time.time()
         rc = qcli.main(["default", "--out", os.path.join(args.out, name), "--overwrite"] + list(job.flags))
         if rc != 0:

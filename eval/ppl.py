@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .._args import device_arg, int_at_least
+from .._args import default_device, device_arg, int_at_least, parser
 
 
 @dataclass
@@ -308,11 +308,13 @@ def add_protocol_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-bos", action="store_true", help="do not prepend BOS to each window")
     ap.add_argument("--batch", type=int_at_least(1), default=4)
-    ap.add_argument("--device", type=device_arg, default="cpu")
+    ap.add_argument("--device", type=device_arg, default=None, help="default: cuda when available, else cpu")
 
 
 def protocol_from(args) -> Protocol:
     """The Protocol of parsed arguments; ValueError for combinations no single flag rules out."""
+    if args.device is None:
+        args.device = default_device()
     proto = Protocol(text=args.text, ctx=args.ctx, stride=args.stride, windows=args.windows, seed=args.seed,
                      bos=not args.no_bos)
     span = proto.ctx - (1 if proto.bos else 0)
@@ -325,7 +327,7 @@ def main(argv=None) -> int:
     from qgemv.checkpoint import CheckpointError
     from qgemv.text import TextError, load_text
 
-    ap = argparse.ArgumentParser(prog="qgemv-ppl", description="perplexity / KL / top-1 vs a reference model")
+    ap = parser("qgemv-ppl", "perplexity / KL / top-1 vs a reference model")
     ap.add_argument("--model", default="default", help="reference model: HF directory, .gguf, or 'default'")
     ap.add_argument("--quantized", nargs="*", default=[], help="qgemv checkpoint directories")
     ap.add_argument("--out", default="runs/ppl", help="report path prefix (.json, .txt, .png)")

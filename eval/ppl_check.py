@@ -84,9 +84,10 @@ def noise_note(result: dict, max_ppl_increase: float) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .._args import parser
     from .ppl import add_protocol_args
 
-    ap = argparse.ArgumentParser(prog="qgemv-ppl-check", description=__doc__.split("\n")[0])
+    ap = parser("qgemv-ppl-check", __doc__.split("\n")[0])
     ap.add_argument("--reference", required=True, help="reference model: HF directory, .gguf, or 'default'")
     ap.add_argument("--quantized", required=True, nargs="+", help="qgemv checkpoint directory (or several)")
     ap.add_argument("--max-ppl-increase", type=_threshold("--max-ppl-increase", pct=True), default=2.0,

@@ -26,6 +26,9 @@ def info() -> dict:
     }
     if out["cuda_available"]:
         out["device"] = torch.cuda.get_device_name()
+    else:  # building the extension would not help here
+        out["reason"] = out["reason"].replace("; set QGEMV_JIT=1 to build it with ninja", "") + \
+            " (no CUDA GPU here: the reference serves every op)"
     return out
 
 
@@ -35,7 +38,9 @@ def main(argv=None) -> int:
         from .engine import main as generate_main
 
         return generate_main(argv[1:])
-    ap = argparse.ArgumentParser(prog="python -m qgemv")
+    from ._args import parser
+
+    ap = parser("python -m qgemv")
     ap.add_argument("command", choices=["info", "generate"])
     ap.add_argument("--json", action="store_true", help="print JSON instead of text")
     args = ap.parse_args(argv)

@@ -45,3 +45,34 @@ def device_arg(v: str) -> str:
     if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
         raise argparse.ArgumentTypeError(f"{v}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return v
+
+
+class _Parser(argparse.ArgumentParser):
+    """--help states every option's default (argparse's own default-showing formatter skips options without
+    a help text, and prints "None" and "False")."""
+
+    def add_argument(self, *args, **kwargs):
+        action = super().add_argument(*args, **kwargs)
+        text = action.help or ""
+        shown = action.option_strings and not any(action.default is v for v in (None, False, argparse.SUPPRESS))
+        if shown and "%(default)" not in text and "default" not in text:
+            action.help = f"{text} (default: %(default)s)".lstrip()
+        return action
+
+
+def parser(prog: str, description: str = None) -> argparse.ArgumentParser:
+    """An ArgumentParser for a qgemv command: defaults in --help, and --version."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("qgemv")
+    except metadata.PackageNotFoundError:  # a checkout that is not installed
+        version = "unknown (not installed)"
+    ap = _Parser(prog=prog, description=description)
+    ap.add_argument("--version", action="version", version=f"%(prog)s {version}")
+    return ap
+
+
+def default_device() -> str:
+    """"cuda" where a CUDA GPU is available, else "cpu" (the commands' default --device)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"

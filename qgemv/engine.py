@@ -579,10 +579,10 @@ def load_for_generation(spec: str, device: str, dtype: torch.dtype, bits: Option
 
 
 def main(argv=None) -> int:
-    from ._args import device_arg, int_at_least
+    from ._args import device_arg, int_at_least, parser
 
-    ap = argparse.ArgumentParser(
-        prog="qgemv-generate",
+    ap = parser(
+        "qgemv-generate",
         description="Generate text with qgemv's engine (static KV cache, CUDA-graph decode, qgemv kernels).")
     ap.add_argument("model", help="a qgemv, GPTQ, AWQ or compressed-tensors checkpoint, a Hugging Face directory "
                                   "or .gguf file, or 'default'")
@@ -600,7 +600,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", type=device_arg, default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None,
                     help="activations (default: float16 on CUDA, float32 on CPU)")
-    ap.add_argument("--max-seq-len", type=int_at_least(2), default=None, help="cache slots (prompt + new tokens)")
+    ap.add_argument("--max-seq-len", type=int_at_least(2), default=None, help="cache slots (prompt + new tokens; default: the model's positions, at most 4096)")
     ap.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graph)")
     args = ap.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

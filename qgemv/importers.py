@@ -485,7 +485,9 @@ def main(argv=None) -> int:
 
     from . import checkpoint
 
-    ap = argparse.ArgumentParser(prog="qgemv-convert", description=main.__doc__.split(":", 1)[1].strip())
+    from ._args import parser
+
+    ap = parser("qgemv-convert", main.__doc__.split(":", 1)[1].strip())
     ap.add_argument("src", help="a GPTQ, AWQ or compressed-tensors (pack-quantized) Hugging Face directory")
     ap.add_argument("--out", required=True, help="the qgemv checkpoint directory to write")
     ap.add_argument("--overwrite", action="store_true", help="replace --out if it is a qgemv checkpoint")
