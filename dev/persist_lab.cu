@@ -4,11 +4,9 @@
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc dev/persist_lab.cu \
 //        csrc/gemv_int4.cu csrc/gemv_int8.cu csrc/runtime.cpp -o /tmp/persist_lab
-//   /tmp/persist_lab [--probe-only] [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers L] [--ms 1,16]
-//                    [--warps 8,16] [--stages 4,8] [--prefetch 0,1,2] [--formats int4g128a,int4,int8]
-//                    [--modes 5,...] (persist_chain.cuh's synchronization modes: 1 one fence per item,
-//                    2 no fence (timing only), 4 one waiter per block; the lab's 8: no dependencies,
-//                    timing only)
+//   /tmp/persist_lab [--probe-only | --no-probe] [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers L]
+//                    [--ms 1,16] [--warps 8,16] [--stages 4,8] [--min-chunk 2,4] [--formats int4g128a,int4,int8]
+//   (--min-chunk: the fewest k-tiles of a warp's work item, persist_chain.cuh's chain_split)
 //
 // Part 1, the probes (a co-resident grid of SMs x 1 blocks of 256 threads):
 //   * grid barrier: every block adds 1 to a counter and spins until it holds
@@ -226,7 +224,7 @@ __half* dalloc(size_t n) {
 }
 
 struct Variant {
-  int warps, stages, prefetch, mode;
+  int warps, stages, min_chunk;
 };
 
 unsigned long long* g_wait = nullptr;  // when set, the next launches count each block's spin cycles there
@@ -239,8 +237,7 @@ bool launch_v(const Variant& v, const ChainOp* ops, int nops, const int* sched, 
   *blocks_out = per_sm * sms;
   if (!ops) return true;  // just asking for the grid
   return qgemv::chain_launch<__half, kBits, kGroup, kZeros, kNT, kS>(ops, nops, sched, off, cnt, *blocks_out,
-                                                                   v.warps, v.prefetch, v.mode, st, g_wait) ==
-         qgemv::Status::kOk;
+                                                                   v.warps, st, g_wait) == qgemv::Status::kOk;
 }
 
 template <int kBits, int kGroup, bool kZeros>
@@ -315,7 +312,6 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       CK(cudaMemcpy(rX[0], hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
 
       std::vector<ChainOp> ops;
-      std::vector<int> items;
       for (int l = 0; l < layers; ++l) {
         const Lin* L = &lins[4 * l];
         const int base = static_cast<int>(ops.size());
@@ -323,39 +319,43 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         o.p = params(f, L[0], X[l], m.H, Q[l], m.Nqkv, M);
         o.epilogue = static_cast<int>(ChainEpilogue::kStore);
         o.dep = l == 0 ? -1 : base - 1;
-        o.items = qgemv::num_panels(m.Nqkv);
         ops.push_back(o);
         o.p = params(f, L[1], Q[l], m.Nqkv, Hh[l], m.H, M);
         o.res = X[l];
         o.epilogue = static_cast<int>(ChainEpilogue::kResidual);
         o.dep = base;
-        o.items = qgemv::num_panels(m.H);
         ops.push_back(o);
         o.p = params(f, L[2], Hh[l], m.H, A[l], m.I, M);
         o.res = nullptr;
         o.epilogue = static_cast<int>(ChainEpilogue::kSiluMul);
         o.dep = base + 1;
-        o.items = qgemv::num_panels(m.I);
         ops.push_back(o);
         o.p = params(f, L[3], A[l], m.I, X[l + 1], m.H, M);
         o.res = Hh[l];
         o.epilogue = static_cast<int>(ChainEpilogue::kResidual);
         o.dep = base + 2;
-        o.items = qgemv::num_panels(m.H);
         ops.push_back(o);
       }
-      for (const ChainOp& o : ops) items.push_back(o.items);
-      ChainOp *d_ops, *d_free;
-      CK(cudaMalloc(&d_ops, ops.size() * sizeof(ChainOp)));
-      CK(cudaMemcpy(d_ops, ops.data(), ops.size() * sizeof(ChainOp), cudaMemcpyHostToDevice));
-      // The lab's mode 8: the same ops without dependencies (how fast the walk streams when nothing waits).
-      std::vector<ChainOp> free_ops = ops;
-      for (ChainOp& o : free_ops) o.dep = -1;
-      CK(cudaMalloc(&d_free, ops.size() * sizeof(ChainOp)));
-      CK(cudaMemcpy(d_free, free_ops.data(), ops.size() * sizeof(ChainOp), cudaMemcpyHostToDevice));
+      // Partials and arrival counters, sized for the finest split any variant may pick (one tile per item).
+      std::vector<float*> partials;
+      std::vector<unsigned*> arrivals;
+      for (ChainOp& o : ops) {
+        float* pbuf;
+        unsigned* abuf;
+        const int tiles = o.p.K / (f.bits == 4 ? 128 : 64);
+        CK(cudaMalloc(&pbuf, sizeof(float) * tiles * M * o.p.N));
+        CK(cudaMalloc(&abuf, sizeof(unsigned) * o.p.N));
+        CK(cudaMemset(abuf, 0, sizeof(unsigned) * o.p.N));
+        o.partial = pbuf;
+        o.arrivals = abuf;
+        partials.push_back(pbuf);
+        arrivals.push_back(abuf);
+      }
       unsigned* d_cnt;
       CK(cudaMalloc(&d_cnt, (ops.size() + 1) * 4));
       CK(cudaMemset(d_cnt, 0, (ops.size() + 1) * 4));
+      ChainOp* d_ops;
+      CK(cudaMalloc(&d_ops, ops.size() * sizeof(ChainOp)));
 
       // The reference: one kernel per GEMV and per glue step.
       auto gemv = [&](const qgemv::GemvParams& p) {
@@ -412,8 +412,16 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           std::printf("%-10s %3d persistent w%d s%d: does not fit\n", f.name, M, v.warps, v.stages);
           continue;
         }
+        const int gwarps = blocks * v.warps;
+        for (ChainOp& o : ops) qgemv::chain_split(o, gwarps, f.bits == 4 ? 128 : 64, v.min_chunk);
+        CK(cudaMemcpy(d_ops, ops.data(), ops.size() * sizeof(ChainOp), cudaMemcpyHostToDevice));
         std::vector<int> sched, off;
-        qgemv::chain_schedule(items, blocks, sched, off);
+        qgemv::chain_schedule(ops, gwarps, sched, off);
+        if (v.stages == 4 && f.bits == 4 && M == 1 && &v == &variants[0]) {
+          std::printf("%-10s %3d   splits (chunk) of layer 0 at %d warps:", f.name, M, gwarps);
+          for (int i = 0; i < 4; ++i) std::printf(" %d (%d)", ops[i].splits, ops[i].chunk);
+          std::printf("\n");
+        }
         int *d_sched, *d_off;
         CK(cudaMalloc(&d_sched, sched.size() * 4));
         CK(cudaMalloc(&d_off, off.size() * 4));
@@ -421,8 +429,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         CK(cudaMemcpy(d_off, off.data(), off.size() * 4, cudaMemcpyHostToDevice));
         for (int l = 1; l <= layers; ++l) CK(cudaMemset(X[l], 0xff, size_t(M) * m.H * 2));  // poison
         auto go = [&] {
-          if (!launch_fmt(f, v, M, (v.mode & 8) ? d_free : d_ops, static_cast<int>(ops.size()), d_sched, d_off, d_cnt,
-                          sms, st, &blocks)) {
+          if (!launch_fmt(f, v, M, d_ops, static_cast<int>(ops.size()), d_sched, d_off, d_cnt, sms, st, &blocks)) {
             std::fprintf(stderr, "persistent launch failed\n");
             std::exit(1);
           }
@@ -438,8 +445,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           err = std::max(err, d != d ? 1e30 : d);
         }
         err /= refmax;
-        const bool probe = v.mode & (qgemv::kNoFence | 8);  // no fence or no dependencies: timing only
-        failures += !probe && !(err < 2e-2);
+        failures += !(err < 2e-2);
         const float us = graph_us(go, st) / layers;
         // The second check: after many graph replays the counters must still be right.
         CK(cudaMemcpy(out.data(), X[layers], out.size() * 2, cudaMemcpyDeviceToHost));
@@ -449,7 +455,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           err2 = std::max(err2, d != d ? 1e30 : d);
         }
         err = std::max(err, err2 / refmax);
-        failures += !probe && !(err2 / refmax < 2e-2);
+        failures += !(err2 / refmax < 2e-2);
         // Where the time goes: one more launch with each block's spin cycles counted.
         CK(cudaMemset(wait_dev, 0, sizeof(unsigned long long) * blocks));
         g_wait = wait_dev;
@@ -462,15 +468,16 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         for (auto c : wc) wsum += c, wmax = std::max(wmax, double(c));
         const double per_us = 1e3 / clock_khz / layers;  // cycles -> us per layer
         char form[48];
-        std::snprintf(form, sizeof form, "persist w%d s%d pf%d m%d", v.warps, v.stages, v.prefetch, v.mode);
+        std::snprintf(form, sizeof form, "persistent w%d s%d c%d", v.warps, v.stages, v.min_chunk);
         row(form, blocks, us, err);
-        std::printf("%-10s %3d   waits per layer: mean %.1f us, max %.1f us a block\n", f.name, M, wsum / blocks * per_us,
-                    wmax * per_us);
+        std::printf("%-10s %3d   waits per layer: mean %.2f us a warp, %.1f us the most of any block's warps\n",
+                    f.name, M, wsum / (blocks * v.warps) * per_us, wmax * per_us);
         CK(cudaFree(d_sched));
         CK(cudaFree(d_off));
       }
       CK(cudaFree(d_ops));
-      CK(cudaFree(d_free));
+      for (float* pb : partials) CK(cudaFree(pb));
+      for (unsigned* ab : arrivals) CK(cudaFree(ab));
       CK(cudaFree(d_cnt));
       for (auto* p : X) CK(cudaFree(p));
       for (auto* p : rX) CK(cudaFree(p));
@@ -570,7 +577,7 @@ int main(int argc, char** argv) {
   bool probe_only = false, no_probe = false;
   const Model* model = &kModels[0];
   int layers = 0;
-  std::vector<int> Ms, warps, stages, pfs, modes;
+  std::vector<int> Ms, warps, stages, chunks;
   std::vector<Fmt> fmts;
   const Fmt all[] = {{"int4g128a", 4, 128, true}, {"int4g128", 4, 128, false}, {"int4", 4, 0, false},
                      {"int8", 8, 0, false}};
@@ -598,10 +605,8 @@ int main(int argc, char** argv) {
       if (!parse(argv[++i], "--warps", warps)) return 2;
     } else if (a == "--stages" && has) {
       if (!parse(argv[++i], "--stages", stages)) return 2;
-    } else if (a == "--prefetch" && has) {
-      if (!parse(argv[++i], "--prefetch", pfs)) return 2;
-    } else if (a == "--modes" && has) {
-      if (!parse(argv[++i], "--modes", modes)) return 2;
+    } else if (a == "--min-chunk" && has) {
+      if (!parse(argv[++i], "--min-chunk", chunks)) return 2;
     } else if (a == "--formats" && has) {
       for (char* tok = std::strtok(argv[++i], ","); tok; tok = std::strtok(nullptr, ",")) {
         bool found = false;
@@ -630,8 +635,7 @@ int main(int argc, char** argv) {
   if (Ms.empty()) Ms = {1, 16};
   if (warps.empty()) warps = {8, 16};
   if (stages.empty()) stages = {4};
-  if (pfs.empty()) pfs = {0, 1, 2};
-  if (modes.empty()) modes = {qgemv::kSignalOne | qgemv::kWaitBlock};
+  if (chunks.empty()) chunks = {2};
   if (fmts.empty()) fmts = {all[0], all[2], all[3]};
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -665,8 +669,7 @@ int main(int argc, char** argv) {
   std::vector<Variant> variants;
   for (int w : warps)
     for (int s : stages)
-      for (int pf : pfs)
-        for (int md : modes) variants.push_back({w, s, pf, md});
+      for (int c : chunks) variants.push_back({w, s, c});
   int clock_khz = 0;
   CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
   const int failures = run_chain(*model, layers ? layers : model->layers, fmts, Ms, variants, ceiling,
