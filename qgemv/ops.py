@@ -206,7 +206,9 @@ def _check_ref_perm(op: str, perm, k: int) -> None:
         check_perm_values(op, perm, k)
 
 
-def _ref_matmul(x: torch.Tensor, w: torch.Tensor, perm: Optional[torch.Tensor] = None) -> torch.Tensor:
+def ref_matmul(x: torch.Tensor, w: torch.Tensor, perm: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The references' product: x [..., K] (gathered by perm) @ w [N, K] (float32, dequantized) in float32,
+    returned in x's dtype."""
     if perm is not None:
         x = x.index_select(-1, perm)
     y = x.to(torch.float32) @ w.t()
@@ -217,14 +219,14 @@ def ref_linear_int8(x, qweight, scales, in_features, perm=None):
     """Reference for qgemv::linear_int8; x [..., K] -> [..., N] in x.dtype."""
     check_linear_int8(x, qweight, scales, in_features, perm)
     _check_ref_perm("linear_int8", perm, in_features)
-    return _ref_matmul(x, formats.dequantize_int8(qweight, scales, in_features), perm)
+    return ref_matmul(x, formats.dequantize_int8(qweight, scales, in_features), perm)
 
 
 def ref_linear_int4(x, qweight, scales, in_features, perm=None):
     """Reference for qgemv::linear_int4 (per-channel, symmetric)."""
     check_linear_int4(x, qweight, scales, in_features, perm=perm)
     _check_ref_perm("linear_int4", perm, in_features)
-    return _ref_matmul(x, formats.dequantize_int4(qweight, scales, None, None, in_features), perm)
+    return ref_matmul(x, formats.dequantize_int4(qweight, scales, None, None, in_features), perm)
 
 
 def ref_linear_int4_grouped(x, qweight, scales, zeros, group_size, in_features, perm=None):
@@ -232,7 +234,7 @@ def ref_linear_int4_grouped(x, qweight, scales, zeros, group_size, in_features, 
     check_linear_int4(x, qweight, scales, in_features, zeros, group_size, op="linear_int4_grouped", perm=perm)
     _check_ref_perm("linear_int4_grouped", perm, in_features)
     w = formats.dequantize_int4(qweight, scales, zeros, group_size, in_features)
-    return _ref_matmul(x, w, perm)
+    return ref_matmul(x, w, perm)
 
 
 def ref_sgemv(A, x, kernel=0):

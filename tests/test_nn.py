@@ -39,6 +39,28 @@ def test_state_dict_round_trip(bits, group, sym, tmp_path):
     assert torch.equal(q(x), q2(x))
 
 
+@pytest.mark.parametrize("bits,group,sym", [(8, None, True), (4, None, True), (4, 32, False)])
+def test_the_cpu_path_keeps_the_references_numbers_and_follows_buffer_changes(bits, group, sym):
+    lin = torch.nn.Linear(96, 40, bias=False)
+    q = qgemv.QuantLinear.from_linear(lin, bits=bits, group_size=group, symmetric=sym)
+    x = torch.randn(3, 96)
+
+    def op():
+        if bits == 8:
+            return torch.ops.qgemv.linear_int8(x, q.qweight, q.scales, 96, None)
+        if group is None:
+            return torch.ops.qgemv.linear_int4(x, q.qweight, q.scales, 96, None)
+        return torch.ops.qgemv.linear_int4_grouped(x, q.qweight, q.scales, q.zeros, group, 96, None)
+
+    assert torch.equal(q(x), op())
+    w = q.__dict__["_cpu_w"][1]
+    assert torch.equal(q(x), op()) and q.__dict__["_cpu_w"][1] is w  # kept
+    q.scales.mul_(2)  # in place: the cache must follow
+    assert torch.equal(q(x), op())
+    q.qweight = q.qweight.clone()  # a new tensor
+    assert torch.equal(q(x), op()) and q.__dict__["_cpu_w"][1] is not w
+
+
 def test_from_linear_on_the_meta_device_gives_a_meta_skeleton():
     lin = torch.nn.Linear(64, 48, bias=True, device="meta", dtype=torch.bfloat16)
     q = qgemv.QuantLinear.from_linear(lin, bits=4, group_size=32, symmetric=False)
