@@ -241,7 +241,7 @@ def layer_targets(layer: nn.Module, prefix: str, cfg: QuantConfig, skip, overrid
 
 
 def quantize_layer(layer, prefix: str, targets: dict, algo, hidden: list, kwargs: dict, run, fwd, device,
-                   true_sequential: bool = False, clock: Optional[Clock] = None) -> tuple:
+                   true_sequential: bool = False, clock: Optional[Clock] = None, on_progress=None) -> tuple:
     """Quantize one float decoder layer's target linears with ``algo`` (a make_method object).
 
     hidden: the layer's calibration inputs, one [b, L, hidden] tensor per
@@ -250,8 +250,12 @@ def quantize_layer(layer, prefix: str, targets: dict, algo, hidden: list, kwargs
     scales, zeros) per target; each target's weight is left as its
     dequantized codes (so running the layer now gives the next layer's
     inputs) and ``originals`` holds the float weights it replaced.
+    on_progress(fraction): called as the layer's work goes on (each stage's
+    statistics half of its share, its solves the other half), so that a
+    progress bar has an estimate long before the first layer ends.
     """
     clock = clock or Clock()
+    report = on_progress or (lambda f: None)
     pending, originals = [], {}
 
     def swap_in(n, m, lcfg, qw, s, z):  # the target's float weight out, its dequantized codes in
@@ -267,16 +271,18 @@ def quantize_layer(layer, prefix: str, targets: dict, algo, hidden: list, kwargs
     stages = _sequential_stages(list(targets)) if true_sequential else [list(targets)]
     for si, stage in enumerate(stages):
         stats, owner = {}, {}
+        share = 1.0 / len(stages)
         if algo.new_stats is not None:
             with clock("forward"):
                 stats, owner = _collect(layer, stage, targets, hidden, kwargs, algo.new_stats, device, fwd,
                                         stop=si + 1 < len(stages), prefix=prefix, clock=clock)
+        report(share * (si + 0.5))
         # Linears of one format sharing a statistic (q/k/v; gate/up) are solved together where the method can.
         batches = {}
         for n in stage:
             key = (owner[n], targets[n][1]) if owner and hasattr(algo, "quantize_many") else (n, None)
             batches.setdefault(key, []).append(n)
-        for (key, _), names in batches.items():
+        for bi, ((key, _), names) in enumerate(batches.items()):
             mods = [targets[n][0] for n in names]
             lcfg = targets[names[0]][1]
             stat = stats[owner[names[0]]] if owner else pre.get(names[0])
@@ -291,6 +297,7 @@ def quantize_layer(layer, prefix: str, targets: dict, algo, hidden: list, kwargs
                 pending.append((n, m, lcfg, qw, s, z))
                 if len(stages) > 1:
                     swap_in(*pending[-1])
+            report(share * (si + 0.5 + 0.5 * (bi + 1) / len(batches)))
         del stats
     # The next layer's inputs come from the quantized layer, run on the
     # dequantized weights as dense nn.Linear (the same function as
@@ -403,15 +410,21 @@ def quantize_causal_lm(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(it, desc=f"{method} {cfg.name}", unit="layer")
-        it = bar
+        # fractional updates within each layer: the estimate shows after the first statistics, not the first layer
+        bar = tqdm(total=len(layers), desc=f"{method} {cfg.name}", unit="layer",
+                   bar_format="{l_bar}{bar}| {n:.1f}/{total} layers [{elapsed}<{remaining}{postfix}]")
     for li in it:
         tl = time.time()
         layer = layers[li].to(device)
         prefix = f"{layers_path}.{li}."
         targets = layer_targets(layer, prefix, cfg, skip, overrides, group_fallback, rep.skipped)
+        def progress_in_layer(f, li=li):
+            if bar is not None:
+                bar.n = li + f
+                bar.refresh()
+
         pending, originals, info = quantize_layer(layer, prefix, targets, algo, hidden, kwargs, run, fwd, device,
-                                                  true_sequential)
+                                                  true_sequential, on_progress=progress_in_layer)
         advance(layer, hidden, kwargs, fwd)  # the next layer's inputs, in place
         for n, m, lcfg, qw, s, z in pending:
             m.weight.data = originals[n]
@@ -421,7 +434,10 @@ def quantize_causal_lm(
         layers[li] = layer.to(model_device)
         rep.per_layer.append({"layer": li, "seconds": time.time() - tl, "info": info})
         if bar is not None:
+            bar.n = li + 1
             bar.set_postfix(rss=f"{peak_rss_mb():.0f}MB")
+    if bar is not None:
+        bar.close()
     rep.seconds = time.time() - t0
     rep.peak_rss_mb = peak_rss_mb()
     return rep

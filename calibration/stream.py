@@ -265,7 +265,8 @@ def quantize_streaming(src, out, cfg: QuantConfig, method: str = "gptq", samples
         if progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(layers), desc=f"{method} {cfg.name} (streamed)", unit="layer", initial=0)
+            bar = tqdm(total=len(layers), desc=f"{method} {cfg.name} (streamed)", unit="layer", initial=0,
+                       bar_format="{l_bar}{bar}| {n:.1f}/{total} layers [{elapsed}<{remaining}{postfix}]")
 
         with checkpoint._terminate_raises():
             for li in range(len(layers)):
@@ -298,8 +299,14 @@ def quantize_streaming(src, out, cfg: QuantConfig, method: str = "gptq", samples
                                                                     name=prefix + n, device=device)
                                          for n, (m, c) in targets.items()}
                     else:
+                        def progress_in_layer(f, li=li):  # an estimate before the first layer ends
+                            if bar is not None:
+                                bar.n = li + f
+                                bar.refresh()
+
                         pending, originals, info = quantize_layer(layer, prefix, targets, algo, hidden, kwargs, run,
-                                                                  fwd, device, true_sequential, clock)
+                                                                  fwd, device, true_sequential, clock,
+                                                                  on_progress=progress_in_layer)
                         del originals  # the float weights: gone before the next layer is read
                         if li < last_needed:
                             with clock("forward"):
@@ -321,7 +328,8 @@ def quantize_streaming(src, out, cfg: QuantConfig, method: str = "gptq", samples
                     if cuda:
                         post["gpu"] = f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f}MB"
                     bar.set_postfix(post)
-                    bar.update(1)
+                    bar.n = li + 1
+                    bar.refresh()
                 if on_layer is not None and li not in resumed:
                     on_layer(li)
             if bar is not None:

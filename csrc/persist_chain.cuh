@@ -29,9 +29,14 @@
 //     splits sums the partials in split order (deterministic), applies the
 //     epilogue, writes the op's output, resets the arrival counter and counts
 //     the unit in its op's completion counter.
-//   * A warp about to read an op's input spins (lane 0, ld.acquire.gpu) until
-//     the op it depends on has completed every unit; an op seen complete is
-//     not waited for again.  The last block out resets the completion
+//   * A warp about to read an op's input waits until the op it depends on has
+//     completed every unit.  One warp of the block at a time polls the
+//     completion counter in global memory (ld.acquire.gpu, with a 100 ns
+//     back-off) and publishes the highest op seen complete in shared memory;
+//     the block's other warps read that.  (Every warp of the grid polling the
+//     same counter, the second form's first run on the H200 spent 68 us a warp
+//     per layer waiting: the polls queue with the completion atomics at one
+//     L2 slice.)  An op seen complete is not waited for again.  The last block out resets the completion
 //     counters, so the next launch (a graph replay) starts from zero.
 //   * The grid is co-resident: blocks = SMs x resident blocks per SM, from the
 //     occupancy API (chain_blocks_per_sm); a larger grid would spin forever.
@@ -98,6 +103,11 @@ __global__ void __launch_bounds__(512, 1)
 
   extern __shared__ __align__(16) unsigned char smem[];
   uint4* ring = reinterpret_cast<uint4*>(smem) + warp * kS * kSlot + lane;
+  // The block's view of the completion counters: the highest op it has seen complete (ops complete in
+  // order: each waited for the one before), and whether a warp is polling global memory now.
+  __shared__ int s_upto, s_polling;
+  if (threadIdx.x == 0) s_upto = -1, s_polling = 0;
+  __syncthreads();
 
   auto silu_of = [](const ChainOp& o) { return o.epilogue == static_cast<int>(ChainEpilogue::kSiluMul); };
   auto row_bytes_of = [](const ChainOp& o) { return static_cast<size_t>(kBits == 4 ? o.p.Kp / 2 : o.p.Kp); };
@@ -158,10 +168,18 @@ __global__ void __launch_bounds__(512, 1)
     const int t0 = sp * o.chunk, t1 = min(t0 + o.chunk, p.K / kTileK);
     if (o.dep > satisfied) {  // the input: every unit of the op this one reads
       if (lane == 0) {
-        const unsigned need = static_cast<unsigned>(ops[o.dep].units);
         const long long c0 = wait_cycles ? clock64() : 0;
-        while (ld_acquire_gpu(done + o.dep) < need) {
+        while (*static_cast<volatile int*>(&s_upto) < o.dep) {
+          if (atomicCAS(&s_polling, 0, 1) == 0) {  // this warp polls for the block
+            const unsigned need = static_cast<unsigned>(ops[o.dep].units);
+            while (ld_acquire_gpu(done + o.dep) < need) __nanosleep(100);
+            atomicMax(&s_upto, o.dep);
+            atomicExch(&s_polling, 0);
+          } else {
+            __nanosleep(100);
+          }
         }
+        __threadfence();  // what the completed op wrote, seen through the block's poller, before reading it
         if (wait_cycles) atomicAdd(wait_cycles + blockIdx.x, static_cast<unsigned long long>(clock64() - c0));
       }
       __syncwarp();

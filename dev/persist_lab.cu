@@ -389,6 +389,34 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         refmax = std::max(refmax, double(a));
       }
       if (!finite || refmax == 0) {
+        // Which buffer first went wrong, in chain order.
+        auto bad = [&](const __half* d, size_t n) {
+          std::vector<__half> h(n);
+          CK(cudaMemcpy(h.data(), d, n * 2, cudaMemcpyDeviceToHost));
+          double mx = 0;
+          for (auto v : h) {
+            const float a = std::fabs(__half2float(v));
+            if (!std::isfinite(a)) return -1.0;
+            mx = std::max(mx, double(a));
+          }
+          return mx;
+        };
+        for (int l = 0; l < layers; ++l) {
+          const std::pair<const char*, std::pair<const __half*, size_t>> bufs[] = {
+              {"qkv", {rQ[l], size_t(M) * m.Nqkv}}, {"o", {rO[l], size_t(M) * m.H}}, {"h", {rH[l], size_t(M) * m.H}},
+              {"gate_up", {rGU[l], size_t(M) * 2 * m.I}}, {"act", {rA[l], size_t(M) * m.I}},
+              {"down", {rD[l], size_t(M) * m.H}}, {"x_next", {rX[l + 1], size_t(M) * m.H}}};
+          bool stop = false;
+          for (const auto& b : bufs) {
+            const double mx = bad(b.second.first, b.second.second);
+            if (mx < 0 || mx == 0) {
+              std::printf("%-10s %3d reference: layer %d %s is %s\n", f.name, M, l, b.first, mx < 0 ? "not finite" : "zero");
+              stop = true;
+              break;
+            }
+          }
+          if (stop) break;
+        }
         std::printf("%-10s %3d the per-op reference output is not finite or all zero: FAIL\n", f.name, M);
         ++failures;
         refmax = 1;

@@ -17,6 +17,9 @@ TARGET = "transformers.quantizers.auto"
 
 
 def _register() -> None:
+    mid_import = sys.modules.get(__package__ + ".hf")
+    if mid_import is not None and not hasattr(mid_import, "register"):
+        return  # qgemv.hf is being imported (it imports transformers' table): it registers at its own end
     try:
         from . import hf
 

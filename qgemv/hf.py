@@ -121,3 +121,6 @@ def register() -> bool:
     if "qgemv" not in qauto.AUTO_QUANTIZER_MAPPING:
         qauto.register_quantizer("qgemv")(QgemvHfQuantizer)
     return True
+
+
+register()  # importing this module registers (so does qgemv._lazy_hf, once transformers' table is imported)

@@ -42,16 +42,19 @@ def test_from_pretrained_equals_load_quantized(qdir):
     assert got.hf_quantizer.is_compileable and not got.hf_quantizer.is_serializable()
 
 
-def test_import_qgemv_leaves_transformers_alone_and_from_pretrained_still_works(qdir, tmp_path):
-    """In a fresh process: import qgemv does not import transformers; from_pretrained then loads QuantLinears;
-    the model pickles; save_pretrained is refused with a logged pointer to save_quantized."""
+@pytest.mark.parametrize("first", ["qgemv", "qgemv.hf"])
+def test_import_qgemv_leaves_transformers_alone_and_from_pretrained_still_works(qdir, tmp_path, first):
+    """In a fresh process: import qgemv does not import transformers; from_pretrained then loads QuantLinears
+    (also when qgemv.hf, which imports transformers, is imported first); the model pickles; save_pretrained is
+    refused with a logged pointer to save_quantized."""
     import subprocess
     import sys
 
     code = (
         "import pickle, sys\n"
+        f"import {first}\n"
         "import qgemv\n"
-        "assert 'transformers' not in sys.modules, 'import qgemv imported transformers'\n"
+        f"assert {first == 'qgemv.hf'} or 'transformers' not in sys.modules, 'import qgemv imported transformers'\n"
         "from transformers import AutoModelForCausalLM\n"
         f"m = AutoModelForCausalLM.from_pretrained({qdir!r})\n"
         "assert isinstance(m.model.layers[0].mlp.down_proj, qgemv.QuantLinear)\n"
