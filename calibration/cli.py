@@ -127,6 +127,12 @@ def summary_table(rep, cfg, method: str, seconds: float, out: str, fp16_bytes: i
         f"{'peak RSS':22s} {rep.peak_rss_mb:9.0f} MB",
         f"{'qgemv format':22s} version {qgemv.FORMAT_VERSION}",
     ]
+    fell_back = sorted(k for k in kinds if cfg.group_size and k != cfg.name)
+    if fell_back:  # why the stored formats differ from the one asked for
+        lines.insert(4, f"{'group fallback':22s} {', '.join(f'{kinds[k]} x {k}' for k in fell_back)}: "
+                        f"their in_features are not multiples of {cfg.group_size} "
+                        f"(each layer takes the largest of 128 / 64 / 32 that divides it; --no-group-fallback "
+                        f"refuses instead)")
     rot = getattr(rep, "rotation", None)
     if rot:
         lines.insert(-1, f"{'rotation':22s} residual {rot['residual']}, heads {rot['head']}, seed {rot['seed']} "

@@ -17,6 +17,20 @@ from conftest import requires_smollm2
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _venv_with_my_packages(venv: Path, env) -> Path:
+    """A fresh virtual environment that sees exactly this interpreter's packages (its site directories, by a
+    .pth file, after the venv's own), not the machine's base Python; returns its python."""
+    import site
+    import sysconfig
+
+    _run([sys.executable, "-m", "venv", str(venv)], venv.parent, env)
+    py = venv / "bin" / "python"
+    purelib = _run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], venv.parent, env).strip()
+    mine = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *site.getsitepackages()]
+    Path(purelib, "callers_packages.pth").write_text("\n".join(dict.fromkeys(mine)) + "\n")
+    return py
+
+
 def _run(cmd, cwd, env, timeout=900):
     r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f"{' '.join(map(str, cmd))}: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
@@ -39,8 +53,8 @@ def test_wheel_installs_and_runs_from_an_empty_directory(tmp_path):
     venv = tmp_path / "venv"
     # the heavy dependencies (torch, transformers) come from this interpreter's site-packages;
     # qgemv itself only from the wheel (--force-reinstall puts it into the venv)
-    _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], tmp_path, env)
-    py, bindir = venv / "bin" / "python", venv / "bin"
+    py = _venv_with_my_packages(venv, env)
+    bindir = venv / "bin"
     _run([py, "-m", "pip", "install", "--quiet", "--no-deps", "--force-reinstall", str(wheel)], tmp_path, env)
     # An editable install of the checkout in the base environment would serve
     # whatever the wheel lacks (qgemv._C, say) through its import hook; the
@@ -75,6 +89,27 @@ def test_wheel_installs_and_runs_from_an_empty_directory(tmp_path):
     assert (work / "q8s" / "model.safetensors.index.json").exists() and not (work / "q8s.partial").exists()
     assert "--model" in _run([py, "-m", "qgemv.eval.bench_chain", "--help"], work, env)
     assert sorted(p.name for p in work.iterdir()) == ["q8", "q8s"]
+
+
+@pytest.mark.slow
+def test_the_readme_install_line_works_in_a_fresh_venv(tmp_path):
+    """pip install ".[hf]" exactly as the README writes it (pip's isolated build, no torch in it), then
+    python -m qgemv info from an empty directory."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    line = next(ln for ln in readme.splitlines() if ln.startswith("pip install \".[hf]\""))
+    import shlex
+
+    cmd = shlex.split(line.split("#")[0])
+    assert cmd == ["pip", "install", ".[hf]"], cmd
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
+    py = _venv_with_my_packages(tmp_path / "venv", env)
+    _run([py, "-m", *cmd], ROOT, env)  # the venv's pip, in the checkout
+    work = tmp_path / "empty"
+    work.mkdir()
+    where = _run([py, "-c", "import qgemv; print(qgemv.__file__)"], work, env).strip()
+    assert where.startswith(str(tmp_path / "venv")), where
+    out = _run([py, "-m", "qgemv", "info"], work, env)
+    assert "backend: reference" in out and "qgemv: 0.1.0" in out
 
 
 def test_missing_transformers_is_a_clear_error(tmp_path):
