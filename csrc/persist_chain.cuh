@@ -268,6 +268,191 @@ __global__ void __launch_bounds__(512, 1)
   }
 }
 
+// Form 3: the items of form 2 (op, unit, k-split), dealt to blocks instead of
+// warps: a block's warps split its item's k-tiles (warp w takes t0 + w,
+// t0 + w + W, ...), meet in shared memory, and one fp32 partial per item goes
+// out; one thread per block waits for inputs and signals arrivals, as in the
+// first form (whose synchronization was the cheapest measured), with the
+// second form's balance (chain_split over blocks, chunk >= warps).
+// sched / off index blocks here.
+template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kS>
+__global__ void __launch_bounds__(512, 1)
+    chain_block_kernel(const ChainOp* __restrict__ ops, int nops, const int* __restrict__ sched,
+                       const int* __restrict__ off, unsigned* done, unsigned long long* wait_cycles) {
+  using Lane = GemvMma<T, kBits, kGroup, kZeros, kNT, 1>;
+  constexpr int kTileK = Lane::kTileK;
+  constexpr int kSlot = 64;
+  constexpr int kValues = kNT * 4;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const uint64_t pol = evict_first_policy();
+  const int first = off[blockIdx.x], last = off[blockIdx.x + 1];
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint4* ring = reinterpret_cast<uint4*>(smem) + warp * kS * kSlot + lane;
+  float* red = reinterpret_cast<float*>(smem + static_cast<size_t>(nwarps) * kS * kSlot * sizeof(uint4));
+  __shared__ unsigned s_before;
+
+  auto silu_of = [](const ChainOp& o) { return o.epilogue == static_cast<int>(ChainEpilogue::kSiluMul); };
+  auto row_bytes_of = [](const ChainOp& o) { return static_cast<size_t>(kBits == 4 ? o.p.Kp / 2 : o.p.Kp); };
+  auto panel_of_unit = [](const ChainOp& o, int u, int s) { return s == 0 ? u : u + o.p.N / 2 / kPanelRows; };
+  auto range_of = [&](const ChainOp& o, int item, int& u, int& sp, int& t0, int& t1) {
+    u = item / o.splits;
+    sp = item - u * o.splits;
+    t0 = sp * o.chunk;
+    t1 = min(t0 + o.chunk, o.p.K / kTileK);
+  };
+  auto count_of = [&](int t0, int t1) { return warp < t1 - t0 ? (t1 - t0 - warp + nwarps - 1) / nwarps : 0; };
+
+  // ---- issue side: this warp's tiles (t0 + warp + j W) of every (item, sub-panel), in order.
+  int iq = first, isub = 0, ileft = 0;
+  const char* src0 = nullptr;
+  const char* src1 = nullptr;
+  size_t istep = 0;
+  auto aim = [&]() {
+    while (iq < last) {
+      const ChainOp& o = ops[sched[iq] >> 20];
+      int u, sp, t0, t1;
+      range_of(o, sched[iq] & 0xfffff, u, sp, t0, t1);
+      ileft = count_of(t0, t1);
+      if (ileft > 0) {
+        const int row0 = panel_of_unit(o, u, isub) * kPanelRows, rows = min(kPanelRows, o.p.N - row0);
+        const char* panel = static_cast<const char*>(o.p.qweight) + row0 * row_bytes_of(o);
+        const size_t tile_stride = static_cast<size_t>(rows) * kTileBytes;
+        istep = nwarps * tile_stride;
+        src0 = panel + min(g, rows - 1) * kTileBytes + 16 * t + (t0 + warp) * tile_stride;
+        src1 = panel + min(g + 8, rows - 1) * kTileBytes + 16 * t + (t0 + warp) * tile_stride;
+        return;
+      }
+      if (++isub == (silu_of(o) ? 2 : 1)) isub = 0, ++iq;
+    }
+  };
+  aim();
+  int issued_all = 0;
+  auto issue = [&]() {
+    if (iq < last) {
+      uint4* slot = ring + (issued_all & (kS - 1)) * kSlot;
+      cp_async_16(slot, src0, pol);
+      cp_async_16(slot + 32, src1, pol);
+      src0 += istep;
+      src1 += istep;
+      if (--ileft == 0) {
+        if (++isub == (silu_of(ops[sched[iq] >> 20]) ? 2 : 1)) isub = 0, ++iq;
+        aim();
+      }
+    }
+    ++issued_all;
+    cp_async_commit();
+  };
+  int consumed = 0;
+#pragma unroll
+  for (int j = 0; j < kS - 1; ++j) issue();
+
+  int satisfied = -1;
+  for (int q = first; q < last; ++q) {
+    const int opi = sched[q] >> 20;
+    const ChainOp& o = ops[opi];
+    const GemvParams& p = o.p;
+    int u, sp, t0, t1;
+    range_of(o, sched[q] & 0xfffff, u, sp, t0, t1);
+    if (o.dep > satisfied) {
+      if (threadIdx.x == 0) {
+        const unsigned need = static_cast<unsigned>(ops[o.dep].units);
+        const long long c0 = wait_cycles ? clock64() : 0;
+        while (ld_acquire_gpu(done + o.dep) < need) {
+        }
+        if (wait_cycles) atomicAdd(wait_cycles + blockIdx.x, static_cast<unsigned long long>(clock64() - c0));
+      }
+      __syncthreads();
+      satisfied = o.dep;
+    }
+    const int count = count_of(t0, t1);
+    float* part = o.partial + static_cast<size_t>(sp) * p.M * p.N;
+    for (int s = 0; s < (silu_of(o) ? 2 : 1); ++s) {
+      const int panel = panel_of_unit(o, u, s);
+      Lane L(p, lane, panel, static_cast<const T*>(p.x), p.ldx);
+      TileMeta cur[1], nxt[1];
+      if (Lane::kGrouped && count > 0) L.template load_meta<false>(t0 + warp, cur);
+      int tile = t0 + warp;
+      for (int j = 0; j < count; ++j, tile += nwarps) {
+        uint4 w0[1], w1[1];
+        cp_async_wait<kS - 2>();
+        const uint4* slot = ring + (consumed & (kS - 1)) * kSlot;
+        ++consumed;
+        w0[0] = slot[0];
+        w1[0] = slot[32];
+        issue();
+        if (Lane::kGrouped && j + 1 < count) L.template load_meta<false>(tile + nwarps, nxt);
+        if (j & 1)
+          L.template tile<1, false>(tile, w0, w1, cur);
+        else
+          L.template tile<0, false>(tile, w0, w1, cur);
+        cur[0] = nxt[0];
+      }
+#pragma unroll
+      for (int n = 0; n < kNT; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          red[(warp * kValues + n * 4 + i) * kWarpSize + lane] = L.acc[0][0][n][i] + L.acc[1][0][n][i];
+      __syncthreads();
+      for (int v = threadIdx.x; v < kValues * kWarpSize; v += blockDim.x) {
+        const int ln = v % kWarpSize, qv = v / kWarpSize, n = qv / 4, i = qv % 4;
+        float sum = 0.f;
+        for (int w2 = 0; w2 < nwarps; ++w2) sum += red[(w2 * kValues + qv) * kWarpSize + ln];
+        const int row = panel * kPanelRows + (ln >> 2) + (i >= 2 ? 8 : 0);
+        const int tok = n * 8 + 2 * (ln & 3) + (i & 1);
+        if (row < p.N && tok < p.M) part[static_cast<size_t>(tok) * p.N + row] = sum;
+      }
+      __syncthreads();  // red is rewritten next
+    }
+    if (threadIdx.x == 0) {
+      __threadfence();  // cumulative: the block's partials, seen at the barrier
+      s_before = atomicAdd(o.arrivals + u, 1u);
+    }
+    __syncthreads();
+    if (s_before != static_cast<unsigned>(o.splits - 1)) continue;  // uniform: s_before is shared
+    __threadfence();
+    const int row0 = u * kPanelRows;
+    const int rows = silu_of(o) ? kPanelRows : min(kPanelRows, p.N - row0);
+    const __half* scales = static_cast<const __half*>(p.scales);
+    for (int e = threadIdx.x; e < rows * p.M; e += blockDim.x) {
+      const int r = e % kPanelRows, tok = e / kPanelRows, row = row0 + r;
+      auto total = [&](int rr) {
+        float v = 0.f;
+        for (int s2 = 0; s2 < o.splits; ++s2)
+          v += __ldcg(o.partial + (static_cast<size_t>(s2) * p.M + tok) * p.N + rr);
+        if constexpr (!Lane::kGrouped) v *= __half2float(scales[rr]);
+        return v;
+      };
+      T* y = static_cast<T*>(p.y) + static_cast<size_t>(tok) * p.ldy;
+      if (silu_of(o)) {
+        const float gv = to_float(from_float<T>(total(row)));
+        const float uv = to_float(from_float<T>(total(row + p.N / 2)));
+        ActTraits<T>::store(y + row, gv / (1.f + __expf(-gv)) * uv);
+      } else {
+        float v = total(row);
+        if (o.epilogue == static_cast<int>(ChainEpilogue::kResidual))
+          v += to_float(static_cast<const T*>(o.res)[static_cast<size_t>(tok) * p.ldy + row]);
+        ActTraits<T>::store(y + row, v);
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      o.arrivals[u] = 0;
+      __threadfence();
+      atomicAdd(done + opi, 1u);
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(done + nops, 1u) == gridDim.x - 1) {
+      for (int i = 0; i <= nops; ++i) atomicExch(done + i, 0u);
+    }
+  }
+}
+
 // The split of op o for a grid of `warps` warps: the k-tiles per item (chunk,
 // at least min_chunk) that give the busiest warp the fewest tiles of this op
 // when items are dealt round-robin, ties to the larger chunk (fewer items).
@@ -311,16 +496,23 @@ inline void chain_schedule(const std::vector<ChainOp>& ops, int warps, std::vect
   }
 }
 
+// Shared memory: the warps' rings (and, form 3, the reduction buffer, sized for kNT = 2).
 template <int kS>
-size_t chain_smem_bytes(int warps) {
-  return static_cast<size_t>(warps) * kS * 64 * sizeof(uint4);
+size_t chain_smem_bytes(int warps, int form) {
+  return static_cast<size_t>(warps) * kS * 64 * sizeof(uint4) +
+         (form == 3 ? static_cast<size_t>(warps) * 8 * kWarpSize * sizeof(float) : 0);
+}
+
+template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kS>
+auto chain_kernel_of(int form) {
+  return form == 3 ? chain_block_kernel<T, kBits, kGroup, kZeros, kNT, kS> : chain_kernel<T, kBits, kGroup, kZeros, kNT, kS>;
 }
 
 // Resident blocks per SM of this instance at `warps` warps (0 if it cannot run).
 template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kS>
-int chain_blocks_per_sm(int warps) {
-  auto kernel = chain_kernel<T, kBits, kGroup, kZeros, kNT, kS>;
-  const size_t smem = chain_smem_bytes<kS>(warps);
+int chain_blocks_per_sm(int warps, int form = 2) {
+  auto kernel = chain_kernel_of<T, kBits, kGroup, kZeros, kNT, kS>(form);
+  const size_t smem = chain_smem_bytes<kS>(warps, form);
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) !=
       cudaSuccess)
     return 0;
@@ -336,9 +528,11 @@ int chain_blocks_per_sm(int warps) {
 // arrival counters.
 template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kS>
 Status chain_launch(const ChainOp* d_ops, int nops, const int* d_sched, const int* d_off, unsigned* d_done,
-                    int blocks, int warps, cudaStream_t stream, unsigned long long* wait_cycles = nullptr) {
-  if (warps < 1 || warps > 16 || blocks < 1) return Status::kBadShape;
-  chain_kernel<T, kBits, kGroup, kZeros, kNT, kS><<<blocks, warps * kWarpSize, chain_smem_bytes<kS>(warps), stream>>>(
+                    int blocks, int warps, cudaStream_t stream, unsigned long long* wait_cycles = nullptr,
+                    int form = 2) {
+  if (warps < 1 || warps > 16 || blocks < 1 || (form != 2 && form != 3)) return Status::kBadShape;
+  chain_kernel_of<T, kBits, kGroup, kZeros, kNT, kS>(form)<<<blocks, warps * kWarpSize,
+                                                             chain_smem_bytes<kS>(warps, form), stream>>>(
       d_ops, nops, d_sched, d_off, d_done, wait_cycles);
   return cudaGetLastError() == cudaSuccess ? Status::kOk : Status::kLaunchFailed;
 }

@@ -6,7 +6,9 @@
 //        csrc/gemv_int4.cu csrc/gemv_int8.cu csrc/runtime.cpp -o /tmp/persist_lab
 //   /tmp/persist_lab [--probe-only | --no-probe] [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers L]
 //                    [--ms 1,16] [--warps 8,16] [--stages 4,8] [--min-chunk 2,4] [--formats int4g128a,int4,int8]
-//   (--min-chunk: the fewest k-tiles of a warp's work item, persist_chain.cuh's chain_split)
+//                    [--forms 2,3]
+//   (--min-chunk: the fewest k-tiles of a work item per warp, persist_chain.cuh's chain_split; --forms: 2 warp
+//   items, 3 block items)
 //
 // Part 1, the probes (a co-resident grid of SMs x 1 blocks of 256 threads):
 //   * grid barrier: every block adds 1 to a counter and spins until it holds
@@ -224,7 +226,7 @@ __half* dalloc(size_t n) {
 }
 
 struct Variant {
-  int warps, stages, min_chunk;
+  int warps, stages, min_chunk, form;  // form 2: warp items; 3: block items (persist_chain.cuh)
 };
 
 unsigned long long* g_wait = nullptr;  // when set, the next launches count each block's spin cycles there
@@ -232,12 +234,12 @@ unsigned long long* g_wait = nullptr;  // when set, the next launches count each
 template <int kBits, int kGroup, bool kZeros, int kNT, int kS>
 bool launch_v(const Variant& v, const ChainOp* ops, int nops, const int* sched, const int* off, unsigned* cnt,
               int sms, cudaStream_t st, int* blocks_out) {
-  const int per_sm = qgemv::chain_blocks_per_sm<__half, kBits, kGroup, kZeros, kNT, kS>(v.warps);
+  const int per_sm = qgemv::chain_blocks_per_sm<__half, kBits, kGroup, kZeros, kNT, kS>(v.warps, v.form);
   if (per_sm < 1) return false;
   *blocks_out = per_sm * sms;
   if (!ops) return true;  // just asking for the grid
   return qgemv::chain_launch<__half, kBits, kGroup, kZeros, kNT, kS>(ops, nops, sched, off, cnt, *blocks_out,
-                                                                   v.warps, st, g_wait) == qgemv::Status::kOk;
+                                                                   v.warps, st, g_wait, v.form) == qgemv::Status::kOk;
 }
 
 template <int kBits, int kGroup, bool kZeros>
@@ -440,8 +442,10 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           std::printf("%-10s %3d persistent w%d s%d: does not fit\n", f.name, M, v.warps, v.stages);
           continue;
         }
-        const int gwarps = blocks * v.warps;
-        for (ChainOp& o : ops) qgemv::chain_split(o, gwarps, f.bits == 4 ? 128 : 64, v.min_chunk);
+        // form 2 deals items to warps, form 3 to blocks (whose warps split an item's tiles)
+        const int gwarps = v.form == 3 ? blocks : blocks * v.warps;
+        const int min_chunk = v.form == 3 ? v.min_chunk * v.warps : v.min_chunk;
+        for (ChainOp& o : ops) qgemv::chain_split(o, gwarps, f.bits == 4 ? 128 : 64, min_chunk);
         CK(cudaMemcpy(d_ops, ops.data(), ops.size() * sizeof(ChainOp), cudaMemcpyHostToDevice));
         std::vector<int> sched, off;
         qgemv::chain_schedule(ops, gwarps, sched, off);
@@ -496,7 +500,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         for (auto c : wc) wsum += c, wmax = std::max(wmax, double(c));
         const double per_us = 1e3 / clock_khz / layers;  // cycles -> us per layer
         char form[48];
-        std::snprintf(form, sizeof form, "persistent w%d s%d c%d", v.warps, v.stages, v.min_chunk);
+        std::snprintf(form, sizeof form, "form %d w%d s%d c%d", v.form, v.warps, v.stages, v.min_chunk);
         row(form, blocks, us, err);
         std::printf("%-10s %3d   waits per layer: mean %.2f us a warp, %.1f us the most of any block's warps\n",
                     f.name, M, wsum / (blocks * v.warps) * per_us, wmax * per_us);
@@ -605,7 +609,7 @@ int main(int argc, char** argv) {
   bool probe_only = false, no_probe = false;
   const Model* model = &kModels[0];
   int layers = 0;
-  std::vector<int> Ms, warps, stages, chunks;
+  std::vector<int> Ms, warps, stages, chunks, forms;
   std::vector<Fmt> fmts;
   const Fmt all[] = {{"int4g128a", 4, 128, true}, {"int4g128", 4, 128, false}, {"int4", 4, 0, false},
                      {"int8", 8, 0, false}};
@@ -633,6 +637,8 @@ int main(int argc, char** argv) {
       if (!parse(argv[++i], "--warps", warps)) return 2;
     } else if (a == "--stages" && has) {
       if (!parse(argv[++i], "--stages", stages)) return 2;
+    } else if (a == "--forms" && has) {
+      if (!parse(argv[++i], "--forms", forms)) return 2;
     } else if (a == "--min-chunk" && has) {
       if (!parse(argv[++i], "--min-chunk", chunks)) return 2;
     } else if (a == "--formats" && has) {
@@ -664,6 +670,12 @@ int main(int argc, char** argv) {
   if (warps.empty()) warps = {8, 16};
   if (stages.empty()) stages = {4};
   if (chunks.empty()) chunks = {2};
+  if (forms.empty()) forms = {3};
+  for (int fm : forms)
+    if (fm != 2 && fm != 3) {
+      std::fprintf(stderr, "--forms: 2 (warp items) or 3 (block items)\n");
+      return 2;
+    }
   if (fmts.empty()) fmts = {all[0], all[2], all[3]};
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -697,7 +709,8 @@ int main(int argc, char** argv) {
   std::vector<Variant> variants;
   for (int w : warps)
     for (int s : stages)
-      for (int c : chunks) variants.push_back({w, s, c});
+      for (int c : chunks)
+        for (int fm : forms) variants.push_back({w, s, c, fm});
   int clock_khz = 0;
   CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
   const int failures = run_chain(*model, layers ? layers : model->layers, fmts, Ms, variants, ceiling,
