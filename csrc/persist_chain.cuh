@@ -8,36 +8,31 @@
 // reading a 7B step's weights reaches 99.5% of the read ceiling, one read
 // kernel per matrix 42-46%.
 //
-// What the first form taught (dev/persist_lab.cu, H200, 2026-12-03): with work
-// items of whole 16-row panels split across a block's warps, the Llama-3-8B
-// chain ran at 58.5 us/layer (int4, M = 1) against 43.8 for per-op GEMVs;
-// without dependencies at 41.3; its blocks spun 16 us a layer waiting.  Whole
-// panels are too coarse: down_proj (K = 14336) had 256 panels for 396 blocks,
-// so a third of the GPU idled while each busy block streamed 115 KB alone.
-// Hence this form:
-//   * Work items belong to warps, not blocks: item = (op, unit, k-split), a
-//     run of `chunk` k-tiles of one 16-row panel (of a gate and an up panel
-//     for SiLU * mul).  The host picks each op's split so that every warp of
-//     the grid gets the same number of tiles of every op, within one item
-//     (chain_split).  Warps never meet at a block barrier.
+// Three forms were measured on the H200 (dev/persist_lab.cu, dev/PERSISTENT.md
+// has the numbers; the first two are in git): (1) block items of whole 16-row
+// panels, (2) warp items with k-splits and per-warp polling, (3) this one.
+// None beats the per-op GEMVs yet.
+//   * Work items are (op, unit, k-split): a run of `chunk` k-tiles of one
+//     16-row panel (of a gate and an up panel for SiLU * mul).  The host
+//     picks each op's split so that every block of the grid gets the same
+//     number of tiles of every op, within one item (chain_split), and deals
+//     the items round-robin in op order (chain_schedule).  A block's warps
+//     split its item's tiles (warp w takes t0 + w, t0 + w + W, ...) and meet
+//     in shared memory.
 //   * Weights never depend on activations.  Each warp's cp.async ring (kS
-//     tiles) streams the tiles of its list in order, running on from one item
-//     into the next and across op boundaries, so while a warp waits for an
-//     input its next tiles are already on the way.
-//   * A warp stores its item's fp32 partial sums ([split][M][N] per op) and
+//     tiles) streams its tiles of the block's list in order, running on from
+//     one item into the next and across op boundaries, so while the block
+//     waits for an input its next tiles are already on the way.
+//   * A block stores its item's fp32 partial sums ([split][M][N] per op) and
 //     counts itself in the unit's arrival counter; the last of a unit's
 //     splits sums the partials in split order (deterministic), applies the
 //     epilogue, writes the op's output, resets the arrival counter and counts
 //     the unit in its op's completion counter.
-//   * A warp about to read an op's input waits until the op it depends on has
-//     completed every unit.  One warp of the block at a time polls the
-//     completion counter in global memory (ld.acquire.gpu, with a 100 ns
-//     back-off) and publishes the highest op seen complete in shared memory;
-//     the block's other warps read that.  (Every warp of the grid polling the
-//     same counter, the second form's first run on the H200 spent 68 us a warp
-//     per layer waiting: the polls queue with the completion atomics at one
-//     L2 slice.)  An op seen complete is not waited for again.  The last block out resets the completion
-//     counters, so the next launch (a graph replay) starts from zero.
+//   * Thread 0 of a block about to read an op's input spins (ld.acquire.gpu)
+//     until the op it depends on has completed every unit; an op seen
+//     complete is not waited for again.  The last block out resets the
+//     completion counters, so the next launch (a graph replay) starts from
+//     zero.
 //   * The grid is co-resident: blocks = SMs x resident blocks per SM, from the
 //     occupancy API (chain_blocks_per_sm); a larger grid would spin forever.
 //
@@ -83,201 +78,14 @@ __device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
   return v;
 }
 
-// The kernel.  ops[nops]; sched: every warp's items (warp w of the grid, w =
-// block x warps + warp, in sched[off[w] .. off[w + 1])), each (op << 20 |
-// item), item = unit x splits + split; done[nops + 1]: per-op completion
-// counters (the last counts finished blocks).  wait_cycles: nullptr, or
-// [blocks] counters to which the waiting lanes add the SM cycles they spun.
+// The kernel.  ops[nops]; sched: every block's items (block b's in
+// sched[off[b] .. off[b + 1])), each (op << 20 | item), item = unit x splits
+// + split; done[nops + 1]: per-op completion counters (the last counts
+// finished blocks).  wait_cycles: nullptr, or [blocks] counters to which
+// thread 0 adds the SM cycles it spun.
 template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kS>
 __global__ void __launch_bounds__(512, 1)
     chain_kernel(const ChainOp* __restrict__ ops, int nops, const int* __restrict__ sched,
-                 const int* __restrict__ off, unsigned* done, unsigned long long* wait_cycles) {
-  using Lane = GemvMma<T, kBits, kGroup, kZeros, kNT, 1>;
-  constexpr int kTileK = Lane::kTileK;
-  constexpr int kSlot = 64;  // uint4 per ring slot: 2 rows x 32 lanes
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const uint64_t pol = evict_first_policy();
-  const int gw = blockIdx.x * nwarps + warp;
-  const int first = off[gw], last = off[gw + 1];
-
-  extern __shared__ __align__(16) unsigned char smem[];
-  uint4* ring = reinterpret_cast<uint4*>(smem) + warp * kS * kSlot + lane;
-  // The block's view of the completion counters: the highest op it has seen complete (ops complete in
-  // order: each waited for the one before), and whether a warp is polling global memory now.
-  __shared__ int s_upto, s_polling;
-  if (threadIdx.x == 0) s_upto = -1, s_polling = 0;
-  __syncthreads();
-
-  auto silu_of = [](const ChainOp& o) { return o.epilogue == static_cast<int>(ChainEpilogue::kSiluMul); };
-  auto row_bytes_of = [](const ChainOp& o) { return static_cast<size_t>(kBits == 4 ? o.p.Kp / 2 : o.p.Kp); };
-  // Sub-panel s (0, or 1 = up for SiLU) of unit u.
-  auto panel_of_unit = [](const ChainOp& o, int u, int s) { return s == 0 ? u : u + o.p.N / 2 / kPanelRows; };
-
-  // ---- issue side: this warp's tiles of every (item, sub-panel), in order.
-  int iq = first, isub = 0, ileft = 0;
-  const char* src0 = nullptr;
-  const char* src1 = nullptr;
-  size_t istep = 0;
-  auto aim = [&]() {  // the first tile of (iq, isub)
-    if (iq >= last) return;
-    const ChainOp& o = ops[sched[iq] >> 20];
-    const int item = sched[iq] & 0xfffff, u = item / o.splits, sp = item - u * o.splits;
-    const int t0 = sp * o.chunk, t1 = min(t0 + o.chunk, o.p.K / kTileK);
-    ileft = t1 - t0;
-    const int row0 = panel_of_unit(o, u, isub) * kPanelRows, rows = min(kPanelRows, o.p.N - row0);
-    const char* panel = static_cast<const char*>(o.p.qweight) + row0 * row_bytes_of(o);
-    istep = static_cast<size_t>(rows) * kTileBytes;
-    src0 = panel + min(g, rows - 1) * kTileBytes + 16 * t + t0 * istep;
-    src1 = panel + min(g + 8, rows - 1) * kTileBytes + 16 * t + t0 * istep;
-  };
-  aim();
-  int issued_all = 0;
-  auto issue = [&]() {
-    if (iq < last) {
-      uint4* slot = ring + (issued_all & (kS - 1)) * kSlot;
-      cp_async_16(slot, src0, pol);
-      cp_async_16(slot + 32, src1, pol);
-      src0 += istep;
-      src1 += istep;
-      if (--ileft == 0) {
-        if (++isub == (silu_of(ops[sched[iq] >> 20]) ? 2 : 1)) isub = 0, ++iq;
-        aim();
-      }
-    }
-    ++issued_all;
-    cp_async_commit();  // always commit: keeps the group count uniform
-  };
-  int consumed = 0;
-  auto read_slot = [&](uint4 (&w0)[1], uint4 (&w1)[1]) {
-    const uint4* slot = ring + (consumed & (kS - 1)) * kSlot;
-    ++consumed;
-    w0[0] = slot[0];
-    w1[0] = slot[32];
-  };
-#pragma unroll
-  for (int j = 0; j < kS - 1; ++j) issue();
-
-  // ---- compute side.
-  int satisfied = -1;  // every op up to this one has completed (an op's units waited for the op before)
-  for (int q = first; q < last; ++q) {
-    const int opi = sched[q] >> 20, item = sched[q] & 0xfffff;
-    const ChainOp& o = ops[opi];
-    const GemvParams& p = o.p;
-    const int u = item / o.splits, sp = item - u * o.splits;
-    const int t0 = sp * o.chunk, t1 = min(t0 + o.chunk, p.K / kTileK);
-    if (o.dep > satisfied) {  // the input: every unit of the op this one reads
-      if (lane == 0) {
-        const long long c0 = wait_cycles ? clock64() : 0;
-        while (*static_cast<volatile int*>(&s_upto) < o.dep) {
-          if (atomicCAS(&s_polling, 0, 1) == 0) {  // this warp polls for the block
-            const unsigned need = static_cast<unsigned>(ops[o.dep].units);
-            while (ld_acquire_gpu(done + o.dep) < need) __nanosleep(100);
-            atomicMax(&s_upto, o.dep);
-            atomicExch(&s_polling, 0);
-          } else {
-            __nanosleep(100);
-          }
-        }
-        __threadfence();  // what the completed op wrote, seen through the block's poller, before reading it
-        if (wait_cycles) atomicAdd(wait_cycles + blockIdx.x, static_cast<unsigned long long>(clock64() - c0));
-      }
-      __syncwarp();
-      satisfied = o.dep;
-    }
-    const int subs = silu_of(o) ? 2 : 1;
-    for (int s = 0; s < subs; ++s) {
-      const int panel = panel_of_unit(o, u, s);
-      Lane L(p, lane, panel, static_cast<const T*>(p.x), p.ldx);
-      TileMeta cur[1], nxt[1];
-      if (Lane::kGrouped) L.template load_meta<false>(t0, cur);
-      for (int tile = t0; tile < t1; ++tile) {
-        uint4 w0[1], w1[1];
-        cp_async_wait<kS - 2>();
-        read_slot(w0, w1);
-        issue();
-        if (Lane::kGrouped && tile + 1 < t1) L.template load_meta<false>(tile + 1, nxt);
-        if ((tile - t0) & 1)
-          L.template tile<1, false>(tile, w0, w1, cur);
-        else
-          L.template tile<0, false>(tile, w0, w1, cur);
-        cur[0] = nxt[0];
-      }
-      // This split's fp32 sums -> partial[sp][tok][row] (C fragment: i = 0, 1 row g, tokens 2t, 2t + 1;
-      // i = 2, 3 row g + 8).
-      float* part = o.partial + static_cast<size_t>(sp) * p.M * p.N;
-#pragma unroll
-      for (int n = 0; n < kNT; ++n)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int row = panel * kPanelRows + g + (i >= 2 ? 8 : 0);
-          const int tok = n * 8 + 2 * t + (i & 1);
-          if (row < p.N && tok < p.M)
-            part[static_cast<size_t>(tok) * p.N + row] = L.acc[0][0][n][i] + L.acc[1][0][n][i];
-        }
-    }
-    // Count this split in; the last of the unit's splits finishes the unit.
-    __threadfence();
-    __syncwarp();
-    unsigned before = 0;
-    if (lane == 0) before = atomicAdd(o.arrivals + u, 1u);
-    before = __shfl_sync(0xffffffffu, before, 0);
-    if (before != static_cast<unsigned>(o.splits - 1)) continue;
-    __threadfence();  // the other splits' partials, released before their arrivals, are visible now
-    const int row0 = u * kPanelRows;
-    const int rows = silu_of(o) ? kPanelRows : min(kPanelRows, p.N - row0);
-    const __half* scales = static_cast<const __half*>(p.scales);
-    for (int e = lane; e < rows * p.M; e += kWarpSize) {
-      const int r = e % kPanelRows, tok = e / kPanelRows;
-      const int row = row0 + r;
-      auto total = [&](int rr) {  // the splits' sums of row rr, in split order
-        float v = 0.f;
-        for (int s2 = 0; s2 < o.splits; ++s2)
-          v += __ldcg(o.partial + (static_cast<size_t>(s2) * p.M + tok) * p.N + rr);
-        if constexpr (!Lane::kGrouped) v *= __half2float(scales[rr]);
-        return v;
-      };
-      T* y = static_cast<T*>(p.y) + static_cast<size_t>(tok) * p.ldy;
-      if (silu_of(o)) {
-        const float gv = to_float(from_float<T>(total(row)));
-        const float uv = to_float(from_float<T>(total(row + p.N / 2)));
-        ActTraits<T>::store(y + row, gv / (1.f + __expf(-gv)) * uv);
-      } else {
-        float v = total(row);
-        if (o.epilogue == static_cast<int>(ChainEpilogue::kResidual))
-          v += to_float(static_cast<const T*>(o.res)[static_cast<size_t>(tok) * p.ldy + row]);
-        ActTraits<T>::store(y + row, v);
-      }
-    }
-    __threadfence();
-    __syncwarp();
-    if (lane == 0) {
-      o.arrivals[u] = 0;  // every split of this unit has arrived: ready for the next launch
-      atomicAdd(done + opi, 1u);
-    }
-  }
-  cp_async_wait<0>();
-  // The last block out resets the completion counters for the next launch:
-  // every warp has passed its last wait by then.
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(done + nops, 1u) == gridDim.x - 1) {
-      for (int i = 0; i <= nops; ++i) atomicExch(done + i, 0u);
-    }
-  }
-}
-
-// Form 3: the items of form 2 (op, unit, k-split), dealt to blocks instead of
-// warps: a block's warps split its item's k-tiles (warp w takes t0 + w,
-// t0 + w + W, ...), meet in shared memory, and one fp32 partial per item goes
-// out; one thread per block waits for inputs and signals arrivals, as in the
-// first form (whose synchronization was the cheapest measured), with the
-// second form's balance (chain_split over blocks, chunk >= warps).
-// sched / off index blocks here.
-template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kS>
-__global__ void __launch_bounds__(512, 1)
-    chain_block_kernel(const ChainOp* __restrict__ ops, int nops, const int* __restrict__ sched,
                        const int* __restrict__ off, unsigned* done, unsigned long long* wait_cycles) {
   using Lane = GemvMma<T, kBits, kGroup, kZeros, kNT, 1>;
   constexpr int kTileK = Lane::kTileK;
@@ -453,8 +261,8 @@ __global__ void __launch_bounds__(512, 1)
   }
 }
 
-// The split of op o for a grid of `warps` warps: the k-tiles per item (chunk,
-// at least min_chunk) that give the busiest warp the fewest tiles of this op
+// The split of op o over `workers` (blocks): the k-tiles per item (chunk, at
+// least min_chunk) that give the busiest worker the fewest tiles of this op
 // when items are dealt round-robin, ties to the larger chunk (fewer items).
 // Sets units, splits, chunk.
 inline void chain_split(ChainOp& o, int warps, int tile_k, int min_chunk) {
@@ -496,23 +304,17 @@ inline void chain_schedule(const std::vector<ChainOp>& ops, int warps, std::vect
   }
 }
 
-// Shared memory: the warps' rings (and, form 3, the reduction buffer, sized for kNT = 2).
+// Shared memory: the warps' rings and the reduction buffer (sized for kNT = 2).
 template <int kS>
-size_t chain_smem_bytes(int warps, int form) {
-  return static_cast<size_t>(warps) * kS * 64 * sizeof(uint4) +
-         (form == 3 ? static_cast<size_t>(warps) * 8 * kWarpSize * sizeof(float) : 0);
-}
-
-template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kS>
-auto chain_kernel_of(int form) {
-  return form == 3 ? chain_block_kernel<T, kBits, kGroup, kZeros, kNT, kS> : chain_kernel<T, kBits, kGroup, kZeros, kNT, kS>;
+size_t chain_smem_bytes(int warps) {
+  return static_cast<size_t>(warps) * kS * 64 * sizeof(uint4) + static_cast<size_t>(warps) * 8 * kWarpSize * sizeof(float);
 }
 
 // Resident blocks per SM of this instance at `warps` warps (0 if it cannot run).
 template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kS>
-int chain_blocks_per_sm(int warps, int form = 2) {
-  auto kernel = chain_kernel_of<T, kBits, kGroup, kZeros, kNT, kS>(form);
-  const size_t smem = chain_smem_bytes<kS>(warps, form);
+int chain_blocks_per_sm(int warps) {
+  auto kernel = chain_kernel<T, kBits, kGroup, kZeros, kNT, kS>;
+  const size_t smem = chain_smem_bytes<kS>(warps);
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) !=
       cudaSuccess)
     return 0;
@@ -528,11 +330,9 @@ int chain_blocks_per_sm(int warps, int form = 2) {
 // arrival counters.
 template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kS>
 Status chain_launch(const ChainOp* d_ops, int nops, const int* d_sched, const int* d_off, unsigned* d_done,
-                    int blocks, int warps, cudaStream_t stream, unsigned long long* wait_cycles = nullptr,
-                    int form = 2) {
-  if (warps < 1 || warps > 16 || blocks < 1 || (form != 2 && form != 3)) return Status::kBadShape;
-  chain_kernel_of<T, kBits, kGroup, kZeros, kNT, kS>(form)<<<blocks, warps * kWarpSize,
-                                                             chain_smem_bytes<kS>(warps, form), stream>>>(
+                    int blocks, int warps, cudaStream_t stream, unsigned long long* wait_cycles = nullptr) {
+  if (warps < 1 || warps > 16 || blocks < 1) return Status::kBadShape;
+  chain_kernel<T, kBits, kGroup, kZeros, kNT, kS><<<blocks, warps * kWarpSize, chain_smem_bytes<kS>(warps), stream>>>(
       d_ops, nops, d_sched, d_off, d_done, wait_cycles);
   return cudaGetLastError() == cudaSuccess ? Status::kOk : Status::kLaunchFailed;
 }

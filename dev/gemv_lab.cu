@@ -42,15 +42,8 @@
 #include <cuda_runtime.h>
 
 #include "qgemv.h"
+#include "lab_common.cuh"
 
-#define CK(x)                                                                          \
-  do {                                                                                 \
-    cudaError_t e_ = (x);                                                              \
-    if (e_ != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                    \
-    }                                                                                  \
-  } while (0)
 
 namespace {
 
@@ -102,36 +95,6 @@ __global__ void ref_int8(const int8_t* qw, const __half* scales, const __half* x
 }
 
 __global__ void empty_kernel() {}
-
-__global__ void read_kernel(const uint4* p, size_t n, unsigned* sink) {
-  uint32_t acc = 0;
-  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    const uint4 v = __ldcs(p + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x9e3779b9u) *sink = acc;  // practically never; keeps the loads alive
-}
-
-// Median µs between two events around body() on stream st, over reps runs
-// after 3 warm-ups; before(i) runs ahead of each timed run, outside the events.
-template <typename Before, typename Body>
-float median_event_us(cudaStream_t st, cudaEvent_t a, cudaEvent_t b, int reps, Before&& before, Body&& body) {
-  for (int i = 0; i < 3; ++i) body();
-  std::vector<float> ts;
-  for (int i = 0; i < reps; ++i) {
-    before(i);
-    CK(cudaEventRecord(a, st));
-    body();
-    CK(cudaEventRecord(b, st));
-    CK(cudaEventSynchronize(b));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    ts.push_back(ms * 1000.f);
-  }
-  std::sort(ts.begin(), ts.end());
-  return ts[ts.size() / 2];
-}
 
 struct Timer {
   void* flush = nullptr;
@@ -198,22 +161,6 @@ const ChainModel kChainModels[] = {
     {"llama3-70b", 4, {{10240, 8192}, {8192, 8192}, {57344, 8192}, {8192, 28672}}},
     {"qwen2.5-7b", 16, {{4608, 3584}, {3584, 3584}, {37888, 3584}, {3584, 18944}}},
 };
-
-// Median µs of one replay of the graph that body() launches into st when
-// captured (20 replays after 3 warm-ups).
-template <typename F>
-float capture_us(F&& body, cudaStream_t st, cudaEvent_t a, cudaEvent_t b) {
-  cudaGraph_t g;
-  cudaGraphExec_t exec;
-  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-  body();
-  CK(cudaStreamEndCapture(st, &g));
-  CK(cudaGraphInstantiate(&exec, g, 0));
-  const float us = median_event_us(st, a, b, 20, [](int) {}, [&] { CK(cudaGraphLaunch(exec, st)); });
-  CK(cudaGraphExecDestroy(exec));
-  CK(cudaGraphDestroy(g));
-  return us;
-}
 
 int run_chain(const ChainModel& model, int layers, const std::vector<int>& linears, const std::vector<int>& Ms,
               const std::vector<int>& pdls, const std::vector<std::vector<int>>& chain_warps, double ceiling,
@@ -382,16 +329,8 @@ int main(int argc, char** argv) {
   Timer timer;
 
   // Read ceiling.
-  const size_t rbytes = size_t(2) << 30;
-  void* rbuf;
-  unsigned* sink;
-  CK(cudaMalloc(&rbuf, rbytes));
-  CK(cudaMalloc(&sink, 4));
-  CK(cudaMemset(rbuf, 1, rbytes));
-  const float read_us = timer.median_us(
-      [&] { read_kernel<<<prop.multiProcessorCount * 8, 512>>>(static_cast<uint4*>(rbuf), rbytes / 16, sink); },
-      5);
-  const double ceiling = rbytes / (read_us * 1e3);  // GB/s
+  ReadBuffer rb(size_t(2) << 30);
+  const double ceiling = rb.bytes / (rb.us(rb.bytes, prop.multiProcessorCount, timer.a, timer.b, 5) * 1e3);  // GB/s
   std::printf("read ceiling: %.0f GB/s\n", ceiling);
   // What any single launch costs under this method, and how long the read
   // kernel takes for exactly one weight matrix's bytes (the "same bytes"
@@ -407,7 +346,7 @@ int main(int argc, char** argv) {
   std::printf("empty kernel: %.1f us\n", empty_us);
   auto read_us_for = [&](size_t bytes) {
     return timer.median_us(
-        [&] { read_kernel<<<prop.multiProcessorCount * 8, 512>>>(static_cast<uint4*>(rbuf), bytes / 16, sink); },
+        [&] { read_kernel<<<prop.multiProcessorCount * 8, 512>>>(static_cast<const uint4*>(rb.p), bytes / 16, rb.sink); },
         15);
   };
 
@@ -516,7 +455,6 @@ int main(int argc, char** argv) {
       }
     }
   }
-  CK(cudaFree(rbuf));
   std::printf("%s (%d failures)\n", failures ? "FAILED" : "all results match the reference", failures);
   return failures ? 1 : 0;
 }

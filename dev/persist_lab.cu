@@ -6,9 +6,7 @@
 //        csrc/gemv_int4.cu csrc/gemv_int8.cu csrc/runtime.cpp -o /tmp/persist_lab
 //   /tmp/persist_lab [--probe-only | --no-probe] [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers L]
 //                    [--ms 1,16] [--warps 8,16] [--stages 4,8] [--min-chunk 2,4] [--formats int4g128a,int4,int8]
-//                    [--forms 2,3]
-//   (--min-chunk: the fewest k-tiles of a work item per warp, persist_chain.cuh's chain_split; --forms: 2 warp
-//   items, 3 block items)
+//   (--min-chunk: the fewest k-tiles of a work item per warp, persist_chain.cuh's chain_split)
 //
 // Part 1, the probes (a co-resident grid of SMs x 1 blocks of 256 threads):
 //   * grid barrier: every block adds 1 to a counter and spins until it holds
@@ -39,31 +37,14 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "lab_common.cuh"
 #include "persist_chain.cuh"
 
-#define CK(x)                                                                                     \
-  do {                                                                                            \
-    cudaError_t e_ = (x);                                                                         \
-    if (e_ != cudaSuccess) {                                                                      \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));     \
-      std::exit(1);                                                                               \
-    }                                                                                             \
-  } while (0)
 
 namespace {
 
 using qgemv::ChainEpilogue;
 using qgemv::ChainOp;
-
-__global__ void read_kernel(const uint4* p, size_t n, unsigned* sink) {
-  uint32_t acc = 0;
-  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    const uint4 v = __ldcs(p + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x9e3779b9u) *sink = acc;
-}
 
 // ---- probes ---------------------------------------------------------------
 __global__ void barrier_kernel(unsigned* ctr, int rounds, const uint4* w, size_t per_block, unsigned* sink) {
@@ -130,32 +111,15 @@ struct Fmt {
   bool zeros;
 };
 
+// capture_us with its own events; 30 replays.
 template <typename F>
-float graph_us(F&& body, cudaStream_t st, int reps = 30) {
-  cudaGraph_t g;
-  cudaGraphExec_t ex;
-  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-  body();
-  CK(cudaStreamEndCapture(st, &g));
-  CK(cudaGraphInstantiate(&ex, g, 0));
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ex, st));
-  std::vector<float> ts;
-  for (int i = 0; i < reps; ++i) {
-    CK(cudaEventRecord(a, st));
-    CK(cudaGraphLaunch(ex, st));
-    CK(cudaEventRecord(b, st));
-    CK(cudaEventSynchronize(b));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    ts.push_back(ms * 1000.f);
+float graph_us(F&& body, cudaStream_t st) {
+  static cudaEvent_t a = nullptr, b = nullptr;
+  if (!a) {
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
   }
-  CK(cudaGraphExecDestroy(ex));
-  CK(cudaGraphDestroy(g));
-  std::sort(ts.begin(), ts.end());
-  return ts[ts.size() / 2];
+  return capture_us(body, st, a, b, 30);
 }
 
 // One linear's packed weight on the device.
@@ -226,7 +190,7 @@ __half* dalloc(size_t n) {
 }
 
 struct Variant {
-  int warps, stages, min_chunk, form;  // form 2: warp items; 3: block items (persist_chain.cuh)
+  int warps, stages, min_chunk;  // min_chunk: k-tiles of an item per warp, at least
 };
 
 unsigned long long* g_wait = nullptr;  // when set, the next launches count each block's spin cycles there
@@ -234,12 +198,12 @@ unsigned long long* g_wait = nullptr;  // when set, the next launches count each
 template <int kBits, int kGroup, bool kZeros, int kNT, int kS>
 bool launch_v(const Variant& v, const ChainOp* ops, int nops, const int* sched, const int* off, unsigned* cnt,
               int sms, cudaStream_t st, int* blocks_out) {
-  const int per_sm = qgemv::chain_blocks_per_sm<__half, kBits, kGroup, kZeros, kNT, kS>(v.warps, v.form);
+  const int per_sm = qgemv::chain_blocks_per_sm<__half, kBits, kGroup, kZeros, kNT, kS>(v.warps);
   if (per_sm < 1) return false;
   *blocks_out = per_sm * sms;
   if (!ops) return true;  // just asking for the grid
   return qgemv::chain_launch<__half, kBits, kGroup, kZeros, kNT, kS>(ops, nops, sched, off, cnt, *blocks_out,
-                                                                   v.warps, st, g_wait, v.form) == qgemv::Status::kOk;
+                                                                   v.warps, st, g_wait) == qgemv::Status::kOk;
 }
 
 template <int kBits, int kGroup, bool kZeros>
@@ -442,15 +406,13 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           std::printf("%-10s %3d persistent w%d s%d: does not fit\n", f.name, M, v.warps, v.stages);
           continue;
         }
-        // form 2 deals items to warps, form 3 to blocks (whose warps split an item's tiles)
-        const int gwarps = v.form == 3 ? blocks : blocks * v.warps;
-        const int min_chunk = v.form == 3 ? v.min_chunk * v.warps : v.min_chunk;
-        for (ChainOp& o : ops) qgemv::chain_split(o, gwarps, f.bits == 4 ? 128 : 64, min_chunk);
+        // items go to blocks, whose warps split an item's tiles
+        for (ChainOp& o : ops) qgemv::chain_split(o, blocks, f.bits == 4 ? 128 : 64, v.min_chunk * v.warps);
         CK(cudaMemcpy(d_ops, ops.data(), ops.size() * sizeof(ChainOp), cudaMemcpyHostToDevice));
         std::vector<int> sched, off;
-        qgemv::chain_schedule(ops, gwarps, sched, off);
+        qgemv::chain_schedule(ops, blocks, sched, off);
         if (v.stages == 4 && f.bits == 4 && M == 1 && &v == &variants[0]) {
-          std::printf("%-10s %3d   splits (chunk) of layer 0 at %d warps:", f.name, M, gwarps);
+          std::printf("%-10s %3d   splits (chunk) of layer 0 at %d blocks:", f.name, M, blocks);
           for (int i = 0; i < 4; ++i) std::printf(" %d (%d)", ops[i].splits, ops[i].chunk);
           std::printf("\n");
         }
@@ -500,10 +462,10 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         for (auto c : wc) wsum += c, wmax = std::max(wmax, double(c));
         const double per_us = 1e3 / clock_khz / layers;  // cycles -> us per layer
         char form[48];
-        std::snprintf(form, sizeof form, "form %d w%d s%d c%d", v.form, v.warps, v.stages, v.min_chunk);
+        std::snprintf(form, sizeof form, "persistent w%d s%d c%d", v.warps, v.stages, v.min_chunk);
         row(form, blocks, us, err);
-        std::printf("%-10s %3d   waits per layer: mean %.2f us a warp, %.1f us the most of any block's warps\n",
-                    f.name, M, wsum / (blocks * v.warps) * per_us, wmax * per_us);
+        std::printf("%-10s %3d   waits per layer: mean %.2f us a block, %.1f us the most\n", f.name, M,
+                    wsum / blocks * per_us, wmax * per_us);
         CK(cudaFree(d_sched));
         CK(cudaFree(d_off));
       }
@@ -534,22 +496,7 @@ void probes(int sms, double ceiling) {
   cudaEvent_t a, b;
   CK(cudaEventCreate(&a));
   CK(cudaEventCreate(&b));
-  auto time = [&](auto&& body) {
-    body();
-    CK(cudaStreamSynchronize(st));
-    std::vector<float> ts;
-    for (int i = 0; i < 7; ++i) {
-      CK(cudaEventRecord(a, st));
-      body();
-      CK(cudaEventRecord(b, st));
-      CK(cudaEventSynchronize(b));
-      float ms;
-      CK(cudaEventElapsedTime(&ms, a, b));
-      ts.push_back(ms * 1000.f);
-    }
-    std::sort(ts.begin(), ts.end());
-    return ts[ts.size() / 2];
-  };
+  auto time = [&](auto&& body) { return median_event_us(st, a, b, 7, [](int) {}, body); };
   std::printf("\nprobes (%d blocks of 256 threads, one per SM)\n", sms);
   for (int per_sm : {1, 2}) {
     const int G = sms * per_sm;
@@ -609,7 +556,7 @@ int main(int argc, char** argv) {
   bool probe_only = false, no_probe = false;
   const Model* model = &kModels[0];
   int layers = 0;
-  std::vector<int> Ms, warps, stages, chunks, forms;
+  std::vector<int> Ms, warps, stages, chunks;
   std::vector<Fmt> fmts;
   const Fmt all[] = {{"int4g128a", 4, 128, true}, {"int4g128", 4, 128, false}, {"int4", 4, 0, false},
                      {"int8", 8, 0, false}};
@@ -637,8 +584,6 @@ int main(int argc, char** argv) {
       if (!parse(argv[++i], "--warps", warps)) return 2;
     } else if (a == "--stages" && has) {
       if (!parse(argv[++i], "--stages", stages)) return 2;
-    } else if (a == "--forms" && has) {
-      if (!parse(argv[++i], "--forms", forms)) return 2;
     } else if (a == "--min-chunk" && has) {
       if (!parse(argv[++i], "--min-chunk", chunks)) return 2;
     } else if (a == "--formats" && has) {
@@ -670,47 +615,27 @@ int main(int argc, char** argv) {
   if (warps.empty()) warps = {8, 16};
   if (stages.empty()) stages = {4};
   if (chunks.empty()) chunks = {2};
-  if (forms.empty()) forms = {3};
-  for (int fm : forms)
-    if (fm != 2 && fm != 3) {
-      std::fprintf(stderr, "--forms: 2 (warp items) or 3 (block items)\n");
-      return 2;
-    }
+
   if (fmts.empty()) fmts = {all[0], all[2], all[3]};
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
-  const size_t rbytes = size_t(2) << 30;
-  void* rbuf;
-  unsigned* sink;
-  CK(cudaMalloc(&rbuf, rbytes));
-  CK(cudaMalloc(&sink, 4));
-  CK(cudaMemset(rbuf, 1, rbytes));
   cudaEvent_t a, b;
   CK(cudaEventCreate(&a));
   CK(cudaEventCreate(&b));
-  std::vector<float> ts;
-  for (int i = 0; i < 6; ++i) {
-    CK(cudaEventRecord(a));
-    read_kernel<<<prop.multiProcessorCount * 8, 512>>>(static_cast<uint4*>(rbuf), rbytes / 16, sink);
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    if (i) ts.push_back(ms * 1000.f);
+  double ceiling;
+  {
+    ReadBuffer rb(size_t(2) << 30);
+    ceiling = rb.bytes / (rb.us(rb.bytes, prop.multiProcessorCount, a, b, 5) * 1e3);  // GB/s
   }
-  std::sort(ts.begin(), ts.end());
-  const double ceiling = rbytes / (ts[ts.size() / 2] * 1e3);
   std::printf("read ceiling: %.0f GB/s\n", ceiling);
-  CK(cudaFree(rbuf));
   if (!no_probe) probes(prop.multiProcessorCount, ceiling);
   else std::printf("(probes skipped)\n");
   if (probe_only) return 0;
   std::vector<Variant> variants;
   for (int w : warps)
     for (int s : stages)
-      for (int c : chunks)
-        for (int fm : forms) variants.push_back({w, s, c, fm});
+      for (int c : chunks) variants.push_back({w, s, c});
   int clock_khz = 0;
   CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
   const int failures = run_chain(*model, layers ? layers : model->layers, fmts, Ms, variants, ceiling,
