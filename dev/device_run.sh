@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|chain|gptqab|genact|import|glue|overlap|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|chain|gptqab|genact|import|glue|overlap|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -73,6 +73,11 @@ for step in "${@:-all}"; do
     glue)
       # the engine's norm glue with an act-order gather: gathered after the norm or before it
       timeout 200 python3 dev/glue_gather_probe.py 2>&1 | grep -v -i warn | tee "$OUT/glue.txt" ;;
+    persist)
+      # issue 35's lab: probes, then the persistent chain against per-op GEMVs (PERSIST_ARGS adds flags)
+      nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc dev/persist_lab.cu csrc/gemv_int4.cu \
+        csrc/gemv_int8.cu csrc/runtime.cpp -o /tmp/persist_lab || exit 1
+      timeout 400 /tmp/persist_lab ${PERSIST_ARGS:-} 2>&1 | tee "$OUT/persist.txt" ;;
     linears)
       # the kernel lab's chain, one linear at a time (llama3-8b, M = 1 and 16)
       nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc dev/gemv_lab.cu csrc/gemv_int4.cu csrc/gemv_int8.cu csrc/runtime.cpp \
