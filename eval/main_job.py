@@ -75,6 +75,20 @@ def recipes(samples: int) -> list:
     ]
 
 
+def stored_formats(qdir: str) -> str:
+    """What a checkpoint's linears are stored as, from its quantize_report.json: "30 x int4g128a, 180 x
+    int4g64a" (a recipe's name says what was asked for; groups that do not divide K fall back)."""
+    import json
+    from collections import Counter
+
+    try:
+        with open(os.path.join(qdir, "quantize_report.json")) as f:
+            kinds = Counter(json.load(f)["formats"].values())
+    except (OSError, ValueError, KeyError, AttributeError):
+        return "(no quantize_report.json)"
+    return ", ".join(f"{n} x {k}" for k, n in sorted(kinds.items()))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m qgemv.eval.main_job")
     ap.add_argument("--out", default="runs/main")
@@ -130,6 +144,7 @@ def main(argv=None) -> int:
         verdict = "pass" if not fails else "FAIL: " + "; ".join(fails)
         print(f"{job.name:24s} {r['ppl']:8.3f} {r['delta_ppl_pct']:+8.2f} {r['kl']:8.4f} {r['top1_pct']:7.2f} "
               f"{times[job.name]:11.1f}  {verdict}")
+        print(f"{'':24s} stored as {stored_formats(os.path.join(args.out, job.name))}")
         print(f"{'':24s} {job.explain()}")
     print(bench)
     print(f"protocol: {report['protocol_text']}")

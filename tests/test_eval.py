@@ -208,3 +208,14 @@ def test_ship_checkpoint_round_trip(tiny_llama_dir, tmp_path):
         S.unpack(str(tmp_path / "p.part"), str(tmp_path / "bad"), reference=tiny_llama_dir)
     with pytest.raises(FileExistsError):
         S.unpack(str(tmp_path / "p.part"), str(out), reference=tiny_llama_dir)
+
+
+def test_the_main_job_labels_a_recipe_by_what_was_stored(tmp_path):
+    import json
+
+    from qgemv.eval.main_job import stored_formats
+
+    (tmp_path / "quantize_report.json").write_text(json.dumps(
+        {"formats": {"a.q_proj": "int4g64a", "a.down_proj": "int4g128a", "b.q_proj": "int4g64a"}}))
+    assert stored_formats(str(tmp_path)) == "1 x int4g128a, 2 x int4g64a"
+    assert stored_formats(str(tmp_path / "missing")) == "(no quantize_report.json)"
