@@ -1,0 +1,136 @@
+"""Tensor-parallel shards of a QuantLinear: which rows, columns, groups and perm entries rank r of P holds.
+
+Importable without vLLM or any serving engine; a serving adapter calls these
+when it loads a checkpoint onto P ranks.  Every shard is exact (the same codes,
+scales and zero points, repacked) or refused with the rule it breaks; nothing
+is padded.
+
+Column parallel (the output split, y = [y_0 | ... | y_{P-1}]): rank r holds
+output rows [r N/P, (r+1) N/P), which must be whole 16-row panels.  An input
+permutation (act-order) applies to the whole input and is kept by every rank.
+
+Row parallel (the input split, y = sum_r x_r @ W_r^T, each rank holding the
+input columns [r K/P, (r+1) K/P) of the logical input): the split must fall
+on group boundaries and, for int4, on the 128-k blocks the packer swizzles
+words in (int8: 64-k tiles).  The bias stays on rank 0 so that the sum adds
+it once.  With an act-order perm (storage column s holds logical column
+perm[s]) rank r needs the stored columns whose logical index lies in its
+range; that is exact only when they make up whole groups, and then the rank
+gets those groups and a local perm.  A checkpoint whose groups straddle the
+ranks' ranges (the case other runtimes compute wrongly) is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from . import formats
+from .nn import QuantLinear
+
+
+class ShardError(ValueError):
+    """A linear that cannot be split exactly as asked; the message names the rule."""
+
+
+def _check_rank(rank: int, world: int) -> None:
+    if world < 1 or not 0 <= rank < world:
+        raise ShardError(f"rank {rank} of {world}: need world >= 1 and 0 <= rank < world")
+
+
+def column_range(out_features: int, rank: int, world: int, name: str = "linear") -> tuple:
+    """(first, end) output rows of rank's column-parallel shard: equal parts of whole 16-row panels."""
+    _check_rank(rank, world)
+    part, rest = divmod(out_features, world)
+    if rest or part % formats.PANEL_ROWS:
+        raise ShardError(f"{name}: out_features {out_features} does not split into {world} equal parts of whole "
+                         f"{formats.PANEL_ROWS}-row panels (needs a multiple of {formats.PANEL_ROWS * world})")
+    return rank * part, (rank + 1) * part
+
+
+def row_step(config: formats.QuantConfig) -> int:
+    """The granularity a row-parallel split of K must respect: the group and the format's k block."""
+    block = 128 if config.bits == 4 else 64
+    g = config.group_size or 1
+    return block * g // _gcd(block, g)
+
+
+def row_range(in_features: int, config: formats.QuantConfig, rank: int, world: int, name: str = "linear") -> tuple:
+    """(first, end) input columns of rank's row-parallel shard: equal parts on group and k-block boundaries."""
+    _check_rank(rank, world)
+    part, rest = divmod(in_features, world)
+    step = row_step(config)
+    if rest or part % step:
+        raise ShardError(f"{name}: in_features {in_features} does not split into {world} equal parts of whole "
+                         f"{step}-column blocks (the {config.name} format's groups and k blocks; needs a multiple "
+                         f"of {step * world})")
+    return rank * part, (rank + 1) * part
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def _codes(q: QuantLinear) -> torch.Tensor:
+    unpack = formats.unpack_int8 if q.config.bits == 8 else formats.unpack_int4
+    return unpack(q.qweight, q.in_features)
+
+
+def _assemble(q: QuantLinear, codes: torch.Tensor, scales, zeros, bias: Optional[torch.Tensor],
+              perm: Optional[torch.Tensor]) -> QuantLinear:
+    n, k = codes.shape
+    pack = formats.pack_int8 if q.config.bits == 8 else formats.pack_int4
+    shell = nn.Linear(k, n, bias=bias is not None, device="meta",
+                      dtype=bias.dtype if bias is not None else torch.float16)
+    out = QuantLinear.from_quantized(shell, q.config, pack(codes.contiguous()), scales.contiguous(),
+                                     None if zeros is None else zeros.contiguous())
+    if bias is not None:
+        out.bias = bias.detach().clone()
+    if perm is not None:
+        out.perm = perm.contiguous()
+    return out
+
+
+def shard_column(q: QuantLinear, rank: int, world: int, name: str = "linear") -> QuantLinear:
+    """Rank's column-parallel shard of q: output rows column_range(...), the whole input (and perm)."""
+    r0, r1 = column_range(q.out_features, rank, world, name)
+    return _assemble(q, _codes(q)[r0:r1], q.scales[r0:r1], None if q.zeros is None else q.zeros[r0:r1],
+                     None if q.bias is None else q.bias[r0:r1], q.perm)
+
+
+def shard_row(q: QuantLinear, rank: int, world: int, name: str = "linear") -> QuantLinear:
+    """Rank's row-parallel shard of q: the columns of its input range row_range(...) (see the module doc)."""
+    k0, k1 = row_range(q.in_features, q.config, rank, world, name)
+    g = q.config.group_size
+    codes = _codes(q)
+    bias = q.bias if (q.bias is not None and rank == 0) else None
+    if q.perm is None:
+        cols = torch.arange(k0, k1, device=codes.device)
+        local_perm = None
+    else:
+        perm = q.perm.to(torch.int64)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.numel(), device=perm.device)
+        cols = torch.sort(inv[k0:k1]).values  # the stored columns rank's inputs feed, in stored order
+        whole = True  # per channel: any set of columns shares each row's one scale
+        if g is not None:
+            blocks = cols.view(-1, g)
+            whole = bool((blocks[:, 0] % g == 0).all()) and torch.equal(
+                blocks, blocks[:, :1] + torch.arange(g, device=cols.device))
+        if not whole:
+            raise ShardError(f"{name}: act-order perm puts the logical inputs [{k0}, {k1}) of rank {rank} of {world} "
+                             f"in stored columns that do not make up whole groups of {g}; a row-parallel shard "
+                             f"of this checkpoint would need other ranks' inputs (refused rather than computed "
+                             f"wrongly): run it unsharded, or fold the perm into the layer that produces its input")
+        local_perm = perm[cols] - k0
+    if g is None:
+        scales, zeros = q.scales, q.zeros
+    else:
+        groups = torch.unique_consecutive(cols // g)
+        scales = q.scales[:, groups]
+        zeros = None if q.zeros is None else q.zeros[:, groups]
+    return _assemble(q, codes[:, cols], scales, zeros, bias, local_perm)
