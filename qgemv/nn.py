@@ -148,6 +148,7 @@ class QuantLinear(_StoredFormat, nn.Module):
         # back would round them through bf16.  Seen as int16 for the duration,
         # the scales move between devices with the module but are never cast.
         self.__dict__["_checked_on"] = None
+        self.__dict__.pop("_cpu_w", None)  # the CPU path's float32 weight: not carried to another device
         self._buffers["scales"] = self._buffers["scales"].view(torch.int16)
         try:
             return super()._apply(fn, recurse)

@@ -190,6 +190,7 @@ class RunLock:
 
     def __init__(self, out):
         self.path = partial_dir(out).with_name(partial_dir(out).name + ".lock")
+        self.path.parent.mkdir(parents=True, exist_ok=True)  # --out may name a directory not made yet
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666 & ~checkpoint.current_umask())
             try:

@@ -244,6 +244,8 @@ def test_a_second_run_on_the_same_out_waits_for_no_one(sharded, tmp_path, capsys
         holder.wait()
     assert cli.main(common + ["--method", "rtn"]) == 0  # the dead run's lock is taken over
     assert out.is_dir() and not (tmp_path / "q.partial").exists() and not (tmp_path / "q.partial.lock").exists()
+    deep = tmp_path / "new" / "dirs" / "q"  # an --out whose parents do not exist yet
+    assert cli.main(common[:-1] + [str(deep), "--method", "rtn"]) == 0 and deep.is_dir()
 
 
 def _interrupted_after_layer_0(sharded, tmp_path, monkeypatch, args):
