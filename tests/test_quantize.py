@@ -204,3 +204,38 @@ def test_smollm2_gptq_end_to_end_cpu(tmp_path):
     assert 5 < r[0]["ppl"] < 60  # SmolLM2-135M on Wikipedia text: ~22 at ctx 512
     assert r[1]["ppl"] < 2 * r[0]["ppl"] and r[1]["top1_pct"] > 50
     shutil.rmtree(out)
+
+
+def test_the_progress_bar_moves_within_the_first_layer(tiny_llama_dir, monkeypatch):
+    """The bar shows fractions of a layer (statistics, then each solve), so its time estimate appears long
+    before the first layer ends (on a 2-core CPU one GPTQ layer of SmolLM2 took up to 140 s under load)."""
+    import tqdm.auto
+
+    shown = []
+
+    class Recorder:
+        def __init__(self, iterable=None, *a, total=None, **k):
+            self.n, self.total, self.iterable = 0, total, iterable
+
+        def __iter__(self):  # other bars (calibration input capture) only pass through
+            return iter(self.iterable)
+
+        def update(self, *a):
+            pass
+
+        def refresh(self):
+            shown.append(self.n)
+
+        def set_postfix(self, *a, **k):
+            shown.append(self.n)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recorder)
+    model, tok = load_tiny(tiny_llama_dir)
+    samples = calibration_samples(tok, n=4, seq_len=32, seed=0)
+    quantize_causal_lm(model, formats.QuantConfig(4, 32), "gptq", samples, progress=True, true_sequential=True)
+    first = [v for v in shown if v < 1]
+    assert any(0 < v < 1 for v in first) and len(set(first)) >= 3, shown
+    assert shown[-1] == 2  # two layers
