@@ -677,6 +677,12 @@ def test_extension_ops_registered_when_buildable():
 
     if not (shutil.which("nvcc") and torch.version.cuda):
         pytest.skip("no nvcc or a CPU-only torch: the extension cannot be built here")
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("qgemv._C") is None and os.environ.get("QGEMV_JIT") != "1":
+        # a pure-Python install (pip install ".[hf]" builds without torch); .ci/install.sh fails on a failed build
+        pytest.skip("this qgemv was installed without its CUDA extension (no qgemv._C, QGEMV_JIT unset)")
     assert _ext.BACKEND in ("aot", "jit"), _ext.REASON
     for name in ("linear_int8", "linear_int4", "linear_int4_grouped", "sgemv", "add_rms_gather"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"qgemv::{name}", "CUDA"), name
