@@ -308,6 +308,22 @@ def quantize_layer(layer, prefix: str, targets: dict, algo, hidden: list, kwargs
     return pending, originals, info
 
 
+def layer_bar(layers: int, desc: str):
+    """A tqdm bar over decoder layers that shows fractions of a layer (bar_at from quantize_layer's
+    on_progress), so its time estimate appears after the first statistics, not after the first layer."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=layers, desc=desc, unit="layer",
+                bar_format="{l_bar}{bar}| {n:.1f}/{total} layers [{elapsed}<{remaining}{postfix}]")
+
+
+def bar_at(bar, position: float) -> None:
+    """Move a layer_bar (or None) to ``position`` layers."""
+    if bar is not None:
+        bar.n = position
+        bar.refresh()
+
+
 @torch.no_grad()
 def quantize_causal_lm(
     model: nn.Module,
@@ -405,26 +421,14 @@ def quantize_causal_lm(
     fwd = forward_context(forward_dtype, device)
     run = layer_runner(kwargs, fwd)
 
-    it = range(len(layers))
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        # fractional updates within each layer: the estimate shows after the first statistics, not the first layer
-        bar = tqdm(total=len(layers), desc=f"{method} {cfg.name}", unit="layer",
-                   bar_format="{l_bar}{bar}| {n:.1f}/{total} layers [{elapsed}<{remaining}{postfix}]")
-    for li in it:
+    bar = layer_bar(len(layers), f"{method} {cfg.name}") if progress else None
+    for li in range(len(layers)):
         tl = time.time()
         layer = layers[li].to(device)
         prefix = f"{layers_path}.{li}."
         targets = layer_targets(layer, prefix, cfg, skip, overrides, group_fallback, rep.skipped)
-        def progress_in_layer(f, li=li):
-            if bar is not None:
-                bar.n = li + f
-                bar.refresh()
-
         pending, originals, info = quantize_layer(layer, prefix, targets, algo, hidden, kwargs, run, fwd, device,
-                                                  true_sequential, on_progress=progress_in_layer)
+                                                  true_sequential, on_progress=lambda f, li=li: bar_at(bar, li + f))
         advance(layer, hidden, kwargs, fwd)  # the next layer's inputs, in place
         for n, m, lcfg, qw, s, z in pending:
             m.weight.data = originals[n]
@@ -433,8 +437,8 @@ def quantize_causal_lm(
             rep.converted.append(prefix + n)
         layers[li] = layer.to(model_device)
         rep.per_layer.append({"layer": li, "seconds": time.time() - tl, "info": info})
+        bar_at(bar, li + 1)
         if bar is not None:
-            bar.n = li + 1
             bar.set_postfix(rss=f"{peak_rss_mb():.0f}MB")
     if bar is not None:
         bar.close()

@@ -35,8 +35,8 @@ from qgemv.formats import QuantConfig
 from qgemv.nn import FUSE_GROUPS, QuantLinear, fuse_linears, layer_format, set_submodule
 from qgemv.stream import LayerWriter, Lazy, Reader
 
-from .quantize import (METHODS, Clock, _catch_layer0_inputs, _decoder_layers, advance, forward_context,
-                       layer_runner, layer_targets, make_method, quantize_layer)
+from .quantize import (METHODS, Clock, _catch_layer0_inputs, _decoder_layers, advance, bar_at, forward_context,
+                       layer_bar, layer_runner, layer_targets, make_method, quantize_layer)
 
 
 def _materialize(module: nn.Module, prefix: str, reader: Reader, device) -> nn.Module:
@@ -261,12 +261,7 @@ def quantize_streaming(src, out, cfg: QuantConfig, method: str = "gptq", samples
         run = layer_runner(kwargs or {}, fwd)
         last_needed = max((li for li in range(len(layers)) if li not in writer.done), default=-1)
 
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(layers), desc=f"{method} {cfg.name} (streamed)", unit="layer", initial=0,
-                       bar_format="{l_bar}{bar}| {n:.1f}/{total} layers [{elapsed}<{remaining}{postfix}]")
+        bar = layer_bar(len(layers), f"{method} {cfg.name} (streamed)") if progress else None
 
         with checkpoint._terminate_raises():
             for li in range(len(layers)):
@@ -299,14 +294,9 @@ def quantize_streaming(src, out, cfg: QuantConfig, method: str = "gptq", samples
                                                                     name=prefix + n, device=device)
                                          for n, (m, c) in targets.items()}
                     else:
-                        def progress_in_layer(f, li=li):  # an estimate before the first layer ends
-                            if bar is not None:
-                                bar.n = li + f
-                                bar.refresh()
-
-                        pending, originals, info = quantize_layer(layer, prefix, targets, algo, hidden, kwargs, run,
-                                                                  fwd, device, true_sequential, clock,
-                                                                  on_progress=progress_in_layer)
+                        pending, originals, info = quantize_layer(
+                            layer, prefix, targets, algo, hidden, kwargs, run, fwd, device, true_sequential, clock,
+                            on_progress=lambda f, li=li: bar_at(bar, li + f))
                         del originals  # the float weights: gone before the next layer is read
                         if li < last_needed:
                             with clock("forward"):
@@ -328,8 +318,7 @@ def quantize_streaming(src, out, cfg: QuantConfig, method: str = "gptq", samples
                     if cuda:
                         post["gpu"] = f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f}MB"
                     bar.set_postfix(post)
-                    bar.n = li + 1
-                    bar.refresh()
+                bar_at(bar, li + 1)
                 if on_layer is not None and li not in resumed:
                     on_layer(li)
             if bar is not None:
