@@ -40,8 +40,7 @@ def run(fmt, new_tokens: int, repeats: int, prompt: str) -> dict:
     engine = qgemv.Engine(model, tok, max_seq_len=64 + new_tokens)
     engine.generate([prompt], max_new_tokens=4)  # warm-up (and, quantized, the cached float32 weights)
     if fmt is not None:
-        extra = sum(m.__dict__["_cpu_w"][1].numel() * 4 for m in model.modules()
-                    if isinstance(m, qgemv.QuantLinear) and "_cpu_w" in m.__dict__)
+        extra = sum(m.cpu_weight_bytes for m in model.modules() if isinstance(m, qgemv.QuantLinear))
     best = None
     for _ in range(repeats):
         out = engine.generate([prompt], max_new_tokens=new_tokens)

@@ -192,6 +192,12 @@ class QuantLinear(_StoredFormat, nn.Module):
             self.__dict__["_cpu_w"] = cached
         return cached[1]
 
+    @property
+    def cpu_weight_bytes(self) -> int:
+        """Bytes of the float32 weight the CPU path keeps (0 before a CPU call, or after a buffer moved)."""
+        cached = self.__dict__.get("_cpu_w")
+        return 0 if cached is None else cached[1].numel() * cached[1].element_size()
+
     def _check_buffers(self, x: torch.Tensor) -> None:
         cfg, k = self.config, self.in_features
         if cfg.bits == 8:
