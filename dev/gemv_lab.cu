@@ -167,13 +167,10 @@ int run_chain(const ChainModel& model, int layers, const std::vector<int>& linea
               int sms) {
   const Case cases[] = {{"int8", 8, 0, false}, {"int4", 4, 0, false}, {"int4_g128", 4, 128, false},
                         {"int4_g128_zp", 4, 128, true}};
-  cudaStream_t st;
-  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  unsigned* sink;
-  CK(cudaMalloc(&sink, 4));
+  LabTimer lt;
+  cudaStream_t st = lt.st;
+  cudaEvent_t a = lt.a, b = lt.b;
+  unsigned* sink = lt.sink;
   void *dx, *dy;
   CK(cudaMalloc(&dx, size_t(16) * 28672 * 2));
   CK(cudaMemset(dx, 0, size_t(16) * 28672 * 2));  // zeros: fp16 0, finite in every format

@@ -18,6 +18,20 @@
     }                                                                                             \
   } while (0)
 
+// What a timed lab section needs: a non-blocking stream, two events around
+// the timed work, and a word the read kernels write their XOR to.
+struct LabTimer {
+  cudaStream_t st;
+  cudaEvent_t a, b;
+  unsigned* sink;
+  LabTimer() {
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    CK(cudaMalloc(&sink, 4));
+  }
+};
+
 // Every 16-byte word of p[0, n) read once, streaming (__ldcs); the XOR keeps
 // the loads alive.
 __global__ void read_kernel(const uint4* p, size_t n, unsigned* sink) {

@@ -4,9 +4,10 @@
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc dev/persist_lab.cu \
 //        csrc/gemv_int4.cu csrc/gemv_int8.cu csrc/runtime.cpp -o /tmp/persist_lab
-//   /tmp/persist_lab [--probe-only | --no-probe] [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers L]
-//                    [--ms 1,16] [--warps 8,16] [--stages 4,8] [--min-chunk 2,4] [--formats int4g128a,int4,int8]
-//   (--min-chunk: the fewest k-tiles of a work item per warp, persist_chain.cuh's chain_split)
+//   /tmp/persist_lab [--probe-only | --no-probe] [--tma-probe] [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers L]
+//                    [--ms 1,4] [--warps 8,12] [--stages 8,10] [--stage-tiles 16] [--formats int4g128a,int4,int8]
+//   (--warps: consumer warps per block; --stages x --stage-tiles: the weight ring, in 1 KB tiles;
+//    --skip 0,1,3,7: timing experiments, ChainShape::skip: 1 no waits, 2 no input build, 4 no tile math)
 //
 // Part 1, the probes (a co-resident grid of SMs x 1 blocks of 256 threads):
 //   * grid barrier: every block adds 1 to a counter and spins until it holds
@@ -43,8 +44,9 @@
 
 namespace {
 
-using qgemv::ChainEpilogue;
+using qgemv::ChainInput;
 using qgemv::ChainOp;
+using qgemv::ChainShape;
 
 // ---- probes ---------------------------------------------------------------
 __global__ void barrier_kernel(unsigned* ctr, int rounds, const uint4* w, size_t per_block, unsigned* sink) {
@@ -125,6 +127,7 @@ float graph_us(F&& body, cudaStream_t st) {
 // One linear's packed weight on the device.
 struct Lin {
   void *w = nullptr, *s = nullptr, *z = nullptr;
+  uint8_t* meta = nullptr;  // grouped: scales / zeros in the persistent kernel's tile order
   int N, K, Kp;
   size_t wbytes, bytes;
 };
@@ -141,6 +144,11 @@ Lin make_lin(const Fmt& f, int N, int K, std::mt19937& rng) {
   if (f.bits == 8)
     for (auto& v : hw)
       if (v == 0x80) v = 0x81;  // the int8 format's codes are -127..127
+  if (f.bits == 4 && !f.zeros)  // codes 1..15 (and more 8s): q - 8 has mean 0, else the chain's bias grows layer by layer
+    for (auto& v : hw) {
+      if ((v & 0x0f) == 0) v |= 0x08;
+      if ((v & 0xf0) == 0) v |= 0x80;
+    }
   // Scales so that a linear maps activations of size 1 to about 0.1 (a chain
   // of 16 layers, SiLU * mul included, then stays finite in fp16): codes
   // minus zero have a standard deviation of about 6.5 (int4, random zero
@@ -160,6 +168,15 @@ Lin make_lin(const Fmt& f, int N, int K, std::mt19937& rng) {
     CK(cudaMalloc(&L.z, hz.size()));
     CK(cudaMemcpy(L.z, hz.data(), hz.size(), cudaMemcpyHostToDevice));
     L.bytes += hz.size();
+    if (f.group) {
+      const auto meta = qgemv::chain_meta(reinterpret_cast<const uint16_t*>(hs.data()), hz.data(), N, K, f.group);
+      CK(cudaMalloc(&L.meta, meta.size()));
+      CK(cudaMemcpy(L.meta, meta.data(), meta.size(), cudaMemcpyHostToDevice));
+    }
+  } else if (f.group) {
+    const auto meta = qgemv::chain_meta(reinterpret_cast<const uint16_t*>(hs.data()), nullptr, N, K, f.group);
+    CK(cudaMalloc(&L.meta, meta.size()));
+    CK(cudaMemcpy(L.meta, meta.data(), meta.size(), cudaMemcpyHostToDevice));
   }
   return L;
 }
@@ -190,45 +207,31 @@ __half* dalloc(size_t n) {
 }
 
 struct Variant {
-  int warps, stages, min_chunk;  // min_chunk: k-tiles of an item per warp, at least
+  int warps, stages, stage_tiles;  // consumer warps; the ring: stages x stage_tiles tiles of 1 KB
+  int skip;                        // ChainShape::skip (timing experiments)
 };
 
-unsigned long long* g_wait = nullptr;  // when set, the next launches count each block's spin cycles there
-
-template <int kBits, int kGroup, bool kZeros, int kNT, int kS>
-bool launch_v(const Variant& v, const ChainOp* ops, int nops, const int* sched, const int* off, unsigned* cnt,
-              int sms, cudaStream_t st, int* blocks_out) {
-  const int per_sm = qgemv::chain_blocks_per_sm<__half, kBits, kGroup, kZeros, kNT, kS>(v.warps);
-  if (per_sm < 1) return false;
-  *blocks_out = per_sm * sms;
-  if (!ops) return true;  // just asking for the grid
-  return qgemv::chain_launch<__half, kBits, kGroup, kZeros, kNT, kS>(ops, nops, sched, off, cnt, *blocks_out,
-                                                                   v.warps, st, g_wait) == qgemv::Status::kOk;
-}
-
+// The persistent chain of format f: with ops == nullptr only whether it fits.
 template <int kBits, int kGroup, bool kZeros>
-bool launch_any(const Variant& v, int M, const ChainOp* ops, int nops, const int* sched, const int* off,
-                unsigned* cnt, int sms, cudaStream_t st, int* blocks_out) {
-  if (M <= 8) {
-    if (v.stages == 4) return launch_v<kBits, kGroup, kZeros, 1, 4>(v, ops, nops, sched, off, cnt, sms, st, blocks_out);
-    return launch_v<kBits, kGroup, kZeros, 1, 8>(v, ops, nops, sched, off, cnt, sms, st, blocks_out);
-  }
-  if (v.stages == 4) return launch_v<kBits, kGroup, kZeros, 2, 4>(v, ops, nops, sched, off, cnt, sms, st, blocks_out);
-  return launch_v<kBits, kGroup, kZeros, 2, 8>(v, ops, nops, sched, off, cnt, sms, st, blocks_out);
+bool launch_t(const Variant& v, const ChainShape& sh, const ChainOp* ops, int nops, unsigned* sync, __half* out,
+              int blocks, cudaStream_t st, unsigned long long* wait) {
+  if (!ops) return qgemv::chain_fits<__half, kBits, kGroup, kZeros>(sh, v.warps);
+  return qgemv::chain_launch<__half, kBits, kGroup, kZeros>(ops, nops, sh, sync, out, blocks, v.warps, st, wait) ==
+         qgemv::Status::kOk;
 }
 
-bool launch_fmt(const Fmt& f, const Variant& v, int M, const ChainOp* ops, int nops, const int* sched,
-                const int* off, unsigned* cnt, int sms, cudaStream_t st, int* blocks_out) {
-  if (f.bits == 8) return launch_any<8, 0, false>(v, M, ops, nops, sched, off, cnt, sms, st, blocks_out);
-  if (f.group == 0) return launch_any<4, 0, false>(v, M, ops, nops, sched, off, cnt, sms, st, blocks_out);
-  if (f.zeros) return launch_any<4, 128, true>(v, M, ops, nops, sched, off, cnt, sms, st, blocks_out);
-  return launch_any<4, 128, false>(v, M, ops, nops, sched, off, cnt, sms, st, blocks_out);
+bool launch_fmt(const Fmt& f, const Variant& v, const ChainShape& sh, const ChainOp* ops, int nops, unsigned* sync,
+                __half* out, int blocks, cudaStream_t st, unsigned long long* wait = nullptr) {
+  if (f.bits == 8) return launch_t<8, 0, false>(v, sh, ops, nops, sync, out, blocks, st, wait);
+  if (f.group == 0) return launch_t<4, 0, false>(v, sh, ops, nops, sync, out, blocks, st, wait);
+  if (f.zeros) return launch_t<4, 128, true>(v, sh, ops, nops, sync, out, blocks, st, wait);
+  return launch_t<4, 128, false>(v, sh, ops, nops, sync, out, blocks, st, wait);
 }
 
 int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const std::vector<int>& Ms,
               const std::vector<Variant>& variants, double ceiling, int sms, int clock_khz) {
   unsigned long long* wait_dev;
-  CK(cudaMalloc(&wait_dev, sizeof(unsigned long long) * 4096));
+  CK(cudaMalloc(&wait_dev, sizeof(unsigned long long) * 3 * 4096));
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   unsigned* sink;
@@ -277,45 +280,25 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       CK(cudaMemcpy(X[0], hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
       CK(cudaMemcpy(rX[0], hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
 
+      // The chain: per layer q/k/v -> o (reads q) -> gate/up (after o + residual) -> down (after SiLU * mul);
+      // the next layer's q/k/v reads down + residual, and so does the output X[layers].
       std::vector<ChainOp> ops;
+      std::vector<float*> accs;
       for (int l = 0; l < layers; ++l) {
         const Lin* L = &lins[4 * l];
-        const int base = static_cast<int>(ops.size());
-        ChainOp o{};
-        o.p = params(f, L[0], X[l], m.H, Q[l], m.Nqkv, M);
-        o.epilogue = static_cast<int>(ChainEpilogue::kStore);
-        o.dep = l == 0 ? -1 : base - 1;
-        ops.push_back(o);
-        o.p = params(f, L[1], Q[l], m.Nqkv, Hh[l], m.H, M);
-        o.res = X[l];
-        o.epilogue = static_cast<int>(ChainEpilogue::kResidual);
-        o.dep = base;
-        ops.push_back(o);
-        o.p = params(f, L[2], Hh[l], m.H, A[l], m.I, M);
-        o.res = nullptr;
-        o.epilogue = static_cast<int>(ChainEpilogue::kSiluMul);
-        o.dep = base + 1;
-        ops.push_back(o);
-        o.p = params(f, L[3], A[l], m.I, X[l + 1], m.H, M);
-        o.res = Hh[l];
-        o.epilogue = static_cast<int>(ChainEpilogue::kResidual);
-        o.dep = base + 2;
-        ops.push_back(o);
-      }
-      // Partials and arrival counters, sized for the finest split any variant may pick (one tile per item).
-      std::vector<float*> partials;
-      std::vector<unsigned*> arrivals;
-      for (ChainOp& o : ops) {
-        float* pbuf;
-        unsigned* abuf;
-        const int tiles = o.p.K / (f.bits == 4 ? 128 : 64);
-        CK(cudaMalloc(&pbuf, sizeof(float) * tiles * M * o.p.N));
-        CK(cudaMalloc(&abuf, sizeof(unsigned) * o.p.N));
-        CK(cudaMemset(abuf, 0, sizeof(unsigned) * o.p.N));
-        o.partial = pbuf;
-        o.arrivals = abuf;
-        partials.push_back(pbuf);
-        arrivals.push_back(abuf);
+        const ChainInput inputs[4] = {l == 0 ? ChainInput::kExternal : ChainInput::kResidual, ChainInput::kRound,
+                                      ChainInput::kResidual, ChainInput::kSiluMul};
+        for (int j = 0; j < 4; ++j) {
+          ChainOp o{};
+          o.p = params(f, L[j], nullptr, 0, nullptr, 0, M);
+          o.meta = L[j].meta;
+          o.x_in = X[0];
+          o.input = static_cast<int>(inputs[j]);
+          CK(cudaMalloc(&o.acc, sizeof(float) * M * L[j].N));
+          CK(cudaMemset(o.acc, 0, sizeof(float) * M * L[j].N));
+          accs.push_back(o.acc);
+          ops.push_back(o);
+        }
       }
       unsigned* d_cnt;
       CK(cudaMalloc(&d_cnt, (ops.size() + 1) * 4));
@@ -400,30 +383,20 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       row("per-op GEMVs alone", 0, gemv_us, -1);
       std::printf("%-10s %3d reference output max |y| %.3g (input 1)\n", f.name, M, refmax);
 
+      CK(cudaMemcpy(d_ops, ops.data(), ops.size() * sizeof(ChainOp), cudaMemcpyHostToDevice));
       for (const Variant& v : variants) {
-        int blocks = 0;
-        if (!launch_fmt(f, v, M, nullptr, 0, nullptr, nullptr, nullptr, sms, st, &blocks)) {
-          std::printf("%-10s %3d persistent w%d s%d: does not fit\n", f.name, M, v.warps, v.stages);
+        ChainShape sh{v.stage_tiles, v.stages, qgemv::chain_meta_bytes(f.group, f.zeros), std::max(m.H, m.I), m.H, M,
+                      v.skip};
+        const int blocks = sms;
+        if (M > 8 || !launch_fmt(f, v, sh, nullptr, 0, nullptr, nullptr, blocks, st)) {
+          std::printf("%-10s %3d persistent w%d s%d t%d: does not fit (%zu B of shared memory%s)\n", f.name, M,
+                      v.warps, v.stages, v.stage_tiles, qgemv::chain_smem_bytes<__half>(sh), M > 8 ? ", M > 8" : "");
           continue;
         }
-        // items go to blocks, whose warps split an item's tiles
-        for (ChainOp& o : ops) qgemv::chain_split(o, blocks, f.bits == 4 ? 128 : 64, v.min_chunk * v.warps);
-        CK(cudaMemcpy(d_ops, ops.data(), ops.size() * sizeof(ChainOp), cudaMemcpyHostToDevice));
-        std::vector<int> sched, off;
-        qgemv::chain_schedule(ops, blocks, sched, off);
-        if (v.stages == 4 && f.bits == 4 && M == 1 && &v == &variants[0]) {
-          std::printf("%-10s %3d   splits (chunk) of layer 0 at %d blocks:", f.name, M, blocks);
-          for (int i = 0; i < 4; ++i) std::printf(" %d (%d)", ops[i].splits, ops[i].chunk);
-          std::printf("\n");
-        }
-        int *d_sched, *d_off;
-        CK(cudaMalloc(&d_sched, sched.size() * 4));
-        CK(cudaMalloc(&d_off, off.size() * 4));
-        CK(cudaMemcpy(d_sched, sched.data(), sched.size() * 4, cudaMemcpyHostToDevice));
-        CK(cudaMemcpy(d_off, off.data(), off.size() * 4, cudaMemcpyHostToDevice));
         for (int l = 1; l <= layers; ++l) CK(cudaMemset(X[l], 0xff, size_t(M) * m.H * 2));  // poison
+        unsigned long long* wait = nullptr;
         auto go = [&] {
-          if (!launch_fmt(f, v, M, d_ops, static_cast<int>(ops.size()), d_sched, d_off, d_cnt, sms, st, &blocks)) {
+          if (!launch_fmt(f, v, sh, d_ops, static_cast<int>(ops.size()), d_cnt, X[layers], blocks, st, wait)) {
             std::fprintf(stderr, "persistent launch failed\n");
             std::exit(1);
           }
@@ -439,7 +412,8 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           err = std::max(err, d != d ? 1e30 : d);
         }
         err /= refmax;
-        failures += !(err < 2e-2);
+        if (v.skip & 15) err = -1;  // a timing experiment: its result is wrong by design
+        else failures += !(err < 2e-2);
         const float us = graph_us(go, st) / layers;
         // The second check: after many graph replays the counters must still be right.
         CK(cudaMemcpy(out.data(), X[layers], out.size() * 2, cudaMemcpyDeviceToHost));
@@ -448,30 +422,34 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           const double d = std::fabs(double(__half2float(out[i])) - __half2float(ref[i]));
           err2 = std::max(err2, d != d ? 1e30 : d);
         }
-        err = std::max(err, err2 / refmax);
-        failures += !(err2 / refmax < 2e-2);
+        if (!(v.skip & 15)) {
+          err = std::max(err, err2 / refmax);
+          failures += !(err2 / refmax < 2e-2);
+        }
         // Where the time goes: one more launch with each block's spin cycles counted.
-        CK(cudaMemset(wait_dev, 0, sizeof(unsigned long long) * blocks));
-        g_wait = wait_dev;
+        CK(cudaMemset(wait_dev, 0, sizeof(unsigned long long) * 3 * blocks));
+        wait = wait_dev;
         go();
-        g_wait = nullptr;
+        wait = nullptr;
         CK(cudaStreamSynchronize(st));
-        std::vector<unsigned long long> wc(blocks);
-        CK(cudaMemcpy(wc.data(), wait_dev, sizeof(unsigned long long) * blocks, cudaMemcpyDeviceToHost));
-        double wsum = 0, wmax = 0;
-        for (auto c : wc) wsum += c, wmax = std::max(wmax, double(c));
+        std::vector<unsigned long long> wc(3 * blocks);
+        CK(cudaMemcpy(wc.data(), wait_dev, sizeof(unsigned long long) * 3 * blocks, cudaMemcpyDeviceToHost));
+        double wsum = 0, wmax = 0, bsum = 0, ssum = 0;
+        for (int b2 = 0; b2 < blocks; ++b2) {
+          wsum += wc[b2], wmax = std::max(wmax, double(wc[b2]));
+          bsum += wc[blocks + b2], ssum += wc[2 * blocks + b2];
+        }
         const double per_us = 1e3 / clock_khz / layers;  // cycles -> us per layer
         char form[48];
-        std::snprintf(form, sizeof form, "persistent w%d s%d c%d", v.warps, v.stages, v.min_chunk);
+        std::snprintf(form, sizeof form, "persistent w%d s%d t%d%s", v.warps, v.stages, v.stage_tiles,
+                      v.skip == 0 ? "" : v.skip == 1 ? " nowait" : v.skip == 3 ? " nowait,nobuild" : v.skip == 7 ? " stream only" : v.skip == 15 ? " stream, copy/tile" : v.skip == 16 ? " lane-0 waits" : v.skip == 23 ? " stream, lane-0 waits" : " skip");
         row(form, blocks, us, err);
-        std::printf("%-10s %3d   waits per layer: mean %.2f us a block, %.1f us the most\n", f.name, M,
-                    wsum / blocks * per_us, wmax * per_us);
-        CK(cudaFree(d_sched));
-        CK(cudaFree(d_off));
+        std::printf("%-10s %3d   per layer, a block's mean: %.2f us spinning on others (%.1f the most), %.2f building "
+                    "inputs, %.2f waiting for weights (thread 0)\n", f.name, M,
+                    wsum / blocks * per_us, wmax * per_us, bsum / blocks * per_us, ssum / blocks * per_us);
       }
       CK(cudaFree(d_ops));
-      for (float* pb : partials) CK(cudaFree(pb));
-      for (unsigned* ab : arrivals) CK(cudaFree(ab));
+      for (float* pb : accs) CK(cudaFree(pb));
       CK(cudaFree(d_cnt));
       for (auto* p : X) CK(cudaFree(p));
       for (auto* p : rX) CK(cudaFree(p));
@@ -482,6 +460,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       CK(cudaFree(L.w));
       CK(cudaFree(L.s));
       if (L.z) CK(cudaFree(L.z));
+      if (L.meta) CK(cudaFree(L.meta));
     }
   }
   return failures;
@@ -537,6 +516,74 @@ void probes(int sms, double ceiling) {
   CK(cudaFree(sink));
 }
 
+// TMA streaming alone: block b copies its slice of w through `stages` slots
+// of `chunk` bytes (bulk copies, each slot's copy cut into `issuers` pieces
+// issued by as many lanes), thread 0 waiting for each slot in order and
+// refilling it at once: `stages` copies always in flight, nothing consumed.
+__global__ void tma_stream_kernel(const char* w, size_t per_block, int chunk, int stages, int issuers,
+                                  unsigned* sink) {
+  extern __shared__ __align__(128) unsigned char tma_smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(tma_smem);
+  unsigned char* ring = tma_smem + 1024;
+  const char* src = w + blockIdx.x * per_block;
+  const int n = static_cast<int>(per_block / chunk);
+  const int piece = chunk / issuers;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) mbar_init(full + s, 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  if (threadIdx.x >= 32) return;
+  const uint64_t pol = qgemv::evict_first_policy();
+  auto issue = [&](int i) {
+    const int slot = i % stages;
+    if (threadIdx.x == 0) mbar_expect_tx(full + slot, chunk);
+    __syncwarp();
+    if (threadIdx.x < issuers)
+      bulk_copy(ring + static_cast<size_t>(slot) * chunk + threadIdx.x * piece,
+                src + static_cast<size_t>(i) * chunk + threadIdx.x * piece, piece, full + slot, pol);
+  };
+  for (int i = 0; i < stages && i < n; ++i) issue(i);
+  uint32_t acc = 0;
+  for (int i = 0; i < n; ++i) {
+    mbar_wait(full + i % stages, (i / stages) & 1);
+    acc ^= ring[static_cast<size_t>(i % stages) * chunk + threadIdx.x];
+    __syncwarp();
+    if (i + stages < n) issue(i + stages);
+  }
+  if (acc == 0x9eu && threadIdx.x == 999) *sink = acc;
+}
+
+void tma_probe(int sms, double ceiling) {
+  LabTimer lt;
+  cudaStream_t st = lt.st;
+  cudaEvent_t a = lt.a, b = lt.b;
+  unsigned* sink = lt.sink;
+  const size_t total = size_t(1) << 30;
+  char* w;
+  CK(cudaMalloc(&w, total));
+  CK(cudaMemset(w, 1, total));
+  std::printf("\nTMA stream probe (1 GB, %% of the read ceiling; blocks x stages x chunk KB, issuing lanes)\n");
+  for (int per_sm : {1, 2})
+    for (int chunk_kb : {4, 8, 16, 32})
+      for (int stages : {2, 4, 8})
+        for (int issuers : {1, 4}) {
+          const size_t smem = 1024 + size_t(stages) * chunk_kb * 1024;
+          if (smem * per_sm > 220 * 1024) continue;
+          CK(cudaFuncSetAttribute(tma_stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+          const int G = sms * per_sm;
+          const size_t per_block = total / G / (chunk_kb * 1024) * (chunk_kb * 1024);
+          const float us = median_event_us(st, a, b, 5, [](int) {}, [&] {
+            tma_stream_kernel<<<G, 64, smem, st>>>(w, per_block, chunk_kb * 1024, stages, issuers, sink);
+          });
+          CK(cudaGetLastError());
+          const double gbs = double(per_block) * G / (us * 1e3);
+          std::printf("  %3d x %d x %2d KB, %d lanes: %5.0f GB/s %5.1f%% (%.1f GB/s an SM, %d KB in flight)\n", G,
+                      stages, chunk_kb, issuers, gbs, 100 * gbs / ceiling, gbs / sms, stages * chunk_kb * per_sm);
+        }
+  CK(cudaFree(w));
+}
+
 bool parse(char* text, const char* flag, std::vector<int>& out) {
   for (char* tok = std::strtok(text, ","); tok; tok = std::strtok(nullptr, ",")) {
     char* end;
@@ -553,10 +600,10 @@ bool parse(char* text, const char* flag, std::vector<int>& out) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool probe_only = false, no_probe = false;
+  bool probe_only = false, no_probe = false, tma = false;
   const Model* model = &kModels[0];
   int layers = 0;
-  std::vector<int> Ms, warps, stages, chunks;
+  std::vector<int> Ms, warps, stages, tiles, skips;
   std::vector<Fmt> fmts;
   const Fmt all[] = {{"int4g128a", 4, 128, true}, {"int4g128", 4, 128, false}, {"int4", 4, 0, false},
                      {"int8", 8, 0, false}};
@@ -567,6 +614,8 @@ int main(int argc, char** argv) {
       probe_only = true;
     } else if (a == "--no-probe") {
       no_probe = true;
+    } else if (a == "--tma-probe") {
+      tma = true;
     } else if (a == "--model" && has) {
       model = nullptr;
       for (const Model& m : kModels)
@@ -584,8 +633,10 @@ int main(int argc, char** argv) {
       if (!parse(argv[++i], "--warps", warps)) return 2;
     } else if (a == "--stages" && has) {
       if (!parse(argv[++i], "--stages", stages)) return 2;
-    } else if (a == "--min-chunk" && has) {
-      if (!parse(argv[++i], "--min-chunk", chunks)) return 2;
+    } else if (a == "--skip" && has) {
+      if (!parse(argv[++i], "--skip", skips)) return 2;
+    } else if (a == "--stage-tiles" && has) {
+      if (!parse(argv[++i], "--stage-tiles", tiles)) return 2;
     } else if (a == "--formats" && has) {
       for (char* tok = std::strtok(argv[++i], ","); tok; tok = std::strtok(nullptr, ",")) {
         bool found = false;
@@ -607,14 +658,25 @@ int main(int argc, char** argv) {
       return 2;
     }
   for (int s : stages)
-    if (s != 4 && s != 8) {
-      std::fprintf(stderr, "--stages: 4 or 8\n");
+    if (s < 2) {
+      std::fprintf(stderr, "--stages: at least 2\n");
       return 2;
     }
-  if (Ms.empty()) Ms = {1, 16};
-  if (warps.empty()) warps = {8, 16};
-  if (stages.empty()) stages = {4};
-  if (chunks.empty()) chunks = {2};
+  for (int w : warps)
+    if (w < 1 || w > qgemv::kChainMaxWarps) {
+      std::fprintf(stderr, "--warps: 1..%d consumer warps\n", qgemv::kChainMaxWarps);
+      return 2;
+    }
+  for (int t : tiles)
+    if (t < 1) {
+      std::fprintf(stderr, "--stage-tiles: at least 1\n");
+      return 2;
+    }
+  if (Ms.empty()) Ms = {1};
+  if (warps.empty()) warps = {8};
+  if (stages.empty()) stages = {8};
+  if (tiles.empty()) tiles = {16};
+  if (skips.empty()) skips = {0};
 
   if (fmts.empty()) fmts = {all[0], all[2], all[3]};
   cudaDeviceProp prop;
@@ -629,13 +691,15 @@ int main(int argc, char** argv) {
     ceiling = rb.bytes / (rb.us(rb.bytes, prop.multiProcessorCount, a, b, 5) * 1e3);  // GB/s
   }
   std::printf("read ceiling: %.0f GB/s\n", ceiling);
+  if (tma) tma_probe(prop.multiProcessorCount, ceiling);
   if (!no_probe) probes(prop.multiProcessorCount, ceiling);
   else std::printf("(probes skipped)\n");
   if (probe_only) return 0;
   std::vector<Variant> variants;
   for (int w : warps)
     for (int s : stages)
-      for (int c : chunks) variants.push_back({w, s, c});
+      for (int t : tiles)
+        for (int k : skips) variants.push_back({w, s, t, k});
   int clock_khz = 0;
   CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
   const int failures = run_chain(*model, layers ? layers : model->layers, fmts, Ms, variants, ceiling,
