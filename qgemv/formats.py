@@ -5,7 +5,7 @@ Three formats, each a versioned, documented layout (``FORMAT_VERSION``):
 ========  ======================  ==========================================
 name      codes                   tensors
 ========  ======================  ==========================================
-int8      q in [-127, 127]        qweight int8 [N, round_up(K, 16)],
+int8      q in [-128, 127]        qweight int8 [N, round_up(K, 16)],
           w = q * s[n]            scales fp16 [N]
 int4      q in [0, 15], zero 8    qweight int32 [N, round_up(K, 32) / 8],
           w = (q - 8) * s[n]      scales fp16 [N]
@@ -42,7 +42,12 @@ pieces of 64 bytes from 8 rows, which measured 10-30% faster on an H200
 (BENCHMARKS.md).  Format version 1 checkpoints (row-major) are converted on
 load by :func:`to_panels`.  Version 3 stores the same tensors as version 2
 and may fuse q/k/v and gate/up into one packed weight each (the checkpoint's
-``quantization_config["fused"]``; qgemv.checkpoint).
+``quantization_config["fused"]``; qgemv.checkpoint).  Version 4 widens int8
+to the full code range [-128, 127]: compressed-tensors' symmetric int8 (the
+W8A16 default of llm-compressor) uses -128, and the kernels decode it
+exactly (q + 128 in a byte, then one subtraction).  qgemv's own quantizers
+still write [-127, 127] (a symmetric grid), so version 3 readers would only
+meet -128 in imported weights, which they refused.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ from typing import Optional
 
 import torch
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 #: Output channels per panel (the GPU kernels' rows per block).
 PANEL_ROWS = 16

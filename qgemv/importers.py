@@ -15,7 +15,7 @@ holds it exactly:
   the scale and zero point: the same weights, exactly;
 - int4 per channel, symmetric: qgemv's per-channel int4;
 - int8 per channel, symmetric (zero point 128): qgemv's int8, codes q - 128,
-  refused if a code is -128 (qgemv's int8 codes lie in [-127, 127]);
+  codes in [-128, 127] (compressed-tensors' symmetric int8 uses -128; format version 4);
 - scales are converted to float16; a scale that is not finite and positive
   after that is refused, and the largest relative change is reported.
 
@@ -130,10 +130,7 @@ def to_quant_linear(d: Decoded, k: int, dtype: torch.dtype) -> tuple:
         if not per_channel or not bool((d.z == 128).all()):
             raise ForeignCheckpointError(f"{d.name}: int8 with groups or zero points other than 128; qgemv's int8 is "
                                f"symmetric per channel")
-        codes = d.q - 128
-        if codes.numel() and int(codes.min()) < -127:
-            raise ForeignCheckpointError(f"{d.name}: holds the int8 code -128 (a symmetric range of -128..127); "
-                                         f"qgemv's int8 format stores codes in [-127, 127]")
+        codes = d.q - 128  # -128..127: qgemv's int8 holds the full range since format version 4
         cfg = QuantConfig(8)
         qw, sc, zz = formats.pack_int8(codes.to(torch.int8)), s16[:, 0].contiguous(), None
     elif d.bits == 4:

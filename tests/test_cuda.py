@@ -49,12 +49,7 @@ def _fits(cfg, k):
 
 
 def _call(cfg, x, qw, s, z):
-    k = x.shape[-1]
-    if cfg.bits == 8:
-        return qgemv.linear_int8(x, qw, s, k)
-    if cfg.group_size is None:
-        return qgemv.linear_int4(x, qw, s, k)
-    return qgemv.linear_int4_grouped(x, qw, s, z, cfg.group_size, k)
+    return qgemv.ops.linear(x, qgemv.PackedWeight(qw, s, z, cfg, x.shape[-1]))
 
 
 def _quantized(cfg, n, k):
@@ -712,3 +707,18 @@ def test_generation_cpu_reference_equals_gpu_kernels(bits, group):
         cpu_tokens = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
         gpu_tokens = gpu.generate(ids.cuda(), max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert torch.equal(cpu_tokens, gpu_tokens.cpu())
+
+
+@requires_cuda
+@pytest.mark.parametrize("m", [1, 5, 16, 40, 300])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_int8_code_minus_128_every_path(m, dtype):
+    """Format version 4 stores int8 codes in [-128, 127] (compressed-tensors' symmetric int8): every path
+    (GEMV, chunked GEMV, tiled / wgmma GEMM, dequantize + GEMM) decodes -128 exactly."""
+    n, k = 4096, 4096 + 136  # a k tail past the last full tile
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, device="cuda")
+    q[:, :64] = -128  # whole tiles of the extreme code
+    qw = formats.pack_int8(q)
+    s = (torch.rand(n, device="cuda") * 1e-3 + 1e-4).half()
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    _check(CFGS["int8"], x, qw, s, None, k)

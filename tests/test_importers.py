@@ -313,11 +313,44 @@ def test_compressed_tensors_logits_equal_its_own_decompressor(tmp_path, bits, st
     assert ((a - b).abs().max() / a.abs().max()).item() < 2e-3
 
 
-def test_compressed_tensors_int8_with_the_code_minus_128_is_refused(tmp_path):
-    """compressed-tensors' symmetric int8 uses codes -128..127; qgemv's int8 format stores -127..127."""
+def test_compressed_tensors_int8_with_the_code_minus_128_loads_exactly(tmp_path):
+    """compressed-tensors' symmetric int8 uses codes -128..127 (llm-compressor's W8A16 default); qgemv's int8
+    format holds the full range since format version 4, and qgemv-convert writes such a checkpoint."""
     d = ct_checkpoint(str(tmp_path / "ct"), 8, "channel", None, True)
-    with pytest.raises(importers.ForeignCheckpointError, match="int8 code -128"):
-        load(d)
+    model, _ = load(d)
+    codes = [m.qweight for m in model.modules() if isinstance(m, qgemv.QuantLinear)]
+    assert codes and min(int(c.min()) for c in codes) == -128  # the fixture's absmax weights take -128
+    out = tmp_path / "q"
+    assert run_convert(d, "--out", str(out)).returncode == 0
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format_version"] == 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        back, _ = checkpoint.load_quantized(str(out), dtype=torch.float32)
+    saved = [m.qweight for m in back.modules() if isinstance(m, qgemv.QuantLinear)]
+    assert min(int(c.min()) for c in saved) == -128  # kept through qgemv-convert (which fuses q/k/v, gate/up)
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():  # the float tensors went through the converter's save dtype
+        a, b = model(ids).logits, back(ids).logits
+    assert ((a - b).abs().max() / a.abs().max()).item() < 2e-3
+
+
+def test_a_format_3_checkpoint_with_the_int8_code_minus_128_is_refused(tmp_path, tiny_llama_dir):
+    """Format version 3 promised int8 codes in [-127, 127]: a version 3 file holding -128 is corrupt."""
+    from safetensors.torch import save_file
+
+    model, tok = checkpoint.load_float_model(tiny_llama_dir)
+    rep = qgemv.quantize_model(model, bits=8)
+    qc = checkpoint.quantization_config(model, "rtn", None, QuantConfig(8), rep.skipped)
+    out = checkpoint.save_quantized(model, tok, str(tmp_path / "q"), qc)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["format_version"] = 3
+    (out / "config.json").write_text(json.dumps(cfg))
+    state = load_file(str(out / "model.safetensors"))
+    state["model.layers.0.mlp.up_proj.qweight"][0, 0] = -128
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt", "qgemv_format_version": "3"})
+    with pytest.raises(checkpoint.CheckpointError, match="int8 code -128, which format_version 3 does not"):
+        checkpoint.load_quantized(str(out))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
