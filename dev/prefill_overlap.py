@@ -52,11 +52,7 @@ def sliced(lin: qgemv.QuantLinear, slices: int, streams, testing):
     k = lin.in_features
 
     def one(x, qw, s, z):
-        if cfg.bits == 8:
-            return torch.ops.qgemv.linear_int8(x, qw, s, k)
-        if cfg.group_size is None:
-            return torch.ops.qgemv.linear_int4(x, qw, s, k)
-        return torch.ops.qgemv.linear_int4_grouped(x, qw, s, z, cfg.group_size, k)
+        return qgemv.ops.linear(x, qgemv.PackedWeight(qw, s, z, cfg, k), checked=True)
 
     def fn(x, cat=True):
         main = torch.cuda.current_stream()

@@ -18,6 +18,7 @@ _ext.load()
 
 from ._ext import set_gemv_pdl  # noqa: E402
 from .formats import FORMAT_VERSION, QuantConfig  # noqa: E402
+from .weight import PackedWeight  # noqa: E402
 from .nn import QuantLinear, QuantizeReport, quantize_model  # noqa: E402
 from .ops import linear_int4, linear_int4_grouped, linear_int8, sgemv  # noqa: E402
 from .engine import Engine, Generation, generate  # noqa: E402
@@ -28,6 +29,7 @@ _lazy_hf.install()  # from_pretrained of qgemv checkpoints, once transformers is
 __version__ = "0.1.0"
 
 __all__ = [
+    "PackedWeight",
     "FORMAT_VERSION",
     "QuantConfig",
     "QuantLinear",

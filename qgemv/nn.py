@@ -12,6 +12,7 @@ from torch import nn
 
 from . import formats, ops
 from .formats import QuantConfig
+from .weight import PackedWeight
 
 
 class _StoredFormat:
@@ -141,6 +142,26 @@ class QuantLinear(_StoredFormat, nn.Module):
             m.bias = linear.bias.detach().clone()
         return m
 
+    @property
+    def packed(self) -> PackedWeight:
+        """The weight as a :class:`qgemv.PackedWeight` (the same tensors, not copies)."""
+        return PackedWeight(self.qweight, self.scales, self.zeros, self.config, self.in_features, self.perm)
+
+    @classmethod
+    def from_packed(cls, w: PackedWeight, bias: Optional[torch.Tensor] = None) -> "QuantLinear":
+        """A QuantLinear holding w's tensors (not copies), with an optional bias [N]."""
+        c = w.config
+        m = cls(w.in_features, w.out_features, c.bits, c.group_size, c.symmetric, bias=bias is not None,
+                device="meta", bias_dtype=bias.dtype if bias is not None else torch.float16)
+        m.qweight, m.scales = w.qweight, w.scales
+        if w.zeros is not None:
+            m.zeros = w.zeros
+        if bias is not None:
+            m.bias = bias
+        if w.perm is not None:
+            m.perm = w.perm
+        return m
+
     def _apply(self, fn, recurse=True):
         # Module.to(dtype), .half(), .bfloat16(), .double() cast every floating
         # point buffer, and the fp16 scales are one: after model.to(torch.bfloat16)
@@ -199,14 +220,8 @@ class QuantLinear(_StoredFormat, nn.Module):
         return 0 if cached is None else cached[1].numel() * cached[1].element_size()
 
     def _check_buffers(self, x: torch.Tensor) -> None:
-        cfg, k = self.config, self.in_features
-        if cfg.bits == 8:
-            ops.check_linear_int8(x, self.qweight, self.scales, k)
-        elif cfg.group_size is None:
-            ops.check_linear_int4(x, self.qweight, self.scales, k)
-        else:
-            ops.check_linear_int4(x, self.qweight, self.scales, k, self.zeros, cfg.group_size,
-                                  op="linear_int4_grouped")
+        k = self.in_features
+        ops.check_linear(x, self)
         if self.perm is not None:
             p = self.perm
             if p.dtype != torch.int64 or tuple(p.shape) != (k,) or p.device != x.device or not torch.equal(
@@ -226,7 +241,6 @@ class QuantLinear(_StoredFormat, nn.Module):
         act-order gather into the op producing x, as the generation engine
         does in its norm); without a perm it changes nothing.
         """
-        cfg = self.config
         k = self.in_features
         if x.dtype == torch.float64:  # a model cast with .double(): the ops run in fp32 at most
             return self.forward(x.float(), gathered).double()
@@ -250,13 +264,8 @@ class QuantLinear(_StoredFormat, nn.Module):
             # int4 g128 on 2 cores); the same float32 weight, kept until a buffer changes, gives the same
             # numbers at the float model's speed, for 4 bytes a weight of memory.
             y = ops.ref_matmul(x, self._cpu_weight(), perm)
-        elif cfg.bits == 8:
-            y = torch.ops.qgemv.linear_int8(x, self.qweight, self.scales, k, perm)
-        elif cfg.group_size is None:
-            y = torch.ops.qgemv.linear_int4(x, self.qweight, self.scales, k, perm)
         else:
-            y = torch.ops.qgemv.linear_int4_grouped(x, self.qweight, self.scales, self.zeros, cfg.group_size, k,
-                                                    perm)
+            y = ops.linear(x, self, perm, checked=True)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y

@@ -414,6 +414,47 @@ def linear_int4_grouped(
 
 for _f in (linear_int8, linear_int4, linear_int4_grouped):
     _f.__doc__ = _f.__doc__.replace("{perm}", _PERM_DOC)
+_WRAPPERS = {f.__name__: f for f in (linear_int8, linear_int4, linear_int4_grouped)}
+
+
+def op_for(w) -> tuple:
+    """(op name, its arguments after x and before perm) for a packed weight w: the one place that maps a
+    format to its op (int8 -> linear_int8, int4 per channel -> linear_int4, int4 groups -> linear_int4_grouped)."""
+    c = w.config
+    if c.bits == 8:
+        return "linear_int8", (w.qweight, w.scales, w.in_features)
+    if c.group_size is None:
+        return "linear_int4", (w.qweight, w.scales, w.in_features)
+    return "linear_int4_grouped", (w.qweight, w.scales, w.zeros, c.group_size, w.in_features)
+
+
+def check_linear(x: torch.Tensor, w, perm: Optional[torch.Tensor] = None) -> None:
+    """The checks of w's op (shapes, dtypes, devices; not perm's values), with its messages."""
+    name, args = op_for(w)
+    if name == "linear_int4_grouped":
+        qweight, scales, zeros, group_size, k = args
+        check_linear_int4(x, qweight, scales, k, zeros, group_size, op=name, perm=perm)
+    else:
+        (check_linear_int8 if name == "linear_int8" else check_linear_int4)(x, *args, perm=perm)
+
+
+def linear(x: torch.Tensor, w, perm: Optional[torch.Tensor] = None, checked: bool = False) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ W^T for a packed weight of any qgemv format.
+
+    Args:
+        x: [..., K] float16, bfloat16 or float32, K == w.in_features.
+        w: a :class:`qgemv.PackedWeight` (or anything with its qweight, scales, zeros, config and
+            in_features, such as a QuantLinear).
+        perm: optional int32 [K]: compute x[..., perm] @ W^T (w.perm as int32; the caller passes it, so
+            that a caller that gathered x already passes None).
+        checked: the caller ran :func:`check_linear` on these tensors already (QuantLinear does, once per
+            change of its buffers): call the op without the wrappers' per-call checks.
+    Returns:
+        [..., N] in x.dtype, accumulated in fp32.
+    """
+    name, args = op_for(w)
+    op = getattr(torch.ops.qgemv, name) if checked else _WRAPPERS[name]
+    return op(x, *args, perm)
 
 
 def sgemv(A: torch.Tensor, x: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
@@ -454,6 +495,9 @@ def add_rms_gather(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, p
 
 __all__ = [
     "add_rms_gather",
+    "check_linear",
+    "linear",
+    "op_for",
     "linear_int8",
     "linear_int4",
     "linear_int4_grouped",

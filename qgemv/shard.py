@@ -29,6 +29,7 @@ from torch import nn
 
 from . import formats
 from .nn import QuantLinear
+from .weight import PackedWeight
 
 
 class ShardError(ValueError):
@@ -75,44 +76,60 @@ def _gcd(a: int, b: int) -> int:
     return a
 
 
-def _codes(q: QuantLinear) -> torch.Tensor:
-    unpack = formats.unpack_int8 if q.config.bits == 8 else formats.unpack_int4
-    return unpack(q.qweight, q.in_features)
+def _split(q) -> tuple:
+    """(PackedWeight, bias or None, whether q is a QuantLinear) of a QuantLinear or a PackedWeight."""
+    if isinstance(q, QuantLinear):
+        return q.packed, q.bias, True
+    if isinstance(q, PackedWeight):
+        return q, None, False
+    raise TypeError(f"expected a QuantLinear or a PackedWeight, got {type(q).__name__}")
 
 
-def _assemble(q: QuantLinear, codes: torch.Tensor, scales, zeros, bias: Optional[torch.Tensor],
-              perm: Optional[torch.Tensor]) -> QuantLinear:
-    n, k = codes.shape
-    pack = formats.pack_int8 if q.config.bits == 8 else formats.pack_int4
-    shell = nn.Linear(k, n, bias=bias is not None, device="meta",
-                      dtype=bias.dtype if bias is not None else torch.float16)
-    out = QuantLinear.from_quantized(shell, q.config, pack(codes.contiguous()), scales.contiguous(),
-                                     None if zeros is None else zeros.contiguous())
-    if bias is not None:
-        out.bias = bias.detach().clone()
-    if perm is not None:
-        out.perm = perm.contiguous()
-    return out
+def _result(w: PackedWeight, codes: torch.Tensor, scales, zeros, perm, bias, module: bool):
+    """The shard, packed again, as the kind the caller passed (a QuantLinear keeps its part of the bias)."""
+    pack = formats.pack_int8 if w.config.bits == 8 else formats.pack_int4
+    out = PackedWeight(pack(codes.contiguous()), scales.contiguous(), None if zeros is None else zeros.contiguous(),
+                       w.config, codes.shape[1], None if perm is None else perm.contiguous())
+    if not module:
+        return out
+    return QuantLinear.from_packed(out, None if bias is None else bias.detach().clone())
 
 
-def shard_column(q: QuantLinear, rank: int, world: int, name: str = "linear") -> QuantLinear:
+def take_rows(q, first: int, end: int, name: str = "linear"):
+    """Output rows [first, end) of q (a QuantLinear or a PackedWeight; the same kind back): exact.
+
+    The whole input (and perm) stays.  Both ends must lie on 16-row panel
+    boundaries (or be out_features): a column-parallel rank's part, or one
+    member of a fused q/k/v weight.
+    """
+    w, bias, module = _split(q)
+    n = w.out_features
+    if not (0 <= first < end <= n) or first % formats.PANEL_ROWS or (end % formats.PANEL_ROWS and end != n):
+        raise ShardError(f"{name}: output rows [{first}, {end}) of {n} are not whole {formats.PANEL_ROWS}-row panels "
+                         f"(a shard of the stored weight starts and ends on a multiple of {formats.PANEL_ROWS})")
+    return _result(w, w.codes()[first:end], w.scales[first:end], None if w.zeros is None else w.zeros[first:end],
+                   w.perm, None if bias is None else bias[first:end], module)
+
+
+def shard_column(q, rank: int, world: int, name: str = "linear"):
     """Rank's column-parallel shard of q: output rows column_range(...), the whole input (and perm)."""
     r0, r1 = column_range(q.out_features, rank, world, name)
-    return _assemble(q, _codes(q)[r0:r1], q.scales[r0:r1], None if q.zeros is None else q.zeros[r0:r1],
-                     None if q.bias is None else q.bias[r0:r1], q.perm)
+    return take_rows(q, r0, r1, name)
 
 
-def shard_row(q: QuantLinear, rank: int, world: int, name: str = "linear") -> QuantLinear:
-    """Rank's row-parallel shard of q: the columns of its input range row_range(...) (see the module doc)."""
-    k0, k1 = row_range(q.in_features, q.config, rank, world, name)
-    g = q.config.group_size
-    codes = _codes(q)
-    bias = q.bias if (q.bias is not None and rank == 0) else None
-    if q.perm is None:
+def shard_row(q, rank: int, world: int, name: str = "linear"):
+    """Rank's row-parallel shard of q: the columns of its input range row_range(...) (see the module doc).
+    A QuantLinear's bias stays on rank 0."""
+    w, bias, module = _split(q)
+    k0, k1 = row_range(w.in_features, w.config, rank, world, name)
+    g = w.config.group_size
+    codes = w.codes()
+    bias = bias if rank == 0 else None
+    if w.perm is None:
         cols = torch.arange(k0, k1, device=codes.device)
         local_perm = None
     else:
-        perm = q.perm.to(torch.int64)
+        perm = w.perm.to(torch.int64)
         inv = torch.empty_like(perm)
         inv[perm] = torch.arange(perm.numel(), device=perm.device)
         cols = torch.sort(inv[k0:k1]).values  # the stored columns rank's inputs feed, in stored order
@@ -128,9 +145,9 @@ def shard_row(q: QuantLinear, rank: int, world: int, name: str = "linear") -> Qu
                              f"wrongly): run it unsharded, or fold the perm into the layer that produces its input")
         local_perm = perm[cols] - k0
     if g is None:
-        scales, zeros = q.scales, q.zeros
+        scales, zeros = w.scales, w.zeros
     else:
         groups = torch.unique_consecutive(cols // g)
-        scales = q.scales[:, groups]
-        zeros = None if q.zeros is None else q.zeros[:, groups]
-    return _assemble(q, codes[:, cols], scales, zeros, bias, local_perm)
+        scales = w.scales[:, groups]
+        zeros = None if w.zeros is None else w.zeros[:, groups]
+    return _result(w, codes[:, cols], scales, zeros, local_perm, bias, module)

@@ -23,12 +23,7 @@ CFGS = {
 
 
 def _call(cfg, x, qw, s, z):
-    k = x.shape[-1]
-    if cfg.bits == 8:
-        return qgemv.linear_int8(x, qw, s, k)
-    if cfg.group_size is None:
-        return qgemv.linear_int4(x, qw, s, k)
-    return qgemv.linear_int4_grouped(x, qw, s, z, cfg.group_size, k)
+    return qgemv.ops.linear(x, qgemv.PackedWeight(qw, s, z, cfg, x.shape[-1]))
 
 
 @pytest.mark.parametrize("name", list(CFGS))

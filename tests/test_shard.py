@@ -7,7 +7,12 @@ import itertools
 import pytest
 import torch
 
+from torch import nn
+
 import qgemv
+from qgemv import formats, shard
+from qgemv.formats import QuantConfig
+from qgemv.nn import QuantLinear
 from qgemv.shard import ShardError, column_range, row_range, shard_column, shard_row
 
 FORMATS = {"int8": (8, None, True), "int4": (4, None, True), "int4g128a": (4, 128, False), "int4g32": (4, 32, True)}
@@ -67,3 +72,83 @@ def test_splits_that_are_not_exact_are_refused():
     with pytest.raises(ShardError, match="do not make up whole groups of 128"):
         shard_row(q, 0, 2)
     assert shard_column(q, 1, 2).perm is not None  # column shards keep the whole input's perm
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4g64a"])
+def test_packed_weight_is_the_quant_linear_s_weight(fmt):
+    """QuantLinear.packed / from_packed round-trip the same tensors; ops.linear computes what forward does;
+    the shards of a PackedWeight are the weights of the QuantLinear's shards."""
+    cfg = {"int8": QuantConfig(8), "int4": QuantConfig(4), "int4g64a": QuantConfig(4, 64, False)}[fmt]
+    q = QuantLinear.from_linear(nn.Linear(256, 64), cfg.bits, cfg.group_size, cfg.symmetric)
+    q.perm = torch.randperm(256)
+    w = q.packed
+    assert w.format == fmt and w.out_features == 64 and w.in_features == 256 and w.qweight is q.qweight
+    assert w.nbytes == formats.nbytes(q.qweight, q.scales, q.zeros)
+    assert torch.equal(w.dequantize(), q.dequantize())
+    x = torch.randn(3, 256)
+    back = QuantLinear.from_packed(w, q.bias)
+    assert torch.equal(back(x), q(x))
+    assert torch.allclose(qgemv.ops.linear(x, w, w.perm.to(torch.int32)) + q.bias, q(x), rtol=1e-5, atol=1e-5)
+    for rank in range(2):
+        a, b = w.shard_column(rank, 2), shard.shard_column(q, rank, 2)
+        assert isinstance(a, qgemv.PackedWeight) and torch.equal(a.qweight, b.qweight) and torch.equal(a.perm, b.perm)
+    with pytest.raises(shard.ShardError, match="whole 16-row panels"):
+        w.take_rows(8, 32)
+
+
+# -- the GPU: every rank's shard of real layers on qgemv's CUDA ops ------------------------------------
+REAL = {  # (N, K, how a TP layer splits it) of Llama-3-8B and Llama-3-70B
+    "8b.qkv": (6144, 4096, "column"), "8b.o": (4096, 4096, "row"), "8b.gate_up": (28672, 4096, "column"),
+    "8b.down": (4096, 14336, "row"), "70b.qkv": (10240, 8192, "column"), "70b.o": (8192, 8192, "row"),
+    "70b.gate_up": (57344, 8192, "column"), "70b.down": (8192, 28672, "row"),
+}
+
+
+def _random_packed(cfg, n, k, act, world):
+    """Random codes, scales and zero points of format cfg on the GPU; with ``act`` a perm that row shards can
+    take (whole groups shuffled inside each rank's part of K, columns shuffled inside the groups)."""
+    dev = "cuda"
+    if cfg.bits == 8:
+        codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, device=dev)
+        qw = formats.pack_int8(codes)
+    else:
+        qw = formats.pack_int4(torch.randint(0, 16, (n, k), dtype=torch.uint8, device=dev))
+    ng = 1 if cfg.group_size is None else k // cfg.group_size
+    s = (torch.rand(n, ng, device=dev) * 2e-3 + 5e-4).half()
+    s = s[:, 0].contiguous() if cfg.group_size is None else s
+    z = None if cfg.symmetric else torch.randint(0, 16, (n, ng), dtype=torch.uint8, device=dev)
+    perm = None
+    if act:
+        g, part = cfg.group_size or 128, k // world
+        groups = torch.cat([torch.randperm(part // g, device=dev) + r * (part // g) for r in range(world)])
+        perm = torch.cat([grp * g + torch.randperm(g, device=dev) for grp in groups.tolist()])
+    return qgemv.PackedWeight(qw, s, z, cfg, k, perm)
+
+
+def _run(w, x):
+    return qgemv.ops.linear(x, w, None if w.perm is None else w.perm.to(torch.int32)).float()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", list(REAL))
+@pytest.mark.parametrize("fmt,act", [("int8", False), ("int4", False), ("int4g128a", False), ("int4g32", False),
+                                     ("int4g128a", True), ("int8", True)])
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_cuda_shards_of_llama_3_layers_assemble_to_the_layer(name, fmt, act, world):
+    """Simulated TP: each rank's shard on qgemv's CUDA ops; column shards concatenated and row shards summed in
+    fp32 equal the unsharded layer (to fp32 accumulation order: the shards' GEMVs split K differently)."""
+    n, k, kind = REAL[name]
+    bits, group, sym = {"int8": (8, None, True), "int4": (4, None, True), "int4g128a": (4, 128, False),
+                        "int4g32": (4, 32, True)}[fmt]
+    torch.manual_seed(0)
+    w = _random_packed(QuantConfig(bits, group, sym), n, k, act, world)
+    for m in (1, 5, 16):
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        whole = _run(w, x)
+        if kind == "column":
+            got = torch.cat([_run(w.shard_column(r, world, name), x) for r in range(world)], dim=-1)
+        else:
+            got = sum(_run(w.shard_row(r, world, name), x[:, r * k // world:(r + 1) * k // world])
+                      for r in range(world))
+        scale = whole.abs().max().item()
+        torch.testing.assert_close(got, whole, rtol=0, atol=4e-3 * scale)
