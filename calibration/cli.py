@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="replace --out if it is a qgemv checkpoint (nothing else is ever replaced)")
     ap.add_argument("--stream", action="store_true",
                     help="for a safetensors directory: read, calibrate, quantize and write one decoder layer at a "
-                         "time, never holding the float model (calibration/stream.py); one shard per layer. "
+                         "time, never holding the float model (calibration/layerwise.py); one shard per layer. "
                          "Meant for 7B-70B models with --device cuda")
     ap.add_argument("--resume", action="store_true",
                     help="with --stream: continue the interrupted run whose work directory OUT.partial exists "
@@ -145,14 +145,14 @@ def summary_table(rep, cfg, method: str, seconds: float, out: str, fp16_bytes: i
 
 
 def _stream(args, cfg, skip, overrides) -> int:
-    """qgemv-quantize --stream: calibration/stream.py, without the float model in memory."""
+    """qgemv-quantize --stream: calibration/layerwise.py, without the float model in memory."""
     import torch
 
     from qgemv import checkpoint
-    from qgemv.stream import finished_units, partial_dir
+    from qgemv.safetensors_io import finished_units, partial_dir
 
     from .data import calibration_samples
-    from .stream import quantize_streaming
+    from .layerwise import quantize_streaming
 
     if args.rotate:
         return _fail("--stream does not rotate (--rotate needs the whole model)")
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
     from qgemv import checkpoint
     from qgemv.formats import QuantConfig
     from qgemv.nn import QuantLinear, check_rules, fuse_llama_projections
-    from qgemv.stream import check_no_interrupted_run
+    from qgemv.safetensors_io import check_no_interrupted_run
     from qgemv.text import TextError, load_text
 
     from .data import calibration_samples

@@ -5,10 +5,10 @@
 
 The model is a meta-device skeleton of its config.json.  Each decoder
 layer's tensors are read from the shards when its turn comes
-(:class:`qgemv.stream.Reader`), in float32, onto ``device``; the layer is
+(:class:`qgemv.safetensors_io.Reader`), in float32, onto ``device``; the layer is
 calibrated and quantized exactly as the in-memory path does it
 (:func:`calibration.quantize.quantize_layer`), written as one shard
-(:class:`qgemv.stream.LayerWriter`) and dropped.  What stays alive: one
+(:class:`qgemv.safetensors_io.LayerWriter`) and dropped.  What stays alive: one
 float layer, its Hessians, and the hidden states of the calibration samples
 (n x L x hidden in float32, on ``device``).  The embeddings are read once to
 make layer 0's inputs; lm_head and the final norm only at the end.
@@ -33,7 +33,7 @@ from torch import nn
 from qgemv import checkpoint, formats
 from qgemv.formats import QuantConfig
 from qgemv.nn import FUSE_GROUPS, QuantLinear, fuse_linears, layer_format, set_submodule
-from qgemv.stream import LayerWriter, Lazy, Reader
+from qgemv.safetensors_io import LayerWriter, Lazy, Reader
 
 from .quantize import (METHODS, Clock, _catch_layer0_inputs, _decoder_layers, advance, bar_at, forward_context,
                        layer_bar, layer_runner, layer_targets, make_method, quantize_layer)

@@ -9,7 +9,7 @@ storage, loading :class:`Lazy` ones one at a time.
 into a work directory ``OUT.partial`` beside ``OUT``, records each finished
 unit in ``progress.json``, and renames the finished directory into place; an
 interrupted run leaves the work directory, and a run with ``resume=True``
-continues after its last finished unit.  calibration/stream.py drives both.
+continues after its last finished unit.  calibration/layerwise.py drives both.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Streamed quantization of a sharded checkpoint, layer by layer (calibration/stream.py, qgemv-quantize --stream)."""
+"""Streamed quantization of a sharded checkpoint, layer by layer (calibration/layerwise.py, qgemv-quantize --stream)."""
 
 import json
 import os
@@ -14,10 +14,10 @@ import torch
 import qgemv
 from qgemv import checkpoint
 from qgemv.calibration import cli
-from qgemv.calibration import stream as cstream
+from qgemv.calibration import layerwise as cstream
 from qgemv.calibration.data import calibration_samples
 from qgemv.formats import QuantConfig
-from qgemv.stream import Reader
+from qgemv.safetensors_io import Reader
 
 from conftest import load_tiny
 
@@ -167,7 +167,7 @@ def test_resume_after_kill_9(sharded, tmp_path):
     assert cli.main(args + ["--out", str(tmp_path / "whole")]) == 0
     code = (
         "import os, signal, sys\n"
-        "from qgemv import stream\n"
+        "from qgemv import safetensors_io as stream\n"
         "from qgemv.calibration import cli\n"
         "write = stream.LayerWriter.write_unit\n"
         "def kill_after(self, unit, *a, **k):\n"
@@ -226,7 +226,7 @@ def test_a_second_run_on_the_same_out_waits_for_no_one(sharded, tmp_path, capsys
     exit 2 and touches nothing; once that process is gone (here: killed), its lock is taken over."""
     out = tmp_path / "q"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom qgemv.stream import RunLock\n"
+        [sys.executable, "-c", "import sys, time\nfrom qgemv.safetensors_io import RunLock\n"
          f"lock = RunLock({str(out)!r})\nprint('held', flush=True)\ntime.sleep(120)\n"],
         stdout=subprocess.PIPE, text=True)
     try:
@@ -327,7 +327,7 @@ def test_resume_refuses_a_tampered_record_before_any_work(sharded, tmp_path, mon
 def test_a_full_disk_is_exit_2_with_what_was_kept(sharded, tmp_path, monkeypatch, capsys):
     import errno
 
-    from qgemv import stream
+    from qgemv import safetensors_io as stream
 
     real, writes = stream.write_safetensors, []
 
@@ -381,7 +381,7 @@ def test_written_files_are_safetensors_and_lazy_tensors_load_one_at_a_time(tmp_p
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from qgemv.stream import Lazy, write_safetensors
+    from qgemv.safetensors_io import Lazy, write_safetensors
 
     alive = []
 
@@ -462,3 +462,15 @@ def test_streamed_qwen_equals_the_in_memory_one(tiny_llama_dir, tmp_path, family
                                    progress=False, on_layer=stop, calibration=cli._calib_record(parsed))
     assert cli.main(args + ["--stream", "--resume", "--out", str(tmp_path / "st")]) == 0
     _same_checkpoints(tmp_path / "mem", tmp_path / "st")
+
+
+def test_the_old_module_names_still_import_with_a_warning():
+    """qgemv.stream and qgemv.calibration.stream were renamed (two files of one name meant different things)."""
+    import importlib
+    import sys
+
+    for old, new in (("qgemv.stream", "qgemv.safetensors_io"), ("qgemv.calibration.stream", "qgemv.calibration.layerwise")):
+        sys.modules.pop(old, None)
+        with pytest.warns(DeprecationWarning, match=new):
+            mod = importlib.import_module(old)
+        assert mod is importlib.import_module(new)
