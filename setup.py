@@ -78,7 +78,7 @@ setup(
             "qgemv-quantize=qgemv.calibration.cli:main",
             "qgemv-ppl=qgemv.eval.ppl:main",
             "qgemv-ppl-check=qgemv.eval.ppl_check:main",
-            "qgemv-generate=qgemv.engine:main",
+            "qgemv-generate=qgemv.generate_cli:main",
             "qgemv-convert=qgemv.importers:main",
         ],
         "vllm.general_plugins": ["qgemv = qgemv.vllm_plugin:register"],

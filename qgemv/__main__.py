@@ -35,7 +35,7 @@ def info() -> dict:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["generate"]:
-        from .engine import main as generate_main
+        from .generate_cli import main as generate_main
 
         return generate_main(argv[1:])
     from ._args import parser

@@ -49,3 +49,12 @@ def test_info_gives_no_build_advice_without_a_gpu():
 
     reason = info()["reason"]
     assert "QGEMV_JIT" not in reason and "no CUDA GPU here" in reason
+
+
+def test_qgemv_generate_lives_in_generate_cli_and_the_old_names_resolve():
+    """The CLI moved out of engine.py (issue 34); qgemv.engine.main / load_for_generation still work."""
+    from qgemv import engine, generate_cli
+
+    assert engine.main is generate_cli.main and engine.load_for_generation is generate_cli.load_for_generation
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        engine.nothing
