@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qgemv import formats
+from qgemv import arch, formats
 from qgemv.formats import QuantConfig
 
 
@@ -75,16 +75,14 @@ def llama_scale_groups(layer: nn.Module) -> list:
     o_proj is scaled through v_proj only when the attention has as many KV
     heads as query heads (otherwise v's channels do not map 1:1 onto o's input).
     """
-    attn, mlp = layer.self_attn, layer.mlp
-    groups = [
-        ("input_layernorm", layer.input_layernorm,
-         [("self_attn.q_proj", attn.q_proj), ("self_attn.k_proj", attn.k_proj), ("self_attn.v_proj", attn.v_proj)]),
-        ("post_attention_layernorm", layer.post_attention_layernorm,
-         [("mlp.gate_proj", mlp.gate_proj), ("mlp.up_proj", mlp.up_proj)]),
-        ("mlp.up_proj", mlp.up_proj, [("mlp.down_proj", mlp.down_proj)]),
-    ]
-    if attn.v_proj.out_features == attn.o_proj.in_features:
-        groups.append(("self_attn.v_proj", attn.v_proj, [("self_attn.o_proj", attn.o_proj)]))
+    def pair(name):
+        return name, layer.get_submodule(name)
+
+    groups = [(*pair(norm), [pair(r) for r in readers]) for norm, readers in arch.NORM_READERS]
+    groups.append((*pair(f"{arch.MLP}.{arch.UP}"), [pair(f"{arch.MLP}.{arch.DOWN}")]))
+    v, o = pair(f"{arch.ATTN}.{arch.V}"), pair(f"{arch.ATTN}.{arch.O}")
+    if v[1].out_features == o[1].in_features:
+        groups.append((*v, [o]))
     return groups
 
 

@@ -30,13 +30,13 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from qgemv import checkpoint, formats
+from qgemv import checkpoint, formats, outdir
 from qgemv.formats import QuantConfig
 from qgemv.nn import FUSE_GROUPS, QuantLinear, fuse_linears, layer_format, set_submodule
 from qgemv.safetensors_io import LayerWriter, Lazy, Reader
 
-from .quantize import (METHODS, Clock, _catch_layer0_inputs, _decoder_layers, advance, bar_at, forward_context,
-                       layer_bar, layer_runner, layer_targets, make_method, quantize_layer)
+from .quantize import METHODS, Clock, bar_at, layer_bar, layer_targets, make_method, quantize_layer
+from .walker import advance, catch_layer0_inputs, decoder_layers, forward_context, layer_runner
 
 
 def _materialize(module: nn.Module, prefix: str, reader: Reader, device) -> nn.Module:
@@ -65,7 +65,7 @@ def _layer0_inputs(model, base: nn.Module, layer0: nn.Module, reader: Reader, co
     for n, m in rotary:
         set_submodule(base, n, m.to(device))
     try:
-        return _catch_layer0_inputs(lambda ids: base(input_ids=ids.to(device), use_cache=False), layer0, samples,
+        return catch_layer0_inputs(lambda ids: base(input_ids=ids.to(device), use_cache=False), layer0, samples,
                                     batch_size, device)
     finally:
         emb.to("meta")
@@ -104,7 +104,7 @@ def _pack_layer(layer: nn.Module, prefix: str, quantized: dict, fuse: bool, floa
         fused = fuse_linears([quantized[n] for n in names]) if all(n in quantized for n in names) else None
         if fused is not None:
             tensors.update(_quant_tensors(f"{prefix}{whole}.fused", fused, float_dtype))
-            checkpoint._fuse_skeleton(layer, whole, fused.config, float_dtype, prefix)
+            checkpoint.fuse_skeleton(layer, whole, fused.config, float_dtype, prefix)
             done.update(names)
     for n, q in quantized.items():
         if n not in done:
@@ -142,7 +142,7 @@ def _shells(layer: nn.Module, prefix: str, targets: dict, names: set, float_dtyp
         whole = _fused_name(n)
         if whole and f"{prefix}{whole}.fused.qweight" in names:
             if type(layer.get_submodule(n)) is nn.Linear:  # the group's first member: fuse it once
-                checkpoint._fuse_skeleton(layer, whole, c, float_dtype, prefix)
+                checkpoint.fuse_skeleton(layer, whole, c, float_dtype, prefix)
         else:
             set_submodule(layer, n, _shell(m, c))
 
@@ -233,7 +233,7 @@ def quantize_streaming(src, out, cfg: QuantConfig, method: str = "gptq", samples
     model, config = checkpoint.meta_model(src_p, torch.float32)  # computed in float32, as in memory
     model.eval()
     reader = Reader(src_p)
-    layers_path, layers = _decoder_layers(model)
+    layers_path, layers = decoder_layers(model)
     base = model.get_submodule(layers_path.rpartition(".")[0])
     fingerprint = dict(source=str(src_p.resolve()), bits=cfg.bits, group_size=cfg.group_size,
                        symmetric=cfg.symmetric, skip=list(skip), overrides=overrides or {}, method=method,
@@ -263,7 +263,7 @@ def quantize_streaming(src, out, cfg: QuantConfig, method: str = "gptq", samples
 
         bar = layer_bar(len(layers), f"{method} {cfg.name} (streamed)") if progress else None
 
-        with checkpoint._terminate_raises():
+        with outdir.terminate_raises():
             for li in range(len(layers)):
                 tl = time.time()
                 prefix = f"{layers_path}.{li}."
@@ -328,7 +328,7 @@ def quantize_streaming(src, out, cfg: QuantConfig, method: str = "gptq", samples
                 rest = _outside_layers(model, reader, layers_path, cfg, skip, overrides, group_fallback, skipped,
                                        device, float_dtype, config)
                 cfg_json = config.to_dict()
-                checkpoint._record_float_dtype(cfg_json, float_dtype)
+                checkpoint.record_float_dtype(cfg_json, float_dtype)
                 cfg_json["quantization_config"] = dict(
                     checkpoint.quantization_config(model, method, calibration, cfg, sorted(skipped)),
                     source_model=str(src), streamed=True)

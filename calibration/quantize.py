@@ -27,12 +27,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from qgemv import formats
+from qgemv import arch, formats
 from qgemv.checkpoint import peak_rss_mb
 from qgemv.formats import QuantConfig
 from qgemv.nn import QuantLinear, QuantizeReport, check_rules, layer_format, quantize_model, set_submodule
 
 from . import awq
+from .walker import StopForward, advance, catch_layer0_inputs, decoder_layers, forward_context, layer_runner
 from .gptq import GPTQ
 
 METHODS = ("rtn", "gptq", "awq", "awq_gptq")
@@ -47,25 +48,12 @@ class CalibReport(QuantizeReport):
     rotation: Optional[dict] = None  # rotate.rotate_llama's record, if the model was rotated
 
 
-class _Stop(Exception):
-    pass
-
-
-def _decoder_layers(model: nn.Module):
-    for path in ("model.layers", "transformer.h", "model.decoder.layers"):
-        try:
-            return path, model.get_submodule(path)
-        except AttributeError:
-            continue
-    raise ValueError(f"{type(model).__name__}: no decoder layers found (Llama-style model.layers expected)")
-
-
 # Linears with the same input tensor share one Hessian (off only in a test
 # that checks the shared one gives the same result).
 _SHARE_HESSIANS = True
 
 # Execution order of a Llama-style decoder layer's linears (by attribute name).
-_SEQUENTIAL_STAGES = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+_SEQUENTIAL_STAGES = arch.STAGES
 
 
 def _sequential_stages(names: list) -> list:
@@ -91,40 +79,6 @@ def make_method(method: str, damp: float = 0.01, act_order: bool = False, clip_g
     if method == "awq_gptq":
         return awq.AWQThenGPTQ(GPTQ(damp, act_order, clip_grid, tf32_hessian))
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-
-
-def _catch_layer0_inputs(forward, layer0, samples, batch_size, device):
-    """(hidden states entering decoder layer 0, one per batch, and its keyword arguments), on ``device``.
-
-    forward(ids) runs the model on one batch of samples (int64 [b, L], on the
-    CPU) far enough to reach layer 0, whose pre-hook then stops it.
-    """
-    cache = {"hidden": [], "kwargs": None}
-
-    def catch(_mod, args, kwargs):
-        cache["hidden"].append(args[0] if args else kwargs.pop("hidden_states"))
-        if cache["kwargs"] is None:
-            cache["kwargs"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-        raise _Stop
-
-    handle = layer0.register_forward_pre_hook(catch, with_kwargs=True)
-    try:
-        for b in range(0, samples.shape[0], batch_size):
-            try:
-                forward(samples[b : b + batch_size])
-            except _Stop:
-                pass
-    finally:
-        handle.remove()
-
-    def to_dev(v):
-        if torch.is_tensor(v):
-            return v.to(device)
-        if isinstance(v, tuple) and all(torch.is_tensor(t) for t in v):
-            return tuple(t.to(device) for t in v)
-        return v
-
-    return [h.to(device) for h in cache["hidden"]], {k: to_dev(v) for k, v in cache["kwargs"].items()}
 
 
 def _collect(layer, stage: list, targets: dict, hidden: list, kwargs: dict, new_stats, device, fwd, stop: bool,
@@ -155,7 +109,7 @@ def _collect(layer, stage: list, targets: dict, hidden: list, kwargs: dict, new_
                     stats[n].add(x)
         seen.add(n)
         if stop and len(seen) == len(stage):
-            raise _Stop  # the rest of the layer is not needed for this stage
+            raise StopForward  # the rest of the layer is not needed for this stage
 
     hooks = [targets[n][0].register_forward_hook(lambda mod, inp, out, n=n: collect(n, inp[0])) for n in stage]
     try:
@@ -165,45 +119,12 @@ def _collect(layer, stage: list, targets: dict, hidden: list, kwargs: dict, new_
             try:
                 with fwd():
                     layer(x, **kwargs)
-            except _Stop:
+            except StopForward:
                 pass
     finally:
         for h in hooks:
             h.remove()
     return stats, owner
-
-
-def forward_context(forward_dtype: Optional[torch.dtype], device):
-    """A factory of the context every calibration forward pass runs in: autocast to ``forward_dtype``
-    (bfloat16 / float16), or nothing for None / float32."""
-    dev_type = torch.device(device).type
-
-    def fwd():
-        if forward_dtype is None or forward_dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=dev_type, dtype=forward_dtype)
-
-    return fwd
-
-
-def advance(layer: nn.Module, xs: list, kwargs: dict, fwd) -> None:
-    """xs[i] <- layer(xs[i]) for each [b, L, hidden] batch, in place and in xs[i]'s dtype (autocast can
-    leave a layer's output in the lower dtype; the residual stream between layers keeps the model's)."""
-    with fwd():
-        for i, h in enumerate(xs):
-            o = layer(h, **kwargs)
-            xs[i] = (o[0] if isinstance(o, tuple) else o).to(h.dtype)
-
-
-def layer_runner(kwargs: dict, fwd):
-    """run(layer, xs) -> the layer's outputs for each [b, L, hidden] tensor of xs (a new list; see advance)."""
-
-    def run(layer, xs):
-        ys = list(xs)
-        advance(layer, ys, kwargs, fwd)
-        return ys
-
-    return run
 
 
 class Clock:
@@ -400,7 +321,7 @@ def quantize_causal_lm(
     algo = make_method(method, damp, act_order, clip_grid,
                        tf32_hessian=forward_dtype in (torch.bfloat16, torch.float16))
     rep = CalibReport(method=method, rotation=rotation)
-    layers_path, layers = _decoder_layers(model)
+    layers_path, layers = decoder_layers(model)
     rep.layers = len(layers)
 
     # Linears outside the decoder layers (lm_head, ...) follow the skip rules / RTN.
@@ -416,7 +337,7 @@ def quantize_causal_lm(
                 rep.converted.append(name)
 
     model_device = next(model.parameters()).device
-    hidden, kwargs = _catch_layer0_inputs(lambda ids: model(ids.to(model_device), use_cache=False), layers[0],
+    hidden, kwargs = catch_layer0_inputs(lambda ids: model(ids.to(model_device), use_cache=False), layers[0],
                                           samples, batch_size, device)
     fwd = forward_context(forward_dtype, device)
     run = layer_runner(kwargs, fwd)

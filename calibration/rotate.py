@@ -36,6 +36,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qgemv import arch
+
 
 def _paley(q: int) -> torch.Tensor:
     """Hadamard matrix of order q + 1 for a prime q = 3 (mod 4) (Paley I)."""
@@ -140,15 +142,14 @@ def rotate_llama(model: nn.Module, seed: int = 0, heads: bool = True) -> dict:
         raise ValueError("rotation needs an lm_head reading the hidden state")
     # Check everything before changing anything: a model this cannot rotate is left as it was.
     for i, layer in enumerate(inner.layers):
-        for path in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"):
+        for path in arch.LINEARS + (arch.IN_NORM, arch.POST_NORM):
             try:
                 layer.get_submodule(path)
             except AttributeError as e:
                 raise ValueError(f"layer {i}: rotation needs a Llama-style {path}") from e
-        _check_norm(f"model.layers.{i}.input_layernorm", layer.input_layernorm)
-        _check_norm(f"model.layers.{i}.post_attention_layernorm", layer.post_attention_layernorm)
-    _check_norm("model.norm", getattr(inner, "norm", None))
+        for norm, _readers in arch.NORM_READERS:
+            _check_norm(f"{arch.LAYERS}.{i}.{norm}", layer.get_submodule(norm))
+    _check_norm(arch.FINAL_NORM, getattr(inner, "norm", None))
 
     # lm_head gets the final norm's gain, the embeddings must not: untie
     if lm_head.weight is emb.weight or lm_head.weight.data_ptr() == emb.weight.data_ptr():
@@ -159,9 +160,8 @@ def rotate_llama(model: nn.Module, seed: int = 0, heads: bool = True) -> dict:
 
     q, residual_kind = _rotation(hidden, seed)
     for layer in inner.layers:
-        a, m = layer.self_attn, layer.mlp
-        _fold_norm(layer.input_layernorm, [a.q_proj, a.k_proj, a.v_proj])
-        _fold_norm(layer.post_attention_layernorm, [m.gate_proj, m.up_proj])
+        for norm, readers in arch.NORM_READERS:
+            _fold_norm(layer.get_submodule(norm), [layer.get_submodule(r) for r in readers])
     _fold_norm(inner.norm, [lm_head])
 
     emb.weight.data = (emb.weight.data.to(torch.float64) @ q).to(emb.weight.dtype)

@@ -98,7 +98,7 @@ def unpack(prefix: str, out: str, reference: str = "default") -> Path:
     ref_files = sorted(ref_path.glob("*.safetensors")) if ref_path.is_dir() else []
     if not ref_files:
         raise FileNotFoundError(f"{reference}: the reference must be a safetensors model directory")
-    with C._atomic_dir(out_p) as tmp:
+    with C.atomic_dir(out_p) as tmp:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
             tar.extractall(tmp, filter="data")
         manifest = json.loads((tmp / MANIFEST).read_text())

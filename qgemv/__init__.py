@@ -22,6 +22,7 @@ from .weight import PackedWeight  # noqa: E402
 from .nn import QuantLinear, QuantizeReport, quantize_model  # noqa: E402
 from .ops import linear_int4, linear_int4_grouped, linear_int8, sgemv  # noqa: E402
 from .engine import Engine, Generation, generate  # noqa: E402
+from . import importers  # noqa: E402,F401  (registers the GPTQ / AWQ / compressed-tensors reader of load_quantized)
 from . import _lazy_hf  # noqa: E402
 
 _lazy_hf.install()  # from_pretrained of qgemv checkpoints, once transformers is imported

@@ -44,9 +44,10 @@ import torch
 from torch import nn
 from torch.nn import functional as Fn
 
+from .arch import ARCHITECTURES, ATTN, DOWN, FUSE_GROUPS, IN_NORM, K_NORM, MLP, O, POST_NORM, Q_NORM
 from .nn import FusedSlice, QuantLinear, fuse_linears
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ARCHITECTURES
 # rope types whose cos/sin depend only on the position (tabulated once); the
 # "dynamic" and "longrope" types rescale with the sequence length.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -278,13 +279,14 @@ class Engine:
         self.max_seq_len = int(max_seq_len)
         self.layers = []
         for layer in inner.layers:
-            a, m = layer.self_attn, layer.mlp
+            a, m = getattr(layer, ATTN), getattr(layer, MLP)
+            qn, kn = getattr(a, Q_NORM, None), getattr(a, K_NORM, None)
             self.layers.append(_Layer(
-                in_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
-                qkv=_Projection([a.q_proj, a.k_proj, a.v_proj]), o_proj=a.o_proj,
-                gate_up=_Projection([m.gate_proj, m.up_proj]), down_proj=m.down_proj,
-                q_norm=a.q_norm.weight if hasattr(a, "q_norm") else None,
-                k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None))
+                in_norm=getattr(layer, IN_NORM).weight, post_norm=getattr(layer, POST_NORM).weight,
+                qkv=_Projection([getattr(a, n) for n in FUSE_GROUPS["qkv"]]), o_proj=getattr(a, O),
+                gate_up=_Projection([getattr(m, n) for n in FUSE_GROUPS["gate_up"]]),
+                down_proj=getattr(m, DOWN),
+                q_norm=qn.weight if qn is not None else None, k_norm=kn.weight if kn is not None else None))
         self.norm = inner.norm.weight
         self.lm_head = model.lm_head
         with torch.no_grad():

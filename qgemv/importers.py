@@ -47,7 +47,8 @@ import torch
 from torch import nn
 
 from . import formats
-from .checkpoint import CheckpointError
+from . import checkpoint
+from .errors import CheckpointError
 from .formats import QuantConfig
 from .nn import QuantLinear, fuse_llama_projections, set_submodule
 
@@ -369,8 +370,6 @@ def load(path, device: str = "cpu", dtype: torch.dtype = torch.float16, report: 
     ``report`` (a dict), if given, receives the method, the converted module
     names, the kept-float linears and the largest relative scale change.
     """
-    from . import checkpoint
-
     transformers = checkpoint.require_transformers()
     p = Path(path)
     method = detect(p)
@@ -425,7 +424,7 @@ def load(path, device: str = "cpu", dtype: torch.dtype = torch.float16, report: 
     if report is not None:
         report.update(method=method, converted=converted, kept_float=kept, max_scale_change=worst,
                       folded_perms=folded)
-    return model.to(device).eval(), checkpoint._load_tokenizer(transformers, p)
+    return model.to(device).eval(), checkpoint.tokenizer_or_none(transformers, p)
 
 
 # MLPs that compute down(act(gate(x)) * up(x)) with an elementwise act, as transformers defines them
@@ -477,10 +476,7 @@ def _permute_rows(m: nn.Module, idx: torch.Tensor) -> None:
 
 def main(argv=None) -> int:
     """qgemv-convert SRC --out DST: a GPTQ / AWQ / compressed-tensors checkpoint as a qgemv checkpoint."""
-    import argparse
     import sys
-
-    from . import checkpoint
 
     from ._args import parser
 
@@ -519,3 +515,6 @@ if __name__ == "__main__":
     import sys
 
     sys.exit(main())
+
+
+checkpoint.register_reader(detect, load)  # load_quantized reads these formats too

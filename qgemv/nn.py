@@ -10,7 +10,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 from torch import nn
 
-from . import formats, ops
+from . import arch, formats, ops
 from .formats import QuantConfig
 from .weight import PackedWeight
 
@@ -231,7 +231,7 @@ class QuantLinear(_StoredFormat, nn.Module):
         # The ops take perm as int32 (the GEMV gathers x with it in its prologue); kept until a buffer changes.
         self.__dict__["_perm_i32"] = None if self.perm is None else self.perm.to(torch.int32).contiguous()
         if x.is_cuda:
-            ops._check_cuda_pointers("QuantLinear", qweight=(self.qweight, 16), scales=(self.scales, 2))
+            ops.check_cuda_pointers("QuantLinear", qweight=(self.qweight, 16), scales=(self.scales, 2))
         self.__dict__["_checked_on"] = x.device
 
     def forward(self, x: torch.Tensor, gathered: bool = False) -> torch.Tensor:
@@ -568,11 +568,7 @@ class FusedSlice(_StoredFormat, nn.Module):
         return f"slice {self.index} of fused {self._parent.fused.out_features}, out_features={self.out_features}"
 
 
-FUSE_GROUPS = {
-    # owner module attribute -> member linears, in the order the owner calls them
-    "qkv": ("q_proj", "k_proj", "v_proj"),
-    "gate_up": ("gate_proj", "up_proj"),
-}
+FUSE_GROUPS = arch.FUSE_GROUPS  # owner attribute -> member linears, in the order the owner calls them
 
 
 def fuse_llama_projections(model: nn.Module, bits: int = 8, group_size: Optional[int] = None,

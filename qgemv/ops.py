@@ -312,7 +312,7 @@ REFERENCES = {
 # --------------------------------------------------------------------------
 # Python API.
 # --------------------------------------------------------------------------
-def _check_cuda_pointers(op: str, **tensors) -> None:
+def check_cuda_pointers(op: str, **tensors) -> None:
     """The kernels load qweight with 16-byte accesses and scales as 2-byte halves.
 
     A view at another offset would fault inside the kernel ("misaligned
@@ -359,7 +359,7 @@ def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, in
     if _precheck_cuda(x, qweight, scales, perm):
         check_linear_int8(x, qweight, scales, in_features, perm)
         check_perm_values("linear_int8", perm, in_features)
-        _check_cuda_pointers("linear_int8", qweight=(qweight, 16), scales=(scales, 2), perm=(perm, 16))
+        check_cuda_pointers("linear_int8", qweight=(qweight, 16), scales=(scales, 2), perm=(perm, 16))
     return torch.ops.qgemv.linear_int8(x, qweight, scales, in_features, perm)
 
 
@@ -379,7 +379,7 @@ def linear_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, in
     if _precheck_cuda(x, qweight, scales, perm):
         check_linear_int4(x, qweight, scales, in_features, perm=perm)
         check_perm_values("linear_int4", perm, in_features)
-        _check_cuda_pointers("linear_int4", qweight=(qweight, 16), scales=(scales, 2), perm=(perm, 16))
+        check_cuda_pointers("linear_int4", qweight=(qweight, 16), scales=(scales, 2), perm=(perm, 16))
     return torch.ops.qgemv.linear_int4(x, qweight, scales, in_features, perm)
 
 
@@ -408,7 +408,7 @@ def linear_int4_grouped(
     if _precheck_cuda(x, qweight, scales, zeros, perm):
         check_linear_int4(x, qweight, scales, in_features, zeros, group_size, op="linear_int4_grouped", perm=perm)
         check_perm_values("linear_int4_grouped", perm, in_features)
-        _check_cuda_pointers("linear_int4_grouped", qweight=(qweight, 16), scales=(scales, 2), perm=(perm, 16))
+        check_cuda_pointers("linear_int4_grouped", qweight=(qweight, 16), scales=(scales, 2), perm=(perm, 16))
     return torch.ops.qgemv.linear_int4_grouped(x, qweight, scales, zeros, group_size, in_features, perm)
 
 

@@ -24,8 +24,105 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from . import checkpoint, formats
-from .checkpoint import CheckpointError, OutputDirError
+from . import formats
+from .errors import CheckpointError, OutputDirError
+from .outdir import current_umask, swap_in, write_side_files
+
+INDEX_FILE = "model.safetensors.index.json"
+
+SINGLE_FILE = "model.safetensors"
+
+
+def read_json(path: Path, what: str) -> dict:
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot read {what} ({e})") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{path}: {what} must be a JSON object, got {type(d).__name__}")
+    return d
+
+
+def _read_safetensors(path: Path) -> tuple:
+    """(tensors, metadata) of one safetensors file; CheckpointError naming the file if it is unreadable."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            return {k: f.get_tensor(k) for k in f.keys()}, meta
+    except Exception as e:  # safetensors raises its own error types for bad headers / short files
+        raise CheckpointError(f"{path}: cannot read safetensors file (corrupt or truncated?): {e}") from None
+
+
+def checkpoint_files(path) -> list:
+    """The safetensors files of a checkpoint directory, exactly as it names them (see :func:`shards`)."""
+    return shards(path)[0]
+
+
+def shards(path) -> tuple:
+    """(safetensors files, the index's weight_map or None) of a checkpoint directory.
+
+    ``model.safetensors``, or the files that ``model.safetensors.index.json``'s
+    ``weight_map`` names (plain file names inside the directory).  Any other
+    ``*.safetensors`` beside them (a backup, say) is never read.  Raises
+    CheckpointError when neither exists, when both do, or for a bad index.
+    """
+    p = Path(path)
+    index, single = p / INDEX_FILE, p / SINGLE_FILE
+    if index.exists() and single.exists():
+        raise CheckpointError(f"{path}: has both {SINGLE_FILE} and {INDEX_FILE}; keep one")
+    if single.exists():
+        return [single], None
+    if not index.exists():
+        raise CheckpointError(f"{path}: no {SINGLE_FILE} and no {INDEX_FILE}")
+    wm = read_json(index, "the shard index").get("weight_map")
+    if not isinstance(wm, dict) or not wm:
+        raise CheckpointError(f"{index}: needs a non-empty 'weight_map' object")
+    files = []
+    for name in wm.values():
+        if not isinstance(name, str) or name != Path(name).name or name in ("", ".", ".."):
+            raise CheckpointError(f"{index}: weight_map names {name!r}, not a plain file name in the directory")
+        if name not in files:
+            files.append(name)
+    for name in files:
+        if not (p / name).is_file():
+            raise CheckpointError(f"{index}: names {name}, which is missing")
+    return [p / n for n in files], wm
+
+
+def read_checkpoint_tensors(path) -> tuple:
+    """(tensors, metadata of each file) of a checkpoint directory (see :func:`checkpoint_files`).
+
+    A key stored in two files, or stored in a file the index does not map it
+    to, or mapped by the index but absent, is a CheckpointError.
+    """
+    files, wm = shards(path)
+    state, metas, where = {}, {}, {}
+    for f in files:
+        tensors, meta = _read_safetensors(f)
+        metas[f.name] = meta
+        for k, t in tensors.items():
+            if k in where:
+                raise CheckpointError(f"{path}: tensor {k} is stored twice, in {where[k]} and {f.name}")
+            if wm is not None and wm.get(k) != f.name:
+                raise CheckpointError(f"{path}: tensor {k} is in {f.name}, but {INDEX_FILE} maps it to {wm.get(k)}")
+            where[k] = f.name
+            state[k] = t
+    if wm is not None:
+        absent = sorted(set(wm) - set(state))
+        if absent:
+            raise CheckpointError(f"{path}: {len(absent)} tensor(s) in {INDEX_FILE} are in no file, e.g. {absent[:3]}")
+    return state, metas
+
+
+def save_tensors(path: Path, state: dict, metadata: dict) -> None:
+    """safetensors' save_file, then the file's mode from the umask (save_file creates files 0600)."""
+    from safetensors.torch import save_file
+
+    save_file(state, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~current_umask())
+
 
 class Lazy(NamedTuple):
     """A tensor to be written that is produced only when its bytes are due: dtype, shape, load() -> tensor."""
@@ -111,7 +208,7 @@ class Reader:
     """The tensors of a checkpoint directory by name, read from disk when asked for (no mmap)."""
 
     def __init__(self, path):
-        files, wm = checkpoint._shards(path)
+        files, wm = shards(path)
         self.index, self.read = {}, set()
         for f in files:
             head, base = _header(f)
@@ -192,7 +289,7 @@ class RunLock:
         self.path = partial_dir(out).with_name(partial_dir(out).name + ".lock")
         self.path.parent.mkdir(parents=True, exist_ok=True)  # --out may name a directory not made yet
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666 & ~checkpoint.current_umask())
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666 & ~current_umask())
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -270,7 +367,7 @@ class LayerWriter:
                     self.done.add(u)
         else:
             self.work.mkdir(parents=True)
-            os.chmod(self.work, 0o777 & ~checkpoint.current_umask())
+            os.chmod(self.work, 0o777 & ~current_umask())
             self._save_progress()
 
     def _check_fingerprint(self, old: dict, where: str) -> None:
@@ -361,12 +458,12 @@ class LayerWriter:
         index = {"metadata": {"qgemv_format_version": formats.FORMAT_VERSION},
                  "weight_map": dict(sorted(weight_map.items()))}
         (self.work / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-        checkpoint._write_side_files(self.work, tokenizer, extra_json)
+        write_side_files(self.work, tokenizer, extra_json)
         (self.work / "progress.json").unlink()
         for f in self.work.glob("unit-*"):
             f.unlink()
         (self.work / "config.json").write_text(json.dumps(config_json, indent=2, default=str))  # last
-        checkpoint._swap_in(self.work, self.out)
+        swap_in(self.work, self.out)
         self.lock.release(remove=True)
         return self.out
 

@@ -54,7 +54,7 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.utils import set_weight_attrs
 
-from . import checkpoint, formats, shard
+from . import arch, checkpoint, formats, shard
 from .formats import QuantConfig
 from .nn import QuantLinear, fuse_linears
 from .weight import PackedWeight
@@ -62,8 +62,8 @@ from .weight import PackedWeight
 # vLLM's merged layers -> (shard id, checkpoint member) in vLLM's output order,
 # and qgemv's name for the fused module (format 3: "<owner>.qkv.fused").
 _MEMBERS = {
-    "qkv_proj": (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj")),
-    "gate_up_proj": ((0, "gate_proj"), (1, "up_proj")),
+    "qkv_proj": tuple(zip(("q", "k", "v"), arch.FUSE_GROUPS["qkv"])),
+    "gate_up_proj": tuple(zip((0, 1), arch.FUSE_GROUPS["gate_up"])),
 }
 _FUSED = {"qkv_proj": "qkv", "gate_up_proj": "gate_up"}
 _TENSORS = ("qweight", "scales", "zeros", "perm")

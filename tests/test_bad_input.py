@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import qgemv
-from qgemv import checkpoint
+from qgemv import checkpoint, outdir
 from qgemv import formats
 
 from qgemv.calibration import cli
@@ -199,12 +199,12 @@ def test_stale_temporaries_of_killed_runs_are_removed_or_restored(q8, float_mode
     a dead writer's .old directory back when --out itself is missing."""
     parent = q8.parent
     dead = 2**22 + 12345  # above the default pid_max: no such process
-    assert not checkpoint._pid_alive(dead)
+    assert not outdir._pid_alive(dead)
     (parent / f".q8.tmp-{dead}-abc").mkdir()
     (parent / f".q8.tmp-{dead}-abc" / "model.safetensors").write_bytes(b"x" * 100)
     legacy = parent / ".q8.tmp-xyz123"  # an earlier qgemv's name, no pid, older than this run
     legacy.mkdir()
-    os.utime(legacy, (checkpoint._RUN_STARTED - 60, checkpoint._RUN_STARTED - 60))
+    os.utime(legacy, (outdir._RUN_STARTED - 60, outdir._RUN_STARTED - 60))
     alive = parent / f".q8.tmp-{os.getppid()}-busy"  # a live writer's: left alone
     alive.mkdir()
     checkpoint.save_quantized(*_requant(float_model), str(q8), _qc(), overwrite=True)
@@ -213,7 +213,7 @@ def test_stale_temporaries_of_killed_runs_are_removed_or_restored(q8, float_mode
     # killed between the renames: out is gone, the old checkpoint is aside
     os.rename(q8, parent / f".q8.old-{dead}-zz")
     with pytest.warns(RuntimeWarning, match="the previous checkpoint .* is restored"):
-        checkpoint._clean_stale(q8)
+        outdir.clean_stale(q8)
     assert (q8 / "config.json").exists() and not (parent / f".q8.old-{dead}-zz").exists()
 
 
@@ -509,9 +509,9 @@ def test_gate_prints_the_standard_error_and_warns_near_the_limit(gate_args, caps
     out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines() if ln.startswith("pass:"))
     assert "±" in line and "paired s.e." in line
-    d = float(line.split("Δppl ")[1].split("%")[0])
+    d = float(line.split("Δppl ")[1].split("%")[0])  # printed to 0.001 points: the true value may be 0.0005 above
     assert ppl_check.main(gate_args + ["--max-kl", "100", "--min-top1", "0", "--max-ppl-increase",
-                                       f"{max(d, 0) + 1e-4}%"]) == 0
+                                       f"{max(d, 0) + 1e-3}%"]) == 0
     assert "within 2 standard errors" in capsys.readouterr().out
 
 
