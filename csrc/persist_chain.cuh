@@ -8,39 +8,12 @@
 // reading a 7B step's weights reaches 99.5% of the read ceiling, one read
 // kernel per matrix 42-46%.
 //
-// Form 4 (the earlier three are in git and in dev/PERSISTENT.md): a producer
-// warp that never waits for an activation.
-//   * One block per SM.  Every op's weight tiles, in their stored order
-//     (16-row panels, each panel's K tiles in a row: one contiguous stream),
-//     are cut into as many equal contiguous ranges as there are blocks; block
-//     b owns range b of every op.  So every block streams the same bytes of
-//     every op, whatever the shape, and no item list is needed.
-//   * Warp W (the producer) walks the block's ranges of all ops in order and
-//     copies them, `stage_tiles` tiles a stage, into a ring of `stages`
-//     stages in shared memory with bulk copies (cp.async.bulk, completing on
-//     the stage's mbarrier).  It waits only for a free stage, never for an
-//     activation, so while the block waits for op i's input the ring fills
-//     with op i's (and op i+1's) weights.
-//   * Grouped int4's scales and zero points are read in the same stream:
-//     `meta`, a copy of them in tile order made once on the host (16 rows x
-//     groups of the tile, fp16 scales then uint8 zeros, padded to 16 bytes).
-//   * Warps 0..W-1 (the consumers) take the stage's tiles round-robin and
-//     run qgemv's GEMV lane code (GemvMma) on them; a warp adds its fp32
-//     partial sums of each panel it touched into the op's fp32 output with
-//     atomics (red.add).
-//   * Dependencies: after its last tile of op i a block counts itself in
-//     sync[i]; before op i+1 it waits until sync[i] holds every block (one
-//     thread spins with ld.acquire.gpu).  Then its consumers build op i+1's
-//     input in shared memory from op i's fp32 output (ChainInput: rounding,
-//     residual add, SiLU * mul), each block the whole input, so no second
-//     barrier is needed for the glue.  The residual stream lives in each
-//     block's shared memory.
-//   * Op i's fp32 output is zeroed (a slice per block) once every block has
-//     built op i+1's input; the last block out resets the counters, so a
-//     graph replay starts clean.
+// Forms 1-4 are in git and in dev/PERSISTENT.md; this header holds form 5 and
+// its variant form 6 (ChainShape::slices).  Not yet built into the extension:
+// dev/persist_lab.cu runs it against qgemv's per-op GEMVs.
 //
 // Not deterministic: a panel's partial sums (one per warp that touched it)
-// meet in an fp32 atomic, in the order they arrive.
+// meet in fp32 atomics, in the order they arrive.
 #pragma once
 
 #include <algorithm>
@@ -53,40 +26,19 @@
 
 namespace qgemv {
 
-// How an op's input is built from the previous op's fp32 output `prev`
-// ([M, prev N]); every value is rounded to the activation type where the
-// per-op chain would round it.
-enum class ChainInput : int {
-  kExternal = 0,  // x = x_in ([M, K], row stride K); the residual stream = x
-  kRound = 1,     // x = prev[:, :K]                 (attention's stand-in: o reads q)
-  kResidual = 2,  // x = prev + residual; residual = x
-  kSiluMul = 3,   // x = silu(prev[:, k]) * prev[:, K + k]   (prev = [gate | up])
-};
-
-// One op of a chain.  p: qweight, scales, zeros, M, N, K, Kp (= K), group_size
-// (x, y, ldx, ldy, perm unused).  N % 16 == 0, K % tile_k == 0.
-struct ChainOp {
-  GemvParams p;
-  const uint8_t* meta;  // grouped int4: per-tile scales / zeros (chain_meta_bytes each), else nullptr
-  float* acc;           // [M, N] fp32, zero before the first launch; the kernel leaves it zero
-  const void* x_in;     // kExternal's activations
-  int input;            // ChainInput
-};
-
-// The launch's geometry (the host's choice; chain_smem_bytes sizes it).
+// The launch's geometry (the host's choice; chain5_smem_bytes sizes it).
 struct ChainShape {
   int stage_tiles;  // tiles per ring stage
   int stages;       // ring depth
   int meta_bytes;   // per tile: 0, or chain_meta_bytes
   int x_cap;        // the largest K (elements per token of the input buffer)
-  int width;        // the residual stream's width (elements per token)
   int M;            // tokens
-  int skip;         // 0; lab timing experiments only (results wrong): 1 no waits, 2 no input build, 4 no tile math,
-                    //    8 a bulk copy per tile
+  int skip;         // 0; lab timing experiments only (results wrong): 1 no waits, 4 no tile math, 32 no flush or finish
+  int slices = 0;   // finishing: 0 per panel, by the warp completing it (form 5); 1 per block slice, by the sync
+                    //    warps once the op's sums are complete everywhere (form 6)
 };
 
 constexpr int kChainTileBytes = kPanelRows * kTileBytes;  // 1 KB: one tile of one panel
-constexpr int kChainMaxWarps = 12;                        // consumer warps
 
 // Bytes of one tile's scales and zero points in `meta` (padded to 16).
 __host__ __device__ constexpr int chain_meta_bytes(int group, bool zeros) {
@@ -103,284 +55,6 @@ __device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
   unsigned v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
-}
-
-__device__ __forceinline__ void consumer_sync(int threads) {
-  asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");
-}
-
-// ops[nops]; sync[nops + 1] zeroed before the first launch (the kernel leaves
-// it zeroed); out: [M, width], the last op's output plus the residual stream.
-// wait_cycles: nullptr, or [3 x blocks] counters to which each block adds the
-// cycles its thread 0 spent spinning on other blocks ([b]), building inputs
-// ([blocks + b]) and waiting for weight stages to land ([2 blocks + b]).
-template <typename T, int kBits, int kGroup, bool kZeros>
-__global__ void __launch_bounds__((kChainMaxWarps + 1) * 32, 1)
-    chain_kernel(const ChainOp* __restrict__ ops, int nops, ChainShape sh, unsigned* sync, T* out,
-                 unsigned long long* wait_cycles) {
-  using Lane = GemvMma<T, kBits, kGroup, kZeros, 1, 1>;
-  constexpr int kTileK = Lane::kTileK;
-  constexpr int kGpt = Lane::kGroupsPerTile;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int W = (blockDim.x >> 5) - 1;  // consumer warps; warp W is the producer
-  const int G = gridDim.x;
-  const int S = sh.stages, TS = sh.stage_tiles;
-  const int stage_bytes = TS * (kChainTileBytes + sh.meta_bytes);
-
-  extern __shared__ __align__(128) unsigned char chain_smem[];
-  uint64_t* full = reinterpret_cast<uint64_t*>(chain_smem);
-  uint64_t* empty = full + S;
-  unsigned char* ring = chain_smem + ((2 * S * 8 + 127) / 128) * 128;
-  T* xs = reinterpret_cast<T*>(ring + static_cast<size_t>(S) * stage_bytes);
-  T* resid = xs + static_cast<size_t>(sh.M) * sh.x_cap;
-
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) {
-      mbar_init(full + s, 1);
-      mbar_init(empty + s, W);
-    }
-    mbar_init_fence();
-  }
-  __syncthreads();
-
-  auto tiles_of = [](const ChainOp& o) { return static_cast<long long>(o.p.N / kPanelRows) * (o.p.K / kTileK); };
-
-  if (warp == W) {  // ---- the producer: every op's range, stage by stage, never waiting on an activation
-    if (lane == 0) {
-      const uint64_t pol = evict_first_policy();
-      uint32_t cnt = 0;
-      for (int i = 0; i < nops; ++i) {
-        const ChainOp& o = ops[i];
-        long long a, e;
-        chain_range(tiles_of(o), blockIdx.x, G, a, e);
-        for (long long c = a; c < e; c += TS, ++cnt) {
-          const int n = static_cast<int>(min(static_cast<long long>(TS), e - c));
-          const int slot = cnt % S;
-          if (cnt >= static_cast<uint32_t>(S)) mbar_wait(empty + slot, ((cnt / S) - 1) & 1);
-          unsigned char* dst = ring + static_cast<size_t>(slot) * stage_bytes;
-          mbar_expect_tx(full + slot, static_cast<uint32_t>(n * (kChainTileBytes + sh.meta_bytes)));
-          if (sh.skip & 8) {  // lab: one bulk copy per tile instead of one per stage
-            for (int j = 0; j < n; ++j)
-              bulk_copy(dst + j * kChainTileBytes, static_cast<const char*>(o.p.qweight) + (c + j) * kChainTileBytes,
-                        kChainTileBytes, full + slot, pol);
-          } else {
-            bulk_copy(dst, static_cast<const char*>(o.p.qweight) + c * kChainTileBytes, n * kChainTileBytes,
-                      full + slot, pol);
-          }
-          if (sh.meta_bytes)
-            bulk_copy(dst + TS * kChainTileBytes, o.meta + c * sh.meta_bytes, n * sh.meta_bytes, full + slot, pol);
-        }
-      }
-    }
-    return;
-  }
-
-  // ---- the consumers
-  const int nthreads = W * 32, tid = threadIdx.x;
-  const int g = lane >> 2, t = lane & 3;
-  uint32_t base = 0;  // stages of earlier ops in this block's stream
-  long long stall = 0;  // thread 0's cycles waiting for stages (wait_cycles)
-
-  // A slice of acc [M, N] back to zero (block b's share).
-  auto zero_slice = [&](const ChainOp& o) {
-    const long long n = static_cast<long long>(o.p.M) * o.p.N;
-    long long a, e;
-    chain_range(n, blockIdx.x, G, a, e);
-    for (long long j = a + tid; j < e; j += nthreads) o.acc[j] = 0.f;
-  };
-  auto wait_for = [&](int i) {  // every block has counted itself in sync[i]
-    if (tid == 0 && !(sh.skip & 1)) {
-      const long long c0 = wait_cycles ? clock64() : 0;
-      while (ld_acquire_gpu(sync + i) < static_cast<unsigned>(G)) {
-      }
-      if (wait_cycles) atomicAdd(wait_cycles + blockIdx.x, static_cast<unsigned long long>(clock64() - c0));
-    }
-    consumer_sync(nthreads);
-  };
-  // Op o's input in xs ([M, x_cap]) from the previous op's fp32 output; the
-  // residual stream updated where the input says so.  Each thread takes 4
-  // elements a step and kBatch steps at a time, loads first: the loads come
-  // from L2 while the weights stream, and one round trip per step would cost
-  // microseconds at K = 14336.
-  auto build_input = [&](const ChainOp& o, const ChainOp* prev, int K, T* dst, bool to_resid) {
-    constexpr int kBatch = 10;  // M = 1, K = 14336 on 12 warps: every load of a build in flight at once
-    const int M = o.p.M, input = o.input;
-    const int pn = prev ? prev->p.N : 0;
-    const int ld = dst == xs ? sh.x_cap : sh.width;
-    for (int e0 = tid * 4; e0 < M * K; e0 += nthreads * 4 * kBatch) {
-      float v[kBatch][4], u[kBatch][4];
-#pragma unroll
-      for (int bi = 0; bi < kBatch; ++bi) {
-        const int e = e0 + bi * nthreads * 4;
-        if (e >= M * K) break;
-        const int m = e / K, k = e % K;
-        if (input == static_cast<int>(ChainInput::kExternal)) {
-          const T* x = static_cast<const T*>(o.x_in) + static_cast<size_t>(m) * K + k;
-#pragma unroll
-          for (int j = 0; j < 4; ++j) v[bi][j] = to_float(x[j]);
-        } else {
-          const float4 a4 = __ldcg(reinterpret_cast<const float4*>(prev->acc + static_cast<size_t>(m) * pn + k));
-          v[bi][0] = a4.x, v[bi][1] = a4.y, v[bi][2] = a4.z, v[bi][3] = a4.w;
-          if (input == static_cast<int>(ChainInput::kSiluMul)) {
-            const float4 u4 = __ldcg(reinterpret_cast<const float4*>(prev->acc + static_cast<size_t>(m) * pn + K + k));
-            u[bi][0] = u4.x, u[bi][1] = u4.y, u[bi][2] = u4.z, u[bi][3] = u4.w;
-          }
-        }
-      }
-#pragma unroll
-      for (int bi = 0; bi < kBatch; ++bi) {
-        const int e = e0 + bi * nthreads * 4;
-        if (e >= M * K) break;
-        const int m = e / K, k = e % K;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          float x = v[bi][j];
-          if (input != static_cast<int>(ChainInput::kExternal)) {
-            x = to_float(from_float<T>(x));
-            if (input == static_cast<int>(ChainInput::kSiluMul))
-              x = x / (1.f + __expf(-x)) * to_float(from_float<T>(u[bi][j]));
-            else if (input == static_cast<int>(ChainInput::kResidual))
-              x += to_float(resid[static_cast<size_t>(m) * sh.width + k + j]);
-          }
-          const T r = from_float<T>(x);
-          dst[static_cast<size_t>(m) * ld + k + j] = r;
-          if (to_resid) resid[static_cast<size_t>(m) * sh.width + k + j] = r;
-        }
-      }
-    }
-  };
-
-  for (int i = 0; i < nops; ++i) {
-    const ChainOp& o = ops[i];
-    const GemvParams& p = o.p;
-    if (i > 0) {
-      wait_for(i - 1);
-      if (i >= 2) zero_slice(ops[i - 2]);  // every block has built op i-1's input from it
-    }
-    const bool to_resid = o.input == static_cast<int>(ChainInput::kExternal) ||
-                          o.input == static_cast<int>(ChainInput::kResidual);
-    const long long b0 = wait_cycles && tid == 0 ? clock64() : 0;
-    if (!(sh.skip & 2) || i == 0) build_input(o, i > 0 ? &ops[i - 1] : nullptr, p.K, xs, to_resid);
-    consumer_sync(nthreads);
-    if (wait_cycles && tid == 0) atomicAdd(wait_cycles + G + blockIdx.x, static_cast<unsigned long long>(clock64() - b0));
-
-    const int tpp = p.K / kTileK;
-    long long a, e;
-    chain_range(tiles_of(o), blockIdx.x, G, a, e);
-    const int nstages = static_cast<int>((e - a + TS - 1) / TS);
-    int waited = 0, released = 0;  // this warp's stages of the op: full seen, empty arrived
-    auto reach = [&](int q) {      // release the stages before q, then wait for q's tiles
-      for (; released < q; ++released) {
-        const uint32_t c = base + released;
-        if (released >= waited) {
-          if (lane == 0 || !(sh.skip & 16)) mbar_wait(full + c % S, (c / S) & 1);
-          waited = released + 1;
-        }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty + c % S);
-      }
-      if (q < nstages && waited <= q) {
-        const uint32_t c = base + q;
-        const long long f0 = wait_cycles && tid == 0 ? clock64() : 0;
-        if (lane == 0 || !(sh.skip & 16)) mbar_wait(full + c % S, (c / S) & 1);
-        __syncwarp();  // lane 0's acquire of the stage, shared with the warp
-        if (wait_cycles && tid == 0) stall += clock64() - f0;
-        waited = q + 1;
-      }
-    };
-    // This warp's tiles: positions warp, warp + W, ... of the op's range; the
-    // stage / slot and panel / k-tile of each follow incrementally (divisions
-    // once per op: per tile they cost as much as the tile's math).
-    const int len = static_cast<int>(e - a);
-    int pos = warp;
-    if (pos < len) {
-      int q = pos / TS, r = pos % TS;
-      int panel = static_cast<int>((a + pos) / tpp), kt = static_cast<int>((a + pos) % tpp);
-      while (pos < len) {
-        Lane L(p, lane, panel, xs, sh.x_cap);
-        int j = 0;
-        do {
-          reach(q);
-          const unsigned char* stage = ring + static_cast<size_t>((base + q) % S) * stage_bytes;
-          const unsigned char* tile = stage + r * kChainTileBytes;
-          uint4 w0[1], w1[1];
-          w0[0] = *reinterpret_cast<const uint4*>(tile + g * kTileBytes + 16 * t);
-          w1[0] = *reinterpret_cast<const uint4*>(tile + (g + 8) * kTileBytes + 16 * t);
-          TileMeta m[1];
-          if constexpr (Lane::kGrouped) {
-            const unsigned char* mt = stage + TS * kChainTileBytes + r * sh.meta_bytes;
-            const __half* ms = reinterpret_cast<const __half*>(mt);
-#pragma unroll
-            for (int q4 = 0; q4 < 4; ++q4) {
-              const int gi = q4 / Lane::kSubPerGroup;
-              m[0].s0[q4] = __half2float(ms[g * kGpt + gi]);
-              m[0].s1[q4] = __half2float(ms[(g + 8) * kGpt + gi]);
-              if constexpr (kZeros) {
-                const unsigned char* mz = mt + kPanelRows * kGpt * 2;
-                m[0].z0[q4] = magic_zero_pair<T>(mz[g * kGpt + gi]);
-                m[0].z1[q4] = magic_zero_pair<T>(mz[(g + 8) * kGpt + gi]);
-              }
-            }
-          }
-          if (sh.skip & 4) {
-            if (w0[0].x == 0x12345678u && w1[0].y == 0x9abcdef0u) L.acc[0][0][0][0] += 1.f;  // keeps the reads
-          } else if (j & 1) {
-            L.template tile<1, false>(kt, w0, w1, m);
-          } else {
-            L.template tile<0, false>(kt, w0, w1, m);
-          }
-          ++j;
-          pos += W;
-          kt += W;
-          for (r += W; r >= TS; r -= TS) ++q;
-        } while (pos < len && kt < tpp);
-        // This warp's partial sums of the panel into the op's output.
-#pragma unroll
-        for (int i4 = 0; i4 < 4; ++i4) {
-          const int row = panel * kPanelRows + g + (i4 >= 2 ? 8 : 0);
-          const int tok = 2 * t + (i4 & 1);
-          if (tok < p.M) {
-            float v = L.acc[0][0][0][i4] + L.acc[1][0][0][i4];
-            if constexpr (!Lane::kGrouped) v *= __half2float(static_cast<const __half*>(p.scales)[row]);
-            atomicAdd(o.acc + static_cast<size_t>(tok) * p.N + row, v);
-          }
-        }
-        for (; kt >= tpp; kt -= tpp) ++panel;
-      }
-    }
-    reach(nstages);
-    base += nstages;
-    consumer_sync(nthreads);  // every warp's atomics issued
-    if (tid == 0) {
-      __threadfence();
-      atomicAdd(sync + i, 1u);
-    }
-  }
-
-  if (wait_cycles && tid == 0) atomicAdd(wait_cycles + 2 * G + blockIdx.x, static_cast<unsigned long long>(stall));
-  // The end: the last op's output plus the residual stream -> out (block 0).
-  wait_for(nops - 1);
-  if (nops >= 2) zero_slice(ops[nops - 2]);
-  if (blockIdx.x == 0) {
-    ChainOp fin = ops[nops - 1];
-    fin.input = static_cast<int>(ChainInput::kResidual);
-    build_input(fin, &ops[nops - 1], sh.width, out, false);
-    consumer_sync(nthreads);
-    for (long long j = tid; j < static_cast<long long>(fin.p.M) * fin.p.N; j += nthreads) fin.acc[j] = 0.f;
-  }
-  if (tid == 0) {
-    __threadfence();
-    if (atomicAdd(sync + nops, 1u) == static_cast<unsigned>(G - 1))
-      for (int i = 0; i <= nops; ++i) atomicExch(sync + i, 0u);
-  }
-}
-
-// Shared memory of a launch: the barriers, the ring, the input and the residual stream.
-template <typename T>
-size_t chain_smem_bytes(const ChainShape& sh) {
-  return ((2 * sh.stages * 8 + 127) / 128) * 128 +
-         static_cast<size_t>(sh.stages) * sh.stage_tiles * (kChainTileBytes + sh.meta_bytes) +
-         static_cast<size_t>(sh.M) * (sh.x_cap + sh.width) * sizeof(T);
 }
 
 // Grouped int4's scales [N, K / group] (fp16) and zero points (uint8, or
@@ -404,17 +78,386 @@ inline std::vector<uint8_t> chain_meta(const uint16_t* scales, const uint8_t* ze
   return meta;
 }
 
-// Whether the chain can run as one co-resident grid of `blocks` blocks of
-// warps + 1 warps: sets the shared-memory attribute and checks that one block
-// fits on an SM (the caller passes at most the SM count).
+// Form 5: every consumer warp its own producer, outputs finished where they
+// are summed.
+//   * Each op's tile stream is cut into G x W equal contiguous runs, one per
+//     consumer warp of the grid (warp w of block b owns run b W + w), so a
+//     warp crosses one or two panels of an op, not every panel of its
+//     block's range.
+//   * Lane 0 of each consumer warp bulk-copies the warp's own runs of all ops,
+//     `stage_tiles` tiles a stage, into the warp's own ring of `stages`
+//     stages, refilling a stage as soon as the warp has read it: no stage is
+//     shared between warps, so no warp waits for another to release one.
+//   * A warp adds its partial sums of a panel into the op's fp32 output with
+//     atomics, then counts the panel's tiles it summed in the panel's counter;
+//     the warp that completes the count finishes the panel: it reads the
+//     sums, rounds them to the activation type, applies the op's output step
+//     (residual add, or SiLU(gate) * up once both halves' panels are
+//     complete), writes the op's output (a [M, N] activation buffer in global
+//     memory, the next op's input), and zeroes the sums and the counter.
+//   * One more warp per block (the sync warp) counts the block in op i's
+//     counter once every consumer warp of the block has finished op i, waits
+//     until every block has, bulk-copies op i+1's input into shared memory
+//     and lets the consumers in.  While the sync warp waits, the consumers'
+//     rings hold op i+1's weights.
+enum class ChainOut : int {
+  kStore = 0,     // y = round(sums)
+  kResidual = 1,  // y = round(round(sums) + res)
+  kSiluMul = 2,   // y[:, j] = round(silu(round(sums[:, j])) * round(sums[:, N/2 + j]))   (N/2 % 16 == 0)
+};
+
+// One op of a form-5 chain.  p: qweight, scales, zeros, M, N, K, Kp (= K),
+// group_size; x / ldx the op's input (an earlier op's y, or an input ready at
+// launch); y / ldy its output ([M, N], or [M, N / 2] for kSiluMul).
+// N % 16 == 0, K % tile_k == 0, K % 8 == 0, ldx % 8 == 0.
+struct Chain5Op {
+  GemvParams p;
+  const uint8_t* meta;   // grouped int4: chain_meta, else nullptr
+  float* acc;            // [M, N] fp32, zero before the first launch; left zero
+  unsigned* panel_cnt;   // [N / 16] (kSiluMul: [N / 32]) zero before the first launch; left zero
+  const void* res;       // kResidual: [M, N], row stride N
+  int out;               // ChainOut
+};
+
+constexpr int kChain5MaxWarps = 16;
+
+__device__ __forceinline__ unsigned ld_acquire_cta_smem(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];" : "=r"(v) : "r"(smem_u32(p)) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_cta_smem(unsigned* p, unsigned v) {
+  asm volatile("st.release.cta.shared::cta.u32 [%0], %1;" ::"r"(smem_u32(p)), "r"(v) : "memory");
+}
+__device__ __forceinline__ float ld_relaxed_gpu_f32(const float* p) {
+  float v;
+  asm volatile("ld.relaxed.gpu.global.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// Shared memory of a form-5 launch: per-warp full barriers and the input
+// barrier, the flags (known, done[nops]), the rings, the input.
+template <typename T>
+__host__ __device__ inline size_t chain5_smem_bytes(const ChainShape& sh, int warps, int nops) {
+  const size_t head = ((static_cast<size_t>(warps) * sh.stages + 1) * 8 + (nops + 1) * 4 + 127) / 128 * 128;
+  const size_t ring = static_cast<size_t>(warps) * sh.stages * sh.stage_tiles * (kChainTileBytes + sh.meta_bytes);
+  return head + (ring + 127) / 128 * 128 + static_cast<size_t>(sh.M) * sh.x_cap * sizeof(T);
+}
+
+// ops[nops], op i reading op i-1's output (op 0: an input ready at launch);
+// sync[nops] (form 6: [2 nops]) zero before the first launch, left zero.  wait_cycles: nullptr,
+// or [3 x blocks]: the sync warp's cycles spinning on other blocks ([b]) and
+// copying inputs ([blocks + b]), consumer warp 0's cycles waiting for weight
+// stages ([2 blocks + b]).
 template <typename T, int kBits, int kGroup, bool kZeros>
-bool chain_fits(const ChainShape& sh, int warps) {
-  auto kernel = chain_kernel<T, kBits, kGroup, kZeros>;
-  const size_t smem = chain_smem_bytes<T>(sh);
-  if (warps < 1 || warps > kChainMaxWarps) return false;
+__global__ void __launch_bounds__((kChain5MaxWarps + 1) * 32, 1)
+    chain5_kernel(const Chain5Op* __restrict__ ops, int nops, ChainShape sh, unsigned* sync,
+                  unsigned long long* wait_cycles) {
+  using Lane = GemvMma<T, kBits, kGroup, kZeros, 1, 1>;
+  constexpr int kTileK = Lane::kTileK;
+  constexpr int kGpt = Lane::kGroupsPerTile;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int W = (blockDim.x >> 5) - 1;  // consumer warps; warp W syncs
+  const int G = gridDim.x;
+  const int S = sh.stages, TS = sh.stage_tiles;
+  const int stage_bytes = TS * (kChainTileBytes + sh.meta_bytes);
+
+  extern __shared__ __align__(128) unsigned char chain_smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(chain_smem);  // [W][S]
+  uint64_t* xbar = full + W * S;
+  unsigned* known = reinterpret_cast<unsigned*>(xbar + 1);  // ops whose input is in xs: known > i lets op i in
+  unsigned* done = known + 1;                               // [nops]: consumer warps finished with op i
+  unsigned char* ring = chain_smem + ((static_cast<size_t>(W) * S + 1) * 8 + (nops + 1) * 4 + 127) / 128 * 128;
+  T* xs = reinterpret_cast<T*>(ring + (static_cast<size_t>(W) * S * stage_bytes + 127) / 128 * 128);
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < W * S; ++s) mbar_init(full + s, 1);
+    mbar_init(xbar, 1);
+    *known = 0;
+    for (int i = 0; i < nops; ++i) done[i] = 0;
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  auto tiles_of = [](const GemvParams& p) { return static_cast<long long>(p.N / kPanelRows) * (p.K / kTileK); };
+
+  // Form 6: this block's slice of op o's output, from the complete fp32 sums
+  // (the sync warp's 32 lanes; sums and counters left zero).
+  auto finish_slice = [&](const Chain5Op& o, int ln) {
+    const GemvParams& p = o.p;
+    const bool silu = o.out == static_cast<int>(ChainOut::kSiluMul);
+    const int n_out = silu ? p.N / 2 : p.N;
+    long long r0, r1;
+    chain_range(n_out, blockIdx.x, G, r0, r1);
+    const int rows = static_cast<int>(r1 - r0);
+    for (int q = ln; q < rows * p.M; q += 32) {
+      const int tok = q / rows, row = static_cast<int>(r0) + q % rows;
+      float* sp = o.acc + static_cast<size_t>(tok) * p.N + row;
+      float v = to_float(from_float<T>(__ldcg(sp)));
+      if (silu) {
+        const float u = to_float(from_float<T>(__ldcg(sp + n_out)));
+        v = v / (1.f + __expf(-v)) * u;
+        sp[n_out] = 0.f;
+      } else if (o.out == static_cast<int>(ChainOut::kResidual)) {
+        v += to_float(static_cast<const T*>(o.res)[static_cast<size_t>(tok) * p.N + row]);
+      }
+      static_cast<T*>(p.y)[static_cast<size_t>(tok) * p.ldy + row] = from_float<T>(v);
+      *sp = 0.f;
+    }
+    __syncwarp();
+  };
+
+  if (warp == W) {  // ---- the sync warp (lane 0; in form 6 every lane finishes slices)
+    if (lane != 0 && !sh.slices) return;
+    long long spin = 0, copy = 0;
+    // Every block has counted itself in sync[c]: lane 0 spins, the warp follows.
+    auto wait_all = [&](int c) {
+      const long long c0 = wait_cycles ? clock64() : 0;
+      if (lane == 0 && !(sh.skip & 1))
+        while (ld_acquire_gpu(sync + c) < static_cast<unsigned>(G)) {
+        }
+      __syncwarp(sh.slices ? 0xffffffffu : 1u);
+      if (wait_cycles) spin += clock64() - c0;
+    };
+    // This block counted in sync[c] (after the warp's writes); the old count.
+    auto arrive = [&](int c) {
+      __threadfence();
+      __syncwarp(sh.slices ? 0xffffffffu : 1u);
+      unsigned before = 0;
+      if (lane == 0) before = atomicAdd(sync + c, 1u);
+      return before;
+    };
+    for (int i = 0; i <= nops; ++i) {
+      if (i > 0) {  // op i-1 done here, then everywhere
+        if (lane == 0)
+          while (*reinterpret_cast<volatile unsigned*>(done + i - 1) < static_cast<unsigned>(W)) {
+          }
+        const unsigned before = arrive(i - 1);
+        if (!sh.slices) {
+          if (i == nops) {
+            // Nobody polls the last counter, and every block that counted itself
+            // in it is past every other poll: the last one resets them all.
+            if (before == static_cast<unsigned>(G - 1)) {
+              __threadfence();
+              for (int j = 0; j < nops; ++j) atomicExch(sync + j, 0u);
+            }
+            break;
+          }
+          wait_all(i - 1);
+        } else {  // form 6: op i-1's sums complete everywhere, this block's slice of its output, then everyone's
+          wait_all(i - 1);
+          if (!(sh.skip & 32)) finish_slice(ops[i - 1], lane);
+          const unsigned b2 = arrive(nops + i - 1);
+          if (i == nops) {  // the last arriver resets every counter (every block is past every poll)
+            if (lane == 0 && b2 == static_cast<unsigned>(G - 1)) {
+              __threadfence();
+              for (int j = 0; j < 2 * nops; ++j) atomicExch(sync + j, 0u);
+            }
+            break;
+          }
+          wait_all(nops + i - 1);
+        }
+      }
+      // Op i's input -> xs (every consumer warp has finished op i-1, the last reader of xs).
+      if (lane == 0) {
+        const long long c1 = wait_cycles ? clock64() : 0;
+        const GemvParams& p = ops[i].p;
+        const uint32_t row_bytes = static_cast<uint32_t>(p.K) * sizeof(T);
+        // Other blocks wrote the input with ordinary stores; the bulk copy reads
+        // through the async proxy.
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+        mbar_expect_tx(xbar, row_bytes * p.M);
+        for (int m = 0; m < p.M; ++m)
+          bulk_copy(xs + static_cast<size_t>(m) * sh.x_cap,
+                    static_cast<const T*>(p.x) + static_cast<size_t>(m) * p.ldx, row_bytes, xbar);
+        mbar_wait(xbar, i & 1);
+        if (wait_cycles) copy += clock64() - c1;
+        st_release_cta_smem(known, static_cast<unsigned>(i + 1));
+      }
+    }
+    if (wait_cycles && lane == 0) {
+      atomicAdd(wait_cycles + blockIdx.x, static_cast<unsigned long long>(spin));
+      atomicAdd(wait_cycles + G + blockIdx.x, static_cast<unsigned long long>(copy));
+    }
+    return;
+  }
+
+  // ---- a consumer warp: its runs of every op, through its own ring
+  const int g = lane >> 2, t = lane & 3;
+  const int gw = blockIdx.x * W + warp, GW = G * W;
+  uint64_t* my_full = full + warp * S;
+  unsigned char* my_ring = ring + static_cast<size_t>(warp) * S * stage_bytes;
+  const uint64_t pol = evict_first_policy();
+
+  // Lane 0's copy cursor: op, next tile, end of the warp's run of that op.
+  int c_op = -1;
+  long long c_pos = 0, c_end = 0;
+  uint32_t issued = 0;
+  auto issue_next = [&] {  // lane 0: the next stage of the warp's stream, if any
+    while (c_pos >= c_end) {
+      if (++c_op >= nops) return;
+      chain_range(tiles_of(ops[c_op].p), gw, GW, c_pos, c_end);
+    }
+    const Chain5Op& co = ops[c_op];
+    const int n = static_cast<int>(min(static_cast<long long>(TS), c_end - c_pos));
+    const int slot = issued % S;
+    unsigned char* dst = my_ring + static_cast<size_t>(slot) * stage_bytes;
+    mbar_expect_tx(my_full + slot, static_cast<uint32_t>(n * (kChainTileBytes + sh.meta_bytes)));
+    bulk_copy(dst, static_cast<const char*>(co.p.qweight) + c_pos * kChainTileBytes, n * kChainTileBytes,
+              my_full + slot, pol);
+    if (sh.meta_bytes)
+      bulk_copy(dst + TS * kChainTileBytes, co.meta + c_pos * sh.meta_bytes, n * sh.meta_bytes, my_full + slot,
+                pol);
+    c_pos += n;
+    ++issued;
+  };
+  if (lane == 0)
+    for (int s = 0; s < S; ++s) issue_next();
+
+  uint32_t consumed = 0;
+  long long stall = 0;
+  for (int i = 0; i < nops; ++i) {
+    const Chain5Op& o = ops[i];
+    const GemvParams& p = o.p;
+    if (lane == 0)
+      while (ld_acquire_cta_smem(known) <= static_cast<unsigned>(i)) {
+      }
+    __syncwarp();
+    const int tpp = p.K / kTileK;
+    const bool silu = o.out == static_cast<int>(ChainOut::kSiluMul);
+    const int half_panels = p.N / kPanelRows / 2;
+    long long a, e;
+    chain_range(tiles_of(p), gw, GW, a, e);
+    const unsigned char* stage = nullptr;  // the stage being read, its tiles, the next one's position
+    int stage_n = 0, r = 0;
+    for (long long c = a; c < e;) {  // one panel segment a pass
+      const int panel = static_cast<int>(c / tpp);
+      int kt = static_cast<int>(c % tpp);
+      const int kt_end = static_cast<int>(min(static_cast<long long>(tpp), kt + (e - c)));
+      const int seg_tiles = kt_end - kt;
+      Lane L(p, lane, panel, xs, sh.x_cap);
+      float sc0 = 1.f, sc1 = 1.f;  // per-channel scales of rows g and g + 8: loaded now, used at the flush
+      if constexpr (!Lane::kGrouped) {
+        sc0 = __half2float(static_cast<const __half*>(p.scales)[panel * kPanelRows + g]);
+        sc1 = __half2float(static_cast<const __half*>(p.scales)[panel * kPanelRows + g + 8]);
+      }
+      for (int j = 0; kt < kt_end; ++kt, ++j, ++c, ++r) {
+        if (r == stage_n) {  // the next stage of the run
+          if (stage) {       // the one read: refill it with the warp's next
+            __syncwarp();
+            if (lane == 0) {
+              fence_proxy_async_smem();
+              issue_next();
+            }
+            ++consumed;
+          }
+          const int slot = consumed % S;
+          const long long f0 = wait_cycles && warp == 0 && lane == 0 ? clock64() : 0;
+          mbar_wait(my_full + slot, (consumed / S) & 1);
+          if (wait_cycles && warp == 0 && lane == 0) stall += clock64() - f0;
+          stage = my_ring + static_cast<size_t>(slot) * stage_bytes;
+          stage_n = static_cast<int>(min(static_cast<long long>(TS), e - c));
+          r = 0;
+        }
+        const unsigned char* tile = stage + r * kChainTileBytes;
+        uint4 w0[1], w1[1];
+        w0[0] = *reinterpret_cast<const uint4*>(tile + g * kTileBytes + 16 * t);
+        w1[0] = *reinterpret_cast<const uint4*>(tile + (g + 8) * kTileBytes + 16 * t);
+        TileMeta m[1];
+        if constexpr (Lane::kGrouped) {
+          const unsigned char* mt = stage + TS * kChainTileBytes + r * sh.meta_bytes;
+          const __half* ms = reinterpret_cast<const __half*>(mt);
+#pragma unroll
+          for (int q4 = 0; q4 < 4; ++q4) {
+            const int gi = q4 / Lane::kSubPerGroup;
+            m[0].s0[q4] = __half2float(ms[g * kGpt + gi]);
+            m[0].s1[q4] = __half2float(ms[(g + 8) * kGpt + gi]);
+            if constexpr (kZeros) {
+              const unsigned char* mz = mt + kPanelRows * kGpt * 2;
+              m[0].z0[q4] = magic_zero_pair<T>(mz[g * kGpt + gi]);
+              m[0].z1[q4] = magic_zero_pair<T>(mz[(g + 8) * kGpt + gi]);
+            }
+          }
+        }
+        if (sh.skip & 4) {
+          if (w0[0].x == 0x12345678u && w1[0].y == 0x9abcdef0u) L.acc[0][0][0][0] += 1.f;  // keeps the reads
+        } else if (j & 1) {
+          L.template tile<1, false>(kt, w0, w1, m);
+        } else {
+          L.template tile<0, false>(kt, w0, w1, m);
+        }
+      }
+      // The segment's partial sums into acc, its tiles into the panel's count;
+      // the warp that completes the panel (for SiLU * mul, the pair of gate
+      // and up panels) finishes it.
+      if (sh.skip & 32) continue;  // lab timing: no flush, no finish
+#pragma unroll
+      for (int i4 = 0; i4 < 4; ++i4) {
+        const int row = panel * kPanelRows + g + (i4 >= 2 ? 8 : 0);
+        const int tok = 2 * t + (i4 & 1);
+        if (tok < p.M) {
+          float v = L.acc[0][0][0][i4] + L.acc[1][0][0][i4];
+          if constexpr (!Lane::kGrouped) v *= i4 >= 2 ? sc1 : sc0;
+          atomicAdd(o.acc + static_cast<size_t>(tok) * p.N + row, v);
+        }
+      }
+      if (sh.slices) continue;  // form 6: the sync warps finish the op once every sum is in
+      __threadfence();
+      __syncwarp();
+      const int pidx = silu ? panel % half_panels : panel;
+      const unsigned target = silu ? 2u * tpp : static_cast<unsigned>(tpp);
+      unsigned before = 0;
+      if (lane == 0) before = atomicAdd(o.panel_cnt + pidx, static_cast<unsigned>(seg_tiles));
+      before = __shfl_sync(0xffffffffu, before, 0);
+      if (before + seg_tiles == target) {
+        __threadfence();  // every other warp's sums of the panel, seen
+        const int r0 = pidx * kPanelRows;
+        for (int q = lane; q < kPanelRows * p.M; q += 32) {
+          const int tok = q / kPanelRows, row = r0 + q % kPanelRows;
+          float* sp = o.acc + static_cast<size_t>(tok) * p.N + row;
+          float v = to_float(from_float<T>(ld_relaxed_gpu_f32(sp)));
+          if (silu) {
+            const int I = p.N / 2;
+            const float u = to_float(from_float<T>(ld_relaxed_gpu_f32(sp + I)));
+            v = v / (1.f + __expf(-v)) * u;
+            sp[I] = 0.f;
+          } else if (o.out == static_cast<int>(ChainOut::kResidual)) {
+            v += to_float(static_cast<const T*>(o.res)[static_cast<size_t>(tok) * p.N + row]);
+          }
+          static_cast<T*>(p.y)[static_cast<size_t>(tok) * p.ldy + row] = from_float<T>(v);
+          *sp = 0.f;
+        }
+        if (lane == 0) o.panel_cnt[pidx] = 0;
+      }
+    }
+    if (stage) {  // the op's last stage, read
+      __syncwarp();
+      if (lane == 0) {
+        fence_proxy_async_smem();
+        issue_next();
+      }
+      ++consumed;
+    }
+    // Op i is finished by this warp: its sums and outputs are out.
+    __threadfence();
+    __syncwarp();
+    if (lane == 0) atomicAdd(done + i, 1u);
+  }
+  if (wait_cycles && warp == 0 && lane == 0)
+    atomicAdd(wait_cycles + 2 * G + blockIdx.x, static_cast<unsigned long long>(stall));
+}
+
+template <typename T, int kBits, int kGroup, bool kZeros>
+bool chain5_fits(const ChainShape& sh, int warps, int nops) {
+  auto kernel = chain5_kernel<T, kBits, kGroup, kZeros>;
+  const size_t smem = chain5_smem_bytes<T>(sh, warps, nops);
+  if (warps < 1 || warps > kChain5MaxWarps) return false;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) !=
       cudaSuccess) {
-    (void)cudaGetLastError();  // not sticky: clear it, or the next launch's check reports it
+    (void)cudaGetLastError();
     return false;
   }
   int n = 0;
@@ -426,11 +469,11 @@ bool chain_fits(const ChainShape& sh, int warps) {
 }
 
 template <typename T, int kBits, int kGroup, bool kZeros>
-Status chain_launch(const ChainOp* d_ops, int nops, const ChainShape& sh, unsigned* d_sync, T* out, int blocks,
-                    int warps, cudaStream_t stream, unsigned long long* wait_cycles = nullptr) {
-  if (warps < 1 || warps > kChainMaxWarps || blocks < 1 || nops < 1) return Status::kBadShape;
-  chain_kernel<T, kBits, kGroup, kZeros><<<blocks, (warps + 1) * kWarpSize, chain_smem_bytes<T>(sh), stream>>>(
-      d_ops, nops, sh, d_sync, out, wait_cycles);
+Status chain5_launch(const Chain5Op* d_ops, int nops, const ChainShape& sh, unsigned* d_sync, int blocks, int warps,
+                     cudaStream_t stream, unsigned long long* wait_cycles = nullptr) {
+  if (warps < 1 || warps > kChain5MaxWarps || blocks < 1 || nops < 1) return Status::kBadShape;
+  chain5_kernel<T, kBits, kGroup, kZeros><<<blocks, (warps + 1) * kWarpSize, chain5_smem_bytes<T>(sh, warps, nops),
+                                            stream>>>(d_ops, nops, sh, d_sync, wait_cycles);
   return cudaGetLastError() == cudaSuccess ? Status::kOk : Status::kLaunchFailed;
 }
 

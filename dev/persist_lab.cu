@@ -4,10 +4,13 @@
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc dev/persist_lab.cu \
 //        csrc/gemv_int4.cu csrc/gemv_int8.cu csrc/runtime.cpp -o /tmp/persist_lab
-//   /tmp/persist_lab [--probe-only | --no-probe] [--tma-probe] [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers L]
-//                    [--ms 1,4] [--warps 8,12] [--stages 8,10] [--stage-tiles 16] [--formats int4g128a,int4,int8]
-//   (--warps: consumer warps per block; --stages x --stage-tiles: the weight ring, in 1 KB tiles;
-//    --skip 0,1,3,7: timing experiments, ChainShape::skip: 1 no waits, 2 no input build, 4 no tile math)
+//   /tmp/persist_lab [--probe-only | --no-probe] [--tma-probe] [--no-ceiling] [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers L]
+//                    [--ms 1,4] [--forms 5,6] [--warps 12,16] [--stages 4] [--stage-tiles 2]
+//                    [--formats int4g128a,int4,int8]
+//   (--forms: the kernel's forms (csrc/persist_chain.cuh; 6 is form 5 finished by block slices), default 5;
+//    --warps: consumer warps per block; --stages x --stage-tiles: each warp's weight ring, in 1 KB tiles;
+//    --skip 0,1,5,37: timing experiments, ChainShape::skip: 1 no waits, 4 no tile math, 32 no flush;
+//    --no-ceiling: skip the 2 GB read that measures the ceiling, for runs under compute-sanitizer)
 //
 // Part 1, the probes (a co-resident grid of SMs x 1 blocks of 256 threads):
 //   * grid barrier: every block adds 1 to a counter and spins until it holds
@@ -44,8 +47,6 @@
 
 namespace {
 
-using qgemv::ChainInput;
-using qgemv::ChainOp;
 using qgemv::ChainShape;
 
 // ---- probes ---------------------------------------------------------------
@@ -207,25 +208,26 @@ __half* dalloc(size_t n) {
 }
 
 struct Variant {
-  int warps, stages, stage_tiles;  // consumer warps; the ring: stages x stage_tiles tiles of 1 KB
+  int form;                        // 5 or 6 (csrc/persist_chain.cuh; 6: ChainShape::slices)
+  int warps, stages, stage_tiles;  // consumer warps; the ring (form 5: each warp's): stages x stage_tiles tiles of 1 KB
   int skip;                        // ChainShape::skip (timing experiments)
 };
 
-// The persistent chain of format f: with ops == nullptr only whether it fits.
+// Form 5: with ops == nullptr only whether it fits.
 template <int kBits, int kGroup, bool kZeros>
-bool launch_t(const Variant& v, const ChainShape& sh, const ChainOp* ops, int nops, unsigned* sync, __half* out,
-              int blocks, cudaStream_t st, unsigned long long* wait) {
-  if (!ops) return qgemv::chain_fits<__half, kBits, kGroup, kZeros>(sh, v.warps);
-  return qgemv::chain_launch<__half, kBits, kGroup, kZeros>(ops, nops, sh, sync, out, blocks, v.warps, st, wait) ==
+bool launch5_t(const Variant& v, const ChainShape& sh, const qgemv::Chain5Op* ops, int nops, unsigned* sync,
+               int blocks, cudaStream_t st, unsigned long long* wait) {
+  if (!ops) return qgemv::chain5_fits<__half, kBits, kGroup, kZeros>(sh, v.warps, nops);
+  return qgemv::chain5_launch<__half, kBits, kGroup, kZeros>(ops, nops, sh, sync, blocks, v.warps, st, wait) ==
          qgemv::Status::kOk;
 }
 
-bool launch_fmt(const Fmt& f, const Variant& v, const ChainShape& sh, const ChainOp* ops, int nops, unsigned* sync,
-                __half* out, int blocks, cudaStream_t st, unsigned long long* wait = nullptr) {
-  if (f.bits == 8) return launch_t<8, 0, false>(v, sh, ops, nops, sync, out, blocks, st, wait);
-  if (f.group == 0) return launch_t<4, 0, false>(v, sh, ops, nops, sync, out, blocks, st, wait);
-  if (f.zeros) return launch_t<4, 128, true>(v, sh, ops, nops, sync, out, blocks, st, wait);
-  return launch_t<4, 128, false>(v, sh, ops, nops, sync, out, blocks, st, wait);
+bool launch5_fmt(const Fmt& f, const Variant& v, const ChainShape& sh, const qgemv::Chain5Op* ops, int nops,
+                 unsigned* sync, int blocks, cudaStream_t st, unsigned long long* wait = nullptr) {
+  if (f.bits == 8) return launch5_t<8, 0, false>(v, sh, ops, nops, sync, blocks, st, wait);
+  if (f.group == 0) return launch5_t<4, 0, false>(v, sh, ops, nops, sync, blocks, st, wait);
+  if (f.zeros) return launch5_t<4, 128, true>(v, sh, ops, nops, sync, blocks, st, wait);
+  return launch5_t<4, 128, false>(v, sh, ops, nops, sync, blocks, st, wait);
 }
 
 int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const std::vector<int>& Ms,
@@ -280,31 +282,44 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       CK(cudaMemcpy(X[0], hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
       CK(cudaMemcpy(rX[0], hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
 
-      // The chain: per layer q/k/v -> o (reads q) -> gate/up (after o + residual) -> down (after SiLU * mul);
-      // the next layer's q/k/v reads down + residual, and so does the output X[layers].
-      std::vector<ChainOp> ops;
-      std::vector<float*> accs;
+      // The chain: per layer q/k/v -> o (reads q; attention's stand-in) -> gate/up (after o + residual) ->
+      // down (after SiLU * mul); the next layer's q/k/v reads down + residual, and so does the output
+      // X[layers].  Every op writes its own activation buffer and the next op reads it.
+      std::vector<qgemv::Chain5Op> ops5;
+      std::vector<void*> bufs5;
       for (int l = 0; l < layers; ++l) {
         const Lin* L = &lins[4 * l];
-        const ChainInput inputs[4] = {l == 0 ? ChainInput::kExternal : ChainInput::kResidual, ChainInput::kRound,
-                                      ChainInput::kResidual, ChainInput::kSiluMul};
+        struct {
+          const __half *x, *res;
+          int ldx;
+          __half* y;
+          int ldy;
+          qgemv::ChainOut out;
+        } io[4] = {{X[l], nullptr, m.H, Q[l], m.Nqkv, qgemv::ChainOut::kStore},
+                   {Q[l], X[l], m.Nqkv, Hh[l], m.H, qgemv::ChainOut::kResidual},
+                   {Hh[l], nullptr, m.H, A[l], m.I, qgemv::ChainOut::kSiluMul},
+                   {A[l], Hh[l], m.I, X[l + 1], m.H, qgemv::ChainOut::kResidual}};
         for (int j = 0; j < 4; ++j) {
-          ChainOp o{};
-          o.p = params(f, L[j], nullptr, 0, nullptr, 0, M);
+          qgemv::Chain5Op o{};
+          o.p = params(f, L[j], io[j].x, io[j].ldx, io[j].y, io[j].ldy, M);
           o.meta = L[j].meta;
-          o.x_in = X[0];
-          o.input = static_cast<int>(inputs[j]);
+          o.res = io[j].res;
+          o.out = static_cast<int>(io[j].out);
           CK(cudaMalloc(&o.acc, sizeof(float) * M * L[j].N));
           CK(cudaMemset(o.acc, 0, sizeof(float) * M * L[j].N));
-          accs.push_back(o.acc);
-          ops.push_back(o);
+          CK(cudaMalloc(&o.panel_cnt, 4 * (L[j].N / 16)));
+          CK(cudaMemset(o.panel_cnt, 0, 4 * (L[j].N / 16)));
+          bufs5.push_back(o.acc);
+          bufs5.push_back(o.panel_cnt);
+          ops5.push_back(o);
         }
       }
+      qgemv::Chain5Op* d_ops5;
+      CK(cudaMalloc(&d_ops5, ops5.size() * sizeof(qgemv::Chain5Op)));
+      CK(cudaMemcpy(d_ops5, ops5.data(), ops5.size() * sizeof(qgemv::Chain5Op), cudaMemcpyHostToDevice));
       unsigned* d_cnt;
-      CK(cudaMalloc(&d_cnt, (ops.size() + 1) * 4));
-      CK(cudaMemset(d_cnt, 0, (ops.size() + 1) * 4));
-      ChainOp* d_ops;
-      CK(cudaMalloc(&d_ops, ops.size() * sizeof(ChainOp)));
+      CK(cudaMalloc(&d_cnt, 2 * ops5.size() * 4));
+      CK(cudaMemset(d_cnt, 0, 2 * ops5.size() * 4));
 
       // The reference: one kernel per GEMV and per glue step.
       auto gemv = [&](const qgemv::GemvParams& p) {
@@ -383,20 +398,24 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       row("per-op GEMVs alone", 0, gemv_us, -1);
       std::printf("%-10s %3d reference output max |y| %.3g (input 1)\n", f.name, M, refmax);
 
-      CK(cudaMemcpy(d_ops, ops.data(), ops.size() * sizeof(ChainOp), cudaMemcpyHostToDevice));
       for (const Variant& v : variants) {
-        ChainShape sh{v.stage_tiles, v.stages, qgemv::chain_meta_bytes(f.group, f.zeros), std::max(m.H, m.I), m.H, M,
-                      v.skip};
+        ChainShape sh{v.stage_tiles, v.stages, qgemv::chain_meta_bytes(f.group, f.zeros), std::max(m.H, m.I), M,
+                      v.skip, v.form == 6 ? 1 : 0};
         const int blocks = sms;
-        if (M > 8 || !launch_fmt(f, v, sh, nullptr, 0, nullptr, nullptr, blocks, st)) {
-          std::printf("%-10s %3d persistent w%d s%d t%d: does not fit (%zu B of shared memory%s)\n", f.name, M,
-                      v.warps, v.stages, v.stage_tiles, qgemv::chain_smem_bytes<__half>(sh), M > 8 ? ", M > 8" : "");
+        const int nops = static_cast<int>(ops5.size());
+        const bool fits = launch5_fmt(f, v, sh, nullptr, nops, nullptr, blocks, st);
+        if (M > 8 || !fits) {
+          std::printf("%-10s %3d form %d w%d s%d t%d: does not fit (%zu B of shared memory%s)\n", f.name, M, v.form,
+                      v.warps, v.stages, v.stage_tiles,
+                      qgemv::chain5_smem_bytes<__half>(sh, v.warps, nops),
+                      M > 8 ? ", M > 8" : "");
           continue;
         }
         for (int l = 1; l <= layers; ++l) CK(cudaMemset(X[l], 0xff, size_t(M) * m.H * 2));  // poison
         unsigned long long* wait = nullptr;
         auto go = [&] {
-          if (!launch_fmt(f, v, sh, d_ops, static_cast<int>(ops.size()), d_cnt, X[layers], blocks, st, wait)) {
+          const bool ok = launch5_fmt(f, v, sh, d_ops5, nops, d_cnt, blocks, st, wait);
+          if (!ok) {
             std::fprintf(stderr, "persistent launch failed\n");
             std::exit(1);
           }
@@ -412,7 +431,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           err = std::max(err, d != d ? 1e30 : d);
         }
         err /= refmax;
-        if (v.skip & 15) err = -1;  // a timing experiment: its result is wrong by design
+        if (v.skip & 47) err = -1;  // a timing experiment: its result is wrong by design
         else failures += !(err < 2e-2);
         const float us = graph_us(go, st) / layers;
         // The second check: after many graph replays the counters must still be right.
@@ -422,7 +441,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           const double d = std::fabs(double(__half2float(out[i])) - __half2float(ref[i]));
           err2 = std::max(err2, d != d ? 1e30 : d);
         }
-        if (!(v.skip & 15)) {
+        if (!(v.skip & 47)) {
           err = std::max(err, err2 / refmax);
           failures += !(err2 / refmax < 2e-2);
         }
@@ -441,15 +460,19 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         }
         const double per_us = 1e3 / clock_khz / layers;  // cycles -> us per layer
         char form[48];
-        std::snprintf(form, sizeof form, "persistent w%d s%d t%d%s", v.warps, v.stages, v.stage_tiles,
-                      v.skip == 0 ? "" : v.skip == 1 ? " nowait" : v.skip == 3 ? " nowait,nobuild" : v.skip == 7 ? " stream only" : v.skip == 15 ? " stream, copy/tile" : v.skip == 16 ? " lane-0 waits" : v.skip == 23 ? " stream, lane-0 waits" : " skip");
+        std::string tag;
+        const char* bit_names[] = {" nowait", "", " nomath", "", "", " noflush"};
+        for (int bit = 0; bit < 6; ++bit)
+          if (v.skip & (1 << bit)) tag += bit_names[bit];
+        std::snprintf(form, sizeof form, "form%d w%d s%d t%d%s", v.form, v.warps, v.stages, v.stage_tiles, tag.c_str());
         row(form, blocks, us, err);
-        std::printf("%-10s %3d   per layer, a block's mean: %.2f us spinning on others (%.1f the most), %.2f building "
-                    "inputs, %.2f waiting for weights (thread 0)\n", f.name, M,
-                    wsum / blocks * per_us, wmax * per_us, bsum / blocks * per_us, ssum / blocks * per_us);
+        std::printf("%-10s %3d   per layer, a block's mean: %.2f us spinning on others (%.1f the most), %.2f %s, "
+                    "%.2f waiting for weights (%s)\n", f.name, M,
+                    wsum / blocks * per_us, wmax * per_us, bsum / blocks * per_us,
+                    "copying inputs", ssum / blocks * per_us, "warp 0");
       }
-      CK(cudaFree(d_ops));
-      for (float* pb : accs) CK(cudaFree(pb));
+      CK(cudaFree(d_ops5));
+      for (void* pb : bufs5) CK(cudaFree(pb));
       CK(cudaFree(d_cnt));
       for (auto* p : X) CK(cudaFree(p));
       for (auto* p : rX) CK(cudaFree(p));
@@ -600,10 +623,10 @@ bool parse(char* text, const char* flag, std::vector<int>& out) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool probe_only = false, no_probe = false, tma = false;
+  bool probe_only = false, no_probe = false, tma = false, no_ceiling = false;
   const Model* model = &kModels[0];
   int layers = 0;
-  std::vector<int> Ms, warps, stages, tiles, skips;
+  std::vector<int> Ms, warps, stages, tiles, skips, forms;
   std::vector<Fmt> fmts;
   const Fmt all[] = {{"int4g128a", 4, 128, true}, {"int4g128", 4, 128, false}, {"int4", 4, 0, false},
                      {"int8", 8, 0, false}};
@@ -614,6 +637,8 @@ int main(int argc, char** argv) {
       probe_only = true;
     } else if (a == "--no-probe") {
       no_probe = true;
+    } else if (a == "--no-ceiling") {
+      no_ceiling = true;
     } else if (a == "--tma-probe") {
       tma = true;
     } else if (a == "--model" && has) {
@@ -633,6 +658,8 @@ int main(int argc, char** argv) {
       if (!parse(argv[++i], "--warps", warps)) return 2;
     } else if (a == "--stages" && has) {
       if (!parse(argv[++i], "--stages", stages)) return 2;
+    } else if (a == "--forms" && has) {
+      if (!parse(argv[++i], "--forms", forms)) return 2;
     } else if (a == "--skip" && has) {
       if (!parse(argv[++i], "--skip", skips)) return 2;
     } else if (a == "--stage-tiles" && has) {
@@ -663,8 +690,13 @@ int main(int argc, char** argv) {
       return 2;
     }
   for (int w : warps)
-    if (w < 1 || w > qgemv::kChainMaxWarps) {
-      std::fprintf(stderr, "--warps: 1..%d consumer warps\n", qgemv::kChainMaxWarps);
+    if (w < 1 || w > qgemv::kChain5MaxWarps) {
+      std::fprintf(stderr, "--warps: 1..%d consumer warps\n", qgemv::kChain5MaxWarps);
+      return 2;
+    }
+  for (int f : forms)
+    if (f < 5 || f > 6) {
+      std::fprintf(stderr, "--forms: 5 or 6\n");
       return 2;
     }
   for (int t : tiles)
@@ -673,9 +705,10 @@ int main(int argc, char** argv) {
       return 2;
     }
   if (Ms.empty()) Ms = {1};
-  if (warps.empty()) warps = {8};
-  if (stages.empty()) stages = {8};
-  if (tiles.empty()) tiles = {16};
+  if (forms.empty()) forms = {5};
+  if (warps.empty()) warps = {12};
+  if (stages.empty()) stages = {4};
+  if (tiles.empty()) tiles = {2};
   if (skips.empty()) skips = {0};
 
   if (fmts.empty()) fmts = {all[0], all[2], all[3]};
@@ -685,8 +718,8 @@ int main(int argc, char** argv) {
   cudaEvent_t a, b;
   CK(cudaEventCreate(&a));
   CK(cudaEventCreate(&b));
-  double ceiling;
-  {
+  double ceiling = 4350;  // --no-ceiling (runs under compute-sanitizer): the H200's, for the percentages only
+  if (!no_ceiling) {
     ReadBuffer rb(size_t(2) << 30);
     ceiling = rb.bytes / (rb.us(rb.bytes, prop.multiProcessorCount, a, b, 5) * 1e3);  // GB/s
   }
@@ -696,10 +729,12 @@ int main(int argc, char** argv) {
   else std::printf("(probes skipped)\n");
   if (probe_only) return 0;
   std::vector<Variant> variants;
-  for (int w : warps)
-    for (int s : stages)
-      for (int t : tiles)
-        for (int k : skips) variants.push_back({w, s, t, k});
+  for (int fm : forms)
+    for (int w : warps)
+      for (int s : stages)
+        for (int t : tiles)
+          for (int k : skips)
+            variants.push_back({fm, w, s, t, k});
   int clock_khz = 0;
   CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
   const int failures = run_chain(*model, layers ? layers : model->layers, fmts, Ms, variants, ceiling,
