@@ -44,6 +44,7 @@ import torch
 from torch import nn
 from torch.nn import functional as Fn
 
+from . import ops
 from .arch import ARCHITECTURES, ATTN, DOWN, FUSE_GROUPS, IN_NORM, K_NORM, MLP, O, POST_NORM, Q_NORM
 from .nn import FusedSlice, QuantLinear, fuse_linears
 
@@ -62,15 +63,15 @@ class _Projection:
 
     def __init__(self, mods: Sequence[nn.Module]):
         self.sizes = [m.out_features for m in mods]
-        parents = {id(m._parent) for m in mods if isinstance(m, FusedSlice)}
+        parents = {id(m.parent) for m in mods if isinstance(m, FusedSlice)}
         if len(parents) == 1 and all(isinstance(m, FusedSlice) and m.index == i for i, m in enumerate(mods)) \
-                and mods[0]._parent.sizes == self.sizes:
-            self.fused = mods[0]._parent.fused  # fused already (nn.fuse_llama_projections): its one module
+                and mods[0].parent.sizes == self.sizes:
+            self.fused = mods[0].parent.fused  # fused already (nn.fuse_llama_projections): its one module
         else:
             self.fused = fuse_linears(mods)
         self.mods = list(mods) if self.fused is None else None
         # An act-order input permutation of the one fused QuantLinear (int32): the engine gathers x inside
-        # the norm that produces it (qgemv::add_rms_gather) and calls the linear with gathered=True.  Its
+        # the norm that produces it (ops.add_rms_gather) and calls the linear's forward_gathered.  Its
         # values are checked by the QuantLinear on its first call (prefill), before any graph capture.
         perm = getattr(self.fused, "perm", None) if isinstance(self.fused, QuantLinear) else None
         self.perm = None if perm is None else perm.to(torch.int32).contiguous()
@@ -78,7 +79,7 @@ class _Projection:
     def __call__(self, x: torch.Tensor, gathered: bool = False) -> list:
         if self.fused is None:
             return [m(x) for m in self.mods]
-        y = self.fused(x, gathered=True) if gathered and self.perm is not None else self.fused(x)
+        y = self.fused.forward_gathered(x) if gathered and self.perm is not None else self.fused(x)
         return list(y.split(self.sizes, -1))
 
 
@@ -358,7 +359,7 @@ class Engine:
         if perm is None:
             return g["add_rms"](x, delta, w, self.eps)
         if w.dtype == x.dtype:
-            return torch.ops.qgemv.add_rms_gather(x, delta, w, perm, self.eps)
+            return ops.add_rms_gather(x, delta, w, perm, self.eps, checked=True)  # perm: checked at prefill
         return glue_add_rms_gather(x, delta, w, perm, self.eps)
 
     def _decode(self, ids: torch.Tensor, slot: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:

@@ -234,6 +234,12 @@ class QuantLinear(_StoredFormat, nn.Module):
             ops.check_cuda_pointers("QuantLinear", qweight=(self.qweight, 16), scales=(self.scales, 2))
         self.__dict__["_checked_on"] = x.device
 
+    def forward_gathered(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` for an x whose features are already in the stored order, ``input[..., perm]``
+        (a caller that fused the act-order gather into the op producing x, as the generation engine does
+        in its norm, :func:`qgemv.ops.add_rms_gather`); without a perm it is :meth:`forward`."""
+        return self.forward(x, gathered=True)
+
     def forward(self, x: torch.Tensor, gathered: bool = False) -> torch.Tensor:
         """y [..., N] = x [..., K] @ W^T (+ bias), in x's dtype.
 
@@ -249,7 +255,7 @@ class QuantLinear(_StoredFormat, nn.Module):
                 self._check_buffers(x)  # also x's dtype, width and device, with the full messages
             elif x.shape[-1] != k or x.dtype not in ops.FLOAT_DTYPES:
                 self._check_buffers(x)  # raises, naming the rule
-        perm = None
+        perm = None  # (the engine's call with gathered=True: see forward_gathered)
         if self.perm is not None and not gathered:
             if torch.compiler.is_compiling():
                 x = x.index_select(-1, self.perm)  # the compiler fuses the gather into x's producer
@@ -556,6 +562,11 @@ class FusedSlice(_StoredFormat, nn.Module):
         self.index = index
         self.in_features = parent.fused.in_features
         self.out_features = parent.sizes[index]
+
+    @property
+    def parent(self) -> "FusedQuantLinear":
+        """The FusedQuantLinear this is a slice of (its ``fused`` QuantLinear holds the packed rows)."""
+        return self._parent
 
     @property
     def config(self) -> QuantConfig:  # the format it is stored in: the fused weight's

@@ -472,22 +472,24 @@ def sgemv(A: torch.Tensor, x: torch.Tensor, kernel: str = "auto") -> torch.Tenso
 
 
 def add_rms_gather(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor,
-                   eps: float) -> tuple:
+                   eps: float, checked: bool = False) -> tuple:
     """Residual add and RMSNorm with the normalized row gathered by an act-order perm, in one kernel.
 
     Args:
         x, delta: [..., H] float16, bfloat16 or float32 (one dtype), 1 <= H <= 16384.
         weight: [H] in x's dtype, the norm's gain.
         perm: int32 [H], a permutation of 0..H-1 (checked on every call, which
-            on a GPU reads it back; the generation engine calls
-            ``torch.ops.qgemv.add_rms_gather`` with its QuantLinear's checked perm).
+            on a GPU reads it back).
         eps: the norm's epsilon, >= 0.
+        checked: the caller has checked these inputs once already (the
+            generation engine, whose perm is its QuantLinear's, checked at
+            prefill): no checks, so the call can be captured in a CUDA graph.
     Returns:
         (s, y), both [..., H] in x's dtype: s = x + delta, and
         y = (weight * rms(s))[..., perm] with rms(s) = s / sqrt(mean(s^2) + eps)
         in fp32, cast to x's dtype before the gain (transformers' LlamaRMSNorm).
     """
-    if _precheck_cuda(x, delta, weight, perm):  # (the CPU reference checks the same itself)
+    if not checked and _precheck_cuda(x, delta, weight, perm):  # (the CPU reference checks the same itself)
         check_add_rms_gather(x, delta, weight, perm, eps)
         check_perm_values("add_rms_gather", perm, x.shape[-1])
     return torch.ops.qgemv.add_rms_gather(x, delta, weight, perm, eps)
