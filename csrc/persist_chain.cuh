@@ -138,13 +138,40 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
+// One value of op o's output from its complete fp32 sums: round, then the
+// op's output step (residual add, or SiLU(gate) * up); the sums it read are
+// zeroed for the next launch.  o.acc row stride N; for kSiluMul, row < N / 2.
+template <typename T>
+__device__ __forceinline__ void chain_finish_value(const Chain5Op& o, int tok, int row) {
+  const GemvParams& p = o.p;
+  float* sp = o.acc + static_cast<size_t>(tok) * p.N + row;
+  float v = to_float(from_float<T>(ld_relaxed_gpu_f32(sp)));
+  if (o.out == static_cast<int>(ChainOut::kSiluMul)) {
+    const int half = p.N / 2;
+    const float u = to_float(from_float<T>(ld_relaxed_gpu_f32(sp + half)));
+    v = v / (1.f + __expf(-v)) * u;
+    sp[half] = 0.f;
+  } else if (o.out == static_cast<int>(ChainOut::kResidual)) {
+    v += to_float(static_cast<const T*>(o.res)[static_cast<size_t>(tok) * p.N + row]);
+  }
+  static_cast<T*>(p.y)[static_cast<size_t>(tok) * p.ldy + row] = from_float<T>(v);
+  *sp = 0.f;
+}
+
 // Shared memory of a form-5 launch: per-warp full barriers and the input
-// barrier, the flags (known, done[nops]), the rings, the input.
+// barrier, the flags (known, done[nops]), the rings, the input; each part
+// starts on a 128-byte boundary.
+__host__ __device__ inline size_t chain5_head_bytes(int warps, int stages, int nops) {
+  return ((static_cast<size_t>(warps) * stages + 1) * 8 + (nops + 1) * 4 + 127) / 128 * 128;
+}
+__host__ __device__ inline size_t chain5_ring_bytes(const ChainShape& sh, int warps) {
+  const size_t ring = static_cast<size_t>(warps) * sh.stages * sh.stage_tiles * (kChainTileBytes + sh.meta_bytes);
+  return (ring + 127) / 128 * 128;
+}
 template <typename T>
 __host__ __device__ inline size_t chain5_smem_bytes(const ChainShape& sh, int warps, int nops) {
-  const size_t head = ((static_cast<size_t>(warps) * sh.stages + 1) * 8 + (nops + 1) * 4 + 127) / 128 * 128;
-  const size_t ring = static_cast<size_t>(warps) * sh.stages * sh.stage_tiles * (kChainTileBytes + sh.meta_bytes);
-  return head + (ring + 127) / 128 * 128 + static_cast<size_t>(sh.M) * sh.x_cap * sizeof(T);
+  return chain5_head_bytes(warps, sh.stages, nops) + chain5_ring_bytes(sh, warps) +
+         static_cast<size_t>(sh.M) * sh.x_cap * sizeof(T);
 }
 
 // ops[nops], op i reading op i-1's output (op 0: an input ready at launch);
@@ -170,8 +197,8 @@ __global__ void __launch_bounds__((kChain5MaxWarps + 1) * 32, 1)
   uint64_t* xbar = full + W * S;
   unsigned* known = reinterpret_cast<unsigned*>(xbar + 1);  // ops whose input is in xs: known > i lets op i in
   unsigned* done = known + 1;                               // [nops]: consumer warps finished with op i
-  unsigned char* ring = chain_smem + ((static_cast<size_t>(W) * S + 1) * 8 + (nops + 1) * 4 + 127) / 128 * 128;
-  T* xs = reinterpret_cast<T*>(ring + (static_cast<size_t>(W) * S * stage_bytes + 127) / 128 * 128);
+  unsigned char* ring = chain_smem + chain5_head_bytes(W, S, nops);
+  T* xs = reinterpret_cast<T*>(ring + chain5_ring_bytes(sh, W));
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < W * S; ++s) mbar_init(full + s, 1);
@@ -187,26 +214,11 @@ __global__ void __launch_bounds__((kChain5MaxWarps + 1) * 32, 1)
   // Form 6: this block's slice of op o's output, from the complete fp32 sums
   // (the sync warp's 32 lanes; sums and counters left zero).
   auto finish_slice = [&](const Chain5Op& o, int ln) {
-    const GemvParams& p = o.p;
-    const bool silu = o.out == static_cast<int>(ChainOut::kSiluMul);
-    const int n_out = silu ? p.N / 2 : p.N;
+    const int n_out = o.out == static_cast<int>(ChainOut::kSiluMul) ? o.p.N / 2 : o.p.N;
     long long r0, r1;
     chain_range(n_out, blockIdx.x, G, r0, r1);
     const int rows = static_cast<int>(r1 - r0);
-    for (int q = ln; q < rows * p.M; q += 32) {
-      const int tok = q / rows, row = static_cast<int>(r0) + q % rows;
-      float* sp = o.acc + static_cast<size_t>(tok) * p.N + row;
-      float v = to_float(from_float<T>(__ldcg(sp)));
-      if (silu) {
-        const float u = to_float(from_float<T>(__ldcg(sp + n_out)));
-        v = v / (1.f + __expf(-v)) * u;
-        sp[n_out] = 0.f;
-      } else if (o.out == static_cast<int>(ChainOut::kResidual)) {
-        v += to_float(static_cast<const T*>(o.res)[static_cast<size_t>(tok) * p.N + row]);
-      }
-      static_cast<T*>(p.y)[static_cast<size_t>(tok) * p.ldy + row] = from_float<T>(v);
-      *sp = 0.f;
-    }
+    for (int q = ln; q < rows * o.p.M; q += 32) chain_finish_value<T>(o, q / rows, static_cast<int>(r0) + q % rows);
     __syncwarp();
   };
 
@@ -319,6 +331,14 @@ __global__ void __launch_bounds__((kChain5MaxWarps + 1) * 32, 1)
 
   uint32_t consumed = 0;
   long long stall = 0;
+  auto release = [&] {  // the stage being read is done: refill it with the warp's next
+    __syncwarp();
+    if (lane == 0) {
+      fence_proxy_async_smem();
+      issue_next();
+    }
+    ++consumed;
+  };
   for (int i = 0; i < nops; ++i) {
     const Chain5Op& o = ops[i];
     const GemvParams& p = o.p;
@@ -346,14 +366,7 @@ __global__ void __launch_bounds__((kChain5MaxWarps + 1) * 32, 1)
       }
       for (int j = 0; kt < kt_end; ++kt, ++j, ++c, ++r) {
         if (r == stage_n) {  // the next stage of the run
-          if (stage) {       // the one read: refill it with the warp's next
-            __syncwarp();
-            if (lane == 0) {
-              fence_proxy_async_smem();
-              issue_next();
-            }
-            ++consumed;
-          }
+          if (stage) release();
           const int slot = consumed % S;
           const long long f0 = wait_cycles && warp == 0 && lane == 0 ? clock64() : 0;
           mbar_wait(my_full + slot, (consumed / S) & 1);
@@ -415,32 +428,12 @@ __global__ void __launch_bounds__((kChain5MaxWarps + 1) * 32, 1)
       if (before + seg_tiles == target) {
         __threadfence();  // every other warp's sums of the panel, seen
         const int r0 = pidx * kPanelRows;
-        for (int q = lane; q < kPanelRows * p.M; q += 32) {
-          const int tok = q / kPanelRows, row = r0 + q % kPanelRows;
-          float* sp = o.acc + static_cast<size_t>(tok) * p.N + row;
-          float v = to_float(from_float<T>(ld_relaxed_gpu_f32(sp)));
-          if (silu) {
-            const int I = p.N / 2;
-            const float u = to_float(from_float<T>(ld_relaxed_gpu_f32(sp + I)));
-            v = v / (1.f + __expf(-v)) * u;
-            sp[I] = 0.f;
-          } else if (o.out == static_cast<int>(ChainOut::kResidual)) {
-            v += to_float(static_cast<const T*>(o.res)[static_cast<size_t>(tok) * p.N + row]);
-          }
-          static_cast<T*>(p.y)[static_cast<size_t>(tok) * p.ldy + row] = from_float<T>(v);
-          *sp = 0.f;
-        }
+        for (int q = lane; q < kPanelRows * p.M; q += 32)
+          chain_finish_value<T>(o, q / kPanelRows, r0 + q % kPanelRows);
         if (lane == 0) o.panel_cnt[pidx] = 0;
       }
     }
-    if (stage) {  // the op's last stage, read
-      __syncwarp();
-      if (lane == 0) {
-        fence_proxy_async_smem();
-        issue_next();
-      }
-      ++consumed;
-    }
+    if (stage) release();  // the op's last stage
     // Op i is finished by this warp: its sums and outputs are out.
     __threadfence();
     __syncwarp();

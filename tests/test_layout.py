@@ -5,6 +5,7 @@ qgemv's modules form no circle."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"qgemv": ROOT / "qgemv", "qgemv.calibration": ROOT / "calibration", "qgemv.eval": ROOT / "eval"}
 
 
+@functools.lru_cache(maxsize=None)
 def _modules() -> dict:
     """{dotted module name: path} of every .py file of the installed packages."""
     out = {}
@@ -38,7 +40,7 @@ def _imports(module: str, path: Path, top_level_only: bool) -> list:
     ``from . import sub`` gives (pkg.sub, []).  Names of our own modules only."""
     mods = _modules()
     tree = ast.parse(path.read_text(), str(path))
-    body = tree.body if top_level_only else list(ast.walk(tree))
+    body = tree.body if top_level_only else ast.walk(tree)
     out = []
     for node in body:
         if isinstance(node, ast.ImportFrom):
