@@ -3,6 +3,7 @@
     pip download --no-deps auto-gptq==0.7.1 autoawq==0.2.9 -d /tmp/pkgs   (a wheel and an sdist)
     pip install --no-deps /tmp/pkgs/auto_gptq-0.7.1-*.whl; tar xzf /tmp/pkgs/autoawq-0.2.9.tar.gz -C /tmp/pkgs
     python dev/make_foreign_fixtures.py --awq-src /tmp/pkgs/autoawq-0.2.9
+    python dev/make_foreign_fixtures.py --tp-only      (gptq_v1_actorder_tp, for tests/test_vllm.py)
 
 Neither package imports under transformers 5 as a whole, so only their
 packing modules are loaded: auto-gptq's ``qlinear_cuda_old.QuantLinear.pack``
@@ -178,12 +179,33 @@ def awq_variant(model, src):
     return quantized, qc, reference
 
 
+def tp_config():
+    """Large enough for two ranks (o_proj and down_proj split at 128 columns), weights varied enough (std 0.08)
+    for greedy tokens that differ between prompts; vocabulary 320 covers tests/test_vllm.py's prompts."""
+    import transformers
+
+    return transformers.LlamaConfig(vocab_size=320, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                    tie_word_embeddings=False, initializer_range=0.08, bos_token_id=1,
+                                    eos_token_id=2, torch_dtype="float16")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--awq-src", required=True, help="the unpacked autoawq-0.2.9 sdist")
+    ap.add_argument("--awq-src", help="the unpacked autoawq-0.2.9 sdist (every fixture but --tp-only's)")
+    ap.add_argument("--tp-only", action="store_true",
+                    help="write only gptq_v1_actorder_tp (act-order g32 at two-rank shapes; needs auto-gptq only)")
     a = ap.parse_args()
     import transformers
 
+    if a.tp_only:
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(tp_config()).eval().half()
+        quantized, qc, _ = gptq_actorder(model)
+        write("gptq_v1_actorder_tp", model, quantized, qc, None)
+        return
+    if not a.awq_src:
+        ap.error("--awq-src is required (or --tp-only)")
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(tiny_config()).eval().half()
     variants = gptq_variants(model)

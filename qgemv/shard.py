@@ -17,7 +17,13 @@ it once.  With an act-order perm (storage column s holds logical column
 perm[s]) rank r needs the stored columns whose logical index lies in its
 range; that is exact only when they make up whole groups, and then the rank
 gets those groups and a local perm.  A checkpoint whose groups straddle the
-ranks' ranges (the case other runtimes compute wrongly) is refused.
+ranks' ranges (the case other runtimes compute wrongly) is refused by
+``shard_row``; ``shard_row_gathered`` splits it exactly another way: rank r
+holds the stored columns [r K/P, (r+1) K/P) (whole groups) and the logical
+input indices they need, and computes from the whole input (the ranks' input
+slices gathered first, one all-gather of M x K activations per call).
+``row_needs_gather`` says which of the two a layer needs, the same answer on
+every rank.
 """
 
 from __future__ import annotations
@@ -117,6 +123,51 @@ def shard_column(q, rank: int, world: int, name: str = "linear"):
     return take_rows(q, r0, r1, name)
 
 
+def _rank_columns(w: PackedWeight, k0: int, k1: int) -> tuple:
+    """(the stored columns the logical inputs [k0, k1) feed, in stored order; whether they are whole groups)."""
+    perm = w.perm.to(torch.int64)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    cols = torch.sort(inv[k0:k1]).values
+    g = w.config.group_size
+    if g is None:  # per channel: any set of columns shares each row's one scale
+        return cols, True
+    blocks = cols.view(-1, g)
+    return cols, bool((blocks[:, 0] % g == 0).all()) and torch.equal(
+        blocks, blocks[:, :1] + torch.arange(g, device=cols.device))
+
+
+def row_needs_gather(q, world: int, name: str = "linear") -> bool:
+    """Whether a row-parallel split of q over ``world`` ranks needs ``shard_row_gathered``: q has an act-order
+    perm and some rank's logical inputs are not whole stored groups.  Every rank gets the same answer (the
+    gathered form is a collective: all ranks must take it together)."""
+    w, _, _ = _split(q)
+    if w.perm is None or world == 1:
+        return False
+    return not all(_rank_columns(w, *row_range(w.in_features, w.config, r, world, name))[1] for r in range(world))
+
+
+def shard_row_gathered(q, rank: int, world: int, name: str = "linear") -> tuple:
+    """Rank's row-parallel shard of a permuted q that needs the whole input: (shard, index).
+
+    The shard (the kind q is, without a perm) holds the stored columns
+    row_range(...) of q, whole groups with their scales and zero points; index
+    (int64 [K / world]) holds the logical input columns they multiply.  Rank r's
+    partial product is ``x_full[..., index] @ shard^T``, x_full [.., K] being
+    the whole logical input; the ranks' partial products sum to q(x_full).  A
+    QuantLinear's bias stays on rank 0.
+    """
+    w, bias, module = _split(q)
+    if w.perm is None:
+        raise ShardError(f"{name}: has no act-order perm; use shard_row")
+    k0, k1 = row_range(w.in_features, w.config, rank, world, name)
+    g = w.config.group_size
+    scales = w.scales if g is None else w.scales[:, k0 // g:k1 // g]
+    zeros = None if w.zeros is None else (w.zeros if g is None else w.zeros[:, k0 // g:k1 // g])
+    shard = _result(w, w.codes()[:, k0:k1], scales, zeros, None, bias if rank == 0 else None, module)
+    return shard, w.perm.to(torch.int64)[k0:k1].clone()
+
+
 def shard_row(q, rank: int, world: int, name: str = "linear"):
     """Rank's row-parallel shard of q: the columns of its input range row_range(...) (see the module doc).
     A QuantLinear's bias stays on rank 0."""
@@ -129,21 +180,14 @@ def shard_row(q, rank: int, world: int, name: str = "linear"):
         cols = torch.arange(k0, k1, device=codes.device)
         local_perm = None
     else:
-        perm = w.perm.to(torch.int64)
-        inv = torch.empty_like(perm)
-        inv[perm] = torch.arange(perm.numel(), device=perm.device)
-        cols = torch.sort(inv[k0:k1]).values  # the stored columns rank's inputs feed, in stored order
-        whole = True  # per channel: any set of columns shares each row's one scale
-        if g is not None:
-            blocks = cols.view(-1, g)
-            whole = bool((blocks[:, 0] % g == 0).all()) and torch.equal(
-                blocks, blocks[:, :1] + torch.arange(g, device=cols.device))
+        cols, whole = _rank_columns(w, k0, k1)
         if not whole:
             raise ShardError(f"{name}: act-order perm puts the logical inputs [{k0}, {k1}) of rank {rank} of {world} "
                              f"in stored columns that do not make up whole groups of {g}; a row-parallel shard "
-                             f"of this checkpoint would need other ranks' inputs (refused rather than computed "
-                             f"wrongly): run it unsharded, or fold the perm into the layer that produces its input")
-        local_perm = perm[cols] - k0
+                             f"of this checkpoint needs other ranks' inputs: use shard_row_gathered (the whole "
+                             f"input on every rank), run it unsharded, or fold the perm into the layer that "
+                             f"produces its input")
+        local_perm = w.perm.to(torch.int64)[cols] - k0
     if g is None:
         scales, zeros = w.scales, w.zeros
     else:

@@ -15,7 +15,11 @@ What it runs:
     * tensor parallelism: each rank builds its shard exactly with
       :mod:`qgemv.shard` (column-parallel on 16-row panels, row-parallel on
       group and k-block boundaries, GQA's replicated k/v heads), or refuses
-      with the rule the shape breaks.  Nothing is padded.
+      with the rule the shape breaks.  Nothing is padded.  A row-parallel
+      layer whose act-order perm mixes the ranks' inputs within its groups
+      (GPTQ desc_act checkpoints, converted) is split by stored groups
+      instead, and each rank first gathers the whole input (one all-gather
+      of tokens x K activations per call; :func:`qgemv.shard.shard_row_gathered`).
 
 What it refuses, naming the module and the rule: MoE layers, a quantized
 lm_head or embedding, a merged layer whose members are partly in float, a
@@ -41,6 +45,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from vllm.distributed import tensor_model_parallel_all_gather
 from vllm.model_executor.layers.linear import (
     LinearBase,
     LinearMethodBase,
@@ -259,7 +264,11 @@ class QgemvLinearMethod(LinearMethodBase):
         w = self._whole(layer, member, t)
         rank, world = getattr(layer, "tp_rank", 0), getattr(layer, "tp_size", 1)
         try:
-            if isinstance(layer, RowParallelLinear) and world > 1:
+            if isinstance(layer, RowParallelLinear) and world > 1 and shard.row_needs_gather(w, world, member.name):
+                piece, index = shard.shard_row_gathered(w, rank, world, member.name)
+                layer.qgemv_gather = index.to(device)  # every rank takes this branch (the same perm everywhere)
+                pieces = [piece]
+            elif isinstance(layer, RowParallelLinear) and world > 1:
                 pieces = [w.shard_row(rank, world, member.name)]
             else:
                 pieces = [w if (a, b) == (0, w.out_features) else w.take_rows(a, b, member.name)
@@ -284,6 +293,9 @@ class QgemvLinearMethod(LinearMethodBase):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [tokens, K on this rank] -> [tokens, N on this rank] in x's dtype (plus bias)."""
         mods = layer.qgemv_linears
+        gather = getattr(layer, "qgemv_gather", None)
+        if gather is not None:  # a row-parallel shard by stored groups: the whole input, then its columns
+            x = tensor_model_parallel_all_gather(x.contiguous(), dim=-1).index_select(-1, gather)
         y = mods[0](x) if len(mods) == 1 else torch.cat([m(x) for m in mods], dim=-1)
         return y if bias is None else y + bias.to(y.dtype)
 

@@ -74,6 +74,34 @@ def test_splits_that_are_not_exact_are_refused():
     assert shard_column(q, 1, 2).perm is not None  # column shards keep the whole input's perm
 
 
+@pytest.mark.parametrize("fmt,world", [("int4g128a", 2), ("int4g32", 4), ("int4", 2), ("int8", 4)])
+def test_a_perm_that_mixes_the_ranks_inputs_is_split_by_stored_groups_over_the_whole_input(fmt, world):
+    """A random act-order perm (GPTQ desc_act) mixes every rank's logical inputs inside its groups: shard_row
+    refuses it, row_needs_gather says so on every rank, and the gathered shards (stored groups, logical indices
+    into the whole input) sum to the layer; a perm that keeps ranks apart needs no gather."""
+    q = layer(fmt)
+    q.perm = torch.randperm(q.in_features, generator=torch.Generator().manual_seed(7))
+    grouped = q.config.group_size is not None
+    assert shard.row_needs_gather(q, world) == grouped  # per channel: any column set is exact without a gather
+    x = torch.randn(3, q.in_features)
+    want = q(x)
+    parts = []
+    for r in range(world):
+        s, index = shard.shard_row_gathered(q, r, world)
+        k0, k1 = row_range(q.in_features, q.config, r, world)
+        assert s.perm is None and s.in_features == k1 - k0 and index.shape == (k1 - k0,)
+        assert torch.equal(index, q.perm[k0:k1]) and (s.bias is None) == (r > 0)
+        parts.append(s(x[:, index]))
+    assert torch.allclose(sum(parts), want, rtol=1e-4, atol=1e-4)
+    if grouped:
+        with pytest.raises(ShardError, match="use shard_row_gathered"):
+            shard_row(q, 0, world)
+    assert not shard.row_needs_gather(with_act_order(layer(fmt), world), world)
+    assert not shard.row_needs_gather(layer(fmt), world)
+    with pytest.raises(ShardError, match="has no act-order perm"):
+        shard.shard_row_gathered(layer(fmt), 0, world)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4", "int4g64a"])
 def test_packed_weight_is_the_quant_linear_s_weight(fmt):
     """QuantLinear.packed / from_packed round-trip the same tensors; ops.linear computes what forward does;
@@ -118,7 +146,9 @@ def _random_packed(cfg, n, k, act, world):
     s = s[:, 0].contiguous() if cfg.group_size is None else s
     z = None if cfg.symmetric else torch.randint(0, 16, (n, ng), dtype=torch.uint8, device=dev)
     perm = None
-    if act:
+    if act == "mixed":  # GPTQ desc_act: groups mix the ranks' inputs (row shards gather the whole input)
+        perm = torch.randperm(k, device=dev)
+    elif act:
         g, part = cfg.group_size or 128, k // world
         groups = torch.cat([torch.randperm(part // g, device=dev) + r * (part // g) for r in range(world)])
         perm = torch.cat([grp * g + torch.randperm(g, device=dev) for grp in groups.tolist()])
@@ -132,7 +162,7 @@ def _run(w, x):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", list(REAL))
 @pytest.mark.parametrize("fmt,act", [("int8", False), ("int4", False), ("int4g128a", False), ("int4g32", False),
-                                     ("int4g128a", True), ("int8", True)])
+                                     ("int4g128a", True), ("int8", True), ("int4g128a", "mixed")])
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_cuda_shards_of_llama_3_layers_assemble_to_the_layer(name, fmt, act, world):
     """Simulated TP: each rank's shard on qgemv's CUDA ops; column shards concatenated and row shards summed in
@@ -147,6 +177,11 @@ def test_cuda_shards_of_llama_3_layers_assemble_to_the_layer(name, fmt, act, wor
         whole = _run(w, x)
         if kind == "column":
             got = torch.cat([_run(w.shard_column(r, world, name), x) for r in range(world)], dim=-1)
+        elif shard.row_needs_gather(w, world, name):
+            got = 0
+            for r in range(world):
+                piece, index = shard.shard_row_gathered(w, r, world, name)
+                got = got + _run(piece, x[:, index])
         else:
             got = sum(_run(w.shard_row(r, world, name), x[:, r * k // world:(r + 1) * k // world])
                       for r in range(world))

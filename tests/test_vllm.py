@@ -171,6 +171,26 @@ def test_act_order_perms_under_row_and_column_parallelism(tmp_path):
     assert got == reference(out)
 
 
+def test_a_converted_gptq_act_order_checkpoint_at_tp2(tmp_path):
+    """GPTQ desc_act, packed by auto-gptq (tests/data/foreign/gptq_v1_actorder_tp), converted by qgemv-convert:
+    o_proj keeps a perm whose groups mix the two ranks' inputs (the case vllm#7374 computes wrongly), so its
+    row shards are split by stored groups and gather the whole input; the tokens equal qgemv.generate's."""
+    from qgemv import shard
+
+    out = tmp_path / "conv"
+    src = ROOT / "tests" / "data" / "foreign" / "gptq_v1_actorder_tp"
+    r = subprocess.run([sys.executable, "-m", "qgemv.importers", str(src), "--out", str(out)], capture_output=True,
+                       text=True, cwd=_outside())
+    assert r.returncode == 0, r.stderr
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, _ = checkpoint.load_quantized(str(out), device="cpu", dtype=torch.float32)
+    assert shard.row_needs_gather(model.model.layers[0].self_attn.o_proj, 2)
+    rc, got, log = run_vllm(out, 2, skip_tokenizer_init=True)
+    assert rc == 0, log
+    assert got == reference(out)
+
+
 @pytest.mark.parametrize("family,bits,group,symmetric,fuse,tp", [
     ("qwen2", 4, 128, False, True, 2),   # q/k/v biases
     ("qwen3", 4, None, True, False, 1),  # q/k norms
