@@ -36,6 +36,7 @@ struct ChainShape {
   int skip;         // 0; lab timing experiments only (results wrong): 1 no waits, 4 no tile math, 32 no flush or finish
   int slices = 0;   // finishing: 0 per panel, by the warp completing it (form 5); 1 per block slice, by the sync
                     //    warps once the op's sums are complete everywhere (form 6)
+  int sums = 0;     // form 8: fp32 values of the block's sum buffer (chain8_sums)
 };
 
 constexpr int kChainTileBytes = kPanelRows * kTileBytes;  // 1 KB: one tile of one panel
@@ -467,6 +468,530 @@ Status chain5_launch(const Chain5Op* d_ops, int nops, const ChainShape& sh, unsi
   if (warps < 1 || warps > kChain5MaxWarps || blocks < 1 || nops < 1) return Status::kBadShape;
   chain5_kernel<T, kBits, kGroup, kZeros><<<blocks, (warps + 1) * kWarpSize, chain5_smem_bytes<T>(sh, warps, nops),
                                             stream>>>(d_ops, nops, sh, d_sync, wait_cycles);
+  return cudaGetLastError() == cudaSuccess ? Status::kOk : Status::kLaunchFailed;
+}
+
+// Forms 7 and 8: form 5's per-warp rings, with consumer warps that never
+// make a round trip to global memory.
+//   * A consumer warp reads a whole ring stage into registers and hands the
+//     stage back to the copy engine at once (lane 0 refills it before the
+//     warp's math on it), so the refill overlaps the math.
+//   * One control warp per block does every global hand-off: once the block's
+//     consumers are past op i it counts the block in sync[i], waits for every
+//     block and bulk-copies op i+1's input into shared memory; consumers wait
+//     on that copy's mbarrier.
+//   * Form 7 (kOwn false): the warps' runs are form 5's (G x W equal runs of
+//     each op's stream).  At the end of a panel segment a consumer writes its
+//     partial sums (16 rows x M, fp32) and a header into the next slot of its
+//     own queue in shared memory (kChain7Queue slots, full and empty
+//     mbarriers).  The control warp takes the ready entries, one per warp a
+//     pass: their sums go out by red.add, one fence a pass, their tile counts
+//     into the panels' counters (a lane per entry), and it finishes the panels
+//     they complete.
+//   * Form 8 (kOwn true): a block owns whole output panels of every op (for
+//     SiLU * mul, each gate panel with its up panel), so no sum leaves the
+//     block before it is complete.  The block's tile stream is cut into W
+//     equal runs; a consumer adds each segment's sums into the block's sum
+//     buffer in shared memory (red.shared.add) and, at the op's end, arrives
+//     on an mbarrier; the control warp then finishes the block's panels from
+//     that buffer and writes the op's output.  No global atomics on sums, no
+//     panel counters, one fence per op and block.
+constexpr int kChain7Queue = 4;
+
+// Shared memory of a form-7/8 launch: the rings' barriers, the queues' full
+// and empty barriers, the input and op-done barriers; the rings; the queues
+// (form 7) or the sum buffer (form 8); the input.
+__host__ __device__ inline size_t chain7_head_bytes(int warps, int stages) {
+  return ((static_cast<size_t>(warps) * (stages + 2 * kChain7Queue) + 2) * 8 + 127) / 128 * 128;
+}
+// One queue entry: {op, panel, tiles, last} then sums[tok][16] (fp32).
+__host__ __device__ inline int chain7_entry_bytes(int M) { return 16 + 64 * M; }
+__host__ __device__ inline size_t chain7_mid_bytes(const ChainShape& sh, int warps, bool own) {
+  const size_t b = own ? static_cast<size_t>(sh.sums) * 4
+                       : static_cast<size_t>(warps) * kChain7Queue * chain7_entry_bytes(sh.M);
+  return (b + 127) / 128 * 128;
+}
+template <typename T>
+__host__ __device__ inline size_t chain7_smem_bytes(const ChainShape& sh, int warps, bool own) {
+  return chain7_head_bytes(warps, sh.stages) + chain5_ring_bytes(sh, warps) + chain7_mid_bytes(sh, warps, own) +
+         static_cast<size_t>(sh.M) * sh.x_cap * sizeof(T);
+}
+
+// Form 8: output panels per unit (a SiLU * mul unit is a gate panel and its
+// up panel) and units of op o.
+__host__ __device__ inline int chain8_ppu(const Chain5Op& o) {
+  return o.out == static_cast<int>(ChainOut::kSiluMul) ? 2 : 1;
+}
+__host__ __device__ inline long long chain8_units(const Chain5Op& o) { return o.p.N / kPanelRows / chain8_ppu(o); }
+// Form 8's sum buffer (ChainShape::sums): the most panels a block owns in any
+// op, x 16 rows x M.  Host arrays in.
+inline int chain8_sums(const Chain5Op* ops, int nops, int blocks, int M) {
+  long long most = 0;
+  for (int i = 0; i < nops; ++i) {
+    const long long u = chain8_units(ops[i]);
+    most = std::max(most, (u + blocks - 1) / blocks * chain8_ppu(ops[i]));
+  }
+  return static_cast<int>(most) * kPanelRows * M;
+}
+
+// Whether the phase of parity `parity` has completed (no wait).
+__device__ __forceinline__ bool mbar_test(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(smem_u32(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+// ops[nops] as for form 5 (form 8 uses no acc or panel_cnt); sync[nops] zero
+// before the first launch, left zero; sh.stage_tiles == kTS; form 8:
+// sh.sums >= chain8_sums.  wait_cycles: nullptr, or [5 x blocks]: the control
+// warp's cycles spinning on other blocks ([b]) and flushing or finishing
+// ([blocks + b]); consumer warp 0's cycles waiting for weight stages
+// ([2 blocks + b]), for inputs ([3 blocks + b]) and (form 7) for a free queue
+// slot ([4 blocks + b]).
+template <typename T, int kBits, int kGroup, bool kZeros, int kTS, bool kOwn>
+__global__ void __launch_bounds__((kChain5MaxWarps + 1) * 32, 1)
+    chain7_kernel(const Chain5Op* __restrict__ ops, int nops, ChainShape sh, unsigned* sync,
+                  unsigned long long* wait_cycles) {
+  using Lane = GemvMma<T, kBits, kGroup, kZeros, 1, 1>;
+  constexpr int kTileK = Lane::kTileK;
+  constexpr int kGpt = Lane::kGroupsPerTile;
+  constexpr int Q = kChain7Queue;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int W = (blockDim.x >> 5) - 1;  // consumer warps; warp W is the control warp
+  const int G = gridDim.x;
+  const int S = sh.stages;
+  const int stage_bytes = kTS * (kChainTileBytes + sh.meta_bytes);
+  const int entry_bytes = chain7_entry_bytes(sh.M);
+
+  extern __shared__ __align__(128) unsigned char chain_smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(chain_smem);  // [W][S]
+  uint64_t* qfull = full + W * S;                             // [W][Q]
+  uint64_t* qempty = qfull + W * Q;                           // [W][Q]
+  uint64_t* xbar = qempty + W * Q;                            // op i's input is in xs: phase i
+  uint64_t* opbar = xbar + 1;                                 // form 8: every consumer is past op i: phase i
+  unsigned char* ring = chain_smem + chain7_head_bytes(W, S);
+  unsigned char* mid = ring + chain5_ring_bytes(sh, W);  // form 7: the queues; form 8: the sum buffer
+  float* sums = reinterpret_cast<float*>(mid);
+  T* xs = reinterpret_cast<T*>(mid + chain7_mid_bytes(sh, W, kOwn));
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < W * (S + 2 * Q) + 1; ++s) mbar_init(full + s, 1);
+    mbar_init(opbar, W);
+    mbar_init_fence();
+  }
+  if constexpr (kOwn)
+    for (int q = threadIdx.x; q < sh.sums; q += blockDim.x) sums[q] = 0.f;
+  __syncthreads();
+
+  auto tiles_of = [](const GemvParams& p) { return static_cast<long long>(p.N / kPanelRows) * (p.K / kTileK); };
+  // Form 8: this block's units of op o, [u0, u1), and the block's tiles.
+  auto own_range = [&](const Chain5Op& o, long long& u0, long long& u1) {
+    chain_range(chain8_units(o), blockIdx.x, G, u0, u1);
+    return (u1 - u0) * chain8_ppu(o) * (o.p.K / kTileK);
+  };
+
+  if (warp == W) {  // ---- the control warp
+    long long spin = 0, busy = 0;
+    auto copy_input = [&](int i) {  // op i's input -> xs, completing phase i of xbar
+      if (lane != 0) return;
+      const GemvParams& p = ops[i].p;
+      const uint32_t row_bytes = static_cast<uint32_t>(p.K) * sizeof(T);
+      asm volatile("fence.proxy.async.global;" ::: "memory");  // other blocks wrote it with ordinary stores
+      mbar_expect_tx(xbar, row_bytes * p.M);
+      for (int m = 0; m < p.M; ++m)
+        bulk_copy(xs + static_cast<size_t>(m) * sh.x_cap, static_cast<const T*>(p.x) + static_cast<size_t>(m) * p.ldx,
+                  row_bytes, xbar);
+    };
+    copy_input(0);
+    uint32_t head = 0;  // form 7, lane w < W: the entries of consumer warp w taken so far
+    const bool flush = !(sh.skip & 32);
+    for (int i = 0; i < nops; ++i) {
+      const Chain5Op& o = ops[i];
+      const GemvParams& p = o.p;
+      const bool silu = o.out == static_cast<int>(ChainOut::kSiluMul);
+      const int vals = kPanelRows * p.M;
+      if constexpr (kOwn) {
+        // Every consumer is past op i: finish the block's panels from the sums.
+        mbar_wait(opbar, i & 1);
+        const long long b0 = wait_cycles ? clock64() : 0;
+        long long u0, u1;
+        own_range(o, u0, u1);
+        const int ppu = chain8_ppu(o);
+        const int count = static_cast<int>(u1 - u0) * vals;
+        for (int q = lane; flush && q < count; q += 32) {
+          const int u = q / vals, tok = (q % vals) / kPanelRows, r = q % kPanelRows;
+          float* sp = sums + (static_cast<size_t>(u * ppu) * p.M + tok) * kPanelRows + r;
+          float v = to_float(from_float<T>(*sp));
+          if (silu) {
+            float* up = sp + p.M * kPanelRows;
+            v = v / (1.f + __expf(-v)) * to_float(from_float<T>(*up));
+            *up = 0.f;
+          }
+          const int row = static_cast<int>(u0 + u) * kPanelRows + r;
+          if (o.out == static_cast<int>(ChainOut::kResidual))
+            v += to_float(static_cast<const T*>(o.res)[static_cast<size_t>(tok) * p.N + row]);
+          static_cast<T*>(p.y)[static_cast<size_t>(tok) * p.ldy + row] = from_float<T>(v);
+          *sp = 0.f;
+        }
+        if (wait_cycles) busy += clock64() - b0;
+      } else {
+        const int tpp = p.K / kTileK;
+        const int half_panels = p.N / kPanelRows / 2;
+        const unsigned target = silu ? 2u * tpp : static_cast<unsigned>(tpp);
+        int lasts = 0;
+        while (lasts < W) {  // one pass: every consumer warp's next entry, if it is ready
+          bool ready = false;
+          int panel = 0, tiles = 0, last = 0;
+          if (lane < W) {
+            const int q = static_cast<int>(head % Q);
+            ready = mbar_test(qfull + lane * Q + q, (head / Q) & 1);
+            if (ready) {
+              const int* h = reinterpret_cast<const int*>(mid + static_cast<size_t>(lane * Q + q) * entry_bytes);
+              panel = h[1], tiles = h[2], last = h[3];
+            }
+          }
+          const unsigned mask = __ballot_sync(0xffffffffu, ready);
+          if (!mask) continue;
+          const long long b0 = wait_cycles ? clock64() : 0;
+          bool complete = false;
+          if (flush) {
+            for (unsigned mk = mask; mk; mk &= mk - 1) {  // the sums out, a warp-wide pass per entry
+              const int w = __ffs(mk) - 1;
+              const int pn = __shfl_sync(0xffffffffu, panel, w);
+              const int hw = static_cast<int>(__shfl_sync(0xffffffffu, head, w) % Q);
+              const float* v = reinterpret_cast<const float*>(mid + static_cast<size_t>(w * Q + hw) * entry_bytes + 16);
+              if (__shfl_sync(0xffffffffu, tiles, w) == 0) continue;
+              for (int q = lane; q < vals; q += 32)
+                atomicAdd(o.acc + static_cast<size_t>(q / kPanelRows) * p.N + pn * kPanelRows + q % kPanelRows, v[q]);
+            }
+            __threadfence();
+            if (ready && tiles > 0) {
+              const int pidx = silu ? panel % half_panels : panel;
+              complete = atomicAdd(o.panel_cnt + pidx, static_cast<unsigned>(tiles)) + tiles == target;
+            }
+          }
+          __syncwarp();
+          if (ready) {  // the slot is read: back to its warp
+            mbar_arrive(qempty + lane * Q + head % Q);
+            ++head;
+          }
+          lasts += __popc(__ballot_sync(0xffffffffu, ready && last));
+          unsigned cm = __ballot_sync(0xffffffffu, complete);
+          if (cm) {
+            __threadfence();  // every other block's sums of these panels, seen
+            for (; cm; cm &= cm - 1) {
+              const int w = __ffs(cm) - 1;
+              const int pn = __shfl_sync(0xffffffffu, panel, w);
+              const int pidx = silu ? pn % half_panels : pn;
+              for (int q = lane; q < vals; q += 32)
+                chain_finish_value<T>(o, q / kPanelRows, pidx * kPanelRows + q % kPanelRows);
+              if (lane == 0) o.panel_cnt[pidx] = 0;
+            }
+          }
+          if (wait_cycles) busy += clock64() - b0;
+        }
+      }
+      // Every consumer warp is past op i (xs is free); this block's sums and
+      // finished panels are out.
+      __threadfence();
+      __syncwarp();
+      unsigned before = 0;
+      if (lane == 0) before = atomicAdd(sync + i, 1u);
+      if (i + 1 == nops) {
+        // Nobody polls the last counter, and every block that counted itself in
+        // it is past every other poll: the last one resets them all.
+        if (lane == 0 && before == static_cast<unsigned>(G - 1)) {
+          __threadfence();
+          for (int j = 0; j < nops; ++j) atomicExch(sync + j, 0u);
+        }
+        break;
+      }
+      const long long c0 = wait_cycles ? clock64() : 0;
+      if (lane == 0 && !(sh.skip & 1))
+        while (ld_acquire_gpu(sync + i) < static_cast<unsigned>(G)) {
+        }
+      __syncwarp();
+      if (wait_cycles) spin += clock64() - c0;
+      copy_input(i + 1);
+    }
+    if (wait_cycles && lane == 0) {
+      atomicAdd(wait_cycles + blockIdx.x, static_cast<unsigned long long>(spin));
+      atomicAdd(wait_cycles + G + blockIdx.x, static_cast<unsigned long long>(busy));
+    }
+    return;
+  }
+
+  // ---- a consumer warp: its runs of every op, through its own ring
+  const int g = lane >> 2, t = lane & 3;
+  const int gw = blockIdx.x * W + warp, GW = G * W;
+  uint64_t* my_full = full + warp * S;
+  unsigned char* my_ring = ring + static_cast<size_t>(warp) * S * stage_bytes;
+  const uint64_t pol = evict_first_policy();
+  const bool timed = wait_cycles && warp == 0 && lane == 0;
+  long long w_stage = 0, w_input = 0, w_queue = 0;
+
+  // A walk along the warp's run of one op, without divisions past its start:
+  // pos / end in the op's stream (form 7) or the block's (form 8); kt the
+  // k-tile in the current panel; vp the block's panel index (form 8: unit
+  // vp >> sh, gate or up half vp & 1); panel the op's panel.
+  struct Cursor {
+    int pos, end, kt, vp, panel, tpp, u0, shift, half;
+  };
+  auto panel_of = [](const Cursor& c) { return c.u0 + (c.vp >> c.shift) + (c.vp & c.shift) * c.half; };
+  auto start = [&](const Chain5Op& o, Cursor& c) {
+    long long a, e;
+    c.tpp = o.p.K / kTileK;
+    if constexpr (kOwn) {
+      long long u0, u1;
+      chain_range(own_range(o, u0, u1), warp, W, a, e);
+      c.u0 = static_cast<int>(u0);
+      c.shift = chain8_ppu(o) - 1;
+      c.half = o.p.N / kPanelRows / 2;
+    } else {
+      chain_range(tiles_of(o.p), gw, GW, a, e);
+      c.u0 = 0, c.shift = 0, c.half = 0;
+    }
+    c.pos = static_cast<int>(a), c.end = static_cast<int>(e);
+    c.kt = c.pos % c.tpp, c.vp = c.pos / c.tpp;
+    c.panel = panel_of(c);
+  };
+  // Tiles in the stage at the cursor (form 8's stages end at panel ends).
+  auto stage_len = [&](const Cursor& c) {
+    const int n = min(kTS, c.end - c.pos);
+    return kOwn ? min(n, c.tpp - c.kt) : n;
+  };
+  auto advance = [&](Cursor& c, int n) {  // n <= kTS < tpp: at most one panel end
+    c.pos += n, c.kt += n;
+    if (c.kt >= c.tpp) {
+      c.kt -= c.tpp, ++c.vp;
+      c.panel = panel_of(c);
+    }
+  };
+
+  int c_op = -1;  // lane 0's copy cursor
+  Cursor cc{0, 0, 0, 0, 0, 1, 0, 0, 0};
+  uint32_t issued = 0;
+  auto issue_next = [&] {
+    while (cc.pos >= cc.end) {
+      if (++c_op >= nops) return;
+      start(ops[c_op], cc);
+    }
+    const Chain5Op& co = ops[c_op];
+    const int n = stage_len(cc);
+    // the stage's first tile in the op's stream
+    const long long src = kOwn ? static_cast<long long>(cc.panel) * cc.tpp + cc.kt : cc.pos;
+    const int slot = issued % S;
+    unsigned char* dst = my_ring + static_cast<size_t>(slot) * stage_bytes;
+    mbar_expect_tx(my_full + slot, static_cast<uint32_t>(n * (kChainTileBytes + sh.meta_bytes)));
+    bulk_copy(dst, static_cast<const char*>(co.p.qweight) + src * kChainTileBytes, n * kChainTileBytes,
+              my_full + slot, pol);
+    if (sh.meta_bytes)
+      bulk_copy(dst + kTS * kChainTileBytes, co.meta + src * sh.meta_bytes, n * sh.meta_bytes, my_full + slot, pol);
+    advance(cc, n);
+    ++issued;
+  };
+  if (lane == 0)
+    for (int s = 0; s < S; ++s) issue_next();
+
+  uint32_t consumed = 0, pushed = 0;
+  // A segment's sums (per-channel formats: times the rows' scales), this
+  // lane's four of them: v[i4] for token 2t + (i4 & 1), row g (+ 8 for i4 >= 2).
+  auto seg_sums = [&](const Lane& L, float sc0, float sc1, float (&v)[4]) {
+#pragma unroll
+    for (int i4 = 0; i4 < 4; ++i4) {
+      v[i4] = L.acc[0][0][0][i4] + L.acc[1][0][0][i4];
+      if constexpr (!Lane::kGrouped) v[i4] *= i4 >= 2 ? sc1 : sc0;
+    }
+  };
+  // Form 7: a segment's sums into the warp's next queue slot, then the slot to
+  // the control warp.
+  auto push = [&](int i, int panel, int tiles, bool last, const Lane& L, float sc0, float sc1, int M) {
+    const int q = static_cast<int>(pushed % Q);
+    const long long q0 = timed ? clock64() : 0;
+    mbar_wait(qempty + warp * Q + q, ((pushed / Q) & 1) ^ 1);
+    if (timed) w_queue += clock64() - q0;
+    unsigned char* e = mid + static_cast<size_t>(warp * Q + q) * entry_bytes;
+    float* v = reinterpret_cast<float*>(e + 16);
+    float s4[4];
+    seg_sums(L, sc0, sc1, s4);
+#pragma unroll
+    for (int i4 = 0; i4 < 4; ++i4) {
+      const int tok = 2 * t + (i4 & 1);
+      if (tiles > 0 && tok < M) v[tok * kPanelRows + g + (i4 >= 2 ? 8 : 0)] = s4[i4];
+    }
+    if (lane == 0) {
+      int* h = reinterpret_cast<int*>(e);
+      h[0] = i, h[1] = panel, h[2] = tiles, h[3] = last;
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(qfull + warp * Q + q);
+    ++pushed;
+  };
+
+  for (int i = 0; i < nops; ++i) {
+    const Chain5Op& o = ops[i];
+    const GemvParams& p = o.p;
+    {
+      const long long i0 = timed ? clock64() : 0;
+      mbar_wait(xbar, i & 1);  // op i's input is in xs
+      if (timed) w_input += clock64() - i0;
+    }
+    Cursor cur;
+    start(o, cur);
+    Lane L(p, lane, 0, xs, sh.x_cap);
+    if (cur.pos == cur.end) {
+      if constexpr (kOwn) {
+        if (lane == 0) mbar_arrive(opbar);
+      } else {
+        push(i, 0, 0, true, L, 1.f, 1.f, p.M);
+      }
+      continue;
+    }
+    int seg = 0;                 // the segment's tiles so far
+    float sc0 = 1.f, sc1 = 1.f;  // per-channel scales of rows g and g + 8: loaded now, used at the segment's end
+    auto load_scales = [&] {
+      if constexpr (!Lane::kGrouped) {
+        sc0 = __half2float(static_cast<const __half*>(p.scales)[cur.panel * kPanelRows + g]);
+        sc1 = __half2float(static_cast<const __half*>(p.scales)[cur.panel * kPanelRows + g + 8]);
+      }
+    };
+    load_scales();
+    while (cur.pos < cur.end) {
+      const int n = stage_len(cur);
+      const int slot = consumed % S;
+      {
+        const long long f0 = timed ? clock64() : 0;
+        mbar_wait(my_full + slot, (consumed / S) & 1);
+        if (timed) w_stage += clock64() - f0;
+      }
+      const unsigned char* stage = my_ring + static_cast<size_t>(slot) * stage_bytes;
+      uint4 w0[kTS][1], w1[kTS][1];
+      TileMeta m[kTS][1];
+#pragma unroll
+      for (int r = 0; r < kTS; ++r) {
+        if (r < n) {
+          const unsigned char* tile = stage + r * kChainTileBytes;
+          w0[r][0] = *reinterpret_cast<const uint4*>(tile + g * kTileBytes + 16 * t);
+          w1[r][0] = *reinterpret_cast<const uint4*>(tile + (g + 8) * kTileBytes + 16 * t);
+          if constexpr (Lane::kGrouped) {
+            const unsigned char* mt = stage + kTS * kChainTileBytes + r * sh.meta_bytes;
+            const __half* ms = reinterpret_cast<const __half*>(mt);
+#pragma unroll
+            for (int q4 = 0; q4 < 4; ++q4) {
+              const int gi = q4 / Lane::kSubPerGroup;
+              m[r][0].s0[q4] = __half2float(ms[g * kGpt + gi]);
+              m[r][0].s1[q4] = __half2float(ms[(g + 8) * kGpt + gi]);
+              if constexpr (kZeros) {
+                const unsigned char* mz = mt + kPanelRows * kGpt * 2;
+                m[r][0].z0[q4] = magic_zero_pair<T>(mz[g * kGpt + gi]);
+                m[r][0].z1[q4] = magic_zero_pair<T>(mz[(g + 8) * kGpt + gi]);
+              }
+            }
+          }
+        }
+      }
+      // The stage is in registers: back to the copy engine before the math.
+      __syncwarp();
+      if (lane == 0) {
+        fence_proxy_async_smem();
+        issue_next();
+      }
+      ++consumed;
+#pragma unroll
+      for (int r = 0; r < kTS; ++r) {
+        if (r < n) {
+          if (sh.skip & 4) {
+            if (w0[r][0].x == 0x12345678u && w1[r][0].y == 0x9abcdef0u) L.acc[0][0][0][0] += 1.f;  // keeps the reads
+          } else if (r & 1) {
+            L.template tile<1, false>(cur.kt, w0[r], w1[r], m[r]);
+          } else {
+            L.template tile<0, false>(cur.kt, w0[r], w1[r], m[r]);
+          }
+          ++seg;
+          const bool end = cur.pos + 1 == cur.end;
+          if (cur.kt + 1 == cur.tpp || end) {  // the segment's end
+            if constexpr (kOwn) {
+              if (!(sh.skip & 32)) {
+                float s4[4];
+                seg_sums(L, sc0, sc1, s4);
+                float* sp = sums + static_cast<size_t>(cur.vp) * p.M * kPanelRows;
+#pragma unroll
+                for (int i4 = 0; i4 < 4; ++i4) {
+                  const int tok = 2 * t + (i4 & 1);
+                  if (tok < p.M) atomicAdd(sp + tok * kPanelRows + g + (i4 >= 2 ? 8 : 0), s4[i4]);
+                }
+              }
+            } else {
+              push(i, cur.panel, seg, end, L, sc0, sc1, p.M);
+            }
+#pragma unroll
+            for (int b = 0; b < 2; ++b)
+#pragma unroll
+              for (int i4 = 0; i4 < 4; ++i4) L.acc[b][0][0][i4] = 0.f;
+            seg = 0;
+          }
+          advance(cur, 1);
+          if (cur.kt == 0 && !end) load_scales();  // a new panel
+        }
+      }
+    }
+    if constexpr (kOwn) {  // the warp's sums of op i are in the block's buffer
+      __syncwarp();
+      if (lane == 0) mbar_arrive(opbar);
+    }
+  }
+  if (timed) {
+    atomicAdd(wait_cycles + 2 * G + blockIdx.x, static_cast<unsigned long long>(w_stage));
+    atomicAdd(wait_cycles + 3 * G + blockIdx.x, static_cast<unsigned long long>(w_input));
+    atomicAdd(wait_cycles + 4 * G + blockIdx.x, static_cast<unsigned long long>(w_queue));
+  }
+}
+
+// Form 7 (own false) or 8 (own true): whether sh fits one block per SM.
+template <typename T, int kBits, int kGroup, bool kZeros>
+bool chain7_fits(const ChainShape& sh, int warps, bool own) {
+  if (warps < 1 || warps > kChain5MaxWarps || sh.M > 8) return false;
+  const size_t smem = chain7_smem_bytes<T>(sh, warps, own);
+  auto check = [&](auto kernel) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) !=
+        cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, (warps + 1) * kWarpSize, smem) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return n >= 1;
+  };
+  if (sh.stage_tiles == 2)
+    return own ? check(chain7_kernel<T, kBits, kGroup, kZeros, 2, true>)
+               : check(chain7_kernel<T, kBits, kGroup, kZeros, 2, false>);
+  if (sh.stage_tiles == 4)
+    return own ? check(chain7_kernel<T, kBits, kGroup, kZeros, 4, true>)
+               : check(chain7_kernel<T, kBits, kGroup, kZeros, 4, false>);
+  return false;
+}
+
+// sh.stage_tiles: 2 or 4 (the register stage is a compile-time size).
+template <typename T, int kBits, int kGroup, bool kZeros>
+Status chain7_launch(const Chain5Op* d_ops, int nops, const ChainShape& sh, unsigned* d_sync, int blocks, int warps,
+                     bool own, cudaStream_t stream, unsigned long long* wait_cycles = nullptr) {
+  if (warps < 1 || warps > kChain5MaxWarps || blocks < 1 || nops < 1 || sh.M > 8) return Status::kBadShape;
+  const size_t smem = chain7_smem_bytes<T>(sh, warps, own);
+  const dim3 threads((warps + 1) * kWarpSize);
+  auto go = [&](auto kernel) { kernel<<<blocks, threads, smem, stream>>>(d_ops, nops, sh, d_sync, wait_cycles); };
+  if (sh.stage_tiles == 2)
+    own ? go(chain7_kernel<T, kBits, kGroup, kZeros, 2, true>) : go(chain7_kernel<T, kBits, kGroup, kZeros, 2, false>);
+  else if (sh.stage_tiles == 4)
+    own ? go(chain7_kernel<T, kBits, kGroup, kZeros, 4, true>) : go(chain7_kernel<T, kBits, kGroup, kZeros, 4, false>);
+  else
+    return Status::kBadShape;
   return cudaGetLastError() == cudaSuccess ? Status::kOk : Status::kLaunchFailed;
 }
 

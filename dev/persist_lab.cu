@@ -217,6 +217,12 @@ struct Variant {
 template <int kBits, int kGroup, bool kZeros>
 bool launch5_t(const Variant& v, const ChainShape& sh, const qgemv::Chain5Op* ops, int nops, unsigned* sync,
                int blocks, cudaStream_t st, unsigned long long* wait) {
+  if (v.form >= 7) {
+    const bool own = v.form == 8;
+    if (!ops) return qgemv::chain7_fits<__half, kBits, kGroup, kZeros>(sh, v.warps, own);
+    return qgemv::chain7_launch<__half, kBits, kGroup, kZeros>(ops, nops, sh, sync, blocks, v.warps, own, st, wait) ==
+           qgemv::Status::kOk;
+  }
   if (!ops) return qgemv::chain5_fits<__half, kBits, kGroup, kZeros>(sh, v.warps, nops);
   return qgemv::chain5_launch<__half, kBits, kGroup, kZeros>(ops, nops, sh, sync, blocks, v.warps, st, wait) ==
          qgemv::Status::kOk;
@@ -233,7 +239,7 @@ bool launch5_fmt(const Fmt& f, const Variant& v, const ChainShape& sh, const qge
 int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const std::vector<int>& Ms,
               const std::vector<Variant>& variants, double ceiling, int sms, int clock_khz) {
   unsigned long long* wait_dev;
-  CK(cudaMalloc(&wait_dev, sizeof(unsigned long long) * 3 * 4096));
+  CK(cudaMalloc(&wait_dev, sizeof(unsigned long long) * 5 * 4096));
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   unsigned* sink;
@@ -399,15 +405,16 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       std::printf("%-10s %3d reference output max |y| %.3g (input 1)\n", f.name, M, refmax);
 
       for (const Variant& v : variants) {
-        ChainShape sh{v.stage_tiles, v.stages, qgemv::chain_meta_bytes(f.group, f.zeros), std::max(m.H, m.I), M,
-                      v.skip, v.form == 6 ? 1 : 0};
         const int blocks = sms;
         const int nops = static_cast<int>(ops5.size());
+        ChainShape sh{v.stage_tiles, v.stages, qgemv::chain_meta_bytes(f.group, f.zeros), std::max(m.H, m.I), M,
+                      v.skip, v.form == 6 ? 1 : 0, v.form == 8 ? qgemv::chain8_sums(ops5.data(), nops, blocks, M) : 0};
         const bool fits = launch5_fmt(f, v, sh, nullptr, nops, nullptr, blocks, st);
         if (M > 8 || !fits) {
           std::printf("%-10s %3d form %d w%d s%d t%d: does not fit (%zu B of shared memory%s)\n", f.name, M, v.form,
                       v.warps, v.stages, v.stage_tiles,
-                      qgemv::chain5_smem_bytes<__half>(sh, v.warps, nops),
+                      v.form >= 7 ? qgemv::chain7_smem_bytes<__half>(sh, v.warps, v.form == 8)
+                                  : qgemv::chain5_smem_bytes<__half>(sh, v.warps, nops),
                       M > 8 ? ", M > 8" : "");
           continue;
         }
@@ -446,17 +453,18 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           failures += !(err2 / refmax < 2e-2);
         }
         // Where the time goes: one more launch with each block's spin cycles counted.
-        CK(cudaMemset(wait_dev, 0, sizeof(unsigned long long) * 3 * blocks));
+        CK(cudaMemset(wait_dev, 0, sizeof(unsigned long long) * 5 * blocks));
         wait = wait_dev;
         go();
         wait = nullptr;
         CK(cudaStreamSynchronize(st));
-        std::vector<unsigned long long> wc(3 * blocks);
-        CK(cudaMemcpy(wc.data(), wait_dev, sizeof(unsigned long long) * 3 * blocks, cudaMemcpyDeviceToHost));
-        double wsum = 0, wmax = 0, bsum = 0, ssum = 0;
+        std::vector<unsigned long long> wc(5 * blocks);
+        CK(cudaMemcpy(wc.data(), wait_dev, sizeof(unsigned long long) * 5 * blocks, cudaMemcpyDeviceToHost));
+        double wsum = 0, wmax = 0, bsum = 0, ssum = 0, isum = 0, qsum = 0;
         for (int b2 = 0; b2 < blocks; ++b2) {
           wsum += wc[b2], wmax = std::max(wmax, double(wc[b2]));
           bsum += wc[blocks + b2], ssum += wc[2 * blocks + b2];
+          isum += wc[3 * blocks + b2], qsum += wc[4 * blocks + b2];
         }
         const double per_us = 1e3 / clock_khz / layers;  // cycles -> us per layer
         char form[48];
@@ -466,10 +474,16 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           if (v.skip & (1 << bit)) tag += bit_names[bit];
         std::snprintf(form, sizeof form, "form%d w%d s%d t%d%s", v.form, v.warps, v.stages, v.stage_tiles, tag.c_str());
         row(form, blocks, us, err);
-        std::printf("%-10s %3d   per layer, a block's mean: %.2f us spinning on others (%.1f the most), %.2f %s, "
-                    "%.2f waiting for weights (%s)\n", f.name, M,
-                    wsum / blocks * per_us, wmax * per_us, bsum / blocks * per_us,
-                    "copying inputs", ssum / blocks * per_us, "warp 0");
+        if (v.form >= 7)
+          std::printf("%-10s %3d   per layer, a block's mean: control warp %.2f us spinning on others (%.1f the most), "
+                      "%.2f flushing; consumer warp 0 %.2f waiting for weights, %.2f for inputs, %.2f for a queue slot\n",
+                      f.name, M, wsum / blocks * per_us, wmax * per_us, bsum / blocks * per_us, ssum / blocks * per_us,
+                      isum / blocks * per_us, qsum / blocks * per_us);
+        else
+          std::printf("%-10s %3d   per layer, a block's mean: %.2f us spinning on others (%.1f the most), %.2f %s, "
+                      "%.2f waiting for weights (%s)\n", f.name, M,
+                      wsum / blocks * per_us, wmax * per_us, bsum / blocks * per_us,
+                      "copying inputs", ssum / blocks * per_us, "warp 0");
       }
       CK(cudaFree(d_ops5));
       for (void* pb : bufs5) CK(cudaFree(pb));
@@ -695,8 +709,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   for (int f : forms)
-    if (f < 5 || f > 6) {
-      std::fprintf(stderr, "--forms: 5 or 6\n");
+    if (f < 5 || f > 8) {
+      std::fprintf(stderr, "--forms: 5, 6, 7 or 8\n");
       return 2;
     }
   for (int t : tiles)
