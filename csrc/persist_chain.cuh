@@ -8,9 +8,10 @@
 // reading a 7B step's weights reaches 99.5% of the read ceiling, one read
 // kernel per matrix 42-46%.
 //
-// Forms 1-4 are in git and in dev/PERSISTENT.md; this header holds form 5 and
-// its variant form 6 (ChainShape::slices).  Not yet built into the extension:
-// dev/persist_lab.cu runs it against qgemv's per-op GEMVs.
+// Forms 1-4 are in git and in dev/PERSISTENT.md; this header holds form 5, its
+// variant form 6 (ChainShape::slices), and forms 7-9 (chain7_kernel; form 9,
+// the fastest, is described above that kernel's form-9 branch).  Not yet built
+// into the extension: dev/persist_lab.cu runs them against qgemv's per-op GEMVs.
 //
 // Not deterministic: a panel's partial sums (one per warp that touched it)
 // meet in fp32 atomics, in the order they arrive.
@@ -33,7 +34,8 @@ struct ChainShape {
   int meta_bytes;   // per tile: 0, or chain_meta_bytes
   int x_cap;        // the largest K (elements per token of the input buffer)
   int M;            // tokens
-  int skip;         // 0; lab timing experiments only (results wrong): 1 no waits, 4 no tile math, 32 no flush or finish
+  int skip;         // 0; lab timing experiments only (results wrong): 1 no waits, 2 no input preparation (form 9),
+                    //    4 no tile math, 32 no flush or finish
   int slices = 0;   // finishing: 0 per panel, by the warp completing it (form 5); 1 per block slice, by the sync
                     //    warps once the op's sums are complete everywhere (form 6)
   int sums = 0;     // form 8: fp32 values of the block's sum buffer (chain8_sums)
@@ -121,6 +123,18 @@ struct Chain5Op {
 };
 
 constexpr int kChain5MaxWarps = 16;
+// Form 9 may run more consumer warps (chain7_kernel's 96 registers allow 20 and the control warp).
+constexpr int kChain9MaxWarps = 20;
+__host__ __device__ constexpr int chain7_max_warps(int form) { return form == 9 ? kChain9MaxWarps : kChain5MaxWarps; }
+
+// Named barrier 2: the consumer warps arrive (no wait) when they are past an
+// op, the control warp waits for them and `threads` in all.
+__device__ __forceinline__ void chain_ops_arrive(int threads) {
+  asm volatile("bar.arrive 2, %0;" ::"r"(threads) : "memory");
+}
+__device__ __forceinline__ void chain_ops_wait(int threads) {
+  asm volatile("bar.sync 2, %0;" ::"r"(threads) : "memory");
+}
 
 __device__ __forceinline__ unsigned ld_acquire_cta_smem(const unsigned* p) {
   unsigned v;
@@ -175,6 +189,30 @@ __host__ __device__ inline size_t chain5_smem_bytes(const ChainShape& sh, int wa
          static_cast<size_t>(sh.M) * sh.x_cap * sizeof(T);
 }
 
+// One tile's words (rows g and g + 8) and, for grouped int4, its scales and
+// zero points, from shared memory: tile, and mt its meta (chain_meta order).
+template <typename Lane, typename T, bool kZeros>
+__device__ __forceinline__ void chain_load_tile(const unsigned char* tile, const unsigned char* mt, int g, int t,
+                                                uint4 (&w0)[1], uint4 (&w1)[1], TileMeta (&m)[1]) {
+  constexpr int kGpt = Lane::kGroupsPerTile;
+  w0[0] = *reinterpret_cast<const uint4*>(tile + g * kTileBytes + 16 * t);
+  w1[0] = *reinterpret_cast<const uint4*>(tile + (g + 8) * kTileBytes + 16 * t);
+  if constexpr (Lane::kGrouped) {
+    const __half* ms = reinterpret_cast<const __half*>(mt);
+#pragma unroll
+    for (int q4 = 0; q4 < 4; ++q4) {
+      const int gi = q4 / Lane::kSubPerGroup;
+      m[0].s0[q4] = __half2float(ms[g * kGpt + gi]);
+      m[0].s1[q4] = __half2float(ms[(g + 8) * kGpt + gi]);
+      if constexpr (kZeros) {
+        const unsigned char* mz = mt + kPanelRows * kGpt * 2;
+        m[0].z0[q4] = magic_zero_pair<T>(mz[g * kGpt + gi]);
+        m[0].z1[q4] = magic_zero_pair<T>(mz[(g + 8) * kGpt + gi]);
+      }
+    }
+  }
+}
+
 // ops[nops], op i reading op i-1's output (op 0: an input ready at launch);
 // sync[nops] (form 6: [2 nops]) zero before the first launch, left zero.  wait_cycles: nullptr,
 // or [3 x blocks]: the sync warp's cycles spinning on other blocks ([b]) and
@@ -186,7 +224,6 @@ __global__ void __launch_bounds__((kChain5MaxWarps + 1) * 32, 1)
                   unsigned long long* wait_cycles) {
   using Lane = GemvMma<T, kBits, kGroup, kZeros, 1, 1>;
   constexpr int kTileK = Lane::kTileK;
-  constexpr int kGpt = Lane::kGroupsPerTile;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int W = (blockDim.x >> 5) - 1;  // consumer warps; warp W syncs
   const int G = gridDim.x;
@@ -378,24 +415,8 @@ __global__ void __launch_bounds__((kChain5MaxWarps + 1) * 32, 1)
         }
         const unsigned char* tile = stage + r * kChainTileBytes;
         uint4 w0[1], w1[1];
-        w0[0] = *reinterpret_cast<const uint4*>(tile + g * kTileBytes + 16 * t);
-        w1[0] = *reinterpret_cast<const uint4*>(tile + (g + 8) * kTileBytes + 16 * t);
         TileMeta m[1];
-        if constexpr (Lane::kGrouped) {
-          const unsigned char* mt = stage + TS * kChainTileBytes + r * sh.meta_bytes;
-          const __half* ms = reinterpret_cast<const __half*>(mt);
-#pragma unroll
-          for (int q4 = 0; q4 < 4; ++q4) {
-            const int gi = q4 / Lane::kSubPerGroup;
-            m[0].s0[q4] = __half2float(ms[g * kGpt + gi]);
-            m[0].s1[q4] = __half2float(ms[(g + 8) * kGpt + gi]);
-            if constexpr (kZeros) {
-              const unsigned char* mz = mt + kPanelRows * kGpt * 2;
-              m[0].z0[q4] = magic_zero_pair<T>(mz[g * kGpt + gi]);
-              m[0].z1[q4] = magic_zero_pair<T>(mz[(g + 8) * kGpt + gi]);
-            }
-          }
-        }
+        chain_load_tile<Lane, T, kZeros>(tile, stage + TS * kChainTileBytes + r * sh.meta_bytes, g, t, w0, w1, m);
         if (sh.skip & 4) {
           if (w0[0].x == 0x12345678u && w1[0].y == 0x9abcdef0u) L.acc[0][0][0][0] += 1.f;  // keeps the reads
         } else if (j & 1) {
@@ -492,14 +513,18 @@ Status chain5_launch(const Chain5Op* d_ops, int nops, const ChainShape& sh, unsi
 //     SiLU * mul, each gate panel with its up panel), so no sum leaves the
 //     block before it is complete.  The block's tile stream is cut into W
 //     equal runs; a consumer adds each segment's sums into the block's sum
-//     buffer in shared memory (red.shared.add) and, at the op's end, arrives
-//     on an mbarrier; the control warp then finishes the block's panels from
-//     that buffer and writes the op's output.  No global atomics on sums, no
-//     panel counters, one fence per op and block.
+//     buffer in shared memory (a shared-memory float atomic: a CAS loop on
+//     sm_90) and, at the op's end, arrives on named barrier 2; the control
+//     warp waits there, finishes the block's panels from that buffer and
+//     writes the op's output.  No global atomics on sums, no panel counters,
+//     one fence per op and block.
+//   * Form 9 (kForm 9): form 8's schedule and control warp; the consumers'
+//     weights come through per-lane cp.async rings, and int4 with fp16
+//     activations uses the nibbles as fp16 subnormals (below).
 constexpr int kChain7Queue = 4;
 
 // Shared memory of a form-7/8 launch: the rings' barriers, the queues' full
-// and empty barriers, the input and op-done barriers; the rings; the queues
+// and empty barriers, the input barrier (and one unused); the rings; the queues
 // (form 7) or the sum buffer (form 8); the input.
 __host__ __device__ inline size_t chain7_head_bytes(int warps, int stages) {
   return ((static_cast<size_t>(warps) * (stages + 2 * kChain7Queue) + 2) * 8 + 127) / 128 * 128;
@@ -511,10 +536,11 @@ __host__ __device__ inline size_t chain7_mid_bytes(const ChainShape& sh, int war
                        : static_cast<size_t>(warps) * kChain7Queue * chain7_entry_bytes(sh.M);
   return (b + 127) / 128 * 128;
 }
+// Form 9 adds the input's group sums (M x x_cap / 32 fp32) after the input.
 template <typename T>
-__host__ __device__ inline size_t chain7_smem_bytes(const ChainShape& sh, int warps, bool own) {
+__host__ __device__ inline size_t chain7_smem_bytes(const ChainShape& sh, int warps, bool own, bool xsums = false) {
   return chain7_head_bytes(warps, sh.stages) + chain5_ring_bytes(sh, warps) + chain7_mid_bytes(sh, warps, own) +
-         static_cast<size_t>(sh.M) * sh.x_cap * sizeof(T);
+         static_cast<size_t>(sh.M) * sh.x_cap * sizeof(T) + (xsums ? static_cast<size_t>(sh.M) * (sh.x_cap / 32) * 4 : 0);
 }
 
 // Form 8: output panels per unit (a SiLU * mul unit is a gate panel and its
@@ -552,11 +578,15 @@ __device__ __forceinline__ bool mbar_test(uint64_t* bar, uint32_t parity) {
 // ([blocks + b]); consumer warp 0's cycles waiting for weight stages
 // ([2 blocks + b]), for inputs ([3 blocks + b]) and (form 7) for a free queue
 // slot ([4 blocks + b]).
-template <typename T, int kBits, int kGroup, bool kZeros, int kTS, bool kOwn>
-__global__ void __launch_bounds__((kChain5MaxWarps + 1) * 32, 1)
+// 96 registers a thread: 21 warps of them fill the register file (the
+// launch bound of 21 warps would give the compiler only 80).
+template <typename T, int kBits, int kGroup, bool kZeros, int kTS, int kForm>
+__global__ void __maxnreg__(96)
     chain7_kernel(const Chain5Op* __restrict__ ops, int nops, ChainShape sh, unsigned* sync,
                   unsigned long long* wait_cycles) {
   using Lane = GemvMma<T, kBits, kGroup, kZeros, 1, 1>;
+  static_assert(kForm >= 7 && kForm <= 9, "forms 7, 8 and 9");
+  constexpr bool kOwn = kForm >= 8;
   constexpr int kTileK = Lane::kTileK;
   constexpr int kGpt = Lane::kGroupsPerTile;
   constexpr int Q = kChain7Queue;
@@ -572,7 +602,6 @@ __global__ void __launch_bounds__((kChain5MaxWarps + 1) * 32, 1)
   uint64_t* qfull = full + W * S;                             // [W][Q]
   uint64_t* qempty = qfull + W * Q;                           // [W][Q]
   uint64_t* xbar = qempty + W * Q;                            // op i's input is in xs: phase i
-  uint64_t* opbar = xbar + 1;                                 // form 8: every consumer is past op i: phase i
   unsigned char* ring = chain_smem + chain7_head_bytes(W, S);
   unsigned char* mid = ring + chain5_ring_bytes(sh, W);  // form 7: the queues; form 8: the sum buffer
   float* sums = reinterpret_cast<float*>(mid);
@@ -580,7 +609,6 @@ __global__ void __launch_bounds__((kChain5MaxWarps + 1) * 32, 1)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < W * (S + 2 * Q) + 1; ++s) mbar_init(full + s, 1);
-    mbar_init(opbar, W);
     mbar_init_fence();
   }
   if constexpr (kOwn)
@@ -616,7 +644,7 @@ __global__ void __launch_bounds__((kChain5MaxWarps + 1) * 32, 1)
       const int vals = kPanelRows * p.M;
       if constexpr (kOwn) {
         // Every consumer is past op i: finish the block's panels from the sums.
-        mbar_wait(opbar, i & 1);
+        chain_ops_wait((W + 1) * 32);
         const long long b0 = wait_cycles ? clock64() : 0;
         long long u0, u1;
         own_range(o, u0, u1);
@@ -794,7 +822,7 @@ __global__ void __launch_bounds__((kChain5MaxWarps + 1) * 32, 1)
     advance(cc, n);
     ++issued;
   };
-  if (lane == 0)
+  if (kForm != 9 && lane == 0)
     for (int s = 0; s < S; ++s) issue_next();
 
   uint32_t consumed = 0, pushed = 0;
@@ -832,116 +860,301 @@ __global__ void __launch_bounds__((kChain5MaxWarps + 1) * 32, 1)
     ++pushed;
   };
 
-  for (int i = 0; i < nops; ++i) {
-    const Chain5Op& o = ops[i];
-    const GemvParams& p = o.p;
-    {
-      const long long i0 = timed ? clock64() : 0;
-      mbar_wait(xbar, i & 1);  // op i's input is in xs
-      if (timed) w_input += clock64() - i0;
+  // One tile's words (rows g and g + 8) and, for grouped formats, its scales
+  // and zero points, from a ring slot: tile, and mt its meta (chain_meta order).
+  auto load_tile = [&](const unsigned char* tile, const unsigned char* mt, uint4 (&w0)[1], uint4 (&w1)[1],
+                       TileMeta (&m)[1]) { chain_load_tile<Lane, T, kZeros>(tile, mt, g, t, w0, w1, m); };
+  // One tile's math into bank `bank` (two independent MMA chains).
+  auto tile_math = [&](Lane& L, int kt, int bank, const uint4 (&w0)[1], const uint4 (&w1)[1],
+                       const TileMeta (&m)[1]) {
+    if (sh.skip & 4) {
+      if (w0[0].x == 0x12345678u && w1[0].y == 0x9abcdef0u) L.acc[0][0][0][0] += 1.f;  // keeps the reads
+    } else if (bank) {
+      L.template tile<1, false>(kt, w0, w1, m);
+    } else {
+      L.template tile<0, false>(kt, w0, w1, m);
     }
-    Cursor cur;
-    start(o, cur);
-    Lane L(p, lane, 0, xs, sh.x_cap);
-    if (cur.pos == cur.end) {
-      if constexpr (kOwn) {
-        if (lane == 0) mbar_arrive(opbar);
-      } else {
-        push(i, 0, 0, true, L, 1.f, 1.f, p.M);
+  };
+  // Form 8/9: a segment's sums into the block's sum buffer (block panel vp), the banks zeroed.
+  auto seg_to_block = [&](Lane& L, int vp, float sc0, float sc1, int M) {
+    if (!(sh.skip & 32)) {
+      float s4[4];
+      seg_sums(L, sc0, sc1, s4);
+      float* sp = sums + static_cast<size_t>(vp) * M * kPanelRows;
+#pragma unroll
+      for (int i4 = 0; i4 < 4; ++i4) {
+        const int tok = 2 * t + (i4 & 1);
+        if (tok < M) atomicAdd(sp + tok * kPanelRows + g + (i4 >= 2 ? 8 : 0), s4[i4]);
       }
-      continue;
     }
-    int seg = 0;                 // the segment's tiles so far
-    float sc0 = 1.f, sc1 = 1.f;  // per-channel scales of rows g and g + 8: loaded now, used at the segment's end
-    auto load_scales = [&] {
-      if constexpr (!Lane::kGrouped) {
-        sc0 = __half2float(static_cast<const __half*>(p.scales)[cur.panel * kPanelRows + g]);
-        sc1 = __half2float(static_cast<const __half*>(p.scales)[cur.panel * kPanelRows + g + 8]);
-      }
+#pragma unroll
+    for (int b = 0; b < 2; ++b)
+#pragma unroll
+      for (int i4 = 0; i4 < 4; ++i4) L.acc[b][0][0][i4] = 0.f;
+  };
+
+  if constexpr (kForm == 9) {
+    // Form 9: the per-op kernel's pipeline.  Every lane copies its own 2 x 16
+    // bytes of each tile (and lanes 0.. of the tile's meta) into a ring of kTS
+    // one-tile slots with cp.async, one commit group a tile, kTS - 1 tiles in
+    // flight; the issue cursor runs on across ops, never waiting for an input.
+    // A run's source pointers step one tile at a time; the cursor is consulted
+    // once per panel segment.
+    const int slot_bytes = kChainTileBytes + sh.meta_bytes;
+    const int lane_off = g * kTileBytes + 16 * t;
+    const int meta_lanes = sh.meta_bytes / 16;
+    unsigned char* const ring_end = my_ring + kTS * slot_bytes;
+    int i_op = -1, left = 0;  // the issue side: op, tiles left in its current segment
+    Cursor ic{0, 0, 0, 0, 0, 1, 0, 0, 0};
+    const char* wsrc = nullptr;
+    const uint8_t* msrc = nullptr;
+    unsigned char* idst = my_ring;
+    auto aim = [&] {  // the issue side's next segment (past the last op: left = 0)
+      while (i_op < nops && ic.pos >= ic.end)
+        if (++i_op < nops) start(ops[i_op], ic);
+      if (i_op >= nops) return;
+      const Chain5Op& co = ops[i_op];
+      const long long tile = static_cast<long long>(ic.panel) * ic.tpp + ic.kt;
+      left = min(ic.tpp - ic.kt, ic.end - ic.pos);
+      wsrc = static_cast<const char*>(co.p.qweight) + tile * kChainTileBytes + lane_off;
+      if (lane < meta_lanes) msrc = co.meta + tile * sh.meta_bytes + 16 * lane;
+      advance(ic, left);
     };
-    load_scales();
-    while (cur.pos < cur.end) {
-      const int n = stage_len(cur);
-      const int slot = consumed % S;
-      {
-        const long long f0 = timed ? clock64() : 0;
-        mbar_wait(my_full + slot, (consumed / S) & 1);
-        if (timed) w_stage += clock64() - f0;
-      }
-      const unsigned char* stage = my_ring + static_cast<size_t>(slot) * stage_bytes;
-      uint4 w0[kTS][1], w1[kTS][1];
-      TileMeta m[kTS][1];
-#pragma unroll
-      for (int r = 0; r < kTS; ++r) {
-        if (r < n) {
-          const unsigned char* tile = stage + r * kChainTileBytes;
-          w0[r][0] = *reinterpret_cast<const uint4*>(tile + g * kTileBytes + 16 * t);
-          w1[r][0] = *reinterpret_cast<const uint4*>(tile + (g + 8) * kTileBytes + 16 * t);
-          if constexpr (Lane::kGrouped) {
-            const unsigned char* mt = stage + kTS * kChainTileBytes + r * sh.meta_bytes;
-            const __half* ms = reinterpret_cast<const __half*>(mt);
-#pragma unroll
-            for (int q4 = 0; q4 < 4; ++q4) {
-              const int gi = q4 / Lane::kSubPerGroup;
-              m[r][0].s0[q4] = __half2float(ms[g * kGpt + gi]);
-              m[r][0].s1[q4] = __half2float(ms[(g + 8) * kGpt + gi]);
-              if constexpr (kZeros) {
-                const unsigned char* mz = mt + kPanelRows * kGpt * 2;
-                m[r][0].z0[q4] = magic_zero_pair<T>(mz[g * kGpt + gi]);
-                m[r][0].z1[q4] = magic_zero_pair<T>(mz[(g + 8) * kGpt + gi]);
-              }
-            }
-          }
+    auto issue_tile = [&] {  // every lane: the warp's next tile, or an empty group
+      if (left > 0) {
+        cp_async_16(idst + lane_off, wsrc, pol);
+        cp_async_16(idst + lane_off + 8 * kTileBytes, wsrc + 8 * kTileBytes, pol);
+        if (lane < meta_lanes) {
+          cp_async_16(idst + kChainTileBytes + 16 * lane, msrc, pol);
+          msrc += sh.meta_bytes;
         }
+        wsrc += kChainTileBytes;
+        if (--left == 0) aim();
       }
-      // The stage is in registers: back to the copy engine before the math.
-      __syncwarp();
-      if (lane == 0) {
-        fence_proxy_async_smem();
-        issue_next();
-      }
-      ++consumed;
+      idst += slot_bytes;
+      if (idst == ring_end) idst = my_ring;
+      cp_async_commit();
+    };
+    aim();
+    for (int s = 0; s < kTS - 1; ++s) issue_tile();
+    const unsigned char* rslot = my_ring;  // the slot the next tile is read from
+
+    // int4 with fp16 activations: the nibbles are used as they lie.  A nibble
+    // q masked in place is the fp16 subnormal q 2^-24 (low nibble of a byte)
+    // or 16 q 2^-24 (high nibble), exact, so dequantisation is one AND per
+    // pair of weights, with no subtraction; the activations the high nibbles
+    // meet (k & 2 within each 8) are divided by 16 once per op, and the zero
+    // point comes out of the MMA's sum through the group's sum of x:
+    // sum (q - z) x = 2^24 MMA - z sum x.  xsum holds 2^-24 sum x per group
+    // (kXk k: the group, or 128 for per-channel scales), so the fp32 sums
+    // stay 2^-24 of the true ones until the segment's flush.
+    constexpr bool kNib = kBits == 4 && std::is_same_v<T, __half>;
+    constexpr int kXk = kGroup ? kGroup : 128;
+    const int xs_groups = sh.x_cap / 32;
+    float* xsum = reinterpret_cast<float*>(xs + static_cast<size_t>(sh.M) * sh.x_cap);  // [M][x_cap / 32]
+    // Op o's input in xs, in place: the high nibbles' activations / 16, and xsum (every consumer warp, then a
+    // named barrier among them).
+    auto prep_input = [&](const GemvParams& p) {
+      // Every consumer warp is past the last op's reads of xs and xsum (they
+      // are ordered already, through the control warp's barrier and the input
+      // copy's mbarrier; this barrier says so where racecheck can see it).
+      asm volatile("bar.sync 1, %0;" ::"r"(W * 32) : "memory");
+      constexpr int kLanes = kXk / 8;  // 16-byte chunks per xsum entry
+      const int chunks = p.K / 8;
+      for (int m = 0; m < p.M; ++m)
+        for (int c0 = warp * 32; c0 < chunks; c0 += W * 32) {  // warp-uniform: the shuffles below
+          const int c = c0 + lane;
+          float sum = 0.f;
+          if (c < chunks) {
+            uint4* px = reinterpret_cast<uint4*>(xs + static_cast<size_t>(m) * sh.x_cap) + c;
+            uint4 v = *px;
+            __half2* h = reinterpret_cast<__half2*>(&v);
 #pragma unroll
-      for (int r = 0; r < kTS; ++r) {
-        if (r < n) {
-          if (sh.skip & 4) {
-            if (w0[r][0].x == 0x12345678u && w1[r][0].y == 0x9abcdef0u) L.acc[0][0][0][0] += 1.f;  // keeps the reads
-          } else if (r & 1) {
-            L.template tile<1, false>(cur.kt, w0[r], w1[r], m[r]);
-          } else {
-            L.template tile<0, false>(cur.kt, w0[r], w1[r], m[r]);
+            for (int e = 0; e < 4; ++e) {
+              const float2 f = __half22float2(h[e]);
+              sum += f.x + f.y;
+            }
+            const __half2 sixteenth = __float2half2_rn(0.0625f);
+            h[1] = __hmul2(h[1], sixteenth);
+            h[3] = __hmul2(h[3], sixteenth);
+            *px = v;
           }
-          ++seg;
-          const bool end = cur.pos + 1 == cur.end;
-          if (cur.kt + 1 == cur.tpp || end) {  // the segment's end
-            if constexpr (kOwn) {
-              if (!(sh.skip & 32)) {
-                float s4[4];
-                seg_sums(L, sc0, sc1, s4);
-                float* sp = sums + static_cast<size_t>(cur.vp) * p.M * kPanelRows;
 #pragma unroll
-                for (int i4 = 0; i4 < 4; ++i4) {
-                  const int tok = 2 * t + (i4 & 1);
-                  if (tok < p.M) atomicAdd(sp + tok * kPanelRows + g + (i4 >= 2 ? 8 : 0), s4[i4]);
+          for (int o = kLanes / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+          if (c < chunks && lane % kLanes == 0) xsum[m * xs_groups + c / kLanes] = sum * 0x1p-24f;
+        }
+      asm volatile("bar.sync 1, %0;" ::"r"(W * 32) : "memory");
+    };
+
+    for (int i = 0; i < nops; ++i) {
+      const Chain5Op& o = ops[i];
+      const GemvParams& p = o.p;
+      Cursor cur;  // before the wait: the op's fields come from global memory
+      start(o, cur);
+      Lane L(p, lane, 0, xs, sh.x_cap);  // the other formats' math
+      const int tok0 = min(2 * t, p.M - 1), tok1 = min(2 * t + 1, p.M - 1);
+      {
+        const long long i0 = timed ? clock64() : 0;
+        mbar_wait(xbar, i & 1);  // op i's input is in xs
+        if (timed) w_input += clock64() - i0;
+      }
+      if constexpr (kNib)
+        if (!(sh.skip & 2)) prep_input(p);
+      while (cur.pos < cur.end) {  // one panel segment a pass
+        const int seg = min(cur.tpp - cur.kt, cur.end - cur.pos);
+        float sc0 = 1.f, sc1 = 1.f;  // per-channel scales of rows g and g + 8, for the flush
+        if constexpr (!Lane::kGrouped) {
+          sc0 = __half2float(static_cast<const __half*>(p.scales)[cur.panel * kPanelRows + g]);
+          sc1 = __half2float(static_cast<const __half*>(p.scales)[cur.panel * kPanelRows + g + 8]);
+        }
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        const T* xk = L.xl[0] + cur.kt * kTileK;
+        const float* X0 = xsum + tok0 * xs_groups + cur.kt * (kTileK / kXk);
+        const float* X1 = xsum + tok1 * xs_groups + cur.kt * (kTileK / kXk);
+        for (int s = 0; s < seg; ++s) {
+          {
+            const long long f0 = timed ? clock64() : 0;
+            cp_async_wait<kTS - 2>();  // this tile's group has landed (this lane's copies)
+            __syncwarp();              // ... and every lane's: the meta is shared, the oldest slot free
+            if (timed) w_stage += clock64() - f0;
+          }
+          issue_tile();  // into the slot the warp finished with last tile
+          const uint4 w0 = *reinterpret_cast<const uint4*>(rslot + lane_off);
+          const uint4 w1 = *reinterpret_cast<const uint4*>(rslot + lane_off + 8 * kTileBytes);
+          const unsigned char* mt = rslot + kChainTileBytes;
+          if constexpr (kNib) {
+            if (sh.skip & 4) {
+              if (w0.x == 0x12345678u && w1.y == 0x9abcdef0u) acc[0] += 1.f;  // keeps the reads
+            } else {
+              float part[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+              for (int j = 0; j < 4; ++j) {
+                const uint4 xv = *reinterpret_cast<const uint4*>(xk + 32 * j);
+                const uint32_t u0 = word_of(w0, j), u1 = word_of(w1, j), h0 = u0 >> 8, h1 = u1 >> 8;
+                const uint32_t a0[4] = {u0 & 0x000f000fu, u1 & 0x000f000fu, u0 & 0x00f000f0u, u1 & 0x00f000f0u};
+                const uint32_t a1[4] = {h0 & 0x000f000fu, h1 & 0x000f000fu, h0 & 0x00f000f0u, h1 & 0x00f000f0u};
+                ActTraits<T>::mma(part, a0, xv.x, xv.y);
+                ActTraits<T>::mma(part, a1, xv.z, xv.w);
+                if ((j + 1) % (kXk / 32) == 0) {  // an xsum entry's end: fold with its scale and zero point
+                  const int q = j / (kXk / 32);
+                  float s0 = 1.f, s1 = 1.f, z0 = 8.f, z1 = 8.f;
+                  if constexpr (Lane::kGrouped) {
+                    const __half* ms = reinterpret_cast<const __half*>(mt);
+                    s0 = __half2float(ms[g * kGpt + q]);
+                    s1 = __half2float(ms[(g + 8) * kGpt + q]);
+                    if constexpr (kZeros) {
+                      z0 = static_cast<float>(mt[kPanelRows * kGpt * 2 + g * kGpt + q]);
+                      z1 = static_cast<float>(mt[kPanelRows * kGpt * 2 + (g + 8) * kGpt + q]);
+                    }
+                  }
+                  const float xa = X0[q], xb = X1[q], sz0 = -s0 * z0, sz1 = -s1 * z1;
+                  acc[0] = fmaf(sz0, xa, fmaf(part[0], s0, acc[0]));
+                  acc[1] = fmaf(sz0, xb, fmaf(part[1], s0, acc[1]));
+                  acc[2] = fmaf(sz1, xa, fmaf(part[2], s1, acc[2]));
+                  acc[3] = fmaf(sz1, xb, fmaf(part[3], s1, acc[3]));
+#pragma unroll
+                  for (int e = 0; e < 4; ++e) part[e] = 0.f;
                 }
               }
-            } else {
-              push(i, cur.panel, seg, end, L, sc0, sc1, p.M);
             }
-#pragma unroll
-            for (int b = 0; b < 2; ++b)
-#pragma unroll
-              for (int i4 = 0; i4 < 4; ++i4) L.acc[b][0][0][i4] = 0.f;
-            seg = 0;
+          } else {
+            uint4 w0a[1] = {w0}, w1a[1] = {w1};
+            TileMeta m[1];
+            load_tile(rslot, mt, w0a, w1a, m);
+            tile_math(L, cur.kt + s, s & 1, w0a, w1a, m);
           }
-          advance(cur, 1);
-          if (cur.kt == 0 && !end) load_scales();  // a new panel
+          rslot += slot_bytes;
+          if (rslot == ring_end) rslot = my_ring;
+          xk += kTileK;
+          X0 += kTileK / kXk;
+          X1 += kTileK / kXk;
+        }
+        if constexpr (kNib) {  // the sums are 2^-24 of the true ones
+#pragma unroll
+          for (int e = 0; e < 4; ++e) L.acc[0][0][0][e] = acc[e] * 0x1p24f, L.acc[1][0][0][e] = 0.f;
+        }
+        seg_to_block(L, cur.vp, sc0, sc1, p.M);
+        advance(cur, seg);
+      }
+      chain_ops_arrive((W + 1) * 32);  // the warp's sums of op i are in the block's buffer
+    }
+    cp_async_wait<0>();
+  } else {
+    for (int i = 0; i < nops; ++i) {
+      const Chain5Op& o = ops[i];
+      const GemvParams& p = o.p;
+      {
+        const long long i0 = timed ? clock64() : 0;
+        mbar_wait(xbar, i & 1);  // op i's input is in xs
+        if (timed) w_input += clock64() - i0;
+      }
+      Cursor cur;
+      start(o, cur);
+      Lane L(p, lane, 0, xs, sh.x_cap);
+      if (cur.pos == cur.end) {
+        if constexpr (kOwn) {
+          chain_ops_arrive((W + 1) * 32);
+        } else {
+          push(i, 0, 0, true, L, 1.f, 1.f, p.M);
+        }
+        continue;
+      }
+      int seg = 0;                 // the segment's tiles so far
+      float sc0 = 1.f, sc1 = 1.f;  // per-channel scales of rows g and g + 8: loaded now, used at the segment's end
+      auto load_scales = [&] {
+        if constexpr (!Lane::kGrouped) {
+          sc0 = __half2float(static_cast<const __half*>(p.scales)[cur.panel * kPanelRows + g]);
+          sc1 = __half2float(static_cast<const __half*>(p.scales)[cur.panel * kPanelRows + g + 8]);
+        }
+      };
+      load_scales();
+      while (cur.pos < cur.end) {
+        const int n = stage_len(cur);
+        const int slot = consumed % S;
+        {
+          const long long f0 = timed ? clock64() : 0;
+          mbar_wait(my_full + slot, (consumed / S) & 1);
+          if (timed) w_stage += clock64() - f0;
+        }
+        const unsigned char* stage = my_ring + static_cast<size_t>(slot) * stage_bytes;
+        uint4 w0[kTS][1], w1[kTS][1];
+        TileMeta m[kTS][1];
+#pragma unroll
+        for (int r = 0; r < kTS; ++r)
+          if (r < n)
+            load_tile(stage + r * kChainTileBytes, stage + kTS * kChainTileBytes + r * sh.meta_bytes, w0[r], w1[r],
+                      m[r]);
+        // The stage is in registers: back to the copy engine before the math.
+        __syncwarp();
+        if (lane == 0) {
+          fence_proxy_async_smem();
+          issue_next();
+        }
+        ++consumed;
+#pragma unroll
+        for (int r = 0; r < kTS; ++r) {
+          if (r < n) {
+            tile_math(L, cur.kt, r & 1, w0[r], w1[r], m[r]);
+            ++seg;
+            const bool end = cur.pos + 1 == cur.end;
+            if (cur.kt + 1 == cur.tpp || end) {  // the segment's end
+              if constexpr (kOwn) {
+                seg_to_block(L, cur.vp, sc0, sc1, p.M);
+              } else {
+                push(i, cur.panel, seg, end, L, sc0, sc1, p.M);
+#pragma unroll
+                for (int b = 0; b < 2; ++b)
+#pragma unroll
+                  for (int i4 = 0; i4 < 4; ++i4) L.acc[b][0][0][i4] = 0.f;
+              }
+              seg = 0;
+            }
+            advance(cur, 1);
+            if (cur.kt == 0 && !end) load_scales();  // a new panel
+          }
         }
       }
-    }
-    if constexpr (kOwn) {  // the warp's sums of op i are in the block's buffer
-      __syncwarp();
-      if (lane == 0) mbar_arrive(opbar);
+      if constexpr (kOwn) chain_ops_arrive((W + 1) * 32);  // the warp's sums of op i are in the block's buffer
     }
   }
   if (timed) {
@@ -951,46 +1164,57 @@ __global__ void __launch_bounds__((kChain5MaxWarps + 1) * 32, 1)
   }
 }
 
-// Form 7 (own false) or 8 (own true): whether sh fits one block per SM.
+// Form 7, 8 or 9 (chain7_kernel's kForm): the kernel for sh.stage_tiles.
+// Forms 7 and 8 take 2- or 4-tile stages; form 9 takes sh.stages == 1 and a
+// ring of sh.stage_tiles = 4 or 8 one-tile slots.  f(kernel) for it; false
+// when there is none.
+template <typename T, int kBits, int kGroup, bool kZeros, typename F>
+bool chain7_dispatch(const ChainShape& sh, int form, F&& f) {
+#define QGEMV_CHAIN7(TS, FORM) f(chain7_kernel<T, kBits, kGroup, kZeros, TS, FORM>)
+  if (form == 9 && sh.stages != 1) return false;
+  const int ts = sh.stage_tiles;
+  if (form == 7 && ts == 2) QGEMV_CHAIN7(2, 7);
+  else if (form == 7 && ts == 4) QGEMV_CHAIN7(4, 7);
+  else if (form == 8 && ts == 2) QGEMV_CHAIN7(2, 8);
+  else if (form == 8 && ts == 4) QGEMV_CHAIN7(4, 8);
+  else if (form == 9 && ts == 4) QGEMV_CHAIN7(4, 9);
+  else if (form == 9 && ts == 8) QGEMV_CHAIN7(8, 9);
+  else return false;
+#undef QGEMV_CHAIN7
+  return true;
+}
+
+// Whether sh fits one block per SM with `warps` consumer warps.
 template <typename T, int kBits, int kGroup, bool kZeros>
-bool chain7_fits(const ChainShape& sh, int warps, bool own) {
-  if (warps < 1 || warps > kChain5MaxWarps || sh.M > 8) return false;
-  const size_t smem = chain7_smem_bytes<T>(sh, warps, own);
-  auto check = [&](auto kernel) {
+bool chain7_fits(const ChainShape& sh, int warps, int form) {
+  if (warps < 1 || warps > chain7_max_warps(form) || sh.M > 8) return false;
+  const size_t smem = chain7_smem_bytes<T>(sh, warps, form >= 8, form == 9);
+  bool fits = false;
+  const bool known = chain7_dispatch<T, kBits, kGroup, kZeros>(sh, form, [&](auto kernel) {
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) !=
         cudaSuccess) {
       (void)cudaGetLastError();
-      return false;
+      return;
     }
     int n = 0;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, (warps + 1) * kWarpSize, smem) != cudaSuccess) {
       (void)cudaGetLastError();
-      return false;
+      return;
     }
-    return n >= 1;
-  };
-  if (sh.stage_tiles == 2)
-    return own ? check(chain7_kernel<T, kBits, kGroup, kZeros, 2, true>)
-               : check(chain7_kernel<T, kBits, kGroup, kZeros, 2, false>);
-  if (sh.stage_tiles == 4)
-    return own ? check(chain7_kernel<T, kBits, kGroup, kZeros, 4, true>)
-               : check(chain7_kernel<T, kBits, kGroup, kZeros, 4, false>);
-  return false;
+    fits = n >= 1;
+  });
+  return known && fits;
 }
 
-// sh.stage_tiles: 2 or 4 (the register stage is a compile-time size).
 template <typename T, int kBits, int kGroup, bool kZeros>
 Status chain7_launch(const Chain5Op* d_ops, int nops, const ChainShape& sh, unsigned* d_sync, int blocks, int warps,
-                     bool own, cudaStream_t stream, unsigned long long* wait_cycles = nullptr) {
-  if (warps < 1 || warps > kChain5MaxWarps || blocks < 1 || nops < 1 || sh.M > 8) return Status::kBadShape;
-  const size_t smem = chain7_smem_bytes<T>(sh, warps, own);
+                     int form, cudaStream_t stream, unsigned long long* wait_cycles = nullptr) {
+  if (warps < 1 || warps > chain7_max_warps(form) || blocks < 1 || nops < 1 || sh.M > 8) return Status::kBadShape;
+  const size_t smem = chain7_smem_bytes<T>(sh, warps, form >= 8, form == 9);
   const dim3 threads((warps + 1) * kWarpSize);
-  auto go = [&](auto kernel) { kernel<<<blocks, threads, smem, stream>>>(d_ops, nops, sh, d_sync, wait_cycles); };
-  if (sh.stage_tiles == 2)
-    own ? go(chain7_kernel<T, kBits, kGroup, kZeros, 2, true>) : go(chain7_kernel<T, kBits, kGroup, kZeros, 2, false>);
-  else if (sh.stage_tiles == 4)
-    own ? go(chain7_kernel<T, kBits, kGroup, kZeros, 4, true>) : go(chain7_kernel<T, kBits, kGroup, kZeros, 4, false>);
-  else
+  if (!chain7_dispatch<T, kBits, kGroup, kZeros>(sh, form, [&](auto kernel) {
+        kernel<<<blocks, threads, smem, stream>>>(d_ops, nops, sh, d_sync, wait_cycles);
+      }))
     return Status::kBadShape;
   return cudaGetLastError() == cudaSuccess ? Status::kOk : Status::kLaunchFailed;
 }

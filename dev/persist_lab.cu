@@ -7,9 +7,11 @@
 //   /tmp/persist_lab [--probe-only | --no-probe] [--tma-probe] [--no-ceiling] [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers L]
 //                    [--ms 1,4] [--forms 5,6] [--warps 12,16] [--stages 4] [--stage-tiles 2]
 //                    [--formats int4g128a,int4,int8]
-//   (--forms: the kernel's forms (csrc/persist_chain.cuh; 6 is form 5 finished by block slices), default 5;
-//    --warps: consumer warps per block; --stages x --stage-tiles: each warp's weight ring, in 1 KB tiles;
-//    --skip 0,1,5,37: timing experiments, ChainShape::skip: 1 no waits, 4 no tile math, 32 no flush;
+//   (--forms: the kernel's forms 5-9 (csrc/persist_chain.cuh; 6 is form 5 finished by block slices), default 5;
+//    --warps: consumer warps per block; --stages x --stage-tiles: each warp's weight ring, in 1 KB tiles
+//    (form 9: a ring of --stage-tiles one-tile slots, 4 or 8; --stages is ignored);
+//    --skip 0,1,5,37: timing experiments, ChainShape::skip: 1 no waits, 2 no input preparation (form 9),
+//    4 no tile math, 32 no flush;
 //    --no-ceiling: skip the 2 GB read that measures the ceiling, for runs under compute-sanitizer)
 //
 // Part 1, the probes (a co-resident grid of SMs x 1 blocks of 256 threads):
@@ -218,9 +220,8 @@ template <int kBits, int kGroup, bool kZeros>
 bool launch5_t(const Variant& v, const ChainShape& sh, const qgemv::Chain5Op* ops, int nops, unsigned* sync,
                int blocks, cudaStream_t st, unsigned long long* wait) {
   if (v.form >= 7) {
-    const bool own = v.form == 8;
-    if (!ops) return qgemv::chain7_fits<__half, kBits, kGroup, kZeros>(sh, v.warps, own);
-    return qgemv::chain7_launch<__half, kBits, kGroup, kZeros>(ops, nops, sh, sync, blocks, v.warps, own, st, wait) ==
+    if (!ops) return qgemv::chain7_fits<__half, kBits, kGroup, kZeros>(sh, v.warps, v.form);
+    return qgemv::chain7_launch<__half, kBits, kGroup, kZeros>(ops, nops, sh, sync, blocks, v.warps, v.form, st, wait) ==
            qgemv::Status::kOk;
   }
   if (!ops) return qgemv::chain5_fits<__half, kBits, kGroup, kZeros>(sh, v.warps, nops);
@@ -407,13 +408,15 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       for (const Variant& v : variants) {
         const int blocks = sms;
         const int nops = static_cast<int>(ops5.size());
-        ChainShape sh{v.stage_tiles, v.stages, qgemv::chain_meta_bytes(f.group, f.zeros), std::max(m.H, m.I), M,
-                      v.skip, v.form == 6 ? 1 : 0, v.form == 8 ? qgemv::chain8_sums(ops5.data(), nops, blocks, M) : 0};
+        // Form 9's ring is --stage-tiles one-tile slots per warp (sh.stages 1).
+        ChainShape sh{v.stage_tiles, v.form == 9 ? 1 : v.stages, qgemv::chain_meta_bytes(f.group, f.zeros),
+                      std::max(m.H, m.I), M, v.skip, v.form == 6 ? 1 : 0,
+                      v.form >= 8 ? qgemv::chain8_sums(ops5.data(), nops, blocks, M) : 0};
         const bool fits = launch5_fmt(f, v, sh, nullptr, nops, nullptr, blocks, st);
         if (M > 8 || !fits) {
           std::printf("%-10s %3d form %d w%d s%d t%d: does not fit (%zu B of shared memory%s)\n", f.name, M, v.form,
                       v.warps, v.stages, v.stage_tiles,
-                      v.form >= 7 ? qgemv::chain7_smem_bytes<__half>(sh, v.warps, v.form == 8)
+                      v.form >= 7 ? qgemv::chain7_smem_bytes<__half>(sh, v.warps, v.form >= 8, v.form == 9)
                                   : qgemv::chain5_smem_bytes<__half>(sh, v.warps, nops),
                       M > 8 ? ", M > 8" : "");
           continue;
@@ -469,7 +472,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         const double per_us = 1e3 / clock_khz / layers;  // cycles -> us per layer
         char form[48];
         std::string tag;
-        const char* bit_names[] = {" nowait", "", " nomath", "", "", " noflush"};
+        const char* bit_names[] = {" nowait", " noprep", " nomath", "", "", " noflush"};
         for (int bit = 0; bit < 6; ++bit)
           if (v.skip & (1 << bit)) tag += bit_names[bit];
         std::snprintf(form, sizeof form, "form%d w%d s%d t%d%s", v.form, v.warps, v.stages, v.stage_tiles, tag.c_str());
@@ -704,13 +707,13 @@ int main(int argc, char** argv) {
       return 2;
     }
   for (int w : warps)
-    if (w < 1 || w > qgemv::kChain5MaxWarps) {
-      std::fprintf(stderr, "--warps: 1..%d consumer warps\n", qgemv::kChain5MaxWarps);
+    if (w < 1 || w > qgemv::kChain9MaxWarps) {  // forms 5-8 take 16 at most (the rest "do not fit")
+      std::fprintf(stderr, "--warps: 1..%d consumer warps\n", qgemv::kChain9MaxWarps);
       return 2;
     }
   for (int f : forms)
-    if (f < 5 || f > 8) {
-      std::fprintf(stderr, "--forms: 5, 6, 7 or 8\n");
+    if (f < 5 || f > 9) {
+      std::fprintf(stderr, "--forms: 5, 6, 7, 8 or 9\n");
       return 2;
     }
   for (int t : tiles)
