@@ -144,6 +144,18 @@ def summary_table(rep, cfg, method: str, seconds: float, out: str, fp16_bytes: i
     return "\n".join(lines)
 
 
+def _recipe(args, cfg: QuantConfig, skip: tuple, overrides: dict) -> Recipe:
+    """The calibration recipe the command line asks for."""
+    import torch
+
+    from .recipe import Recipe
+
+    return Recipe(cfg, args.method, damp=args.damp, act_order=args.act_order, clip_grid=args.clip_grid,
+                  true_sequential=args.true_sequential, forward_dtype=getattr(torch, args.forward_dtype),
+                  batch_size=args.batch_size, skip=skip, overrides=overrides or {},
+                  group_fallback=not args.no_group_fallback, rotate=args.rotate, rotate_seed=args.seed)
+
+
 def _stream(args, cfg, skip, overrides) -> int:
     """qgemv-quantize --stream: calibration/layerwise.py, without the float model in memory."""
     import torch
@@ -152,7 +164,7 @@ def _stream(args, cfg, skip, overrides) -> int:
     from qgemv.safetensors_io import finished_units, partial_dir
 
     from .data import calibration_samples
-    from .layerwise import quantize_streaming
+    from .layerwise import StreamOutput, quantize_streaming
 
     if args.rotate:
         return _fail("--stream does not rotate (--rotate needs the whole model)")
@@ -164,13 +176,10 @@ def _stream(args, cfg, skip, overrides) -> int:
             tok = checkpoint.load_tokenizer(path)
             samples = calibration_samples(tok, args.calib, args.samples, args.seq_len, args.seed)
             calib = _calib_record(args)
-        rep = quantize_streaming(path, args.out, cfg, args.method, samples, skip=skip, overrides=overrides,
-                                 damp=args.damp, act_order=args.act_order, clip_grid=args.clip_grid,
-                                 batch_size=args.batch_size, device=args.device or "cpu", fuse=not args.no_fuse,
-                                 float_dtype=dtype, true_sequential=args.true_sequential,
-                                 forward_dtype=getattr(torch, args.forward_dtype),
-                                 group_fallback=not args.no_group_fallback, overwrite=args.overwrite,
-                                 resume=args.resume, calibration=calib, tokenizer=tok)
+        output = StreamOutput(fuse=not args.no_fuse, float_dtype=dtype, overwrite=args.overwrite,
+                              resume=args.resume, calibration=calib, tokenizer=tok)
+        rep = quantize_streaming(path, args.out, _recipe(args, cfg, skip, overrides), samples=samples,
+                                 device=args.device or "cpu", output=output)
     except (ValueError, FileNotFoundError, FileExistsError, checkpoint.CheckpointError) as e:
         return _fail(e)
     except (KeyboardInterrupt, SystemExit) as e:
@@ -189,13 +198,13 @@ def _stream(args, cfg, skip, overrides) -> int:
             print(f"qgemv-quantize: failed ({type(e).__name__}: {e}); {len(done)} finished layer(s) are kept in "
                   f"{partial_dir(args.out)}: fix the cause and run the same command with --resume", file=sys.stderr)
         raise
-    steps = ", ".join(f"{k} {v:.1f} s" for k, v in rep["steps_seconds"].items())
-    gpu = f"; peak GPU memory {rep['peak_gpu_mb'] / 1024:.2f} GiB" if rep["peak_gpu_mb"] is not None else ""
-    resumed = f", {len(rep['resumed_layers'])} resumed" if rep["resumed_layers"] else ""
-    print(f"{args.out}: {len(rep['converted'])} linears quantized ({args.method} {cfg.name}, streamed, "
-          f"{rep['layers']} layers{resumed}), "
-          f"{len(rep['skipped'])} kept float; {rep['seconds']:.1f} s ({steps}); "
-          f"peak RSS {rep['peak_rss_mb'] / 1024:.2f} GiB{gpu}")
+    steps = ", ".join(f"{k} {v:.1f} s" for k, v in rep.steps_seconds.items())
+    gpu = f"; peak GPU memory {rep.peak_gpu_mb / 1024:.2f} GiB" if rep.peak_gpu_mb is not None else ""
+    resumed = f", {len(rep.resumed_layers)} resumed" if rep.resumed_layers else ""
+    print(f"{args.out}: {len(rep.converted)} linears quantized ({args.method} {cfg.name}, streamed, "
+          f"{rep.layers} layers{resumed}), "
+          f"{len(rep.skipped)} kept float; {rep.seconds:.1f} s ({steps}); "
+          f"peak RSS {rep.peak_rss_mb / 1024:.2f} GiB{gpu}")
     return 0
 
 
@@ -271,12 +280,7 @@ def main(argv=None) -> int:
         except ValueError as e:
             return _fail(e)
         calib = _calib_record(args)
-    rep = quantize_causal_lm(model, cfg, args.method, samples, skip=skip, overrides=overrides,
-                             damp=args.damp, act_order=args.act_order, batch_size=args.batch_size,
-                             device=args.device, group_fallback=not args.no_group_fallback,
-                             clip_grid=args.clip_grid, true_sequential=args.true_sequential,
-                             forward_dtype=getattr(torch, args.forward_dtype), rotate=args.rotate,
-                             rotate_seed=args.seed)
+    rep = quantize_causal_lm(model, _recipe(args, cfg, skip, overrides), samples=samples, device=args.device)
     rep.formats = {n: m.config.name for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     fp16_bytes = sum(m.in_features * m.out_features * 2 for _, m in model.named_modules() if isinstance(m, QuantLinear))
     if not args.no_fuse:

@@ -22,8 +22,10 @@ the checkpoint of an uninterrupted run on the same device.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -35,7 +37,8 @@ from qgemv.formats import QuantConfig
 from qgemv.nn import FUSE_GROUPS, QuantLinear, fuse_linears, layer_format, set_submodule
 from qgemv.safetensors_io import LayerWriter, Lazy, Reader
 
-from .quantize import METHODS, Clock, bar_at, layer_bar, layer_targets, make_method, quantize_layer
+from .quantize import CalibReport, Clock, bar_at, layer_bar, layer_targets, make_method, quantize_layer
+from .recipe import Recipe
 from .walker import advance, catch_layer0_inputs, decoder_layers, forward_context, layer_runner
 
 
@@ -147,8 +150,8 @@ def _shells(layer: nn.Module, prefix: str, targets: dict, names: set, float_dtyp
             set_submodule(layer, n, _shell(m, c))
 
 
-def _outside_layers(model, reader: Reader, layers_path: str, cfg, skip, overrides, group_fallback, skipped: dict,
-                    device, float_dtype, config) -> dict:
+def _outside_layers(model, reader: Reader, layers_path: str, recipe: Recipe, skipped: dict, device, float_dtype,
+                    config) -> dict:
     """The tensors outside the decoder layers: linears there (lm_head) by the rules (RTN when quantized;
     a tied lm_head stays the embeddings'), everything else (embeddings, final norm) cast to float_dtype."""
     rest = {}
@@ -159,7 +162,7 @@ def _outside_layers(model, reader: Reader, layers_path: str, cfg, skip, override
         if tied and f"{name}.weight" not in reader.index:
             skipped[name] = "tied to the embeddings"
             continue
-        c, why = layer_format(name, m, cfg, skip, overrides, group_fallback)
+        c, why = layer_format(name, m, recipe.cfg, recipe.skip, recipe.overrides, recipe.group_fallback)
         if why:
             skipped[name] = why
             continue
@@ -185,174 +188,225 @@ def _samples_digest(samples: Optional[torch.Tensor]) -> Optional[str]:
     return hashlib.sha256(samples.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
+@dataclass
+class StreamOutput:
+    """How a streamed run writes its checkpoint.
+
+    Attributes:
+        fuse: store q/k/v and gate/up fused where they share a format.
+        float_dtype: dtype of the tensors kept in float (default: the source's).
+        overwrite: replace an existing output directory.
+        resume: continue the run whose work directory ``OUT.partial`` exists
+            (the same recipe, samples and output settings required);
+            otherwise such a directory is an error.
+        calibration: recorded in quantization_config.
+        tokenizer: saved with the checkpoint (default: the source's, loaded then).
+        on_layer: called with each layer's index once it is written.
+    """
+
+    fuse: bool = True
+    float_dtype: Optional[torch.dtype] = None
+    overwrite: bool = False
+    resume: bool = False
+    calibration: Optional[dict] = None
+    tokenizer: object = None
+    on_layer: Optional[Callable[[int], None]] = None
+
+
 @torch.no_grad()
-def quantize_streaming(src, out, cfg: QuantConfig, method: str = "gptq", samples: Optional[torch.Tensor] = None,
-                       skip=(r"lm_head", r"embed"), overrides: Optional[dict] = None, damp: float = 0.01,
-                       act_order: bool = False, clip_grid: int = 20, batch_size: int = 8, device: str = "cpu",
-                       fuse: bool = True, float_dtype: Optional[torch.dtype] = None, true_sequential: bool = False,
-                       forward_dtype: Optional[torch.dtype] = None, group_fallback: bool = True,
-                       overwrite: bool = False, resume: bool = False, calibration: Optional[dict] = None,
-                       progress: bool = True, on_layer: Optional[Callable[[int], None]] = None,
-                       tokenizer=None) -> dict:
+def quantize_streaming(src, out, recipe, method: Optional[str] = None, samples: Optional[torch.Tensor] = None, *,
+                       device: str = "cpu", progress: bool = True, output: Optional[StreamOutput] = None,
+                       **fields) -> CalibReport:
     """Quantize the safetensors checkpoint directory ``src`` into the qgemv checkpoint ``out``, layer by layer.
 
     Args:
-        cfg, skip, overrides, group_fallback: each linear's format, as
-            :func:`qgemv.nn.layer_format` decides it.
-        method: one of METHODS ("rtn" needs no samples).
-        samples: int64 [n, L] calibration tokens (gptq / awq / awq_gptq).
-        damp, act_order, clip_grid, true_sequential, forward_dtype,
-            batch_size: as in :func:`calibration.quantize.quantize_causal_lm`.
+        recipe: a :class:`calibration.recipe.Recipe`, or a QuantConfig
+            followed by ``method`` and the recipe's fields as keywords (as
+            :func:`calibration.quantize.quantize_causal_lm` takes them);
+            ``rotate`` is not streamed.
+        samples: int64 [n, L] calibration tokens (every method but "rtn").
         device: where each layer, its Hessians and the hidden states live.
-        float_dtype: dtype of the tensors kept in float (default: the source's).
-        resume: continue the run whose work directory ``OUT.partial`` exists
-            (same settings required); otherwise such a directory is an error.
-        calibration: recorded in quantization_config.
-        tokenizer: saved with the checkpoint (default: the source's, loaded here).
-        on_layer: called with each layer's index once it is written.
+        output: a :class:`StreamOutput`, or its fields as keywords.
 
-    Returns a report: converted and skipped modules, per-layer seconds,
+    Returns the CalibReport that is also written into the checkpoint as
+    quantize_report.json: converted and skipped modules, per-layer seconds,
     seconds per step (read, forward, hessian, solve, write), total seconds,
     peak host RSS (MB), peak GPU memory (MB, CUDA only), layers resumed, and
     the most float decoder layers held at once (1).
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if method != "rtn" and samples is None:
-        raise ValueError(f"method {method!r} needs calibration samples")
-    checkpoint.require_transformers()
-    src_p = Path(src)
-    checkpoint.check_float_model(src_p)
-    if src_p.is_file():
-        raise checkpoint.CheckpointError(f"{src}: streaming reads a safetensors directory, not a .gguf file")
-    out_p = checkpoint.check_output_dir(out, overwrite, sources=(src,))
-    t0 = time.time()
-    if float_dtype is None:
-        float_dtype = checkpoint.source_dtype(str(src_p)) or torch.float32
-    skip = tuple(skip)
-    model, config = checkpoint.meta_model(src_p, torch.float32)  # computed in float32, as in memory
-    model.eval()
-    reader = Reader(src_p)
-    layers_path, layers = decoder_layers(model)
-    base = model.get_submodule(layers_path.rpartition(".")[0])
-    fingerprint = dict(source=str(src_p.resolve()), bits=cfg.bits, group_size=cfg.group_size,
-                       symmetric=cfg.symmetric, skip=list(skip), overrides=overrides or {}, method=method,
-                       damp=damp, act_order=act_order, clip_grid=clip_grid, true_sequential=true_sequential,
-                       forward_dtype=str(forward_dtype or torch.float32), batch_size=batch_size, fuse=fuse,
-                       float_dtype=str(float_dtype), group_fallback=group_fallback,
-                       device=torch.device(device).type, samples=_samples_digest(samples),
-                       format_version=formats.FORMAT_VERSION)
-    writer = LayerWriter(out_p, len(layers), fingerprint, resume=resume)
-    try:
-        resumed = sorted(writer.done)
-        clock = Clock(device)
-        cuda = torch.device(device).type == "cuda"
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        algo = make_method(method, damp, act_order, clip_grid,
-                           tf32_hessian=forward_dtype in (torch.bfloat16, torch.float16)) if method != "rtn" else None
-        fwd = forward_context(forward_dtype, device)
-        skipped, per_layer, held = {}, [], [0, 0]
-        hidden = kwargs = None
-        if algo is not None and len(writer.done) < len(layers):
-            with clock("forward"):
-                hidden, kwargs = _layer0_inputs(model, base, layers[0], reader, config, src_p, samples, batch_size,
-                                                device)
-        run = layer_runner(kwargs or {}, fwd)
-        last_needed = max((li for li in range(len(layers)) if li not in writer.done), default=-1)
+    out_fields = {k: fields.pop(k) for k in list(fields) if k in _OUTPUT_FIELDS}
+    if output is not None and out_fields:
+        raise TypeError(f"output= was given; set {', '.join(sorted(out_fields))} on the StreamOutput instead")
+    output = output or StreamOutput(**out_fields)
+    recipe = Recipe.of(recipe, method, **fields)
+    if recipe.rotate:
+        raise ValueError("a streamed run does not rotate (rotation needs the whole model in memory)")
+    if recipe.calibrated and samples is None:
+        raise ValueError(f"method {recipe.method!r} needs calibration samples")
+    return _StreamRun(src, out, recipe, samples, device, output).run(progress)
 
-        bar = layer_bar(len(layers), f"{method} {cfg.name} (streamed)") if progress else None
 
-        with outdir.terminate_raises():
-            for li in range(len(layers)):
-                tl = time.time()
-                prefix = f"{layers_path}.{li}."
-                # a finished layer is read again only when later layers need its outputs
-                needed = li not in writer.done or (hidden is not None and li < last_needed)
-                if needed:
-                    with clock("read"):
-                        layer = _materialize(layers[li], prefix, reader, device)
-                    held[0] += 1
-                    held[1] = max(held)
-                else:
-                    layer = layers[li]  # meta: its names and shapes give the format record
-                targets = layer_targets(layer, prefix, cfg, skip, overrides, group_fallback, skipped)
-                info = {}
-                if li in writer.done:  # resumed: rebuild its function from what was written
-                    if needed:
-                        tensors, exact = writer.read_unit(li)
-                        _restore_layer(layer, prefix, targets, tensors, exact)
-                        with clock("forward"):
-                            advance(layer, hidden, kwargs, fwd)
-                    else:
-                        tensors = writer.unit_names(li)
-                    _shells(layer, prefix, targets, tensors, float_dtype)
-                else:
-                    if algo is None:
-                        with clock("solve"):
-                            quantized = {n: QuantLinear.from_linear(m, c.bits, c.group_size, c.symmetric,
-                                                                    name=prefix + n, device=device)
-                                         for n, (m, c) in targets.items()}
-                    else:
-                        pending, originals, info = quantize_layer(
-                            layer, prefix, targets, algo, hidden, kwargs, run, fwd, device, true_sequential, clock,
-                            on_progress=lambda f, li=li: bar_at(bar, li + f))
-                        del originals  # the float weights: gone before the next layer is read
-                        if li < last_needed:
-                            with clock("forward"):
-                                advance(layer, hidden, kwargs, fwd)
-                        quantized = {n: QuantLinear.from_quantized(m, c, qw, s, z) for n, m, c, qw, s, z in pending}
-                        pending = None
-                    weights = {f"{n}.weight" for n in targets}
-                    exact = {n: p.detach() for n, p in layer.named_parameters() if n not in weights}
-                    with clock("write"):
-                        tensors = _pack_layer(layer, prefix, quantized, fuse, float_dtype)
-                        writer.write_unit(li, tensors, exact)
-                    quantized = tensors = exact = None
-                layers[li] = layer.to("meta")
-                layer = targets = None
-                held[0] -= int(needed)
-                per_layer.append({"layer": li, "seconds": time.time() - tl, "resumed": li in resumed, "info": info})
-                if bar is not None:
-                    post = {"rss": f"{checkpoint.peak_rss_mb():.0f}MB"}
-                    if cuda:
-                        post["gpu"] = f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f}MB"
-                    bar.set_postfix(post)
-                bar_at(bar, li + 1)
-                if on_layer is not None and li not in resumed:
-                    on_layer(li)
-            if bar is not None:
-                bar.close()
-            hidden = None
+_OUTPUT_FIELDS = {f.name for f in dataclasses.fields(StreamOutput)}
+
+
+class _StreamRun:
+    """One streamed run: the meta model, the reader, the work directory's writer and the step clock."""
+
+    def __init__(self, src, out, recipe: Recipe, samples, device, output: StreamOutput):
+        checkpoint.require_transformers()
+        self.src = Path(src)
+        checkpoint.check_float_model(self.src)
+        if self.src.is_file():
+            raise checkpoint.CheckpointError(f"{src}: streaming reads a safetensors directory, not a .gguf file")
+        out_p = checkpoint.check_output_dir(out, output.overwrite, sources=(src,))
+        self.t0 = time.time()
+        self.recipe, self.samples, self.device, self.output = recipe, samples, device, output
+        self.float_dtype = output.float_dtype or checkpoint.source_dtype(str(self.src)) or torch.float32
+        self.model, self.config = checkpoint.meta_model(self.src, torch.float32)  # computed in float32
+        self.model.eval()
+        self.reader = Reader(self.src)
+        self.layers_path, self.layers = decoder_layers(self.model)
+        fingerprint = dict(recipe.fingerprint(), source=str(self.src.resolve()), fuse=output.fuse,
+                           float_dtype=str(self.float_dtype), device=torch.device(device).type,
+                           samples=_samples_digest(samples), format_version=formats.FORMAT_VERSION)
+        self.writer = LayerWriter(out_p, len(self.layers), fingerprint, resume=output.resume)
+        self.report = CalibReport(method=recipe.method, format=recipe.cfg.name, device=str(device),
+                                  layers=len(self.layers), resumed_layers=sorted(self.writer.done))
+
+    def run(self, progress: bool) -> CalibReport:
+        try:
+            with outdir.terminate_raises():
+                self._calibrate(progress)
+                self._finish()
+        except BaseException:
+            if not self.writer.done:  # nothing finished: leave no work directory to resume or delete
+                self.writer.discard()
+            raise
+        finally:
+            self.writer.release()
+        self.report.seconds = time.time() - self.t0
+        return self.report
+
+    def _calibrate(self, progress: bool) -> None:
+        """Every decoder layer in turn: quantized and written, or (resumed) rebuilt from what was written."""
+        r, n = self.recipe, len(self.layers)
+        self.clock = Clock(self.device)
+        self.cuda = torch.device(self.device).type == "cuda"
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.algo = make_method(r) if r.calibrated else None
+        self.fwd = forward_context(r.forward_dtype, self.device)
+        self.held = [0, 0]  # float decoder layers alive now, most at once
+        self.hidden = self.kwargs = None
+        if self.algo is not None and len(self.writer.done) < n:
+            with self.clock("forward"):
+                base = self.model.get_submodule(self.layers_path.rpartition(".")[0])
+                self.hidden, self.kwargs = _layer0_inputs(self.model, base, self.layers[0], self.reader,
+                                                          self.config, self.src, self.samples, r.batch_size,
+                                                          self.device)
+        self.runner = layer_runner(self.kwargs or {}, self.fwd)
+        self.last_needed = max((li for li in range(n) if li not in self.writer.done), default=-1)
+        self.bar = layer_bar(n, f"{r.method} {r.cfg.name} (streamed)") if progress else None
+        for li in range(n):
+            self._layer(li)
+        if self.bar is not None:
+            self.bar.close()
+        self.hidden = None
+
+    def _layer(self, li: int) -> None:
+        tl, rep, clock = time.time(), self.report, self.clock
+        prefix = f"{self.layers_path}.{li}."
+        resumed = li in self.writer.done
+        # a finished layer is read again only when later layers need its outputs
+        needed = not resumed or (self.hidden is not None and li < self.last_needed)
+        if needed:
+            with clock("read"):
+                layer = _materialize(self.layers[li], prefix, self.reader, self.device)
+            self.held[0] += 1
+            self.held[1] = max(self.held)
+        else:
+            layer = self.layers[li]  # meta: its names and shapes give the format record
+        targets = layer_targets(layer, prefix, self.recipe, rep.skipped)
+        info = {}
+        if resumed:  # rebuild its function from what was written
+            if needed:
+                tensors, exact = self.writer.read_unit(li)
+                _restore_layer(layer, prefix, targets, tensors, exact)
+                with clock("forward"):
+                    advance(layer, self.hidden, self.kwargs, self.fwd)
+            else:
+                tensors = self.writer.unit_names(li)
+            _shells(layer, prefix, targets, tensors, self.float_dtype)
+        else:
+            quantized, info = self._quantize(li, layer, prefix, targets)
+            weights = {f"{n}.weight" for n in targets}
+            exact = {n: p.detach() for n, p in layer.named_parameters() if n not in weights}
             with clock("write"):
-                rest = _outside_layers(model, reader, layers_path, cfg, skip, overrides, group_fallback, skipped,
-                                       device, float_dtype, config)
-                cfg_json = config.to_dict()
-                checkpoint.record_float_dtype(cfg_json, float_dtype)
-                cfg_json["quantization_config"] = dict(
-                    checkpoint.quantization_config(model, method, calibration, cfg, sorted(skipped)),
-                    source_model=str(src), streamed=True)
-                try:
-                    tok = tokenizer if tokenizer is not None else checkpoint.load_tokenizer(str(src_p))
-                    tok_error = None
-                except Exception as e:  # noqa: BLE001 - a model without a tokenizer still quantizes; it is reported
-                    tok, tok_error = None, f"{type(e).__name__}: {e}"
-                steps = dict(clock.seconds)
-                if "hessian" in steps:
-                    steps["forward"] = steps.get("forward", 0.0) - steps["hessian"]  # reported apart
-                report = dict(method=method, format=cfg.name, device=str(device), layers=len(layers),
-                              resumed_layers=resumed, steps_seconds=steps, per_layer=per_layer,
-                              peak_rss_mb=checkpoint.peak_rss_mb(),
-                              peak_gpu_mb=torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None,
-                              most_float_layers_held=held[1], tokenizer_error=tok_error, skipped=skipped,
-                              converted=sorted(n for n, m in model.named_modules() if isinstance(m, QuantLinear)))
-                report["seconds"] = time.time() - t0
-                writer.finish(rest, cfg_json, tok, {"quantize_report.json": report})
-    except BaseException:
-        if not writer.done:  # nothing finished: leave no work directory to resume or delete
-            writer.discard()
-        raise
-    finally:
-        writer.release()
-    report["seconds"] = time.time() - t0
-    return report
+                tensors = _pack_layer(layer, prefix, quantized, self.output.fuse, self.float_dtype)
+                self.writer.write_unit(li, tensors, exact)
+            quantized = tensors = exact = None
+        self.layers[li] = layer.to("meta")
+        layer = targets = None
+        self.held[0] -= int(needed)
+        rep.per_layer.append({"layer": li, "seconds": time.time() - tl, "resumed": resumed, "info": info})
+        if self.bar is not None:
+            post = {"rss": f"{checkpoint.peak_rss_mb():.0f}MB"}
+            if self.cuda:
+                post["gpu"] = f"{torch.cuda.max_memory_allocated(self.device) / 2**20:.0f}MB"
+            self.bar.set_postfix(post)
+        bar_at(self.bar, li + 1)
+        if self.output.on_layer is not None and not resumed:
+            self.output.on_layer(li)
+
+    def _quantize(self, li: int, layer: nn.Module, prefix: str, targets: dict) -> tuple:
+        """({name: QuantLinear} of the layer's targets, the method's info); advances the hidden states."""
+        if self.algo is None:
+            with self.clock("solve"):
+                return {n: QuantLinear.from_linear(m, c.bits, c.group_size, c.symmetric, name=prefix + n,
+                                                   device=self.device)
+                        for n, (m, c) in targets.items()}, {}
+        pending, originals, info = quantize_layer(
+            layer, prefix, targets, self.algo, self.hidden, self.kwargs, self.runner, self.fwd, self.device,
+            self.recipe.true_sequential, self.clock, on_progress=lambda f: bar_at(self.bar, li + f))
+        del originals  # the float weights: gone before the next layer is read
+        if li < self.last_needed:
+            with self.clock("forward"):
+                advance(layer, self.hidden, self.kwargs, self.fwd)
+        return {n: QuantLinear.from_quantized(m, c, qw, s, z) for n, m, c, qw, s, z in pending}, info
+
+    def _finish(self) -> None:
+        """The tensors outside the layers, config.json, the tokenizer and the report; then the directory."""
+        rep, r = self.report, self.recipe
+        with self.clock("write"):
+            rest = _outside_layers(self.model, self.reader, self.layers_path, r, rep.skipped, self.device,
+                                   self.float_dtype, self.config)
+            cfg_json = self.config.to_dict()
+            checkpoint.record_float_dtype(cfg_json, self.float_dtype)
+            cfg_json["quantization_config"] = dict(
+                checkpoint.quantization_config(self.model, r.method, self.output.calibration, r.cfg,
+                                               sorted(rep.skipped)),
+                source_model=str(self.src), streamed=True)
+            try:
+                tok = self.output.tokenizer
+                if tok is None:
+                    tok = checkpoint.load_tokenizer(str(self.src))
+            except Exception as e:  # noqa: BLE001 - a model without a tokenizer still quantizes; it is reported
+                tok, rep.tokenizer_error = None, f"{type(e).__name__}: {e}"
+            steps = dict(self.clock.seconds)
+            if "hessian" in steps:
+                steps["forward"] = steps.get("forward", 0.0) - steps["hessian"]  # reported apart
+            rep.steps_seconds = steps
+            rep.peak_rss_mb = checkpoint.peak_rss_mb()
+            rep.peak_gpu_mb = torch.cuda.max_memory_allocated(self.device) / 2**20 if self.cuda else None
+            rep.most_float_layers_held = self.held[1]
+            rep.converted = sorted(n for n, m in self.model.named_modules() if isinstance(m, QuantLinear))
+            rep.seconds = time.time() - self.t0
+            self.writer.finish(rest, cfg_json, tok, {"quantize_report.json": _report_json(rep)})
+
+
+def _report_json(rep: CalibReport) -> dict:
+    """The streamed run's quantize_report.json (the report's fields that a streamed run fills)."""
+    d = rep.to_json()
+    for key in ("bytes_before", "bytes_after", "rotation"):
+        d.pop(key, None)
+    return d

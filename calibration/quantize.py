@@ -20,7 +20,9 @@ BENCHMARKS.md are from the CPU path.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -33,19 +35,42 @@ from qgemv.formats import QuantConfig
 from qgemv.nn import QuantLinear, QuantizeReport, check_rules, layer_format, quantize_model, set_submodule
 
 from . import awq
+from .recipe import METHODS, Recipe
 from .walker import StopForward, advance, catch_layer0_inputs, decoder_layers, forward_context, layer_runner
 from .gptq import GPTQ
 
-METHODS = ("rtn", "gptq", "awq", "awq_gptq")
 
 
 @dataclass
 class CalibReport(QuantizeReport):
+    """What a calibration run did: both drivers return one (the streamed run also writes it, as JSON, into
+    the checkpoint's quantize_report.json)."""
+
     method: str = "rtn"
+    format: str = ""  # the recipe's default format, QuantConfig.name
+    device: str = "cpu"
     layers: int = 0
     peak_rss_mb: float = 0.0
-    per_layer: list = field(default_factory=list)  # dicts with name, seconds, info
+    per_layer: list = field(default_factory=list)  # dicts with layer, seconds, info (streamed: resumed)
     rotation: Optional[dict] = None  # rotate.rotate_llama's record, if the model was rotated
+    # streamed runs only
+    resumed_layers: list = field(default_factory=list)
+    steps_seconds: dict = field(default_factory=dict)  # read, forward, hessian, solve, write
+    peak_gpu_mb: Optional[float] = None
+    most_float_layers_held: int = 0
+    tokenizer_error: Optional[str] = None
+
+    def to_json(self) -> dict:
+        """The report as JSON values."""
+        return dataclasses.asdict(self)
+
+    def __getitem__(self, key: str):
+        """Deprecated: the streamed driver used to return a dict; read the attributes instead."""
+        warnings.warn("CalibReport[key] is deprecated; use the attribute (report.%s)" % key, DeprecationWarning,
+                      stacklevel=2)
+        if key not in {f.name for f in dataclasses.fields(self)}:
+            raise KeyError(key)
+        return getattr(self, key)
 
 
 # Linears with the same input tensor share one Hessian (off only in a test
@@ -69,16 +94,16 @@ def _sequential_stages(names: list) -> list:
     return stages
 
 
-def make_method(method: str, damp: float = 0.01, act_order: bool = False, clip_grid: int = 20,
-                tf32_hessian: bool = False):
-    """The method object for a name of METHODS other than "rtn" (protocol: calibration.gptq.GPTQ)."""
-    if method == "gptq":
-        return GPTQ(damp, act_order, clip_grid, tf32_hessian)
-    if method == "awq":
-        return awq.AWQ(clip_grid)
-    if method == "awq_gptq":
-        return awq.AWQThenGPTQ(GPTQ(damp, act_order, clip_grid, tf32_hessian))
-    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+def make_method(recipe: Recipe):
+    """The method object of a calibrated recipe (protocol: calibration.gptq.GPTQ)."""
+    tf32 = recipe.forward_dtype in (torch.bfloat16, torch.float16)
+    if recipe.method == "gptq":
+        return GPTQ(recipe.damp, recipe.act_order, recipe.clip_grid, tf32)
+    if recipe.method == "awq":
+        return awq.AWQ(recipe.clip_grid)
+    if recipe.method == "awq_gptq":
+        return awq.AWQThenGPTQ(GPTQ(recipe.damp, recipe.act_order, recipe.clip_grid, tf32))
+    raise ValueError(f"{recipe.method!r} is not a calibrated method ({METHODS[1:]})")
 
 
 def _collect(layer, stage: list, targets: dict, hidden: list, kwargs: dict, new_stats, device, fwd, stop: bool,
@@ -147,13 +172,14 @@ class Clock:
             self.seconds[step] = self.seconds.get(step, 0.0) + time.perf_counter() - t
 
 
-def layer_targets(layer: nn.Module, prefix: str, cfg: QuantConfig, skip, overrides, group_fallback: bool,
-                  skipped: dict) -> dict:
-    """{linear name in the layer: (module, QuantConfig)} by the rules; skipped ones go into ``skipped`` with why."""
+def layer_targets(layer: nn.Module, prefix: str, recipe: Recipe, skipped: dict) -> dict:
+    """{linear name in the layer: (module, QuantConfig)} by the recipe's rules; skipped ones go into ``skipped``
+    with why."""
     targets = {}
     for name, m in layer.named_modules():
         if isinstance(m, nn.Linear):
-            lcfg, why = layer_format(prefix + name, m, cfg, skip, overrides, group_fallback)
+            lcfg, why = layer_format(prefix + name, m, recipe.cfg, recipe.skip, recipe.overrides,
+                                     recipe.group_fallback)
             if why:
                 skipped[prefix + name] = why
             else:
@@ -246,110 +272,57 @@ def bar_at(bar, position: float) -> None:
 
 
 @torch.no_grad()
-def quantize_causal_lm(
-    model: nn.Module,
-    cfg: QuantConfig,
-    method: str = "gptq",
-    samples: Optional[torch.Tensor] = None,
-    skip=(r"lm_head", r"embed"),
-    overrides: Optional[dict] = None,
-    damp: float = 0.01,
-    act_order: bool = False,
-    group_fallback: bool = True,
-    clip_grid: int = 20,
-    batch_size: int = 8,
-    device: str = "cpu",
-    progress: bool = True,
-    true_sequential: bool = False,
-    forward_dtype: Optional[torch.dtype] = None,
-    rotate: bool = False,
-    rotate_seed: int = 0,
-) -> CalibReport:
-    """Quantize ``model``'s linear layers in place; returns a CalibReport.
+def quantize_causal_lm(model: nn.Module, recipe, method: Optional[str] = None, samples: Optional[torch.Tensor] = None,
+                       *, device: str = "cpu", progress: bool = True, **fields) -> CalibReport:
+    """Quantize ``model``'s linear layers in place, layer by layer; returns a CalibReport.
 
     Args:
-        cfg: default format; ``overrides`` maps regexes to dict(bits=..., ...);
-            each layer's format comes from :func:`qgemv.nn.layer_format`.
-        method: "rtn" (no calibration data), "gptq", "awq", or "awq_gptq" (AWQ
-            scales folded in first, then GPTQ on the scaled weights).
-        clip_grid: clipping search for GPTQ's and AWQ's scales
-            (formats.choose_params, weighted by each input column's mean
-            square); RTN uses the plain min/max range.
-        samples: int64 [n, L] calibration tokens (gptq / awq).
-        skip: regexes of module names to leave in float (lm_head and
-            embeddings by default).
-        true_sequential: GPTQ quantizes q/k/v, o, gate/up, down in that
-            order, each with Hessians taken after the earlier ones are
-            quantized (default False: all Hessians from one pass of the float
-            layer).  On SmolLM2 int4 it cost up to 1.8x the time and changed
-            the perplexity only within noise, with equal KL (BENCHMARKS.md),
-            so it is opt-in.
-        forward_dtype: run the calibration forward passes under autocast to
-            this dtype (torch.bfloat16 or torch.float16); None runs them in
-            the model's dtype.  The weights, the Hessians (fp32) and the
-            hidden states between layers keep their precision.
-        rotate: first rotate the residual stream and each attention head's
-            values by seeded random Hadamard matrices, folded into the
-            weights (calibration/rotate.py; the float function is
-            unchanged, lm_head is untied from the embeddings).  With GPTQ it
-            halves the int4 error on SmolLM2 (BENCHMARKS.md); with RTN alone
-            it is worse there.  The report's ``rotation`` records it.
+        recipe: a :class:`calibration.recipe.Recipe`, or a QuantConfig
+            followed by ``method`` and the recipe's fields as keywords
+            (``Recipe.of``: damp, act_order, clip_grid, batch_size, skip,
+            overrides, group_fallback, true_sequential, forward_dtype,
+            rotate, rotate_seed).
+        samples: int64 [n, L] calibration tokens (every method but "rtn").
         device: where each decoder layer is quantized (the model may stay on
             the CPU; each layer is moved in turn).
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if forward_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"forward_dtype must be None, float32, bfloat16 or float16, got {forward_dtype}")
-    skip = tuple(skip)
-    check_rules(cfg, skip, overrides)
+    recipe = Recipe.of(recipe, method, **fields)
+    check_rules(recipe.cfg, recipe.skip, recipe.overrides)
+    if recipe.calibrated and samples is None:
+        raise ValueError(f"method {recipe.method!r} needs calibration samples")
     t0 = time.time()
     rotation = None
-    if rotate:
+    if recipe.rotate:
         from .rotate import rotate_llama
 
-        rotation = rotate_llama(model, seed=rotate_seed)
-    if method == "rtn":
-        base = quantize_model(model, cfg.bits, cfg.group_size, cfg.symmetric, skip=skip,
-                              overrides=overrides, progress=progress, group_fallback=group_fallback,
-                              device=device)
+        rotation = rotate_llama(model, seed=recipe.rotate_seed)
+    if not recipe.calibrated:
+        base = quantize_model(model, recipe.cfg.bits, recipe.cfg.group_size, recipe.cfg.symmetric,
+                              skip=recipe.skip, overrides=recipe.overrides, progress=progress,
+                              group_fallback=recipe.group_fallback, device=device)
         rep = CalibReport(**vars(base))
-        rep.method, rep.peak_rss_mb, rep.rotation = method, peak_rss_mb(), rotation
+        rep.method, rep.format, rep.device = recipe.method, recipe.cfg.name, str(device)
+        rep.peak_rss_mb, rep.rotation = peak_rss_mb(), rotation
         return rep
-    if samples is None:
-        raise ValueError(f"method {method!r} needs calibration samples")
-    algo = make_method(method, damp, act_order, clip_grid,
-                       tf32_hessian=forward_dtype in (torch.bfloat16, torch.float16))
-    rep = CalibReport(method=method, rotation=rotation)
+    rep = CalibReport(method=recipe.method, format=recipe.cfg.name, device=str(device), rotation=rotation)
     layers_path, layers = decoder_layers(model)
     rep.layers = len(layers)
-
-    # Linears outside the decoder layers (lm_head, ...) follow the skip rules / RTN.
-    for name, m in list(model.named_modules()):
-        if isinstance(m, nn.Linear) and not name.startswith(layers_path + "."):
-            lcfg, why = layer_format(name, m, cfg, skip, overrides, group_fallback)
-            if why:
-                rep.skipped[name] = why
-            else:
-                q = QuantLinear.from_linear(m, lcfg.bits, lcfg.group_size, lcfg.symmetric, name=name)
-                _count(rep, m, q.qweight, q.scales, q.zeros)
-                set_submodule(model, name, q)
-                rep.converted.append(name)
-
+    _outside_layers_rtn(model, layers_path, recipe, rep)
     model_device = next(model.parameters()).device
     hidden, kwargs = catch_layer0_inputs(lambda ids: model(ids.to(model_device), use_cache=False), layers[0],
-                                          samples, batch_size, device)
-    fwd = forward_context(forward_dtype, device)
+                                          samples, recipe.batch_size, device)
+    fwd = forward_context(recipe.forward_dtype, device)
     run = layer_runner(kwargs, fwd)
-
-    bar = layer_bar(len(layers), f"{method} {cfg.name}") if progress else None
+    algo = make_method(recipe)
+    bar = layer_bar(len(layers), f"{recipe.method} {recipe.cfg.name}") if progress else None
     for li in range(len(layers)):
         tl = time.time()
         layer = layers[li].to(device)
         prefix = f"{layers_path}.{li}."
-        targets = layer_targets(layer, prefix, cfg, skip, overrides, group_fallback, rep.skipped)
+        targets = layer_targets(layer, prefix, recipe, rep.skipped)
         pending, originals, info = quantize_layer(layer, prefix, targets, algo, hidden, kwargs, run, fwd, device,
-                                                  true_sequential, on_progress=lambda f, li=li: bar_at(bar, li + f))
+                                                  recipe.true_sequential,
+                                                  on_progress=lambda f, li=li: bar_at(bar, li + f))
         advance(layer, hidden, kwargs, fwd)  # the next layer's inputs, in place
         for n, m, lcfg, qw, s, z in pending:
             m.weight.data = originals[n]
@@ -366,6 +339,20 @@ def quantize_causal_lm(
     rep.seconds = time.time() - t0
     rep.peak_rss_mb = peak_rss_mb()
     return rep
+
+
+def _outside_layers_rtn(model: nn.Module, layers_path: str, recipe: Recipe, rep: CalibReport) -> None:
+    """Linears outside the decoder layers (lm_head, ...): the skip rules, else RTN, in place."""
+    for name, m in list(model.named_modules()):
+        if isinstance(m, nn.Linear) and not name.startswith(layers_path + "."):
+            lcfg, why = layer_format(name, m, recipe.cfg, recipe.skip, recipe.overrides, recipe.group_fallback)
+            if why:
+                rep.skipped[name] = why
+            else:
+                q = QuantLinear.from_linear(m, lcfg.bits, lcfg.group_size, lcfg.symmetric, name=name)
+                _count(rep, m, q.qweight, q.scales, q.zeros)
+                set_submodule(model, name, q)
+                rep.converted.append(name)
 
 
 def _count(rep, lin, qw, s, z) -> None:

@@ -112,8 +112,8 @@ def test_at_most_one_float_layer_is_alive(sharded, tmp_path, monkeypatch):
     del model
     rep = cstream.quantize_streaming(str(sharded), str(tmp_path / "q"), QuantConfig(4, 32, False), "gptq", samples,
                                      progress=False)
-    assert most[0] == 1 and rep["most_float_layers_held"] == 1  # of 2 layers
-    assert len(rep["converted"]) == 2 * 4 and "lm_head" in rep["skipped"]
+    assert most[0] == 1 and rep.most_float_layers_held == 1  # of 2 layers
+    assert len(rep.converted) == 2 * 4 and "lm_head" in rep.skipped
     assert float_layers_alive() == 0
 
 
