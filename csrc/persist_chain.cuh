@@ -125,7 +125,7 @@ struct Chain5Op {
 constexpr int kChain5MaxWarps = 16;
 // Form 9 may run more consumer warps (chain7_kernel's 96 registers allow 20 and the control warp).
 constexpr int kChain9MaxWarps = 20;
-__host__ __device__ constexpr int chain7_max_warps(int form) { return form == 9 ? kChain9MaxWarps : kChain5MaxWarps; }
+__host__ __device__ constexpr int chain7_max_warps(int form) { return form >= 9 ? kChain9MaxWarps : kChain5MaxWarps; }
 
 // Named barrier 2: the consumer warps arrive (no wait) when they are past an
 // op, the control warp waits for them and `threads` in all.
@@ -520,7 +520,8 @@ Status chain5_launch(const Chain5Op* d_ops, int nops, const ChainShape& sh, unsi
 //     one fence per op and block.
 //   * Form 9 (kForm 9): form 8's schedule and control warp; the consumers'
 //     weights come through per-lane cp.async rings, and int4 with fp16
-//     activations uses the nibbles as fp16 subnormals (below).
+//     activations uses the nibbles as fp16 subnormals (below).  Form 10 is
+//     form 9 with each tile's MMAs in two accumulators (two chains of 4).
 constexpr int kChain7Queue = 4;
 
 // Shared memory of a form-7/8 launch: the rings' barriers, the queues' full
@@ -585,7 +586,7 @@ __global__ void __maxnreg__(96)
     chain7_kernel(const Chain5Op* __restrict__ ops, int nops, ChainShape sh, unsigned* sync,
                   unsigned long long* wait_cycles) {
   using Lane = GemvMma<T, kBits, kGroup, kZeros, 1, 1>;
-  static_assert(kForm >= 7 && kForm <= 9, "forms 7, 8 and 9");
+  static_assert(kForm >= 7 && kForm <= 10, "forms 7 to 10");
   constexpr bool kOwn = kForm >= 8;
   constexpr int kTileK = Lane::kTileK;
   constexpr int kGpt = Lane::kGroupsPerTile;
@@ -893,7 +894,7 @@ __global__ void __maxnreg__(96)
       for (int i4 = 0; i4 < 4; ++i4) L.acc[b][0][0][i4] = 0.f;
   };
 
-  if constexpr (kForm == 9) {
+  if constexpr (kForm >= 9) {
     // Form 9: the per-op kernel's pipeline.  Every lane copies its own 2 x 16
     // bytes of each tile (and lanes 0.. of the tile's meta) into a ring of kTS
     // one-tile slots with cp.async, one commit group a tile, kTS - 1 tiles in
@@ -1026,15 +1027,18 @@ __global__ void __maxnreg__(96)
             if (sh.skip & 4) {
               if (w0.x == 0x12345678u && w1.y == 0x9abcdef0u) acc[0] += 1.f;  // keeps the reads
             } else {
-              float part[4] = {0.f, 0.f, 0.f, 0.f};
+              // Form 10: each sub-tile's two MMAs in two accumulators (two
+              // dependent chains of 4 a tile instead of one of 8).
+              constexpr int kChains = kForm == 10 ? 2 : 1;
+              float part[kChains][4] = {};
 #pragma unroll
               for (int j = 0; j < 4; ++j) {
                 const uint4 xv = *reinterpret_cast<const uint4*>(xk + 32 * j);
                 const uint32_t u0 = word_of(w0, j), u1 = word_of(w1, j), h0 = u0 >> 8, h1 = u1 >> 8;
                 const uint32_t a0[4] = {u0 & 0x000f000fu, u1 & 0x000f000fu, u0 & 0x00f000f0u, u1 & 0x00f000f0u};
                 const uint32_t a1[4] = {h0 & 0x000f000fu, h1 & 0x000f000fu, h0 & 0x00f000f0u, h1 & 0x00f000f0u};
-                ActTraits<T>::mma(part, a0, xv.x, xv.y);
-                ActTraits<T>::mma(part, a1, xv.z, xv.w);
+                ActTraits<T>::mma(part[0], a0, xv.x, xv.y);
+                ActTraits<T>::mma(part[kChains - 1], a1, xv.z, xv.w);
                 if ((j + 1) % (kXk / 32) == 0) {  // an xsum entry's end: fold with its scale and zero point
                   const int q = j / (kXk / 32);
                   float s0 = 1.f, s1 = 1.f, z0 = 8.f, z1 = 8.f;
@@ -1048,12 +1052,16 @@ __global__ void __maxnreg__(96)
                     }
                   }
                   const float xa = X0[q], xb = X1[q], sz0 = -s0 * z0, sz1 = -s1 * z1;
-                  acc[0] = fmaf(sz0, xa, fmaf(part[0], s0, acc[0]));
-                  acc[1] = fmaf(sz0, xb, fmaf(part[1], s0, acc[1]));
-                  acc[2] = fmaf(sz1, xa, fmaf(part[2], s1, acc[2]));
-                  acc[3] = fmaf(sz1, xb, fmaf(part[3], s1, acc[3]));
+                  float v[4];
 #pragma unroll
-                  for (int e = 0; e < 4; ++e) part[e] = 0.f;
+                  for (int e = 0; e < 4; ++e) {
+                    v[e] = kChains == 2 ? part[0][e] + part[kChains - 1][e] : part[0][e];
+                    part[0][e] = part[kChains - 1][e] = 0.f;
+                  }
+                  acc[0] = fmaf(sz0, xa, fmaf(v[0], s0, acc[0]));
+                  acc[1] = fmaf(sz0, xb, fmaf(v[1], s0, acc[1]));
+                  acc[2] = fmaf(sz1, xa, fmaf(v[2], s1, acc[2]));
+                  acc[3] = fmaf(sz1, xb, fmaf(v[3], s1, acc[3]));
                 }
               }
             }
@@ -1164,14 +1172,14 @@ __global__ void __maxnreg__(96)
   }
 }
 
-// Form 7, 8 or 9 (chain7_kernel's kForm): the kernel for sh.stage_tiles.
-// Forms 7 and 8 take 2- or 4-tile stages; form 9 takes sh.stages == 1 and a
-// ring of sh.stage_tiles = 4 or 8 one-tile slots.  f(kernel) for it; false
+// Form 7, 8, 9 or 10 (chain7_kernel's kForm): the kernel for sh.stage_tiles.
+// Forms 7 and 8 take 2- or 4-tile stages; forms 9 and 10 take sh.stages == 1
+// and a ring of sh.stage_tiles = 4 or 8 one-tile slots.  f(kernel) for it; false
 // when there is none.
 template <typename T, int kBits, int kGroup, bool kZeros, typename F>
 bool chain7_dispatch(const ChainShape& sh, int form, F&& f) {
 #define QGEMV_CHAIN7(TS, FORM) f(chain7_kernel<T, kBits, kGroup, kZeros, TS, FORM>)
-  if (form == 9 && sh.stages != 1) return false;
+  if (form >= 9 && sh.stages != 1) return false;
   const int ts = sh.stage_tiles;
   if (form == 7 && ts == 2) QGEMV_CHAIN7(2, 7);
   else if (form == 7 && ts == 4) QGEMV_CHAIN7(4, 7);
@@ -1179,6 +1187,8 @@ bool chain7_dispatch(const ChainShape& sh, int form, F&& f) {
   else if (form == 8 && ts == 4) QGEMV_CHAIN7(4, 8);
   else if (form == 9 && ts == 4) QGEMV_CHAIN7(4, 9);
   else if (form == 9 && ts == 8) QGEMV_CHAIN7(8, 9);
+  else if (form == 10 && ts == 4) QGEMV_CHAIN7(4, 10);
+  else if (form == 10 && ts == 8) QGEMV_CHAIN7(8, 10);
   else return false;
 #undef QGEMV_CHAIN7
   return true;
@@ -1188,7 +1198,7 @@ bool chain7_dispatch(const ChainShape& sh, int form, F&& f) {
 template <typename T, int kBits, int kGroup, bool kZeros>
 bool chain7_fits(const ChainShape& sh, int warps, int form) {
   if (warps < 1 || warps > chain7_max_warps(form) || sh.M > 8) return false;
-  const size_t smem = chain7_smem_bytes<T>(sh, warps, form >= 8, form == 9);
+  const size_t smem = chain7_smem_bytes<T>(sh, warps, form >= 8, form >= 9);
   bool fits = false;
   const bool known = chain7_dispatch<T, kBits, kGroup, kZeros>(sh, form, [&](auto kernel) {
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) !=
@@ -1210,7 +1220,7 @@ template <typename T, int kBits, int kGroup, bool kZeros>
 Status chain7_launch(const Chain5Op* d_ops, int nops, const ChainShape& sh, unsigned* d_sync, int blocks, int warps,
                      int form, cudaStream_t stream, unsigned long long* wait_cycles = nullptr) {
   if (warps < 1 || warps > chain7_max_warps(form) || blocks < 1 || nops < 1 || sh.M > 8) return Status::kBadShape;
-  const size_t smem = chain7_smem_bytes<T>(sh, warps, form >= 8, form == 9);
+  const size_t smem = chain7_smem_bytes<T>(sh, warps, form >= 8, form >= 9);
   const dim3 threads((warps + 1) * kWarpSize);
   if (!chain7_dispatch<T, kBits, kGroup, kZeros>(sh, form, [&](auto kernel) {
         kernel<<<blocks, threads, smem, stream>>>(d_ops, nops, sh, d_sync, wait_cycles);

@@ -7,9 +7,10 @@
 //   /tmp/persist_lab [--probe-only | --no-probe] [--tma-probe] [--no-ceiling] [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers L]
 //                    [--ms 1,4] [--forms 5,6] [--warps 12,16] [--stages 4] [--stage-tiles 2]
 //                    [--formats int4g128a,int4,int8]
-//   (--forms: the kernel's forms 5-9 (csrc/persist_chain.cuh; 6 is form 5 finished by block slices), default 5;
+//   (--forms: the kernel's forms 5-10 (csrc/persist_chain.cuh; 6 is form 5 finished by block slices, 10 form 9
+//    with two MMA chains a tile), default 5;
 //    --warps: consumer warps per block; --stages x --stage-tiles: each warp's weight ring, in 1 KB tiles
-//    (form 9: a ring of --stage-tiles one-tile slots, 4 or 8; --stages is ignored);
+//    (forms 9, 10: a ring of --stage-tiles one-tile slots, 4 or 8; --stages is ignored);
 //    --skip 0,1,5,37: timing experiments, ChainShape::skip: 1 no waits, 2 no input preparation (form 9),
 //    4 no tile math, 32 no flush;
 //    --no-ceiling: skip the 2 GB read that measures the ceiling, for runs under compute-sanitizer)
@@ -409,14 +410,14 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         const int blocks = sms;
         const int nops = static_cast<int>(ops5.size());
         // Form 9's ring is --stage-tiles one-tile slots per warp (sh.stages 1).
-        ChainShape sh{v.stage_tiles, v.form == 9 ? 1 : v.stages, qgemv::chain_meta_bytes(f.group, f.zeros),
+        ChainShape sh{v.stage_tiles, v.form >= 9 ? 1 : v.stages, qgemv::chain_meta_bytes(f.group, f.zeros),
                       std::max(m.H, m.I), M, v.skip, v.form == 6 ? 1 : 0,
                       v.form >= 8 ? qgemv::chain8_sums(ops5.data(), nops, blocks, M) : 0};
         const bool fits = launch5_fmt(f, v, sh, nullptr, nops, nullptr, blocks, st);
         if (M > 8 || !fits) {
           std::printf("%-10s %3d form %d w%d s%d t%d: does not fit (%zu B of shared memory%s)\n", f.name, M, v.form,
                       v.warps, v.stages, v.stage_tiles,
-                      v.form >= 7 ? qgemv::chain7_smem_bytes<__half>(sh, v.warps, v.form >= 8, v.form == 9)
+                      v.form >= 7 ? qgemv::chain7_smem_bytes<__half>(sh, v.warps, v.form >= 8, v.form >= 9)
                                   : qgemv::chain5_smem_bytes<__half>(sh, v.warps, nops),
                       M > 8 ? ", M > 8" : "");
           continue;
@@ -712,8 +713,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   for (int f : forms)
-    if (f < 5 || f > 9) {
-      std::fprintf(stderr, "--forms: 5, 6, 7, 8 or 9\n");
+    if (f < 5 || f > 10) {
+      std::fprintf(stderr, "--forms: 5 to 10\n");
       return 2;
     }
   for (int t : tiles)
