@@ -32,6 +32,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -188,33 +189,67 @@ def _teacher_rows(teacher, idx: list) -> torch.Tensor:
     return teacher[torch.tensor(idx)]
 
 
-def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, probe: int = 4, steps: int = 200,
-                lr: float = 1e-3, eval_every: int = 20, seed: int = 0, forward_dtype: torch.dtype = torch.bfloat16,
-                progress: bool = True, schedule: str = "constant", batch: int = 1,
-                time_limit: Optional[float] = None) -> dict:
+@dataclass(frozen=True)
+class TuneSettings:
+    """How :func:`tune_scales` trains.
+
+    Attributes:
+        probe: the last ``probe`` windows are held out to choose the best step.
+        steps, lr: Adam steps on log(scale), and their learning rate.
+        eval_every: steps between probe evaluations (and the last step).
+        seed: the training windows' order.
+        forward_dtype: autocast dtype of the forward passes.
+        schedule: "constant" learning rate, or "cosine" (decays along a half
+            cosine from lr at step 1 to 0 at the last step).
+        batch: training windows per step (one forward over [batch, L]; the
+            loss is the mean KL of their tokens).
+        time_limit: seconds; once a step ends past it, the probe is measured
+            one last time and training stops (the report's steps_done says where).
+    """
+
+    probe: int = 4
+    steps: int = 200
+    lr: float = 1e-3
+    eval_every: int = 20
+    seed: int = 0
+    forward_dtype: torch.dtype = torch.bfloat16
+    schedule: str = "constant"
+    batch: int = 1
+    time_limit: Optional[float] = None
+
+    def __post_init__(self):
+        if self.schedule not in ("constant", "cosine"):
+            raise ValueError(f"tune_scales: schedule must be 'constant' or 'cosine', got {self.schedule!r}")
+
+    def decay(self):
+        """The learning-rate factor of step i (LambdaLR's function)."""
+        if self.schedule == "cosine":
+            return lambda i: 0.5 * (1.0 + math.cos(math.pi * i / max(self.steps, 1)))
+        return lambda i: 1.0
+
+
+def tune_scales(model: nn.Module, windows: torch.Tensor, teacher, settings: Optional[TuneSettings] = None, *,
+                progress: bool = True, **fields) -> dict:
     """Tune the scales of every QuantLinear in ``model`` in place (module API unchanged afterwards).
 
     windows: int64 [n, L]; teacher: [n, L, V] log-probs of the float model on
-    them (a tensor, or a :class:`StreamedTeacher`).  The last ``probe`` windows
-    are held out for selection; the rest are trained on, ``batch`` windows per
-    step (one forward over [batch, L]; the loss is the mean KL of their tokens).
-    The windows, teacher and model must be on one device; autocast follows it.
-    schedule: "constant" learning rate, or "cosine" (decays along a half
-    cosine from lr at step 1 to 0 at the last step).
-    time_limit: seconds; once a step ends past it, the probe is measured one
-    last time and training stops (the report's steps_done says where).
+    them (a tensor, or a :class:`StreamedTeacher`).  settings: a
+    :class:`TuneSettings`, or its fields as keywords.  The windows, teacher
+    and model must be on one device; autocast follows it.
     Returns a report: probe KL before and after, the step that gave the
     lowest probe KL (whose scales are written), the running train loss at
     each evaluation, and seconds.  On any error the QuantLinears are put back
     unchanged.
     """
+    if settings is not None and fields:
+        raise TypeError(f"tune_scales: settings were given; set {', '.join(sorted(fields))} on them instead")
+    st = settings or TuneSettings(**fields)
     n = windows.shape[0]
-    if schedule not in ("constant", "cosine"):
-        raise ValueError(f"tune_scales: schedule must be 'constant' or 'cosine', got {schedule!r}")
-    if batch < 1 or batch > n - probe:
-        raise ValueError(f"tune_scales: batch must be between 1 and the {n - probe} training windows, got {batch}")
-    if not 0 < probe < n:
-        raise ValueError(f"tune_scales: probe must be between 1 and n - 1 = {n - 1} windows, got {probe}")
+    if st.batch < 1 or st.batch > n - st.probe:
+        raise ValueError(f"tune_scales: batch must be between 1 and the {n - st.probe} training windows, "
+                         f"got {st.batch}")
+    if not 0 < st.probe < n:
+        raise ValueError(f"tune_scales: probe must be between 1 and n - 1 = {n - 1} windows, got {st.probe}")
     if teacher.shape[:2] != windows.shape:
         raise ValueError(f"tune_scales: teacher log-probs {list(teacher.shape)} do not match windows {list(windows.shape)}")
     swaps = _swap(model, lambda m: ScaleTuned(m) if isinstance(m, QuantLinear) else None)
@@ -226,63 +261,71 @@ def tune_scales(model: nn.Module, windows: torch.Tensor, teacher: torch.Tensor, 
     params = [t.log_s for t in tuned]
     for p in params:
         p.requires_grad_(True)
-    opt = torch.optim.Adam(params, lr=lr)
-    decay = (lambda i: 0.5 * (1.0 + math.cos(math.pi * i / max(steps, 1)))) if schedule == "cosine" else (lambda i: 1.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, decay)
-    train = list(range(n - probe))
-    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
-    dev_type = windows.device.type
-
-    def probe_kl() -> float:
-        kl = 0.0
-        with torch.no_grad(), _autocast(forward_dtype, dev_type):
-            for i in range(n - probe, n):
-                kl += _kl(teacher[i], model(windows[i : i + 1]).logits[0]).item()
-        return kl / probe
-
     t0 = time.time()
     model.eval()
     try:
-        start = probe_kl()
-        best = (start, 0, [p.detach().clone() for p in params])
-        history = [{"step": 0, "probe_kl": start}]
-        it = range(1, steps + 1)
-        if progress:
-            from tqdm.auto import tqdm
-
-            it = tqdm(it, desc="e2e scales", unit="step")
-        running, step = None, 0
-        for step in it:
-            idx = [train[order[((step - 1) * batch + j) % len(train)]] for j in range(batch)]
-            target, ids = _teacher_rows(teacher, idx), windows[idx]
-            with _autocast(forward_dtype, dev_type):
-                logits = model(ids).logits
-            loss = _kl(target, logits)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            running = loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
-            out_of_time = time_limit is not None and time.time() - t0 > time_limit
-            if step % eval_every == 0 or step == steps or out_of_time:
-                kl = probe_kl()
-                history.append({"step": step, "probe_kl": kl, "train_loss_avg": running})
-                if kl < best[0]:
-                    best = (kl, step, [p.detach().clone() for p in params])
-                if progress:
-                    it.set_postfix(train=f"{running:.4f}", probe=f"{kl:.4f}", best=f"{best[0]:.4f}@{best[1]}")
-            if out_of_time:
-                break
+        rep = _train(model, windows, teacher, st, params, progress)
         with torch.no_grad():
-            for p, b in zip(params, best[2]):
-                p.copy_(b)
             for t in tuned:
                 t.write_back()
     finally:
         for parent, child, old, _ in swaps:  # the QuantLinears go back, tuned or not
             setattr(parent, child, old)
+    return dict(rep, seconds=time.time() - t0, layers=len(tuned), batch=st.batch)
+
+
+def _train(model: nn.Module, windows: torch.Tensor, teacher, st: TuneSettings, params: list, progress: bool) -> dict:
+    """Adam on ``params`` (the log-scales), keeping the step of lowest probe KL; leaves that step's values in
+    ``params``.  Returns the report's training part."""
+    n, t0 = windows.shape[0], time.time()
+    opt = torch.optim.Adam(params, lr=st.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, st.decay())
+    train = list(range(n - st.probe))
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(st.seed)).tolist()
+    dev_type = windows.device.type
+
+    def probe_kl() -> float:
+        kl = 0.0
+        with torch.no_grad(), _autocast(st.forward_dtype, dev_type):
+            for i in range(n - st.probe, n):
+                kl += _kl(teacher[i], model(windows[i : i + 1]).logits[0]).item()
+        return kl / st.probe
+
+    start = probe_kl()
+    best = (start, 0, [p.detach().clone() for p in params])
+    history = [{"step": 0, "probe_kl": start}]
+    it = range(1, st.steps + 1)
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(it, desc="e2e scales", unit="step")
+    running, step = None, 0
+    for step in it:
+        idx = [train[order[((step - 1) * st.batch + j) % len(train)]] for j in range(st.batch)]
+        target, ids = _teacher_rows(teacher, idx), windows[idx]
+        with _autocast(st.forward_dtype, dev_type):
+            logits = model(ids).logits
+        loss = _kl(target, logits)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        running = loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
+        out_of_time = st.time_limit is not None and time.time() - t0 > st.time_limit
+        if step % st.eval_every == 0 or step == st.steps or out_of_time:
+            kl = probe_kl()
+            history.append({"step": step, "probe_kl": kl, "train_loss_avg": running})
+            if kl < best[0]:
+                best = (kl, step, [p.detach().clone() for p in params])
+            if progress:
+                it.set_postfix(train=f"{running:.4f}", probe=f"{kl:.4f}", best=f"{best[0]:.4f}@{best[1]}")
+        if out_of_time:
+            break
+    with torch.no_grad():
+        for p, b in zip(params, best[2]):
+            p.copy_(b)
     return {"probe_kl_start": start, "probe_kl_best": best[0], "best_step": best[1], "steps_done": step,
-            "history": history, "seconds": time.time() - t0, "layers": len(tuned), "batch": batch}
+            "history": history}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -347,9 +390,10 @@ def main(argv: Optional[list] = None) -> int:
     else:
         teacher = teacher_logprobs(ref, windows)
         del ref
-    rep = tune_scales(student, windows, teacher, probe=args.probe, steps=args.steps, lr=args.lr,
-                      eval_every=args.eval_every, seed=args.seed, forward_dtype=getattr(torch, args.forward_dtype),
-                      schedule=args.schedule, batch=args.batch, time_limit=args.time_limit)
+    settings = TuneSettings(probe=args.probe, steps=args.steps, lr=args.lr, eval_every=args.eval_every,
+                            seed=args.seed, forward_dtype=getattr(torch, args.forward_dtype),
+                            schedule=args.schedule, batch=args.batch, time_limit=args.time_limit)
+    rep = tune_scales(student, windows, teacher, settings)
     qc = dict(cfg["quantization_config"])
     qc["algorithm"] = qc.get("algorithm", "?") + "+e2e"
     qc["calibration"] = dict(qc.get("calibration") or {})

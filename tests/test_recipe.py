@@ -67,3 +67,19 @@ def test_one_report_type_with_a_deprecated_dict_spelling():
     with pytest.raises(KeyError), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         rep["no_such_field"]
+
+
+def test_scale_tuning_settings_are_one_value_too():
+    from qgemv.calibration.e2e import TuneSettings, tune_scales
+
+    windows, teacher = torch.zeros(6, 4, dtype=torch.int64), torch.zeros(6, 4, 8)
+    with pytest.raises(TypeError, match="probe.*on them"):
+        tune_scales(None, windows, teacher, TuneSettings(), probe=3)
+    with pytest.raises(TypeError, match="stepz"):
+        tune_scales(None, windows, teacher, stepz=3)
+    with pytest.raises(ValueError, match="schedule must be 'constant' or 'cosine'"):
+        TuneSettings(schedule="linear")
+    with pytest.raises(ValueError, match="batch must be between 1 and the 2 training windows"):
+        tune_scales(None, windows, teacher, probe=4, batch=3)
+    decay = TuneSettings(schedule="cosine", steps=10).decay()
+    assert decay(0) == 1.0 and abs(decay(10)) < 1e-12 and TuneSettings().decay()(7) == 1.0
