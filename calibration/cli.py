@@ -144,7 +144,7 @@ def summary_table(rep, cfg, method: str, seconds: float, out: str, fp16_bytes: i
     return "\n".join(lines)
 
 
-def _recipe(args, cfg: QuantConfig, skip: tuple, overrides: dict) -> Recipe:
+def _recipe(args, cfg, skip, overrides):
     """The calibration recipe the command line asks for."""
     import torch
 

@@ -34,7 +34,7 @@ from torch import nn
 
 from qgemv import checkpoint, formats, outdir
 from qgemv.formats import QuantConfig
-from qgemv.nn import FUSE_GROUPS, QuantLinear, fuse_linears, layer_format, set_submodule
+from qgemv.nn import FUSE_GROUPS, QuantLinear, fuse_linears, set_submodule
 from qgemv.safetensors_io import LayerWriter, Lazy, Reader
 
 from .quantize import CalibReport, Clock, bar_at, layer_bar, layer_targets, make_method, quantize_layer
@@ -162,7 +162,7 @@ def _outside_layers(model, reader: Reader, layers_path: str, recipe: Recipe, ski
         if tied and f"{name}.weight" not in reader.index:
             skipped[name] = "tied to the embeddings"
             continue
-        c, why = layer_format(name, m, recipe.cfg, recipe.skip, recipe.overrides, recipe.group_fallback)
+        c, why = recipe.layer_format(name, m)
         if why:
             skipped[name] = why
             continue

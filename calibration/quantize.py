@@ -31,14 +31,12 @@ from torch import nn
 
 from qgemv import arch, formats
 from qgemv.checkpoint import peak_rss_mb
-from qgemv.formats import QuantConfig
-from qgemv.nn import QuantLinear, QuantizeReport, check_rules, layer_format, quantize_model, set_submodule
+from qgemv.nn import QuantLinear, QuantizeReport, check_rules, quantize_model, set_submodule
 
 from . import awq
 from .recipe import METHODS, Recipe
 from .walker import StopForward, advance, catch_layer0_inputs, decoder_layers, forward_context, layer_runner
 from .gptq import GPTQ
-
 
 
 @dataclass
@@ -178,8 +176,7 @@ def layer_targets(layer: nn.Module, prefix: str, recipe: Recipe, skipped: dict) 
     targets = {}
     for name, m in layer.named_modules():
         if isinstance(m, nn.Linear):
-            lcfg, why = layer_format(prefix + name, m, recipe.cfg, recipe.skip, recipe.overrides,
-                                     recipe.group_fallback)
+            lcfg, why = recipe.layer_format(prefix + name, m)
             if why:
                 skipped[prefix + name] = why
             else:
@@ -345,7 +342,7 @@ def _outside_layers_rtn(model: nn.Module, layers_path: str, recipe: Recipe, rep:
     """Linears outside the decoder layers (lm_head, ...): the skip rules, else RTN, in place."""
     for name, m in list(model.named_modules()):
         if isinstance(m, nn.Linear) and not name.startswith(layers_path + "."):
-            lcfg, why = layer_format(name, m, recipe.cfg, recipe.skip, recipe.overrides, recipe.group_fallback)
+            lcfg, why = recipe.layer_format(name, m)
             if why:
                 rep.skipped[name] = why
             else:

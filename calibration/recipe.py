@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from qgemv.formats import QuantConfig
+from qgemv.nn import layer_format
 
 METHODS = ("rtn", "gptq", "awq", "awq_gptq")
 FORWARD_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
@@ -111,6 +112,11 @@ class Recipe:
         if fields.get("skip") is None:
             fields.pop("skip", None)
         return cls(cfg=recipe, method=method or "gptq", **fields)
+
+    def layer_format(self, name: str, module) -> tuple:
+        """(QuantConfig, None) for the linear ``name``, or (None, why it stays float): the recipe's format,
+        skip, overrides and group fallback, as :func:`qgemv.nn.layer_format` applies them."""
+        return layer_format(name, module, self.cfg, self.skip, self.overrides, self.group_fallback)
 
     @property
     def calibrated(self) -> bool:
