@@ -9,9 +9,10 @@
 // kernel per matrix 42-46%.
 //
 // Forms 1-4 are in git and in dev/PERSISTENT.md; this header holds form 5, its
-// variant form 6 (ChainShape::slices), and forms 7-9 (chain7_kernel; form 9,
-// the fastest, is described above that kernel's form-9 branch).  Not yet built
-// into the extension: dev/persist_lab.cu runs them against qgemv's per-op GEMVs.
+// variant form 6 (ChainShape::slices), forms 7-9 (chain7_kernel; form 9 is
+// described above that kernel's form-9 branch) and form 11 (chain11_kernel,
+// the fastest, int4 only).  Not yet built into the extension:
+// dev/persist_lab.cu runs them against qgemv's per-op GEMVs.
 //
 // Not deterministic: a panel's partial sums (one per warp that touched it)
 // meet in fp32 atomics, in the order they arrive.
@@ -520,9 +521,38 @@ Status chain5_launch(const Chain5Op* d_ops, int nops, const ChainShape& sh, unsi
 //     one fence per op and block.
 //   * Form 9 (kForm 9): form 8's schedule and control warp; the consumers'
 //     weights come through per-lane cp.async rings, and int4 with fp16
-//     activations uses the nibbles as fp16 subnormals (below).  Form 10 is
-//     form 9 with each tile's MMAs in two accumulators (two chains of 4).
+//     activations uses the nibbles as fp16 subnormals (below).
 constexpr int kChain7Queue = 4;
+
+// Forms 9 and 11, int4 with fp16 activations: 8 activations (k 8c .. 8c + 7)
+// as the subnormal nibbles meet them, in place (positions 2, 3, 6, 7, which
+// meet high nibbles, / 16); returns their sum (fp32, before the division).
+__device__ __forceinline__ float chain_nibble_input(uint4& v) {
+  __half2* h = reinterpret_cast<__half2*>(&v);
+  float sum = 0.f;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 f = __half22float2(h[e]);
+    sum += f.x + f.y;
+  }
+  const __half2 sixteenth = __float2half2_rn(0.0625f);
+  h[1] = __hmul2(h[1], sixteenth);
+  h[3] = __hmul2(h[3], sixteenth);
+  return sum;
+}
+
+// One 32-k sub-tile of the subnormal-nibble math: u0 / u1 this lane's words of
+// rows g / g + 8, xv its 8 activations (chain_nibble_input's); k pairs 0-3
+// (low and high nibbles of bytes 0 and 2) into c0, 4-7 into c1 (the same
+// accumulator or a second chain).  The sums are 2^-24 of the true ones.
+__device__ __forceinline__ void chain_nibble_mma(uint32_t u0, uint32_t u1, const uint4& xv, float (&c0)[4],
+                                                 float (&c1)[4]) {
+  const uint32_t h0 = u0 >> 8, h1 = u1 >> 8;
+  const uint32_t a0[4] = {u0 & 0x000f000fu, u1 & 0x000f000fu, u0 & 0x00f000f0u, u1 & 0x00f000f0u};
+  const uint32_t a1[4] = {h0 & 0x000f000fu, h1 & 0x000f000fu, h0 & 0x00f000f0u, h1 & 0x00f000f0u};
+  ActTraits<__half>::mma(c0, a0, xv.x, xv.y);
+  ActTraits<__half>::mma(c1, a1, xv.z, xv.w);
+}
 
 // Shared memory of a form-7/8 launch: the rings' barriers, the queues' full
 // and empty barriers, the input barrier (and one unused); the rings; the queues
@@ -586,7 +616,7 @@ __global__ void __maxnreg__(96)
     chain7_kernel(const Chain5Op* __restrict__ ops, int nops, ChainShape sh, unsigned* sync,
                   unsigned long long* wait_cycles) {
   using Lane = GemvMma<T, kBits, kGroup, kZeros, 1, 1>;
-  static_assert(kForm >= 7 && kForm <= 10, "forms 7 to 10");
+  static_assert(kForm >= 7 && kForm <= 9, "forms 7 to 9");
   constexpr bool kOwn = kForm >= 8;
   constexpr int kTileK = Lane::kTileK;
   constexpr int kGpt = Lane::kGroupsPerTile;
@@ -969,15 +999,7 @@ __global__ void __maxnreg__(96)
           if (c < chunks) {
             uint4* px = reinterpret_cast<uint4*>(xs + static_cast<size_t>(m) * sh.x_cap) + c;
             uint4 v = *px;
-            __half2* h = reinterpret_cast<__half2*>(&v);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const float2 f = __half22float2(h[e]);
-              sum += f.x + f.y;
-            }
-            const __half2 sixteenth = __float2half2_rn(0.0625f);
-            h[1] = __hmul2(h[1], sixteenth);
-            h[3] = __hmul2(h[3], sixteenth);
+            sum = chain_nibble_input(v);
             *px = v;
           }
 #pragma unroll
@@ -1027,18 +1049,11 @@ __global__ void __maxnreg__(96)
             if (sh.skip & 4) {
               if (w0.x == 0x12345678u && w1.y == 0x9abcdef0u) acc[0] += 1.f;  // keeps the reads
             } else {
-              // Form 10: each sub-tile's two MMAs in two accumulators (two
-              // dependent chains of 4 a tile instead of one of 8).
-              constexpr int kChains = kForm == 10 ? 2 : 1;
-              float part[kChains][4] = {};
+              float part[4] = {};
 #pragma unroll
               for (int j = 0; j < 4; ++j) {
-                const uint4 xv = *reinterpret_cast<const uint4*>(xk + 32 * j);
-                const uint32_t u0 = word_of(w0, j), u1 = word_of(w1, j), h0 = u0 >> 8, h1 = u1 >> 8;
-                const uint32_t a0[4] = {u0 & 0x000f000fu, u1 & 0x000f000fu, u0 & 0x00f000f0u, u1 & 0x00f000f0u};
-                const uint32_t a1[4] = {h0 & 0x000f000fu, h1 & 0x000f000fu, h0 & 0x00f000f0u, h1 & 0x00f000f0u};
-                ActTraits<T>::mma(part[0], a0, xv.x, xv.y);
-                ActTraits<T>::mma(part[kChains - 1], a1, xv.z, xv.w);
+                chain_nibble_mma(word_of(w0, j), word_of(w1, j), *reinterpret_cast<const uint4*>(xk + 32 * j), part,
+                                 part);
                 if ((j + 1) % (kXk / 32) == 0) {  // an xsum entry's end: fold with its scale and zero point
                   const int q = j / (kXk / 32);
                   float s0 = 1.f, s1 = 1.f, z0 = 8.f, z1 = 8.f;
@@ -1055,8 +1070,8 @@ __global__ void __maxnreg__(96)
                   float v[4];
 #pragma unroll
                   for (int e = 0; e < 4; ++e) {
-                    v[e] = kChains == 2 ? part[0][e] + part[kChains - 1][e] : part[0][e];
-                    part[0][e] = part[kChains - 1][e] = 0.f;
+                    v[e] = part[e];
+                    part[e] = 0.f;
                   }
                   acc[0] = fmaf(sz0, xa, fmaf(v[0], s0, acc[0]));
                   acc[1] = fmaf(sz0, xb, fmaf(v[1], s0, acc[1]));
@@ -1172,8 +1187,8 @@ __global__ void __maxnreg__(96)
   }
 }
 
-// Form 7, 8, 9 or 10 (chain7_kernel's kForm): the kernel for sh.stage_tiles.
-// Forms 7 and 8 take 2- or 4-tile stages; forms 9 and 10 take sh.stages == 1
+// Form 7, 8 or 9 (chain7_kernel's kForm): the kernel for sh.stage_tiles.
+// Forms 7 and 8 take 2- or 4-tile stages; form 9 takes sh.stages == 1
 // and a ring of sh.stage_tiles = 4 or 8 one-tile slots.  f(kernel) for it; false
 // when there is none.
 template <typename T, int kBits, int kGroup, bool kZeros, typename F>
@@ -1187,8 +1202,6 @@ bool chain7_dispatch(const ChainShape& sh, int form, F&& f) {
   else if (form == 8 && ts == 4) QGEMV_CHAIN7(4, 8);
   else if (form == 9 && ts == 4) QGEMV_CHAIN7(4, 9);
   else if (form == 9 && ts == 8) QGEMV_CHAIN7(8, 9);
-  else if (form == 10 && ts == 4) QGEMV_CHAIN7(4, 10);
-  else if (form == 10 && ts == 8) QGEMV_CHAIN7(8, 10);
   else return false;
 #undef QGEMV_CHAIN7
   return true;
@@ -1224,6 +1237,451 @@ Status chain7_launch(const Chain5Op* d_ops, int nops, const ChainShape& sh, unsi
   const dim3 threads((warps + 1) * kWarpSize);
   if (!chain7_dispatch<T, kBits, kGroup, kZeros>(sh, form, [&](auto kernel) {
         kernel<<<blocks, threads, smem, stream>>>(d_ops, nops, sh, d_sync, wait_cycles);
+      }))
+    return Status::kBadShape;
+  return cudaGetLastError() == cudaSuccess ? Status::kOk : Status::kLaunchFailed;
+}
+
+// ---- Form 11 ---------------------------------------------------------------
+// Form 9's schedule (blocks own whole output panels; each block's tile stream
+// cut into W contiguous runs, one per warp) with three changes that ncu's
+// form-9 profile asked for (hot loop 150 SASS a tile, 0.41 issued a cycle per
+// scheduler, consumers 11 us a layer waiting for inputs):
+//   * Weights go straight to registers: each lane loads its 2 x 16 bytes of a
+//     tile (and its 4 + 2 bytes of scales and zero points, chain_meta11) kD
+//     tiles ahead with ld.global.nc, in a register ring unrolled kD times: no
+//     shared-memory ring, no cp.async groups, no slot bookkeeping.
+//   * No control warp: every warp finishes a slice of the block's outputs;
+//     thread 0 counts the block and spins; every warp copies a slice of the
+//     next input from global memory (L2) into shared memory while preparing
+//     it.  The op hand-off is four block barriers.
+//   * The math is form 9's (int4 with fp16 activations: nibbles as fp16
+//     subnormals, high-nibble activations / 16, zero points through group
+//     sums), two MMA chains a tile; M = 1 (kM1) folds only its column.
+// int4 per channel and G = 128 only (one group a tile), fp16 activations.
+constexpr int kChain11MaxWarps = 16;
+
+// Form 11's scales and zero points, per tile: for each g in 0..7 the scales
+// of rows g and g + 8 (2 x fp16: one 32-bit load per lane), then for each g
+// their zero points (2 x uint8: one 16-bit load).  48 bytes a tile with
+// zero points, 32 without: chain_meta_bytes(128, zeros).  Host arrays in.
+inline std::vector<uint8_t> chain_meta11(const uint16_t* scales, const uint8_t* zeros, int N, int K) {
+  const int tiles = K / 128, mb = chain_meta_bytes(128, zeros != nullptr);
+  std::vector<uint8_t> meta(static_cast<size_t>(N / kPanelRows) * tiles * mb, 0);
+  for (int pn = 0; pn < N / kPanelRows; ++pn)
+    for (int kt = 0; kt < tiles; ++kt) {
+      uint8_t* m = meta.data() + (static_cast<size_t>(pn) * tiles + kt) * mb;
+      for (int g = 0; g < 8; ++g)
+        for (int h = 0; h < 2; ++h) {
+          const size_t src = static_cast<size_t>(pn * kPanelRows + g + 8 * h) * tiles + kt;
+          std::memcpy(m + 4 * g + 2 * h, scales + src, 2);
+          if (zeros) m[32 + 2 * g + h] = zeros[src];
+        }
+    }
+  return meta;
+}
+
+// A walk along a warp's run of one op in its block's panel stream: pos / end
+// in the block's tiles, kt the k-tile in the current panel, vp the block's
+// panel (unit vp >> shift, gate or up half vp & shift), panel the op's.
+struct Chain11Cursor {
+  int pos, end, kt, vp, panel, tpp, u0, shift, half;
+};
+
+__device__ __forceinline__ int chain11_panel(const Chain11Cursor& c) {
+  return c.u0 + (c.vp >> c.shift) + (c.vp & c.shift) * c.half;
+}
+
+// Warp `warp` of W in block b of G: its run of op o.
+__device__ __forceinline__ void chain11_start(const Chain5Op& o, int b, int G, int warp, int W, Chain11Cursor& c) {
+  long long u0, u1, a, e;
+  chain_range(chain8_units(o), b, G, u0, u1);
+  c.tpp = o.p.K / 128;
+  chain_range((u1 - u0) * chain8_ppu(o) * c.tpp, warp, W, a, e);
+  c.u0 = static_cast<int>(u0);
+  c.shift = chain8_ppu(o) - 1;
+  c.half = o.p.N / kPanelRows / 2;
+  c.pos = static_cast<int>(a), c.end = static_cast<int>(e);
+  c.kt = c.pos % c.tpp, c.vp = c.pos / c.tpp;
+  c.panel = chain11_panel(c);
+}
+
+// n tiles on, at most to the end of the current panel.
+__device__ __forceinline__ void chain11_advance(Chain11Cursor& c, int n) {
+  c.pos += n, c.kt += n;
+  if (c.kt >= c.tpp) {
+    c.kt -= c.tpp, ++c.vp;
+    c.panel = chain11_panel(c);
+  }
+}
+
+__device__ __forceinline__ void red_release_add_gpu(unsigned* p, unsigned v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+// Shared memory: the block's sums (sh.sums fp32), the input (M x x_cap fp16,
+// high-nibble positions / 16), its group sums (M x x_cap / 128 fp32, 2^-24
+// sum x), then each warp's hand-off staging: sh.stages slots of a tile and its meta.
+__host__ __device__ inline size_t chain11_slot_bytes(const ChainShape& sh) { return kChainTileBytes + sh.meta_bytes; }
+__host__ __device__ inline size_t chain11_smem_bytes(const ChainShape& sh, int warps) {
+  return (static_cast<size_t>(sh.sums) * 4 + 15) / 16 * 16 + static_cast<size_t>(sh.M) * sh.x_cap * 2 +
+         (static_cast<size_t>(sh.M) * (sh.x_cap / 128) * 4 + 15) / 16 * 16 +
+         static_cast<size_t>(warps) * sh.stages * chain11_slot_bytes(sh);
+}
+
+template <int kGroup, bool kZeros, int kD, bool kM1>
+__global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
+    chain11_kernel(const Chain5Op* __restrict__ ops, int nops, ChainShape sh, unsigned* sync,
+                   unsigned long long* wait_cycles) {
+  using T = __half;
+  static_assert(kGroup == 0 || kGroup == 128, "form 11: int4 per channel or G = 128");
+  static_assert(kGroup != 0 || !kZeros, "zero points are group-wise");
+  constexpr bool kGrouped = kGroup != 0;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int W = blockDim.x >> 5, G = gridDim.x, nthreads = blockDim.x;
+  const int g = lane >> 2, t = lane & 3;
+  const int M = sh.M, xg = sh.x_cap / 128;
+
+  extern __shared__ __align__(128) unsigned char chain_smem[];
+  float* sums = reinterpret_cast<float*>(chain_smem);
+  T* xs = reinterpret_cast<T*>(chain_smem + (static_cast<size_t>(sh.sums) * 4 + 15) / 16 * 16);
+  float* xsum = reinterpret_cast<float*>(xs + static_cast<size_t>(M) * sh.x_cap);  // [M][x_cap / 128]
+  const int slot_bytes = static_cast<int>(chain11_slot_bytes(sh));
+  unsigned char* stage = reinterpret_cast<unsigned char*>(xsum) +
+                         (static_cast<size_t>(M) * xg * 4 + 15) / 16 * 16 +
+                         static_cast<size_t>(warp) * sh.stages * slot_bytes;  // this warp's slots
+  for (int q = threadIdx.x; q < sh.sums; q += nthreads) sums[q] = 0.f;
+  __syncthreads();
+  const bool timed = wait_cycles && threadIdx.x == 0;
+  long long t_spin = 0, t_warps = 0, t_finish = 0, t_prep = 0;
+  const long long t_begin = timed ? clock64() : 0;
+
+  // ---- the issue side: this lane's words of the warp's next tile, across ops
+  int i_op = -1, left = 0;
+  Chain11Cursor ic{0, 0, 0, 0, 0, 1, 0, 0, 0};
+  const uint4* wsrc = nullptr;
+  const uint8_t* msrc = nullptr;
+  const int mb = sh.meta_bytes;
+  auto aim = [&] {  // the next segment of the issue side (past the last op: left stays 0)
+    while (i_op < nops && ic.pos >= ic.end)
+      if (++i_op < nops) chain11_start(ops[i_op], blockIdx.x, G, warp, W, ic);
+    if (i_op >= nops) return;
+    const Chain5Op& o = ops[i_op];
+    const long long tile = static_cast<long long>(ic.panel) * ic.tpp + ic.kt;
+    left = min(ic.tpp - ic.kt, ic.end - ic.pos);
+    wsrc = reinterpret_cast<const uint4*>(static_cast<const char*>(o.p.qweight) + tile * kChainTileBytes +
+                                          g * kTileBytes + 16 * t);
+    if constexpr (kGrouped) msrc = o.meta + tile * mb;
+    chain11_advance(ic, left);
+  };
+  uint4 bw0[kD], bw1[kD];
+  uint32_t bs[kD], bz[kD];
+  // Hand-off staging: at an op's end each warp copies its next sh.stages
+  // tiles into its slots (cp.async), so HBM keeps streaming while the block
+  // waits; the fetches after the hand-off read them from there.
+  // The slots are a ring (a warp's run of an op can be shorter than it: the
+  // o projection's are about 4 tiles): head the next to fetch, staged the
+  // tiles in it.
+  int staged = 0, head = 0;
+  const int lane_off = g * kTileBytes + 16 * t;
+  auto stage_ahead = [&] {
+    __syncwarp();  // every lane has read the slots it will refill (their meta is shared)
+    for (; staged < sh.stages && left > 0; ++staged) {
+      int h = head + staged;
+      if (h >= sh.stages) h -= sh.stages;
+      unsigned char* slot = stage + h * slot_bytes;
+      cp_async_16_shared_data(slot + lane_off, wsrc);
+      cp_async_16_shared_data(slot + lane_off + 8 * kTileBytes, wsrc + 8 * kTileBytes / 16);
+      if constexpr (kGrouped) {
+        if (lane < mb / 16) cp_async_16_shared_data(slot + kChainTileBytes + 16 * lane, msrc + 16 * lane);
+        msrc += mb;
+      }
+      wsrc += kChainTileBytes / 16;
+      if (--left == 0) aim();
+    }
+    cp_async_commit();
+  };
+  auto fetch = [&](int d) {  // d: a compile-time index once unrolled
+    if (staged > 0) {  // (landed: the hand-off waited for the copies before its last barrier)
+      const unsigned char* slot = stage + head * slot_bytes;
+      bw0[d] = *reinterpret_cast<const uint4*>(slot + lane_off);
+      bw1[d] = *reinterpret_cast<const uint4*>(slot + lane_off + 8 * kTileBytes);
+      if constexpr (kGrouped) {
+        bs[d] = *reinterpret_cast<const unsigned*>(slot + kChainTileBytes + 4 * g);
+        if constexpr (kZeros) bz[d] = *reinterpret_cast<const unsigned short*>(slot + kChainTileBytes + 32 + 2 * g);
+      }
+      if (++head == sh.stages) head = 0;
+      --staged;
+    } else if (left > 0) {
+      bw0[d] = ldg_stream(wsrc);
+      bw1[d] = ldg_stream(wsrc + 8 * kTileBytes / 16);
+      if constexpr (kGrouped) {
+        bs[d] = __ldg(reinterpret_cast<const unsigned*>(msrc + 4 * g));
+        if constexpr (kZeros) bz[d] = __ldg(reinterpret_cast<const unsigned short*>(msrc + 32 + 2 * g));
+        msrc += mb;
+      }
+      wsrc += kChainTileBytes / 16;
+      if (--left == 0) aim();
+    }
+  };
+
+  // ---- the consumer side
+  int i = -1;  // the op being consumed
+  Chain11Cursor cur{0, 0, 0, 0, 0, 1, 0, 0, 0};
+  int seg_len = 0, seg_left = 0;
+  bool open = false;
+  float acc[4], c0[4], c1[4], xa0 = 0.f, xa1 = 0.f, sc0 = 1.f, sc1 = 1.f;
+  const T* xk = xs;
+  const float *X0 = xsum, *X1 = xsum;
+  const int tokx = min(g, M - 1), tok0 = min(2 * t, M - 1), tok1 = min(2 * t + 1, M - 1);
+
+  // Op o's input: global (written by other blocks in this launch: through L2)
+  // -> xs, the high-nibble positions / 16, and 2^-24 x the sums of each 128.
+  auto prep_input = [&](const GemvParams& p) {
+    if (sh.skip & 2) return;  // lab: no hand-off at all (results wrong)
+    __syncthreads();  // thread 0's spin is over; every warp is past the last op's reads of xs
+    const long long p0 = timed ? clock64() : 0;
+    const int chunks = p.K / 8;
+    constexpr int kU = 2;  // chunks in flight per thread: the L2 loads first, then the math (4 spilled)
+    for (int m = 0; m < M; ++m)
+      for (int cb = warp * 32; cb < chunks; cb += kU * W * 32) {  // warp-uniform (the shuffles)
+        uint4 vs[kU];
+        const uint4* src = reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + static_cast<size_t>(m) * p.ldx);
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int c = cb + u * W * 32 + lane;
+          if (c < chunks) vs[u] = __ldcg(src + c);
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+        const int c = cb + u * W * 32 + lane;
+        if (cb + u * W * 32 >= chunks) break;
+        float s = 0.f;
+        if (c < chunks) {
+          uint4 v = vs[u];
+          s = chain_nibble_input(v);
+          reinterpret_cast<uint4*>(xs + static_cast<size_t>(m) * sh.x_cap)[c] = v;
+        }
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (c < chunks && lane % 16 == 0) xsum[m * xg + c / 16] = s * 0x1p-24f;
+        }
+      }
+    cp_async_wait<0>();  // this thread's staged tiles have landed (the barrier: everyone's)
+    __syncthreads();
+    if (timed) t_prep += clock64() - p0;
+  };
+
+  // Every warp is past op i: finish the block's panels, count the block, wait for the others.
+  auto op_end = [&](int oi) {
+    const Chain5Op& o = ops[oi];
+    const GemvParams& p = o.p;
+    if (sh.skip & 2) return;  // lab: no hand-off at all (results wrong)
+    if (oi + 1 < nops) stage_ahead();
+    long long u0, u1;
+    chain_range(chain8_units(o), blockIdx.x, G, u0, u1);
+    const int ppu = chain8_ppu(o), vals = kPanelRows * M;
+    const bool silu = o.out == static_cast<int>(ChainOut::kSiluMul);
+    const bool resid = o.out == static_cast<int>(ChainOut::kResidual);
+    const int count = static_cast<int>(u1 - u0) * vals;
+    // The residual (an earlier op's output, complete since its hand-off) of
+    // this thread's first value: its L2 round trip under the barrier's wait.
+    float res0 = 0.f;
+    if (resid && threadIdx.x < count) {
+      const int tok = (threadIdx.x % vals) / kPanelRows, r = threadIdx.x % kPanelRows;
+      const int row = static_cast<int>(u0 + threadIdx.x / vals) * kPanelRows + r;
+      res0 = to_float(__ldcg(static_cast<const T*>(o.res) + static_cast<size_t>(tok) * p.N + row));
+    }
+    const long long f0 = timed ? clock64() : 0;
+    __syncthreads();
+    const long long f1 = timed ? clock64() : 0;
+    for (int q = threadIdx.x; q < count; q += nthreads) {
+      const int u = q / vals, tok = (q % vals) / kPanelRows, r = q % kPanelRows;
+      float* sp = sums + (static_cast<size_t>(u * ppu) * M + tok) * kPanelRows + r;
+      float v = to_float(from_float<T>(*sp));
+      if (silu) {
+        float* up = sp + M * kPanelRows;
+        v = v / (1.f + __expf(-v)) * to_float(from_float<T>(*up));
+        *up = 0.f;
+      }
+      const int row = static_cast<int>(u0 + u) * kPanelRows + r;
+      if (resid)
+        v += q == threadIdx.x ? res0 : to_float(__ldcg(static_cast<const T*>(o.res) + static_cast<size_t>(tok) * p.N + row));
+      static_cast<T*>(p.y)[static_cast<size_t>(tok) * p.ldy + row] = from_float<T>(v);
+      *sp = 0.f;
+    }
+    __syncthreads();  // the block's outputs of op oi are written
+    if (timed) t_warps += f1 - f0, t_finish += clock64() - f1;
+    if (threadIdx.x == 0) {
+      if (oi + 1 == nops) {
+        // Nobody polls the last counter, and every block that counted itself
+        // in it is past every other poll: the last one resets them all.
+        __threadfence();
+        if (atomicAdd(sync + oi, 1u) == static_cast<unsigned>(G - 1)) {
+          __threadfence();
+          for (int j = 0; j < nops; ++j) atomicExch(sync + j, 0u);
+        }
+      } else if (!(sh.skip & 1)) {
+        // A release reduction (the block's outputs, ordered before it by the
+        // barrier, are visible to whoever acquires the count), no return
+        // value: the first poll leaves at once.
+        red_release_add_gpu(sync + oi, 1u);
+        const long long s0 = timed ? clock64() : 0;
+        while (ld_acquire_gpu(sync + oi) < static_cast<unsigned>(G)) {
+        }
+        if (timed) t_spin += clock64() - s0;
+      }
+    }
+  };
+
+  // The segment's sums (2^-24 of the true ones) into the block's buffer.
+  auto seg_flush = [&] {
+    float v[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if constexpr (kGrouped) {
+        v[e] = acc[e] * 0x1p24f;
+      } else {
+        v[e] = (c0[e] + c1[e] - 8.f * ((e & 1) ? xa1 : xa0)) * 0x1p24f * (e >= 2 ? sc1 : sc0);
+      }
+    }
+    float* sp = sums + static_cast<size_t>(cur.vp) * M * kPanelRows;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int tok = 2 * t + (e & 1);
+      if ((!kM1 || (e & 1) == 0) && tok < M) atomicAdd(sp + tok * kPanelRows + g + (e >= 2 ? 8 : 0), v[e]);
+    }
+  };
+
+  // Past a segment's last tile (or before the first): the next segment, through op ends.  false: done.
+  auto boundary = [&]() -> bool {
+    if (open) {
+      seg_flush();
+      chain11_advance(cur, seg_len);
+      open = false;
+    }
+    while (cur.pos >= cur.end) {
+      if (i >= 0) op_end(i);
+      if (++i >= nops) return false;
+      chain11_start(ops[i], blockIdx.x, G, warp, W, cur);
+      prep_input(ops[i].p);
+    }
+    seg_len = seg_left = min(cur.tpp - cur.kt, cur.end - cur.pos);
+    open = true;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[e] = c0[e] = c1[e] = 0.f;
+    xa0 = xa1 = 0.f;
+    xk = xs + static_cast<size_t>(tokx) * sh.x_cap + 8 * t + cur.kt * 128;
+    X0 = xsum + tok0 * xg + cur.kt;
+    X1 = xsum + tok1 * xg + cur.kt;
+    if constexpr (!kGrouped) {
+      const __half* sc = static_cast<const __half*>(ops[i].p.scales) + cur.panel * kPanelRows;
+      sc0 = __half2float(sc[g]);
+      sc1 = __half2float(sc[g + 8]);
+    }
+    return true;
+  };
+
+  aim();
+#pragma unroll
+  for (int d = 0; d < kD; ++d) fetch(d);
+  for (;;) {
+#pragma unroll
+    for (int d = 0; d < kD; ++d) {
+      if (seg_left == 0 && !boundary()) goto done;
+      {
+        const uint4 w0 = bw0[d], w1 = bw1[d];
+        float p0[4] = {0.f, 0.f, 0.f, 0.f}, p1[4] = {0.f, 0.f, 0.f, 0.f};
+        float(&q0)[4] = kGrouped ? p0 : c0;
+        float(&q1)[4] = kGrouped ? p1 : c1;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          chain_nibble_mma(word_of(w0, j), word_of(w1, j), *reinterpret_cast<const uint4*>(xk + 32 * j), q0, q1);
+        }
+        const float xa = *X0, xb = kM1 ? xa : *X1;
+        if constexpr (kGrouped) {
+          const __half2 s2 = *reinterpret_cast<const __half2*>(&bs[d]);
+          const float s0 = __low2float(s2), s1 = __high2float(s2);
+          float z0 = 8.f, z1 = 8.f;
+          if constexpr (kZeros) {
+            z0 = static_cast<float>(bz[d] & 0xffu);
+            z1 = static_cast<float>((bz[d] >> 8) & 0xffu);
+          }
+          const float sz0 = -s0 * z0, sz1 = -s1 * z1;
+          acc[0] = fmaf(sz0, xa, fmaf(p0[0] + p1[0], s0, acc[0]));
+          acc[2] = fmaf(sz1, xa, fmaf(p0[2] + p1[2], s1, acc[2]));
+          if constexpr (!kM1) {
+            acc[1] = fmaf(sz0, xb, fmaf(p0[1] + p1[1], s0, acc[1]));
+            acc[3] = fmaf(sz1, xb, fmaf(p0[3] + p1[3], s1, acc[3]));
+          }
+        } else {
+          xa0 += xa;
+          if constexpr (!kM1) xa1 += xb;
+        }
+      }
+      fetch(d);
+      xk += 128;
+      ++X0;
+      ++X1;
+      --seg_left;
+    }
+  }
+done:
+  if (timed) {
+    atomicAdd(wait_cycles + blockIdx.x, static_cast<unsigned long long>(t_spin));
+    atomicAdd(wait_cycles + G + blockIdx.x, static_cast<unsigned long long>(t_warps));
+    atomicAdd(wait_cycles + 2 * G + blockIdx.x, static_cast<unsigned long long>(t_finish));
+    atomicAdd(wait_cycles + 3 * G + blockIdx.x, static_cast<unsigned long long>(t_prep));
+    atomicAdd(wait_cycles + 4 * G + blockIdx.x, static_cast<unsigned long long>(clock64() - t_begin));
+  }
+}
+
+// Form 11's kernel for kD = sh.stage_tiles (2 or 4) and M; f(kernel); false when there is none.
+template <int kGroup, bool kZeros, typename F>
+bool chain11_dispatch(const ChainShape& sh, F&& f) {
+  const bool m1 = sh.M == 1;
+  if (sh.stage_tiles == 2) m1 ? f(chain11_kernel<kGroup, kZeros, 2, true>) : f(chain11_kernel<kGroup, kZeros, 2, false>);
+  else if (sh.stage_tiles == 4) m1 ? f(chain11_kernel<kGroup, kZeros, 4, true>) : f(chain11_kernel<kGroup, kZeros, 4, false>);
+  else return false;
+  return true;
+}
+
+template <int kGroup, bool kZeros>
+bool chain11_fits(const ChainShape& sh, int warps) {
+  if (warps < 1 || warps > kChain11MaxWarps || sh.M > 8) return false;
+  const size_t smem = chain11_smem_bytes(sh, warps);
+  bool fits = false;
+  const bool known = chain11_dispatch<kGroup, kZeros>(sh, [&](auto kernel) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) !=
+        cudaSuccess) {
+      (void)cudaGetLastError();
+      return;
+    }
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, warps * kWarpSize, smem) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return;
+    }
+    fits = n >= 1;
+  });
+  return known && fits;
+}
+
+template <int kGroup, bool kZeros>
+Status chain11_launch(const Chain5Op* d_ops, int nops, const ChainShape& sh, unsigned* d_sync, int blocks, int warps,
+                      cudaStream_t stream, unsigned long long* wait_cycles = nullptr) {
+  if (warps < 1 || warps > kChain11MaxWarps || blocks < 1 || nops < 1 || sh.M > 8) return Status::kBadShape;
+  const size_t smem = chain11_smem_bytes(sh, warps);
+  if (!chain11_dispatch<kGroup, kZeros>(sh, [&](auto kernel) {
+        kernel<<<blocks, warps * kWarpSize, smem, stream>>>(d_ops, nops, sh, d_sync, wait_cycles);
       }))
     return Status::kBadShape;
   return cudaGetLastError() == cudaSuccess ? Status::kOk : Status::kLaunchFailed;

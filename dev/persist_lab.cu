@@ -7,12 +7,14 @@
 //   /tmp/persist_lab [--probe-only | --no-probe] [--tma-probe] [--no-ceiling] [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers L]
 //                    [--ms 1,4] [--forms 5,6] [--warps 12,16] [--stages 4] [--stage-tiles 2]
 //                    [--formats int4g128a,int4,int8]
-//   (--forms: the kernel's forms 5-10 (csrc/persist_chain.cuh; 6 is form 5 finished by block slices, 10 form 9
-//    with two MMA chains a tile), default 5;
+//   (--forms: the kernel's forms 5-9 and 11 (csrc/persist_chain.cuh; 6 is form 5 finished by block slices),
+//    default 5;
 //    --warps: consumer warps per block; --stages x --stage-tiles: each warp's weight ring, in 1 KB tiles
-//    (forms 9, 10: a ring of --stage-tiles one-tile slots, 4 or 8; --stages is ignored);
-//    --skip 0,1,5,37: timing experiments, ChainShape::skip: 1 no waits, 2 no input preparation (form 9),
-//    4 no tile math, 32 no flush;
+//    (form 9: a ring of --stage-tiles one-tile slots, 4 or 8; --stages is ignored; form 11 (int4 per
+//    channel or G = 128): --stage-tiles is the register ring, 2 or 4 tiles, and --stages each warp's
+//    hand-off staging in shared memory, 0 for none);
+//    --skip 0,1,5,37: timing experiments, ChainShape::skip: 1 no waits, 2 no input preparation (form 9;
+//    form 11: no hand-off at all), 4 no tile math, 32 no flush;
 //    --no-ceiling: skip the 2 GB read that measures the ceiling, for runs under compute-sanitizer)
 //
 // Part 1, the probes (a co-resident grid of SMs x 1 blocks of 256 threads):
@@ -131,7 +133,8 @@ float graph_us(F&& body, cudaStream_t st) {
 // One linear's packed weight on the device.
 struct Lin {
   void *w = nullptr, *s = nullptr, *z = nullptr;
-  uint8_t* meta = nullptr;  // grouped: scales / zeros in the persistent kernel's tile order
+  uint8_t* meta = nullptr;    // grouped: scales / zeros in the persistent kernel's tile order
+  uint8_t* meta11 = nullptr;  // the same in form 11's order (chain_meta11; G = 128)
   int N, K, Kp;
   size_t wbytes, bytes;
 };
@@ -166,21 +169,26 @@ Lin make_lin(const Fmt& f, int N, int K, std::mt19937& rng) {
   CK(cudaMemcpy(L.w, hw.data(), L.wbytes, cudaMemcpyHostToDevice));
   CK(cudaMalloc(&L.s, hs.size() * 2));
   CK(cudaMemcpy(L.s, hs.data(), hs.size() * 2, cudaMemcpyHostToDevice));
+  std::vector<uint8_t> hz_keep;
   if (f.zeros) {
-    std::vector<uint8_t> hz(size_t(N) * ng);
+    std::vector<uint8_t>& hz = hz_keep;
+    hz.resize(size_t(N) * ng);
     for (auto& v : hz) v = rng() & 15;
     CK(cudaMalloc(&L.z, hz.size()));
     CK(cudaMemcpy(L.z, hz.data(), hz.size(), cudaMemcpyHostToDevice));
     L.bytes += hz.size();
-    if (f.group) {
-      const auto meta = qgemv::chain_meta(reinterpret_cast<const uint16_t*>(hs.data()), hz.data(), N, K, f.group);
-      CK(cudaMalloc(&L.meta, meta.size()));
-      CK(cudaMemcpy(L.meta, meta.data(), meta.size(), cudaMemcpyHostToDevice));
-    }
-  } else if (f.group) {
-    const auto meta = qgemv::chain_meta(reinterpret_cast<const uint16_t*>(hs.data()), nullptr, N, K, f.group);
+  }
+  if (f.group) {
+    const uint16_t* hs16 = reinterpret_cast<const uint16_t*>(hs.data());
+    const uint8_t* hz8 = f.zeros ? hz_keep.data() : nullptr;
+    const auto meta = qgemv::chain_meta(hs16, hz8, N, K, f.group);
     CK(cudaMalloc(&L.meta, meta.size()));
     CK(cudaMemcpy(L.meta, meta.data(), meta.size(), cudaMemcpyHostToDevice));
+    if (f.group == 128) {
+      const auto m11 = qgemv::chain_meta11(hs16, hz8, N, K);
+      CK(cudaMalloc(&L.meta11, m11.size()));
+      CK(cudaMemcpy(L.meta11, m11.data(), m11.size(), cudaMemcpyHostToDevice));
+    }
   }
   return L;
 }
@@ -220,6 +228,13 @@ struct Variant {
 template <int kBits, int kGroup, bool kZeros>
 bool launch5_t(const Variant& v, const ChainShape& sh, const qgemv::Chain5Op* ops, int nops, unsigned* sync,
                int blocks, cudaStream_t st, unsigned long long* wait) {
+  if (v.form == 11) {
+    if constexpr (kBits == 4 && (kGroup == 0 || kGroup == 128)) {
+      if (!ops) return qgemv::chain11_fits<kGroup, kZeros>(sh, v.warps);
+      return qgemv::chain11_launch<kGroup, kZeros>(ops, nops, sh, sync, blocks, v.warps, st, wait) == qgemv::Status::kOk;
+    }
+    return false;
+  }
   if (v.form >= 7) {
     if (!ops) return qgemv::chain7_fits<__half, kBits, kGroup, kZeros>(sh, v.warps, v.form);
     return qgemv::chain7_launch<__half, kBits, kGroup, kZeros>(ops, nops, sh, sync, blocks, v.warps, v.form, st, wait) ==
@@ -293,7 +308,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       // The chain: per layer q/k/v -> o (reads q; attention's stand-in) -> gate/up (after o + residual) ->
       // down (after SiLU * mul); the next layer's q/k/v reads down + residual, and so does the output
       // X[layers].  Every op writes its own activation buffer and the next op reads it.
-      std::vector<qgemv::Chain5Op> ops5;
+      std::vector<qgemv::Chain5Op> ops5, ops11;
       std::vector<void*> bufs5;
       for (int l = 0; l < layers; ++l) {
         const Lin* L = &lins[4 * l];
@@ -320,11 +335,16 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           bufs5.push_back(o.acc);
           bufs5.push_back(o.panel_cnt);
           ops5.push_back(o);
+          o.meta = L[j].meta11;
+          ops11.push_back(o);
         }
       }
       qgemv::Chain5Op* d_ops5;
       CK(cudaMalloc(&d_ops5, ops5.size() * sizeof(qgemv::Chain5Op)));
       CK(cudaMemcpy(d_ops5, ops5.data(), ops5.size() * sizeof(qgemv::Chain5Op), cudaMemcpyHostToDevice));
+      qgemv::Chain5Op* d_ops11;  // form 11: the same ops with its meta order
+      CK(cudaMalloc(&d_ops11, ops11.size() * sizeof(qgemv::Chain5Op)));
+      CK(cudaMemcpy(d_ops11, ops11.data(), ops11.size() * sizeof(qgemv::Chain5Op), cudaMemcpyHostToDevice));
       unsigned* d_cnt;
       CK(cudaMalloc(&d_cnt, 2 * ops5.size() * 4));
       CK(cudaMemset(d_cnt, 0, 2 * ops5.size() * 4));
@@ -410,22 +430,24 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         const int blocks = sms;
         const int nops = static_cast<int>(ops5.size());
         // Form 9's ring is --stage-tiles one-tile slots per warp (sh.stages 1).
-        ChainShape sh{v.stage_tiles, v.form >= 9 ? 1 : v.stages, qgemv::chain_meta_bytes(f.group, f.zeros),
+        // Form 11: --stages is each warp's hand-off staging, in tiles (0: none).
+        ChainShape sh{v.stage_tiles, v.form == 11 ? v.stages : v.form >= 9 ? 1 : v.stages, qgemv::chain_meta_bytes(f.group, f.zeros),
                       std::max(m.H, m.I), M, v.skip, v.form == 6 ? 1 : 0,
                       v.form >= 8 ? qgemv::chain8_sums(ops5.data(), nops, blocks, M) : 0};
         const bool fits = launch5_fmt(f, v, sh, nullptr, nops, nullptr, blocks, st);
         if (M > 8 || !fits) {
           std::printf("%-10s %3d form %d w%d s%d t%d: does not fit (%zu B of shared memory%s)\n", f.name, M, v.form,
                       v.warps, v.stages, v.stage_tiles,
-                      v.form >= 7 ? qgemv::chain7_smem_bytes<__half>(sh, v.warps, v.form >= 8, v.form >= 9)
-                                  : qgemv::chain5_smem_bytes<__half>(sh, v.warps, nops),
+                      v.form == 11  ? qgemv::chain11_smem_bytes(sh, v.warps)
+                      : v.form >= 7 ? qgemv::chain7_smem_bytes<__half>(sh, v.warps, v.form >= 8, v.form >= 9)
+                                    : qgemv::chain5_smem_bytes<__half>(sh, v.warps, nops),
                       M > 8 ? ", M > 8" : "");
           continue;
         }
         for (int l = 1; l <= layers; ++l) CK(cudaMemset(X[l], 0xff, size_t(M) * m.H * 2));  // poison
         unsigned long long* wait = nullptr;
         auto go = [&] {
-          const bool ok = launch5_fmt(f, v, sh, d_ops5, nops, d_cnt, blocks, st, wait);
+          const bool ok = launch5_fmt(f, v, sh, v.form == 11 ? d_ops11 : d_ops5, nops, d_cnt, blocks, st, wait);
           if (!ok) {
             std::fprintf(stderr, "persistent launch failed\n");
             std::exit(1);
@@ -478,7 +500,12 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           if (v.skip & (1 << bit)) tag += bit_names[bit];
         std::snprintf(form, sizeof form, "form%d w%d s%d t%d%s", v.form, v.warps, v.stages, v.stage_tiles, tag.c_str());
         row(form, blocks, us, err);
-        if (v.form >= 7)
+        if (v.form == 11)
+          std::printf("%-10s %3d   per layer, warp 0 of a block (mean): %.2f us spinning on others (%.1f the most), "
+                      "%.2f waiting for the block's warps, %.2f finishing, %.2f preparing the input; %.2f in all\n",
+                      f.name, M, wsum / blocks * per_us, wmax * per_us, bsum / blocks * per_us, ssum / blocks * per_us,
+                      isum / blocks * per_us, qsum / blocks * per_us);
+        else if (v.form >= 7)
           std::printf("%-10s %3d   per layer, a block's mean: control warp %.2f us spinning on others (%.1f the most), "
                       "%.2f flushing; consumer warp 0 %.2f waiting for weights, %.2f for inputs, %.2f for a queue slot\n",
                       f.name, M, wsum / blocks * per_us, wmax * per_us, bsum / blocks * per_us, ssum / blocks * per_us,
@@ -490,6 +517,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
                       "copying inputs", ssum / blocks * per_us, "warp 0");
       }
       CK(cudaFree(d_ops5));
+      CK(cudaFree(d_ops11));
       for (void* pb : bufs5) CK(cudaFree(pb));
       CK(cudaFree(d_cnt));
       for (auto* p : X) CK(cudaFree(p));
@@ -502,6 +530,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       CK(cudaFree(L.s));
       if (L.z) CK(cudaFree(L.z));
       if (L.meta) CK(cudaFree(L.meta));
+      if (L.meta11) CK(cudaFree(L.meta11));
     }
   }
   return failures;
@@ -703,8 +732,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   for (int s : stages)
-    if (s < 2) {
-      std::fprintf(stderr, "--stages: at least 2\n");
+    if (s < 0) {  // forms 5-8 need 2 (their ring); form 11 takes 0 (no hand-off staging)
+      std::fprintf(stderr, "--stages: at least 0\n");
       return 2;
     }
   for (int w : warps)
@@ -713,8 +742,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   for (int f : forms)
-    if (f < 5 || f > 10) {
-      std::fprintf(stderr, "--forms: 5 to 10\n");
+    if (f < 5 || f == 10 || f > 11) {
+      std::fprintf(stderr, "--forms: 5 to 9, 11\n");
       return 2;
     }
   for (int t : tiles)
