@@ -10,8 +10,8 @@
 //
 // Forms 1-4 are in git and in dev/PERSISTENT.md; this header holds form 5, its
 // variant form 6 (ChainShape::slices), forms 7-9 (chain7_kernel; form 9 is
-// described above that kernel's form-9 branch) and form 11 (chain11_kernel,
-// the fastest, int4 only).  Not yet built into the extension:
+// described above that kernel's form-9 branch) and forms 11 and 12
+// (chain11_kernel; 12, the fastest, passes paired activations; int4 only).  Not yet built into the extension:
 // dev/persist_lab.cu runs them against qgemv's per-op GEMVs.
 //
 // Not deterministic: a panel's partial sums (one per warp that touched it)
@@ -40,6 +40,7 @@ struct ChainShape {
   int slices = 0;   // finishing: 0 per panel, by the warp completing it (form 5); 1 per block slice, by the sync
                     //    warps once the op's sums are complete everywhere (form 6)
   int sums = 0;     // form 8: fp32 values of the block's sum buffer (chain8_sums)
+  int paired = 0;   // form 12: form 11 with paired activations (ChainPaired)
 };
 
 constexpr int kChainTileBytes = kPanelRows * kTileBytes;  // 1 KB: one tile of one panel
@@ -121,6 +122,19 @@ struct Chain5Op {
   unsigned* panel_cnt;   // [N / 16] (kSiluMul: [N / 32]) zero before the first launch; left zero
   const void* res;       // kResidual: [M, N], row stride N
   int out;               // ChainOut
+  int flags = 0;         // form 12 (ChainPaired): which of x, res, y are plain activations
+};
+
+// Form 12's activations carry their own readiness: each element of an op's
+// output is a 32-bit word, the value (fp16) in the low half and the launch's
+// epoch in the high half, written by the producing block without a fence or
+// a count; a consumer polls the words it reads until their epoch is the
+// launch's.  Inputs from outside the launch (the first op's x, residuals
+// written before it) and the last op's output are plain.
+enum ChainPaired : int {
+  kChainPlainX = 1,    // x is plain (ready at launch)
+  kChainPlainRes = 2,  // res is plain
+  kChainPlainY = 4,    // y is plain (nothing in this launch reads it)
 };
 
 constexpr int kChain5MaxWarps = 16;
@@ -1315,6 +1329,20 @@ __device__ __forceinline__ void chain11_advance(Chain11Cursor& c, int n) {
   }
 }
 
+__device__ __forceinline__ uint4 ld_relaxed_gpu_v4(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+// Whether four paired words all carry epoch e.
+__device__ __forceinline__ bool paired_ready(const uint4& v, unsigned e) {
+  return (v.x >> 16) == e && (v.y >> 16) == e && (v.z >> 16) == e && (v.w >> 16) == e;
+}
+
 __device__ __forceinline__ void red_release_add_gpu(unsigned* p, unsigned v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -1337,7 +1365,7 @@ __host__ __device__ inline size_t chain11_smem_bytes(const ChainShape& sh, int w
          static_cast<size_t>(warps) * sh.stages * chain11_slot_bytes(sh);
 }
 
-template <int kGroup, bool kZeros, int kD, bool kM1>
+template <int kGroup, bool kZeros, int kD, bool kM1, bool kPaired>
 __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     chain11_kernel(const Chain5Op* __restrict__ ops, int nops, ChainShape sh, unsigned* sync,
                    unsigned long long* wait_cycles) {
@@ -1362,6 +1390,8 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
   __syncthreads();
   const bool timed = wait_cycles && threadIdx.x == 0;
   long long t_spin = 0, t_warps = 0, t_finish = 0, t_prep = 0;
+  // Form 12: this launch's epoch (1..32767; the previous launch left its count in sync[nops]).
+  const unsigned epoch = kPaired ? __ldcg(sync + nops) % 32767u + 1u : 0u;
   const long long t_begin = timed ? clock64() : 0;
 
   // ---- the issue side: this lane's words of the warp's next tile, across ops
@@ -1445,20 +1475,43 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
 
   // Op o's input: global (written by other blocks in this launch: through L2)
   // -> xs, the high-nibble positions / 16, and 2^-24 x the sums of each 128.
-  auto prep_input = [&](const GemvParams& p) {
+  auto prep_input = [&](const GemvParams& p, int o_flags) {
     if (sh.skip & 2) return;  // lab: no hand-off at all (results wrong)
     __syncthreads();  // thread 0's spin is over; every warp is past the last op's reads of xs
     const long long p0 = timed ? clock64() : 0;
     const int chunks = p.K / 8;
-    constexpr int kU = 2;  // chunks in flight per thread: the L2 loads first, then the math (4 spilled)
+    // chunks in flight per thread: the L2 loads first, then the math (4 spilled; form 12 with kD = 4
+    // spills at 2, and more at 1)
+    constexpr int kU = 2;
     for (int m = 0; m < M; ++m)
       for (int cb = warp * 32; cb < chunks; cb += kU * W * 32) {  // warp-uniform (the shuffles)
         uint4 vs[kU];
-        const uint4* src = reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + static_cast<size_t>(m) * p.ldx);
+        if (kPaired && !(o_flags & kChainPlainX)) {
+          // 8 words a chunk, polled until all carry this launch's epoch
+          const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(p.x) + static_cast<size_t>(m) * p.ldx);
+          uint4 a[kU], b[kU];
 #pragma unroll
-        for (int u = 0; u < kU; ++u) {
-          const int c = cb + u * W * 32 + lane;
-          if (c < chunks) vs[u] = __ldcg(src + c);
+          for (int u = 0; u < kU; ++u) {
+            const int c = cb + u * W * 32 + lane;
+            if (c < chunks) a[u] = ld_relaxed_gpu_v4(src + 2 * c), b[u] = ld_relaxed_gpu_v4(src + 2 * c + 1);
+          }
+#pragma unroll
+          for (int u = 0; u < kU; ++u) {
+            const int c = cb + u * W * 32 + lane;
+            if (c < chunks) {
+              while (!paired_ready(a[u], epoch) || !paired_ready(b[u], epoch))
+                a[u] = ld_relaxed_gpu_v4(src + 2 * c), b[u] = ld_relaxed_gpu_v4(src + 2 * c + 1);
+              vs[u] = make_uint4(__byte_perm(a[u].x, a[u].y, 0x5410), __byte_perm(a[u].z, a[u].w, 0x5410),
+                                 __byte_perm(b[u].x, b[u].y, 0x5410), __byte_perm(b[u].z, b[u].w, 0x5410));
+            }
+          }
+        } else {
+          const uint4* src = reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + static_cast<size_t>(m) * p.ldx);
+#pragma unroll
+          for (int u = 0; u < kU; ++u) {
+            const int c = cb + u * W * 32 + lane;
+            if (c < chunks) vs[u] = __ldcg(src + c);
+          }
         }
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
@@ -1494,12 +1547,17 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     const int count = static_cast<int>(u1 - u0) * vals;
     // The residual (an earlier op's output, complete since its hand-off) of
     // this thread's first value: its L2 round trip under the barrier's wait.
+    const bool pres = kPaired && !(o.flags & kChainPlainRes), py = kPaired && !(o.flags & kChainPlainY);
+    // (a paired residual was some earlier op's input: every block has seen all of it)
+    auto res_at = [&](int tok, int row) {
+      const size_t at = static_cast<size_t>(tok) * p.N + row;
+      return pres ? __half2float(__ushort_as_half(static_cast<unsigned short>(__ldcg(static_cast<const uint32_t*>(o.res) + at))))
+                  : to_float(__ldcg(static_cast<const T*>(o.res) + at));
+    };
     float res0 = 0.f;
-    if (resid && threadIdx.x < count) {
-      const int tok = (threadIdx.x % vals) / kPanelRows, r = threadIdx.x % kPanelRows;
-      const int row = static_cast<int>(u0 + threadIdx.x / vals) * kPanelRows + r;
-      res0 = to_float(__ldcg(static_cast<const T*>(o.res) + static_cast<size_t>(tok) * p.N + row));
-    }
+    if (resid && threadIdx.x < count)
+      res0 = res_at((threadIdx.x % vals) / kPanelRows,
+                    static_cast<int>(u0 + threadIdx.x / vals) * kPanelRows + threadIdx.x % kPanelRows);
     const long long f0 = timed ? clock64() : 0;
     __syncthreads();
     const long long f1 = timed ? clock64() : 0;
@@ -1513,10 +1571,20 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
         *up = 0.f;
       }
       const int row = static_cast<int>(u0 + u) * kPanelRows + r;
-      if (resid)
-        v += q == threadIdx.x ? res0 : to_float(__ldcg(static_cast<const T*>(o.res) + static_cast<size_t>(tok) * p.N + row));
-      static_cast<T*>(p.y)[static_cast<size_t>(tok) * p.ldy + row] = from_float<T>(v);
+      if (resid) v += q == threadIdx.x ? res0 : res_at(tok, row);
+      const size_t at = static_cast<size_t>(tok) * p.ldy + row;
+      if (py) {
+        const uint32_t word = __half_as_ushort(__float2half_rn(v)) | (epoch << 16);
+        asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(static_cast<uint32_t*>(p.y) + at), "r"(word) : "memory");
+      } else {
+        static_cast<T*>(p.y)[at] = from_float<T>(v);
+      }
       *sp = 0.f;
+    }
+    if constexpr (kPaired) {  // no count: the words say when they are there
+      if (oi + 1 == nops && blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(sync + nops, 1u);  // the next epoch
+      if (timed) t_warps += f1 - f0, t_finish += clock64() - f1;
+      return;
     }
     __syncthreads();  // the block's outputs of op oi are written
     if (timed) t_warps += f1 - f0, t_finish += clock64() - f1;
@@ -1572,7 +1640,7 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
       if (i >= 0) op_end(i);
       if (++i >= nops) return false;
       chain11_start(ops[i], blockIdx.x, G, warp, W, cur);
-      prep_input(ops[i].p);
+      prep_input(ops[i].p, ops[i].flags);
     }
     seg_len = seg_left = min(cur.tpp - cur.kt, cur.end - cur.pos);
     open = true;
@@ -1644,14 +1712,22 @@ done:
   }
 }
 
-// Form 11's kernel for kD = sh.stage_tiles (2 or 4) and M; f(kernel); false when there is none.
+// Form 11's kernel (form 12: paired activations) for kD = sh.stage_tiles (2 or 4) and M; f(kernel); false
+// when there is none.
+template <int kGroup, bool kZeros, bool kPaired, typename F>
+bool chain11_dispatch_p(const ChainShape& sh, F&& f) {
+  const bool m1 = sh.M == 1;
+  if (sh.stage_tiles == 2)
+    m1 ? f(chain11_kernel<kGroup, kZeros, 2, true, kPaired>) : f(chain11_kernel<kGroup, kZeros, 2, false, kPaired>);
+  else if (sh.stage_tiles == 4)
+    m1 ? f(chain11_kernel<kGroup, kZeros, 4, true, kPaired>) : f(chain11_kernel<kGroup, kZeros, 4, false, kPaired>);
+  else
+    return false;
+  return true;
+}
 template <int kGroup, bool kZeros, typename F>
 bool chain11_dispatch(const ChainShape& sh, F&& f) {
-  const bool m1 = sh.M == 1;
-  if (sh.stage_tiles == 2) m1 ? f(chain11_kernel<kGroup, kZeros, 2, true>) : f(chain11_kernel<kGroup, kZeros, 2, false>);
-  else if (sh.stage_tiles == 4) m1 ? f(chain11_kernel<kGroup, kZeros, 4, true>) : f(chain11_kernel<kGroup, kZeros, 4, false>);
-  else return false;
-  return true;
+  return sh.paired ? chain11_dispatch_p<kGroup, kZeros, true>(sh, f) : chain11_dispatch_p<kGroup, kZeros, false>(sh, f);
 }
 
 template <int kGroup, bool kZeros>

@@ -7,11 +7,11 @@
 //   /tmp/persist_lab [--probe-only | --no-probe] [--tma-probe] [--no-ceiling] [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers L]
 //                    [--ms 1,4] [--forms 5,6] [--warps 12,16] [--stages 4] [--stage-tiles 2]
 //                    [--formats int4g128a,int4,int8]
-//   (--forms: the kernel's forms 5-9 and 11 (csrc/persist_chain.cuh; 6 is form 5 finished by block slices),
-//    default 5;
+//   (--forms: the kernel's forms 5-9, 11 and 12 (csrc/persist_chain.cuh; 6 is form 5 finished by block slices,
+//    12 form 11 with paired activations), default 5;
 //    --warps: consumer warps per block; --stages x --stage-tiles: each warp's weight ring, in 1 KB tiles
 //    (form 9: a ring of --stage-tiles one-tile slots, 4 or 8; --stages is ignored; form 11 (int4 per
-//    channel or G = 128): --stage-tiles is the register ring, 2 or 4 tiles, and --stages each warp's
+//    channel or G = 128) and 12: --stage-tiles is the register ring, 2 or 4 tiles, and --stages each warp's
 //    hand-off staging in shared memory, 0 for none);
 //    --skip 0,1,5,37: timing experiments, ChainShape::skip: 1 no waits, 2 no input preparation (form 9;
 //    form 11: no hand-off at all), 4 no tile math, 32 no flush;
@@ -228,7 +228,7 @@ struct Variant {
 template <int kBits, int kGroup, bool kZeros>
 bool launch5_t(const Variant& v, const ChainShape& sh, const qgemv::Chain5Op* ops, int nops, unsigned* sync,
                int blocks, cudaStream_t st, unsigned long long* wait) {
-  if (v.form == 11) {
+  if (v.form == 11 || v.form == 12) {
     if constexpr (kBits == 4 && (kGroup == 0 || kGroup == 128)) {
       if (!ops) return qgemv::chain11_fits<kGroup, kZeros>(sh, v.warps);
       return qgemv::chain11_launch<kGroup, kZeros>(ops, nops, sh, sync, blocks, v.warps, st, wait) == qgemv::Status::kOk;
@@ -308,8 +308,18 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       // The chain: per layer q/k/v -> o (reads q; attention's stand-in) -> gate/up (after o + residual) ->
       // down (after SiLU * mul); the next layer's q/k/v reads down + residual, and so does the output
       // X[layers].  Every op writes its own activation buffer and the next op reads it.
-      std::vector<qgemv::Chain5Op> ops5, ops11;
+      std::vector<qgemv::Chain5Op> ops5, ops11, ops12;
+      // Form 12's activations: 32-bit words (value, epoch), poisoned (epoch 0xffff never matches).
+      std::vector<void*> paired;
+      auto palloc = [&](size_t n) {
+        void* q;
+        CK(cudaMalloc(&q, n * 4));
+        CK(cudaMemset(q, 0xff, n * 4));
+        paired.push_back(q);
+        return q;
+      };
       std::vector<void*> bufs5;
+      void* px_next = nullptr;  // form 12: the next layer's paired input
       for (int l = 0; l < layers; ++l) {
         const Lin* L = &lins[4 * l];
         struct {
@@ -338,13 +348,39 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           o.meta = L[j].meta11;
           ops11.push_back(o);
         }
+        // Form 12: the same chain through paired buffers; X[0] (the first input, and layer 0's first
+        // residual) and X[layers] (the output) stay plain.
+        void* px = l == 0 ? static_cast<void*>(X[0]) : px_next;
+        void* pq = palloc(size_t(M) * m.Nqkv);
+        void* ph = palloc(size_t(M) * m.H);
+        void* pa = palloc(size_t(M) * m.I);
+        const bool last = l + 1 == layers;
+        px_next = last ? static_cast<void*>(X[layers]) : palloc(size_t(M) * m.H);
+        struct {
+          const void *x, *res;
+          int ldx;
+          void* y;
+          int ldy, flags;
+        } pio[4] = {{px, nullptr, m.H, pq, m.Nqkv, l == 0 ? qgemv::kChainPlainX : 0},
+                    {pq, px, m.Nqkv, ph, m.H, l == 0 ? qgemv::kChainPlainRes : 0},
+                    {ph, nullptr, m.H, pa, m.I, 0},
+                    {pa, ph, m.I, px_next, m.H, last ? qgemv::kChainPlainY : 0}};
+        for (int j = 0; j < 4; ++j) {
+          qgemv::Chain5Op o = ops11[4 * l + j];
+          o.p = params(f, L[j], pio[j].x, pio[j].ldx, pio[j].y, pio[j].ldy, M);
+          o.res = pio[j].res;
+          o.flags = pio[j].flags;
+          ops12.push_back(o);
+        }
       }
       qgemv::Chain5Op* d_ops5;
       CK(cudaMalloc(&d_ops5, ops5.size() * sizeof(qgemv::Chain5Op)));
       CK(cudaMemcpy(d_ops5, ops5.data(), ops5.size() * sizeof(qgemv::Chain5Op), cudaMemcpyHostToDevice));
-      qgemv::Chain5Op* d_ops11;  // form 11: the same ops with its meta order
+      qgemv::Chain5Op *d_ops11, *d_ops12;  // forms 11 and 12: the same ops with its meta order (12: paired)
       CK(cudaMalloc(&d_ops11, ops11.size() * sizeof(qgemv::Chain5Op)));
       CK(cudaMemcpy(d_ops11, ops11.data(), ops11.size() * sizeof(qgemv::Chain5Op), cudaMemcpyHostToDevice));
+      CK(cudaMalloc(&d_ops12, ops12.size() * sizeof(qgemv::Chain5Op)));
+      CK(cudaMemcpy(d_ops12, ops12.data(), ops12.size() * sizeof(qgemv::Chain5Op), cudaMemcpyHostToDevice));
       unsigned* d_cnt;
       CK(cudaMalloc(&d_cnt, 2 * ops5.size() * 4));
       CK(cudaMemset(d_cnt, 0, 2 * ops5.size() * 4));
@@ -431,14 +467,14 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         const int nops = static_cast<int>(ops5.size());
         // Form 9's ring is --stage-tiles one-tile slots per warp (sh.stages 1).
         // Form 11: --stages is each warp's hand-off staging, in tiles (0: none).
-        ChainShape sh{v.stage_tiles, v.form == 11 ? v.stages : v.form >= 9 ? 1 : v.stages, qgemv::chain_meta_bytes(f.group, f.zeros),
+        ChainShape sh{v.stage_tiles, v.form >= 11 ? v.stages : v.form >= 9 ? 1 : v.stages, qgemv::chain_meta_bytes(f.group, f.zeros),
                       std::max(m.H, m.I), M, v.skip, v.form == 6 ? 1 : 0,
-                      v.form >= 8 ? qgemv::chain8_sums(ops5.data(), nops, blocks, M) : 0};
+                      v.form >= 8 ? qgemv::chain8_sums(ops5.data(), nops, blocks, M) : 0, v.form == 12 ? 1 : 0};
         const bool fits = launch5_fmt(f, v, sh, nullptr, nops, nullptr, blocks, st);
         if (M > 8 || !fits) {
           std::printf("%-10s %3d form %d w%d s%d t%d: does not fit (%zu B of shared memory%s)\n", f.name, M, v.form,
                       v.warps, v.stages, v.stage_tiles,
-                      v.form == 11  ? qgemv::chain11_smem_bytes(sh, v.warps)
+                      v.form >= 11  ? qgemv::chain11_smem_bytes(sh, v.warps)
                       : v.form >= 7 ? qgemv::chain7_smem_bytes<__half>(sh, v.warps, v.form >= 8, v.form >= 9)
                                     : qgemv::chain5_smem_bytes<__half>(sh, v.warps, nops),
                       M > 8 ? ", M > 8" : "");
@@ -447,7 +483,8 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         for (int l = 1; l <= layers; ++l) CK(cudaMemset(X[l], 0xff, size_t(M) * m.H * 2));  // poison
         unsigned long long* wait = nullptr;
         auto go = [&] {
-          const bool ok = launch5_fmt(f, v, sh, v.form == 11 ? d_ops11 : d_ops5, nops, d_cnt, blocks, st, wait);
+          const bool ok =
+              launch5_fmt(f, v, sh, v.form == 12 ? d_ops12 : v.form == 11 ? d_ops11 : d_ops5, nops, d_cnt, blocks, st, wait);
           if (!ok) {
             std::fprintf(stderr, "persistent launch failed\n");
             std::exit(1);
@@ -500,7 +537,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           if (v.skip & (1 << bit)) tag += bit_names[bit];
         std::snprintf(form, sizeof form, "form%d w%d s%d t%d%s", v.form, v.warps, v.stages, v.stage_tiles, tag.c_str());
         row(form, blocks, us, err);
-        if (v.form == 11)
+        if (v.form >= 11)
           std::printf("%-10s %3d   per layer, warp 0 of a block (mean): %.2f us spinning on others (%.1f the most), "
                       "%.2f waiting for the block's warps, %.2f finishing, %.2f preparing the input; %.2f in all\n",
                       f.name, M, wsum / blocks * per_us, wmax * per_us, bsum / blocks * per_us, ssum / blocks * per_us,
@@ -518,6 +555,8 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       }
       CK(cudaFree(d_ops5));
       CK(cudaFree(d_ops11));
+      CK(cudaFree(d_ops12));
+      for (void* q : paired) CK(cudaFree(q));
       for (void* pb : bufs5) CK(cudaFree(pb));
       CK(cudaFree(d_cnt));
       for (auto* p : X) CK(cudaFree(p));
@@ -742,8 +781,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   for (int f : forms)
-    if (f < 5 || f == 10 || f > 11) {
-      std::fprintf(stderr, "--forms: 5 to 9, 11\n");
+    if (f < 5 || f == 10 || f > 12) {
+      std::fprintf(stderr, "--forms: 5 to 9, 11, 12\n");
       return 2;
     }
   for (int t : tiles)
