@@ -37,7 +37,8 @@ from qgemv.formats import QuantConfig
 from qgemv.nn import FUSE_GROUPS, QuantLinear, fuse_linears, set_submodule
 from qgemv.safetensors_io import LayerWriter, Lazy, Reader
 
-from .quantize import CalibReport, Clock, bar_at, layer_bar, layer_targets, make_method, quantize_layer
+from .quantize import (CalibReport, Clock, LayerCalib, bar_at, layer_bar, layer_targets, make_method,
+                       quantize_layer)
 from .recipe import Recipe
 from .walker import advance, catch_layer0_inputs, decoder_layers, forward_context, layer_runner
 
@@ -365,9 +366,10 @@ class _StreamRun:
                 return {n: QuantLinear.from_linear(m, c.bits, c.group_size, c.symmetric, name=prefix + n,
                                                    device=self.device)
                         for n, (m, c) in targets.items()}, {}
-        pending, originals, info = quantize_layer(
-            layer, prefix, targets, self.algo, self.hidden, self.kwargs, self.runner, self.fwd, self.device,
-            self.recipe.true_sequential, self.clock, on_progress=lambda f: bar_at(self.bar, li + f))
+        calib = LayerCalib(self.algo, self.hidden, self.kwargs, self.runner, self.fwd, self.device,
+                           self.recipe.true_sequential, self.clock)
+        pending, originals, info = quantize_layer(layer, prefix, targets, calib,
+                                                  on_progress=lambda f: bar_at(self.bar, li + f))
         del originals  # the float weights: gone before the next layer is read
         if li < self.last_needed:
             with self.clock("forward"):

@@ -184,21 +184,41 @@ def layer_targets(layer: nn.Module, prefix: str, recipe: Recipe, skipped: dict) 
     return targets
 
 
-def quantize_layer(layer, prefix: str, targets: dict, algo, hidden: list, kwargs: dict, run, fwd, device,
-                   true_sequential: bool = False, clock: Optional[Clock] = None, on_progress=None) -> tuple:
-    """Quantize one float decoder layer's target linears with ``algo`` (a make_method object).
+@dataclass
+class LayerCalib:
+    """What every decoder layer's quantization shares within one run.
 
-    hidden: the layer's calibration inputs, one [b, L, hidden] tensor per
-    batch; run(layer, hidden) runs the layer on them.  Returns (pending,
-    originals, info): pending lists (name, module, QuantConfig, qweight,
-    scales, zeros) per target; each target's weight is left as its
-    dequantized codes (so running the layer now gives the next layer's
-    inputs) and ``originals`` holds the float weights it replaced.
+    algo: a make_method object; hidden: the current layer's calibration
+    inputs, one [b, L, hidden] tensor per batch (advanced in place from layer
+    to layer); kwargs: the layer's other call arguments (walker); run:
+    run(layer, hidden) runs a layer on them (walker.layer_runner); fwd: the
+    forward context (dtype, autocast); device: where the layer is solved;
+    true_sequential: each stage's statistics taken with the earlier stages
+    quantized; clock: seconds per step.
+    """
+
+    algo: object
+    hidden: list
+    kwargs: dict
+    run: object
+    fwd: object
+    device: object
+    true_sequential: bool = False
+    clock: Clock = field(default_factory=Clock)
+
+
+def quantize_layer(layer, prefix: str, targets: dict, calib: LayerCalib, on_progress=None) -> tuple:
+    """Quantize one float decoder layer's target linears ({name: (module, QuantConfig)}) with ``calib.algo``.
+
+    Returns (pending, originals, info): pending lists (name, module,
+    QuantConfig, qweight, scales, zeros) per target; each target's weight is
+    left as its dequantized codes (so running the layer now gives the next
+    layer's inputs) and ``originals`` holds the float weights it replaced.
     on_progress(fraction): called as the layer's work goes on (each stage's
     statistics half of its share, its solves the other half), so that a
     progress bar has an estimate long before the first layer ends.
     """
-    clock = clock or Clock()
+    algo, hidden, clock = calib.algo, calib.hidden, calib.clock
     report = on_progress or (lambda f: None)
     pending, originals = [], {}
 
@@ -207,19 +227,19 @@ def quantize_layer(layer, prefix: str, targets: dict, algo, hidden: list, kwargs
         m.weight.data = formats.dequantize(qw, s, z, lcfg, m.in_features).to(m.weight.dtype)
 
     with clock("solve"):  # AWQ's scale search (GPTQ: nothing)
-        pre = algo.before(layer, targets, hidden, run)
+        pre = algo.before(layer, targets, hidden, calib.run)
     info = dict(getattr(algo, "info", {}))
     # True-sequential: q/k/v, then o, then gate/up, then down, each stage's
     # statistics collected with the earlier stages already quantized, so
     # o_proj sees the inputs the quantized model gives it.
-    stages = _sequential_stages(list(targets)) if true_sequential else [list(targets)]
+    stages = _sequential_stages(list(targets)) if calib.true_sequential else [list(targets)]
     for si, stage in enumerate(stages):
         stats, owner = {}, {}
         share = 1.0 / len(stages)
         if algo.new_stats is not None:
             with clock("forward"):
-                stats, owner = _collect(layer, stage, targets, hidden, kwargs, algo.new_stats, device, fwd,
-                                        stop=si + 1 < len(stages), prefix=prefix, clock=clock)
+                stats, owner = _collect(layer, stage, targets, hidden, calib.kwargs, algo.new_stats, calib.device,
+                                        calib.fwd, stop=si + 1 < len(stages), prefix=prefix, clock=clock)
         report(share * (si + 0.5))
         # Linears of one format sharing a statistic (q/k/v; gate/up) are solved together where the method can.
         batches = {}
@@ -310,15 +330,14 @@ def quantize_causal_lm(model: nn.Module, recipe, method: Optional[str] = None, s
                                           samples, recipe.batch_size, device)
     fwd = forward_context(recipe.forward_dtype, device)
     run = layer_runner(kwargs, fwd)
-    algo = make_method(recipe)
+    calib = LayerCalib(make_method(recipe), hidden, kwargs, run, fwd, device, recipe.true_sequential)
     bar = layer_bar(len(layers), f"{recipe.method} {recipe.cfg.name}") if progress else None
     for li in range(len(layers)):
         tl = time.time()
         layer = layers[li].to(device)
         prefix = f"{layers_path}.{li}."
         targets = layer_targets(layer, prefix, recipe, rep.skipped)
-        pending, originals, info = quantize_layer(layer, prefix, targets, algo, hidden, kwargs, run, fwd, device,
-                                                  recipe.true_sequential,
+        pending, originals, info = quantize_layer(layer, prefix, targets, calib,
                                                   on_progress=lambda f, li=li: bar_at(bar, li + f))
         advance(layer, hidden, kwargs, fwd)  # the next layer's inputs, in place
         for n, m, lcfg, qw, s, z in pending:
