@@ -487,13 +487,8 @@ def test_opcheck_on_cuda(name, m):
     k = 256
     qw, s, z = _weights(name, 72, k)
     x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-    if cfg.bits == 8:
-        op, args = torch.ops.qgemv.linear_int8.default, (x, qw, s, k)
-    elif cfg.group_size is None:
-        op, args = torch.ops.qgemv.linear_int4.default, (x, qw, s, k)
-    else:
-        op, args = torch.ops.qgemv.linear_int4_grouped.default, (x, qw, s, z, cfg.group_size, k)
-    torch.library.opcheck(op, args)
+    op, args = qgemv.ops.op_for(qgemv.PackedWeight(qw, s, z, cfg, k))
+    torch.library.opcheck(getattr(torch.ops.qgemv, op).default, (x, *args))
 
 
 def _perm_case(name, n, k, m, dtype, seed=0):
@@ -503,12 +498,7 @@ def _perm_case(name, n, k, m, dtype, seed=0):
     x = torch.randn(m, k, device="cuda", dtype=dtype, generator=g)
     perm = torch.randperm(k, device="cuda", dtype=torch.int32, generator=g)
     _poison_like((m, n), dtype)
-    if cfg.bits == 8:
-        y = qgemv.linear_int8(x, qw, s, k, perm)
-    elif cfg.group_size is None:
-        y = qgemv.linear_int4(x, qw, s, k, perm)
-    else:
-        y = qgemv.linear_int4_grouped(x, qw, s, z, cfg.group_size, k, perm)
+    y = qgemv.ops.linear(x, qgemv.PackedWeight(qw, s, z, cfg, k), perm)
     torch.cuda.synchronize()
     assert not torch.isnan(y).any(), "unwritten (NaN-poisoned) outputs"
     # The same kernels on the input gathered first: the in-kernel gather changes where x is read, not the

@@ -46,11 +46,7 @@ def _view_at(t: torch.Tensor, offset_elems: int) -> torch.Tensor:
 
 
 def _call(cfg, x, qw, s, z, k):
-    if cfg.bits == 8:
-        return qgemv.linear_int8(x, qw, s, k)
-    if cfg.group_size is None:
-        return qgemv.linear_int4(x, qw, s, k)
-    return qgemv.linear_int4_grouped(x, qw, s, z, cfg.group_size, k)
+    return qgemv.ops.linear(x, qgemv.PackedWeight(qw, s, z, cfg, k))
 
 
 def _case(rng: random.Random):

@@ -45,12 +45,9 @@ def test_the_cpu_path_keeps_the_references_numbers_and_follows_buffer_changes(bi
     q = qgemv.QuantLinear.from_linear(lin, bits=bits, group_size=group, symmetric=sym)
     x = torch.randn(3, 96)
 
-    def op():
-        if bits == 8:
-            return torch.ops.qgemv.linear_int8(x, q.qweight, q.scales, 96, None)
-        if group is None:
-            return torch.ops.qgemv.linear_int4(x, q.qweight, q.scales, 96, None)
-        return torch.ops.qgemv.linear_int4_grouped(x, q.qweight, q.scales, q.zeros, group, 96, None)
+    def op():  # the raw op, without QuantLinear's CPU cache
+        name, args = qgemv.ops.op_for(q)
+        return getattr(torch.ops.qgemv, name)(x, *args, None)
 
     assert torch.equal(q(x), op())
     w = q.__dict__["_cpu_w"][1]

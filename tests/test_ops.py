@@ -117,10 +117,9 @@ def test_x_width_other_than_the_packed_k_is_refused(name, width):
     cfg = CFGS[name]
     qw, s, z = formats.quantize(torch.randn(8, 64), cfg)
     x = torch.randn(2, width)
-    args = (x, qw, s, 64) if cfg.group_size is None else (x, qw, s, z, cfg.group_size, 64)
-    fn = {8: qgemv.linear_int8, 4: qgemv.linear_int4}[cfg.bits] if cfg.group_size is None else qgemv.linear_int4_grouped
+    op, args = qgemv.ops.op_for(qgemv.PackedWeight(qw, s, z, cfg, 64))  # the public wrapper of that op
     with pytest.raises(ValueError, match=rf"x.shape\[-1\] must equal in_features \(64\), got {width}"):
-        fn(*args)
+        getattr(qgemv, op)(x, *args)
 
 
 @pytest.mark.parametrize("bits,group", [(8, None), (4, None), (4, 128)])
@@ -208,13 +207,8 @@ def test_perm_multiplies_the_gathered_input(name):
     qw, s, z = formats.quantize(torch.randn(24, k), cfg)
     x = torch.randn(2, 3, k, dtype=torch.bfloat16)
     perm = torch.randperm(k, dtype=torch.int32)
-    if cfg.bits == 8:
-        y, want = qgemv.linear_int8(x, qw, s, k, perm), qgemv.linear_int8(x[..., perm.long()], qw, s, k)
-    elif cfg.group_size is None:
-        y, want = qgemv.linear_int4(x, qw, s, k, perm), qgemv.linear_int4(x[..., perm.long()], qw, s, k)
-    else:
-        y = qgemv.linear_int4_grouped(x, qw, s, z, cfg.group_size, k, perm)
-        want = qgemv.linear_int4_grouped(x[..., perm.long()], qw, s, z, cfg.group_size, k)
+    op, args = qgemv.ops.op_for(qgemv.PackedWeight(qw, s, z, cfg, k))
+    y, want = getattr(qgemv, op)(x, *args, perm), getattr(qgemv, op)(x[..., perm.long()], *args)
     assert torch.equal(y, want)
     assert not torch.equal(y, _call(cfg, x, qw, s, z))
 
