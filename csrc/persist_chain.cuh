@@ -1356,50 +1356,41 @@ __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
 
 // Shared memory: the block's sums (sh.sums fp32), the input (M x x_cap fp16,
 // high-nibble positions / 16), its group sums (M x x_cap / 128 fp32, 2^-24
-// sum x), then each warp's hand-off staging: sh.stages slots of a tile and its meta.
-__host__ __device__ inline size_t chain11_slot_bytes(const ChainShape& sh) { return kChainTileBytes + sh.meta_bytes; }
-__host__ __device__ inline size_t chain11_smem_bytes(const ChainShape& sh, int warps) {
+// sum x).
+__host__ __device__ inline size_t chain11_smem_bytes(const ChainShape& sh) {
   return (static_cast<size_t>(sh.sums) * 4 + 15) / 16 * 16 + static_cast<size_t>(sh.M) * sh.x_cap * 2 +
-         (static_cast<size_t>(sh.M) * (sh.x_cap / 128) * 4 + 15) / 16 * 16 +
-         static_cast<size_t>(warps) * sh.stages * chain11_slot_bytes(sh);
+         (static_cast<size_t>(sh.M) * (sh.x_cap / 128) * 4 + 15) / 16 * 16;
 }
 
-template <int kGroup, bool kZeros, int kD, bool kM1, bool kPaired>
-__global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
-    chain11_kernel(const Chain5Op* __restrict__ ops, int nops, ChainShape sh, unsigned* sync,
-                   unsigned long long* wait_cycles) {
-  using T = __half;
-  static_assert(kGroup == 0 || kGroup == 128, "form 11: int4 per channel or G = 128");
+// The formats of forms 11-13: int4 per channel or G = 128 (one group a tile), fp16 activations.
+template <int kGroup, bool kZeros>
+struct Chain11Format {
+  static_assert(kGroup == 0 || kGroup == 128, "forms 11-13: int4 per channel or G = 128");
   static_assert(kGroup != 0 || !kZeros, "zero points are group-wise");
-  constexpr bool kGrouped = kGroup != 0;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int W = blockDim.x >> 5, G = gridDim.x, nthreads = blockDim.x;
-  const int g = lane >> 2, t = lane & 3;
-  const int M = sh.M, xg = sh.x_cap / 128;
+  static constexpr bool kGrouped = kGroup != 0;
+};
 
-  extern __shared__ __align__(128) unsigned char chain_smem[];
-  float* sums = reinterpret_cast<float*>(chain_smem);
-  T* xs = reinterpret_cast<T*>(chain_smem + (static_cast<size_t>(sh.sums) * 4 + 15) / 16 * 16);
-  float* xsum = reinterpret_cast<float*>(xs + static_cast<size_t>(M) * sh.x_cap);  // [M][x_cap / 128]
-  const int slot_bytes = static_cast<int>(chain11_slot_bytes(sh));
-  unsigned char* stage = reinterpret_cast<unsigned char*>(xsum) +
-                         (static_cast<size_t>(M) * xg * 4 + 15) / 16 * 16 +
-                         static_cast<size_t>(warp) * sh.stages * slot_bytes;  // this warp's slots
-  for (int q = threadIdx.x; q < sh.sums; q += nthreads) sums[q] = 0.f;
-  __syncthreads();
-  const bool timed = wait_cycles && threadIdx.x == 0;
-  long long t_spin = 0, t_warps = 0, t_finish = 0, t_prep = 0;
-  // Form 12: this launch's epoch (1..32767; the previous launch left its count in sync[nops]).
-  const unsigned epoch = kPaired ? __ldcg(sync + nops) % 32767u + 1u : 0u;
-  const long long t_begin = timed ? clock64() : 0;
-
-  // ---- the issue side: this lane's words of the warp's next tile, across ops
+// The issue side of forms 11 and 13: this lane's words of its warp's next
+// tiles, across ops, kD tiles ahead in registers (bw0 / bw1: rows g / g + 8;
+// bs / bz: their scales and zero points, chain_meta11).  fetch(d) with a
+// compile-time d (an unrolled loop) keeps the ring in registers.
+template <int kD, bool kGrouped, bool kZeros>
+struct Chain11Issue {
+  const Chain5Op* ops;
+  int nops, G, warp, W, g, t, mb;
   int i_op = -1, left = 0;
   Chain11Cursor ic{0, 0, 0, 0, 0, 1, 0, 0, 0};
   const uint4* wsrc = nullptr;
   const uint8_t* msrc = nullptr;
-  const int mb = sh.meta_bytes;
-  auto aim = [&] {  // the next segment of the issue side (past the last op: left stays 0)
+  uint4 bw0[kD], bw1[kD];
+  uint32_t bs[kD], bz[kD];
+
+  __device__ __forceinline__ Chain11Issue(const Chain5Op* o, int n, const ChainShape& sh, int lane)
+      : ops(o), nops(n), G(gridDim.x), warp(threadIdx.x >> 5), W(blockDim.x >> 5), g(lane >> 2), t(lane & 3),
+        mb(sh.meta_bytes) {}
+
+  // The next segment (past the last op: left stays 0).
+  __device__ __forceinline__ void aim() {
     while (i_op < nops && ic.pos >= ic.end)
       if (++i_op < nops) chain11_start(ops[i_op], blockIdx.x, G, warp, W, ic);
     if (i_op >= nops) return;
@@ -1410,46 +1401,10 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
                                           g * kTileBytes + 16 * t);
     if constexpr (kGrouped) msrc = o.meta + tile * mb;
     chain11_advance(ic, left);
-  };
-  uint4 bw0[kD], bw1[kD];
-  uint32_t bs[kD], bz[kD];
-  // Hand-off staging: at an op's end each warp copies its next sh.stages
-  // tiles into its slots (cp.async), so HBM keeps streaming while the block
-  // waits; the fetches after the hand-off read them from there.
-  // The slots are a ring (a warp's run of an op can be shorter than it: the
-  // o projection's are about 4 tiles): head the next to fetch, staged the
-  // tiles in it.
-  int staged = 0, head = 0;
-  const int lane_off = g * kTileBytes + 16 * t;
-  auto stage_ahead = [&] {
-    __syncwarp();  // every lane has read the slots it will refill (their meta is shared)
-    for (; staged < sh.stages && left > 0; ++staged) {
-      int h = head + staged;
-      if (h >= sh.stages) h -= sh.stages;
-      unsigned char* slot = stage + h * slot_bytes;
-      cp_async_16_shared_data(slot + lane_off, wsrc);
-      cp_async_16_shared_data(slot + lane_off + 8 * kTileBytes, wsrc + 8 * kTileBytes / 16);
-      if constexpr (kGrouped) {
-        if (lane < mb / 16) cp_async_16_shared_data(slot + kChainTileBytes + 16 * lane, msrc + 16 * lane);
-        msrc += mb;
-      }
-      wsrc += kChainTileBytes / 16;
-      if (--left == 0) aim();
-    }
-    cp_async_commit();
-  };
-  auto fetch = [&](int d) {  // d: a compile-time index once unrolled
-    if (staged > 0) {  // (landed: the hand-off waited for the copies before its last barrier)
-      const unsigned char* slot = stage + head * slot_bytes;
-      bw0[d] = *reinterpret_cast<const uint4*>(slot + lane_off);
-      bw1[d] = *reinterpret_cast<const uint4*>(slot + lane_off + 8 * kTileBytes);
-      if constexpr (kGrouped) {
-        bs[d] = *reinterpret_cast<const unsigned*>(slot + kChainTileBytes + 4 * g);
-        if constexpr (kZeros) bz[d] = *reinterpret_cast<const unsigned short*>(slot + kChainTileBytes + 32 + 2 * g);
-      }
-      if (++head == sh.stages) head = 0;
-      --staged;
-    } else if (left > 0) {
+  }
+
+  __device__ __forceinline__ void fetch(int d) {
+    if (left > 0) {
       bw0[d] = ldg_stream(wsrc);
       bw1[d] = ldg_stream(wsrc + 8 * kTileBytes / 16);
       if constexpr (kGrouped) {
@@ -1460,16 +1415,193 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
       wsrc += kChainTileBytes / 16;
       if (--left == 0) aim();
     }
-  };
+  }
+
+  __device__ __forceinline__ void prime() {
+    aim();
+#pragma unroll
+    for (int d = 0; d < kD; ++d) fetch(d);
+  }
+};
+
+// The lab's timing: cycles c[k] of this block into wait_cycles[k * gridDim.x + block], k = 0..4.
+struct ChainCycles {
+  long long c[5];
+};
+__device__ __forceinline__ void chain_add_cycles(unsigned long long* wait_cycles, const ChainCycles& v) {
+#pragma unroll
+  for (int k = 0; k < 5; ++k)
+    atomicAdd(wait_cycles + k * gridDim.x + blockIdx.x, static_cast<unsigned long long>(v.c[k]));
+}
+
+// Per-channel scales of rows g and g + 8 of `panel` (for a segment's flush).
+__device__ __forceinline__ void chain11_row_scales(const Chain5Op& o, int panel, int g, float& sc0, float& sc1) {
+  const __half* sc = static_cast<const __half*>(o.p.scales) + panel * kPanelRows;
+  sc0 = __half2float(sc[g]);
+  sc1 = __half2float(sc[g + 8]);
+}
+
+// One tile of forms 11 and 13 (int4 with fp16 activations, subnormal
+// nibbles): xk this lane's activations of the tile, xa / xb the tile's
+// 2^-24 x sums for tokens 2t and 2t + 1.  Grouped (G = 128, one group a
+// tile): folded into acc with the tile's scales and zero points; per
+// channel: c0 / c1 accumulate the segment and xa0 / xa1 its x sums.
+template <bool kGrouped, bool kZeros, bool kM1>
+__device__ __forceinline__ void chain11_tile(const uint4& w0, const uint4& w1, uint32_t bs, uint32_t bz,
+                                             const __half* xk, float xa, float xb, float (&acc)[4], float (&c0)[4],
+                                             float (&c1)[4], float& xa0, float& xa1) {
+  float p0[4] = {0.f, 0.f, 0.f, 0.f}, p1[4] = {0.f, 0.f, 0.f, 0.f};
+  float(&q0)[4] = kGrouped ? p0 : c0;
+  float(&q1)[4] = kGrouped ? p1 : c1;
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    chain_nibble_mma(word_of(w0, j), word_of(w1, j), *reinterpret_cast<const uint4*>(xk + 32 * j), q0, q1);
+  if constexpr (kGrouped) {
+    const __half2 s2 = *reinterpret_cast<const __half2*>(&bs);
+    const float s0 = __low2float(s2), s1 = __high2float(s2);
+    float z0 = 8.f, z1 = 8.f;
+    if constexpr (kZeros) {
+      z0 = static_cast<float>(bz & 0xffu);
+      z1 = static_cast<float>((bz >> 8) & 0xffu);
+    }
+    const float sz0 = -s0 * z0, sz1 = -s1 * z1;
+    acc[0] = fmaf(sz0, xa, fmaf(p0[0] + p1[0], s0, acc[0]));
+    acc[2] = fmaf(sz1, xa, fmaf(p0[2] + p1[2], s1, acc[2]));
+    if constexpr (!kM1) {
+      acc[1] = fmaf(sz0, xb, fmaf(p0[1] + p1[1], s0, acc[1]));
+      acc[3] = fmaf(sz1, xb, fmaf(p0[3] + p1[3], s1, acc[3]));
+    }
+  } else {
+    xa0 += xa;
+    if constexpr (!kM1) xa1 += xb;
+  }
+}
+
+// A warp's current panel segment in forms 11 and 13: its sums so far and
+// where the next tile's activations and x sums are.
+template <bool kGrouped, bool kZeros, bool kM1>
+struct Chain11Seg {
+  int len = 0, left = 0;  // tiles in the segment; not yet summed
+  bool open = false;
+  float acc[4] = {}, c0[4] = {}, c1[4] = {}, xa0 = 0.f, xa1 = 0.f, sc0 = 1.f, sc1 = 1.f;
+  const __half* xk = nullptr;                 // this lane's activations of the next tile
+  const float *X0 = nullptr, *X1 = nullptr;  // its 2^-24 x sums, tokens 2t and 2t + 1
+
+  __device__ __forceinline__ void begin(const Chain11Cursor& cur, const Chain5Op& o, int g, const __half* xk0,
+                                        const float* x0, const float* x1) {
+    len = left = min(cur.tpp - cur.kt, cur.end - cur.pos);
+    open = true;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[e] = c0[e] = c1[e] = 0.f;
+    xa0 = xa1 = 0.f;
+    xk = xk0, X0 = x0, X1 = x1;
+    if constexpr (!kGrouped) chain11_row_scales(o, cur.panel, g, sc0, sc1);
+  }
+
+  __device__ __forceinline__ void tile(const uint4& w0, const uint4& w1, uint32_t bs, uint32_t bz) {
+    chain11_tile<kGrouped, kZeros, kM1>(w0, w1, bs, bz, xk, *X0, kM1 ? 0.f : *X1, acc, c0, c1, xa0, xa1);
+    xk += 128;
+    ++X0;
+    ++X1;
+    --left;
+  }
+
+  // Past the segment's last tile: flush() its sums, the cursor past it.
+  template <typename F>
+  __device__ __forceinline__ void close(Chain11Cursor& cur, F&& flush) {
+    if (!open) return;
+    flush();
+    chain11_advance(cur, len);
+    open = false;
+  }
+
+  // The segment's sum of value e (row g or g + 8 as e >= 2, token 2t + (e & 1)), at its true scale.
+  __device__ __forceinline__ float value(int e) const {
+    if constexpr (kGrouped) return acc[e] * 0x1p24f;
+    return (c0[e] + c1[e] - 8.f * ((e & 1) ? xa1 : xa0)) * 0x1p24f * (e >= 2 ? sc1 : sc0);
+  }
+};
+
+// The consumer loop of forms 11 and 13: the tiles in the issue side's order,
+// kD a pass (so that the ring's index is a compile-time constant);
+// boundary() moves to the next segment (false: the warp is done), before()
+// runs before each tile's math.
+template <int kD, typename Issue, typename Seg, typename B, typename P>
+__device__ __forceinline__ void chain11_consume(Issue& is, Seg& seg, B&& boundary, P&& before) {
+  is.prime();
+  for (;;) {
+#pragma unroll
+    for (int d = 0; d < kD; ++d) {
+      if (seg.left == 0 && !boundary()) return;
+      before();
+      seg.tile(is.bw0[d], is.bw1[d], is.bs[d], is.bz[d]);
+      is.fetch(d);
+    }
+  }
+}
+
+// Whether one block of `threads` threads and `smem` bytes fits an SM, for the
+// kernel that dispatch(f) hands to f (false when there is none).
+template <typename D>
+bool chain_kernel_fits(D&& dispatch, size_t smem, int threads) {
+  bool fits = false;
+  const bool known = dispatch([&](auto kernel) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) !=
+        cudaSuccess) {
+      (void)cudaGetLastError();
+      return;
+    }
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return;
+    }
+    fits = n >= 1;
+  });
+  return known && fits;
+}
+
+// Launches dispatch's kernel with (ops, nops, sh, sync, wait_cycles).
+template <typename D>
+Status chain_kernel_launch(D&& dispatch, const Chain5Op* d_ops, int nops, const ChainShape& sh, unsigned* d_sync,
+                           int blocks, int threads, size_t smem, cudaStream_t stream, unsigned long long* wait_cycles) {
+  if (!dispatch([&](auto kernel) {
+        kernel<<<blocks, threads, smem, stream>>>(d_ops, nops, sh, d_sync, wait_cycles);
+      }))
+    return Status::kBadShape;
+  return cudaGetLastError() == cudaSuccess ? Status::kOk : Status::kLaunchFailed;
+}
+
+template <int kGroup, bool kZeros, int kD, bool kM1, bool kPaired>
+__global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
+    chain11_kernel(const Chain5Op* __restrict__ ops, int nops, ChainShape sh, unsigned* sync,
+                   unsigned long long* wait_cycles) {
+  using T = __half;
+  constexpr bool kGrouped = Chain11Format<kGroup, kZeros>::kGrouped;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int W = blockDim.x >> 5, G = gridDim.x, nthreads = blockDim.x;
+  const int g = lane >> 2, t = lane & 3;
+  const int M = sh.M, xg = sh.x_cap / 128;
+
+  extern __shared__ __align__(128) unsigned char chain_smem[];
+  float* sums = reinterpret_cast<float*>(chain_smem);
+  T* xs = reinterpret_cast<T*>(chain_smem + (static_cast<size_t>(sh.sums) * 4 + 15) / 16 * 16);
+  float* xsum = reinterpret_cast<float*>(xs + static_cast<size_t>(M) * sh.x_cap);  // [M][x_cap / 128]
+  for (int q = threadIdx.x; q < sh.sums; q += nthreads) sums[q] = 0.f;
+  __syncthreads();
+  const bool timed = wait_cycles && threadIdx.x == 0;
+  long long t_spin = 0, t_warps = 0, t_finish = 0, t_prep = 0;
+  // Form 12: this launch's epoch (1..32767; the previous launch left its count in sync[nops]).
+  const unsigned epoch = kPaired ? __ldcg(sync + nops) % 32767u + 1u : 0u;
+  const long long t_begin = timed ? clock64() : 0;
+
+  // ---- the issue side
+  Chain11Issue<kD, kGrouped, kZeros> is(ops, nops, sh, lane);
 
   // ---- the consumer side
   int i = -1;  // the op being consumed
   Chain11Cursor cur{0, 0, 0, 0, 0, 1, 0, 0, 0};
-  int seg_len = 0, seg_left = 0;
-  bool open = false;
-  float acc[4], c0[4], c1[4], xa0 = 0.f, xa1 = 0.f, sc0 = 1.f, sc1 = 1.f;
-  const T* xk = xs;
-  const float *X0 = xsum, *X1 = xsum;
+  Chain11Seg<kGrouped, kZeros, kM1> seg;
   const int tokx = min(g, M - 1), tok0 = min(2 * t, M - 1), tok1 = min(2 * t + 1, M - 1);
 
   // Op o's input: global (written by other blocks in this launch: through L2)
@@ -1527,7 +1659,6 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
         if (c < chunks && lane % 16 == 0) xsum[m * xg + c / 16] = s * 0x1p-24f;
         }
       }
-    cp_async_wait<0>();  // this thread's staged tiles have landed (the barrier: everyone's)
     __syncthreads();
     if (timed) t_prep += clock64() - p0;
   };
@@ -1537,7 +1668,6 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     const Chain5Op& o = ops[oi];
     const GemvParams& p = o.p;
     if (sh.skip & 2) return;  // lab: no hand-off at all (results wrong)
-    if (oi + 1 < nops) stage_ahead();
     long long u0, u1;
     chain_range(chain8_units(o), blockIdx.x, G, u0, u1);
     const int ppu = chain8_ppu(o), vals = kPanelRows * M;
@@ -1611,104 +1741,30 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
 
   // The segment's sums (2^-24 of the true ones) into the block's buffer.
   auto seg_flush = [&] {
-    float v[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if constexpr (kGrouped) {
-        v[e] = acc[e] * 0x1p24f;
-      } else {
-        v[e] = (c0[e] + c1[e] - 8.f * ((e & 1) ? xa1 : xa0)) * 0x1p24f * (e >= 2 ? sc1 : sc0);
-      }
-    }
     float* sp = sums + static_cast<size_t>(cur.vp) * M * kPanelRows;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int tok = 2 * t + (e & 1);
-      if ((!kM1 || (e & 1) == 0) && tok < M) atomicAdd(sp + tok * kPanelRows + g + (e >= 2 ? 8 : 0), v[e]);
+      if ((!kM1 || (e & 1) == 0) && tok < M) atomicAdd(sp + tok * kPanelRows + g + (e >= 2 ? 8 : 0), seg.value(e));
     }
   };
 
   // Past a segment's last tile (or before the first): the next segment, through op ends.  false: done.
   auto boundary = [&]() -> bool {
-    if (open) {
-      seg_flush();
-      chain11_advance(cur, seg_len);
-      open = false;
-    }
+    seg.close(cur, seg_flush);
     while (cur.pos >= cur.end) {
       if (i >= 0) op_end(i);
       if (++i >= nops) return false;
       chain11_start(ops[i], blockIdx.x, G, warp, W, cur);
       prep_input(ops[i].p, ops[i].flags);
     }
-    seg_len = seg_left = min(cur.tpp - cur.kt, cur.end - cur.pos);
-    open = true;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[e] = c0[e] = c1[e] = 0.f;
-    xa0 = xa1 = 0.f;
-    xk = xs + static_cast<size_t>(tokx) * sh.x_cap + 8 * t + cur.kt * 128;
-    X0 = xsum + tok0 * xg + cur.kt;
-    X1 = xsum + tok1 * xg + cur.kt;
-    if constexpr (!kGrouped) {
-      const __half* sc = static_cast<const __half*>(ops[i].p.scales) + cur.panel * kPanelRows;
-      sc0 = __half2float(sc[g]);
-      sc1 = __half2float(sc[g + 8]);
-    }
+    seg.begin(cur, ops[i], g, xs + static_cast<size_t>(tokx) * sh.x_cap + 8 * t + cur.kt * 128,
+              xsum + tok0 * xg + cur.kt, xsum + tok1 * xg + cur.kt);
     return true;
   };
 
-  aim();
-#pragma unroll
-  for (int d = 0; d < kD; ++d) fetch(d);
-  for (;;) {
-#pragma unroll
-    for (int d = 0; d < kD; ++d) {
-      if (seg_left == 0 && !boundary()) goto done;
-      {
-        const uint4 w0 = bw0[d], w1 = bw1[d];
-        float p0[4] = {0.f, 0.f, 0.f, 0.f}, p1[4] = {0.f, 0.f, 0.f, 0.f};
-        float(&q0)[4] = kGrouped ? p0 : c0;
-        float(&q1)[4] = kGrouped ? p1 : c1;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          chain_nibble_mma(word_of(w0, j), word_of(w1, j), *reinterpret_cast<const uint4*>(xk + 32 * j), q0, q1);
-        }
-        const float xa = *X0, xb = kM1 ? xa : *X1;
-        if constexpr (kGrouped) {
-          const __half2 s2 = *reinterpret_cast<const __half2*>(&bs[d]);
-          const float s0 = __low2float(s2), s1 = __high2float(s2);
-          float z0 = 8.f, z1 = 8.f;
-          if constexpr (kZeros) {
-            z0 = static_cast<float>(bz[d] & 0xffu);
-            z1 = static_cast<float>((bz[d] >> 8) & 0xffu);
-          }
-          const float sz0 = -s0 * z0, sz1 = -s1 * z1;
-          acc[0] = fmaf(sz0, xa, fmaf(p0[0] + p1[0], s0, acc[0]));
-          acc[2] = fmaf(sz1, xa, fmaf(p0[2] + p1[2], s1, acc[2]));
-          if constexpr (!kM1) {
-            acc[1] = fmaf(sz0, xb, fmaf(p0[1] + p1[1], s0, acc[1]));
-            acc[3] = fmaf(sz1, xb, fmaf(p0[3] + p1[3], s1, acc[3]));
-          }
-        } else {
-          xa0 += xa;
-          if constexpr (!kM1) xa1 += xb;
-        }
-      }
-      fetch(d);
-      xk += 128;
-      ++X0;
-      ++X1;
-      --seg_left;
-    }
-  }
-done:
-  if (timed) {
-    atomicAdd(wait_cycles + blockIdx.x, static_cast<unsigned long long>(t_spin));
-    atomicAdd(wait_cycles + G + blockIdx.x, static_cast<unsigned long long>(t_warps));
-    atomicAdd(wait_cycles + 2 * G + blockIdx.x, static_cast<unsigned long long>(t_finish));
-    atomicAdd(wait_cycles + 3 * G + blockIdx.x, static_cast<unsigned long long>(t_prep));
-    atomicAdd(wait_cycles + 4 * G + blockIdx.x, static_cast<unsigned long long>(clock64() - t_begin));
-  }
+  chain11_consume<kD>(is, seg, boundary, [] {});
+  if (timed) chain_add_cycles(wait_cycles, ChainCycles{{t_spin, t_warps, t_finish, t_prep, clock64() - t_begin}});
 }
 
 // Form 11's kernel (form 12: paired activations) for kD = sh.stage_tiles (2 or 4) and M; f(kernel); false
@@ -1732,34 +1788,241 @@ bool chain11_dispatch(const ChainShape& sh, F&& f) {
 template <int kGroup, bool kZeros>
 bool chain11_fits(const ChainShape& sh, int warps) {
   if (warps < 1 || warps > kChain11MaxWarps || sh.M > 8) return false;
-  const size_t smem = chain11_smem_bytes(sh, warps);
-  bool fits = false;
-  const bool known = chain11_dispatch<kGroup, kZeros>(sh, [&](auto kernel) {
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) !=
-        cudaSuccess) {
-      (void)cudaGetLastError();
-      return;
-    }
-    int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, warps * kWarpSize, smem) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return;
-    }
-    fits = n >= 1;
-  });
-  return known && fits;
+  return chain_kernel_fits([&](auto&& f) { return chain11_dispatch<kGroup, kZeros>(sh, f); }, chain11_smem_bytes(sh),
+                           warps * kWarpSize);
 }
 
 template <int kGroup, bool kZeros>
 Status chain11_launch(const Chain5Op* d_ops, int nops, const ChainShape& sh, unsigned* d_sync, int blocks, int warps,
                       cudaStream_t stream, unsigned long long* wait_cycles = nullptr) {
   if (warps < 1 || warps > kChain11MaxWarps || blocks < 1 || nops < 1 || sh.M > 8) return Status::kBadShape;
-  const size_t smem = chain11_smem_bytes(sh, warps);
-  if (!chain11_dispatch<kGroup, kZeros>(sh, [&](auto kernel) {
-        kernel<<<blocks, warps * kWarpSize, smem, stream>>>(d_ops, nops, sh, d_sync, wait_cycles);
-      }))
-    return Status::kBadShape;
-  return cudaGetLastError() == cudaSuccess ? Status::kOk : Status::kLaunchFailed;
+  return chain_kernel_launch([&](auto&& f) { return chain11_dispatch<kGroup, kZeros>(sh, f); }, d_ops, nops, sh,
+                             d_sync, blocks, warps * kWarpSize, chain11_smem_bytes(sh), stream, wait_cycles);
+}
+
+// ---- Form 13 ----------------------------------------------------------------
+// Form 12 without block barriers: every warp runs its own dataflow.
+//   * The input lives in shared memory by 128-k slices (one tile's k), each
+//     with a flag.  A warp about to use slice s of op i checks its flag; the
+//     first warp that needs it claims it, polls the slice's paired words
+//     (form 12) in L2, writes the prepared slice (high-nibble positions / 16)
+//     and its 2^-24 sum, and sets the flag; others wait on the flag.  So a
+//     warp starts on the slices that are there, not when all are.
+//   * A panel unit's sums meet in shared memory (atomics), with a count of
+//     the tiles summed; the warp that completes the count finishes the unit
+//     (round, residual, SiLU * mul) and writes its paired output words.
+//   * Op parity double-buffers the input, its sums and counts; a warp enters
+//     op i once every warp of the block is past op i - 2 (a shared counter).
+// M = 1, int4 per channel or G = 128 with fp16, paired activations (the lab's
+// form-12 ops).  Compiled; not yet run.
+constexpr int kChain13MaxWarps = 16;
+
+// One parity's shared memory: sums (sh.sums fp32), unit counts (sh.sums / 16
+// u32), the input (x_cap fp16), its slice sums (x_cap / 128 fp32) and flags
+// (x_cap / 128 u32); then two done counters.
+__host__ __device__ inline size_t chain13_parity_bytes(const ChainShape& sh) {
+  const size_t slices = sh.x_cap / 128;
+  return (static_cast<size_t>(sh.sums) * 4 + 15) / 16 * 16 + (static_cast<size_t>(sh.sums / 16) * 4 + 15) / 16 * 16 +
+         static_cast<size_t>(sh.x_cap) * 2 + (slices * 4 + 15) / 16 * 16 + (slices * 4 + 15) / 16 * 16;
+}
+__host__ __device__ inline size_t chain13_smem_bytes(const ChainShape& sh) { return 2 * chain13_parity_bytes(sh) + 16; }
+
+__device__ __forceinline__ unsigned ld_volatile_u32(const unsigned* p) { return *static_cast<const volatile unsigned*>(p); }
+
+template <int kGroup, bool kZeros, int kD>
+__global__ void __launch_bounds__(kChain13MaxWarps * 32, 1)
+    chain13_kernel(const Chain5Op* __restrict__ ops, int nops, ChainShape sh, unsigned* sync,
+                   unsigned long long* wait_cycles) {
+  using T = __half;
+  constexpr bool kGrouped = Chain11Format<kGroup, kZeros>::kGrouped;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int W = blockDim.x >> 5, G = gridDim.x;
+  const int g = lane >> 2, t = lane & 3;
+  const unsigned epoch = __ldcg(sync + nops) % 32767u + 1u;
+
+  extern __shared__ __align__(128) unsigned char chain_smem[];
+  const size_t pb = chain13_parity_bytes(sh);
+  const int slices = sh.x_cap / 128;
+  unsigned* done = reinterpret_cast<unsigned*>(chain_smem + 2 * pb);  // [2]: warps past an op of each parity
+  for (size_t q = threadIdx.x; q < (2 * pb + 16) / 4; q += blockDim.x) reinterpret_cast<unsigned*>(chain_smem)[q] = 0u;
+  __syncthreads();
+  // Parity par's buffers.
+  auto sums_of = [&](int par) { return reinterpret_cast<float*>(chain_smem + par * pb); };
+  auto cnt_of = [&](int par) {
+    return reinterpret_cast<unsigned*>(chain_smem + par * pb + (static_cast<size_t>(sh.sums) * 4 + 15) / 16 * 16);
+  };
+  auto xs_of = [&](int par) {
+    return reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(cnt_of(par)) +
+                                (static_cast<size_t>(sh.sums / 16) * 4 + 15) / 16 * 16);
+  };
+  auto xsum_of = [&](int par) { return reinterpret_cast<float*>(xs_of(par) + sh.x_cap); };
+  auto flag_of = [&](int par) {
+    return reinterpret_cast<unsigned*>(reinterpret_cast<unsigned char*>(xsum_of(par)) + (slices * 4 + 15) / 16 * 16);
+  };
+  const bool timed = wait_cycles && threadIdx.x == 0;
+  long long t_slice = 0, t_done = 0;
+  const long long t_begin = timed ? clock64() : 0;
+
+  // ---- the issue side (form 11's)
+  Chain11Issue<kD, kGrouped, kZeros> is(ops, nops, sh, lane);
+
+  // ---- the consumer side
+  int i = -1, par = 0, kt = 0;
+  unsigned want = 0;  // flag value of a ready slice of op i: 2 i + 2 (claimed: 2 i + 1)
+  Chain11Cursor cur{0, 0, 0, 0, 0, 1, 0, 0, 0};
+  Chain11Seg<kGrouped, kZeros, true> seg;
+
+  // Slice s of op i's input into shared memory (this warp claimed it): 4 elements a lane.
+  auto load_slice = [&](int s) {
+    const Chain5Op& o = ops[i];
+    const size_t at = static_cast<size_t>(s) * 128 + 4 * lane;
+    uint32_t h0, h1;
+    if (o.flags & kChainPlainX) {
+      const uint2 v = __ldcg(reinterpret_cast<const uint2*>(static_cast<const T*>(o.p.x) + at));
+      h0 = v.x, h1 = v.y;
+    } else {
+      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(o.p.x) + at);
+      uint4 w = ld_relaxed_gpu_v4(src);
+      while (!paired_ready(w, epoch)) {
+        __nanosleep(32);
+        w = ld_relaxed_gpu_v4(src);
+      }
+      h0 = __byte_perm(w.x, w.y, 0x5410), h1 = __byte_perm(w.z, w.w, 0x5410);
+    }
+    const float2 f0 = __half22float2(*reinterpret_cast<const __half2*>(&h0));
+    const float2 f1 = __half22float2(*reinterpret_cast<const __half2*>(&h1));
+    float sum = f0.x + f0.y + f1.x + f1.y;
+    // elements 4 lane + 2, + 3 sit at positions 2, 3 or 6, 7 of their 8: they meet high nibbles
+    const __half2 q1 = __hmul2(*reinterpret_cast<const __half2*>(&h1), __float2half2_rn(0.0625f));
+    *reinterpret_cast<uint2*>(xs_of(par) + at) = make_uint2(h0, *reinterpret_cast<const uint32_t*>(&q1));
+#pragma unroll
+    for (int o2 = 16; o2 > 0; o2 >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o2);
+    if (lane == 0) xsum_of(par)[s] = sum * 0x1p-24f;
+    __threadfence_block();
+    __syncwarp();
+    if (lane == 0) *static_cast<volatile unsigned*>(flag_of(par) + s) = want;
+  };
+  // Slice s of op i is in shared memory once this returns (warp-uniform).
+  auto ensure_slice = [&](int s) {
+    unsigned* f = flag_of(par) + s;
+    const long long w0 = timed ? clock64() : 0;
+    unsigned claimed = 0;
+    if (lane == 0) {
+      const unsigned v = ld_volatile_u32(f);
+      claimed = v < want - 1 && atomicCAS(f, v, want - 1) == v;
+    }
+    if (__shfl_sync(0xffffffffu, claimed, 0)) {
+      load_slice(s);
+    } else {
+      while (ld_volatile_u32(f) != want) __nanosleep(20);
+      __threadfence_block();
+    }
+    if (timed) t_slice += clock64() - w0;
+  };
+
+  // The segment's sums into the unit's; the warp that completes the unit finishes it.
+  auto seg_flush = [&] {
+    const Chain5Op& o = ops[i];
+    float* sums = sums_of(par);
+    if (t == 0) {
+      atomicAdd(sums + cur.vp * kPanelRows + g, seg.value(0));
+      atomicAdd(sums + cur.vp * kPanelRows + g + 8, seg.value(2));
+    }
+    __threadfence_block();
+    __syncwarp();
+    const int unit = cur.vp >> cur.shift, ppu = cur.shift + 1;
+    unsigned complete = 0;
+    if (lane == 0)
+      complete = atomicAdd(cnt_of(par) + unit, static_cast<unsigned>(seg.len)) + seg.len ==
+                 static_cast<unsigned>(ppu * cur.tpp);
+    if (!__shfl_sync(0xffffffffu, complete, 0)) return;
+    __threadfence_block();
+    if (lane < kPanelRows) {
+      const int r = lane;
+      float* sp = sums + unit * ppu * kPanelRows + r;
+      float v = to_float(from_float<T>(*sp));
+      if (ppu == 2) {
+        float* up = sp + kPanelRows;
+        v = v / (1.f + __expf(-v)) * to_float(from_float<T>(*up));
+        *up = 0.f;
+      }
+      *sp = 0.f;
+      const int row = (cur.u0 + unit) * kPanelRows + r;
+      if (o.out == static_cast<int>(ChainOut::kResidual)) {
+        if (o.flags & kChainPlainRes) {
+          v += to_float(__ldcg(static_cast<const T*>(o.res) + row));
+        } else {
+          const uint32_t* rp = static_cast<const uint32_t*>(o.res) + row;
+          uint32_t w;
+          asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(w) : "l"(rp));
+          while ((w >> 16) != epoch) asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(w) : "l"(rp));
+          v += __half2float(__ushort_as_half(static_cast<unsigned short>(w)));
+        }
+      }
+      if (o.flags & kChainPlainY) {
+        static_cast<T*>(o.p.y)[row] = from_float<T>(v);
+      } else {
+        const uint32_t word = __half_as_ushort(__float2half_rn(v)) | (epoch << 16);
+        asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(static_cast<uint32_t*>(o.p.y) + row), "r"(word));
+      }
+    }
+    if (lane == 0) cnt_of(par)[unit] = 0u;
+  };
+
+  auto boundary = [&]() -> bool {
+    seg.close(cur, seg_flush);
+    while (cur.pos >= cur.end) {
+      if (i >= 0) {  // this warp is past op i
+        __threadfence_block();
+        __syncwarp();
+        if (lane == 0) atomicAdd(done + par, 1u);
+        if (i + 1 == nops && blockIdx.x == 0 && warp == 0 && lane == 0) atomicAdd(sync + nops, 1u);  // next epoch
+      }
+      if (++i >= nops) return false;
+      chain11_start(ops[i], blockIdx.x, G, warp, W, cur);
+      par = i & 1;
+      want = 2u * i + 2u;
+      // every warp of the block is past op i - 2 (its buffers are this op's)
+      const long long w0 = timed ? clock64() : 0;
+      const unsigned need = static_cast<unsigned>(W) * static_cast<unsigned>(i >> 1);
+      while (ld_volatile_u32(done + par) < need) __nanosleep(32);
+      __threadfence_block();
+      if (timed) t_done += clock64() - w0;
+    }
+    kt = cur.kt;
+    seg.begin(cur, ops[i], g, xs_of(par) + 8 * t + kt * 128, xsum_of(par) + kt, xsum_of(par) + kt);
+    return true;
+  };
+
+  chain11_consume<kD>(is, seg, boundary, [&] {
+    if (__any_sync(0xffffffffu, ld_volatile_u32(flag_of(par) + kt) != want)) ensure_slice(kt);  // warp-uniform
+    ++kt;
+  });
+  if (timed) chain_add_cycles(wait_cycles, ChainCycles{{t_slice, t_done, 0, 0, clock64() - t_begin}});
+}
+
+template <int kGroup, bool kZeros, typename F>
+bool chain13_dispatch(const ChainShape& sh, F&& f) {
+  if (sh.M != 1) return false;
+  if (sh.stage_tiles == 2) f(chain13_kernel<kGroup, kZeros, 2>);
+  else if (sh.stage_tiles == 4) f(chain13_kernel<kGroup, kZeros, 4>);
+  else return false;
+  return true;
+}
+
+template <int kGroup, bool kZeros>
+bool chain13_fits(const ChainShape& sh, int warps) {
+  if (warps < 1 || warps > kChain13MaxWarps) return false;
+  return chain_kernel_fits([&](auto&& f) { return chain13_dispatch<kGroup, kZeros>(sh, f); }, chain13_smem_bytes(sh),
+                           warps * kWarpSize);
+}
+
+template <int kGroup, bool kZeros>
+Status chain13_launch(const Chain5Op* d_ops, int nops, const ChainShape& sh, unsigned* d_sync, int blocks, int warps,
+                      cudaStream_t stream, unsigned long long* wait_cycles = nullptr) {
+  if (warps < 1 || warps > kChain13MaxWarps || blocks < 1 || nops < 2) return Status::kBadShape;
+  return chain_kernel_launch([&](auto&& f) { return chain13_dispatch<kGroup, kZeros>(sh, f); }, d_ops, nops, sh,
+                             d_sync, blocks, warps * kWarpSize, chain13_smem_bytes(sh), stream, wait_cycles);
 }
 
 }  // namespace qgemv

@@ -7,12 +7,11 @@
 //   /tmp/persist_lab [--probe-only | --no-probe] [--tma-probe] [--no-ceiling] [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers L]
 //                    [--ms 1,4] [--forms 5,6] [--warps 12,16] [--stages 4] [--stage-tiles 2]
 //                    [--formats int4g128a,int4,int8]
-//   (--forms: the kernel's forms 5-9, 11 and 12 (csrc/persist_chain.cuh; 6 is form 5 finished by block slices,
-//    12 form 11 with paired activations), default 5;
+//   (--forms: the kernel's forms 5-9 and 11-13 (csrc/persist_chain.cuh; 6 is form 5 finished by block slices,
+//    12 form 11 with paired activations, 13 form 12 without block barriers, M = 1), default 5;
 //    --warps: consumer warps per block; --stages x --stage-tiles: each warp's weight ring, in 1 KB tiles
-//    (form 9: a ring of --stage-tiles one-tile slots, 4 or 8; --stages is ignored; form 11 (int4 per
-//    channel or G = 128) and 12: --stage-tiles is the register ring, 2 or 4 tiles, and --stages each warp's
-//    hand-off staging in shared memory, 0 for none);
+//    (form 9: a ring of --stage-tiles one-tile slots, 4 or 8; forms 11-13 (int4 per channel or G = 128):
+//    the register ring, 2 or 4 tiles; --stages is ignored);
 //    --skip 0,1,5,37: timing experiments, ChainShape::skip: 1 no waits, 2 no input preparation (form 9;
 //    form 11: no hand-off at all), 4 no tile math, 32 no flush;
 //    --no-ceiling: skip the 2 GB read that measures the ceiling, for runs under compute-sanitizer)
@@ -228,6 +227,13 @@ struct Variant {
 template <int kBits, int kGroup, bool kZeros>
 bool launch5_t(const Variant& v, const ChainShape& sh, const qgemv::Chain5Op* ops, int nops, unsigned* sync,
                int blocks, cudaStream_t st, unsigned long long* wait) {
+  if (v.form == 13) {
+    if constexpr (kBits == 4 && (kGroup == 0 || kGroup == 128)) {
+      if (!ops) return qgemv::chain13_fits<kGroup, kZeros>(sh, v.warps);
+      return qgemv::chain13_launch<kGroup, kZeros>(ops, nops, sh, sync, blocks, v.warps, st, wait) == qgemv::Status::kOk;
+    }
+    return false;
+  }
   if (v.form == 11 || v.form == 12) {
     if constexpr (kBits == 4 && (kGroup == 0 || kGroup == 128)) {
       if (!ops) return qgemv::chain11_fits<kGroup, kZeros>(sh, v.warps);
@@ -466,15 +472,15 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         const int blocks = sms;
         const int nops = static_cast<int>(ops5.size());
         // Form 9's ring is --stage-tiles one-tile slots per warp (sh.stages 1).
-        // Form 11: --stages is each warp's hand-off staging, in tiles (0: none).
-        ChainShape sh{v.stage_tiles, v.form >= 11 ? v.stages : v.form >= 9 ? 1 : v.stages, qgemv::chain_meta_bytes(f.group, f.zeros),
+        ChainShape sh{v.stage_tiles, v.form >= 9 ? 1 : v.stages, qgemv::chain_meta_bytes(f.group, f.zeros),
                       std::max(m.H, m.I), M, v.skip, v.form == 6 ? 1 : 0,
                       v.form >= 8 ? qgemv::chain8_sums(ops5.data(), nops, blocks, M) : 0, v.form == 12 ? 1 : 0};
         const bool fits = launch5_fmt(f, v, sh, nullptr, nops, nullptr, blocks, st);
         if (M > 8 || !fits) {
           std::printf("%-10s %3d form %d w%d s%d t%d: does not fit (%zu B of shared memory%s)\n", f.name, M, v.form,
                       v.warps, v.stages, v.stage_tiles,
-                      v.form >= 11  ? qgemv::chain11_smem_bytes(sh, v.warps)
+                      v.form == 13  ? qgemv::chain13_smem_bytes(sh)
+                      : v.form >= 11 ? qgemv::chain11_smem_bytes(sh)
                       : v.form >= 7 ? qgemv::chain7_smem_bytes<__half>(sh, v.warps, v.form >= 8, v.form >= 9)
                                     : qgemv::chain5_smem_bytes<__half>(sh, v.warps, nops),
                       M > 8 ? ", M > 8" : "");
@@ -484,7 +490,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         unsigned long long* wait = nullptr;
         auto go = [&] {
           const bool ok =
-              launch5_fmt(f, v, sh, v.form == 12 ? d_ops12 : v.form == 11 ? d_ops11 : d_ops5, nops, d_cnt, blocks, st, wait);
+              launch5_fmt(f, v, sh, v.form >= 12 ? d_ops12 : v.form == 11 ? d_ops11 : d_ops5, nops, d_cnt, blocks, st, wait);
           if (!ok) {
             std::fprintf(stderr, "persistent launch failed\n");
             std::exit(1);
@@ -537,7 +543,11 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           if (v.skip & (1 << bit)) tag += bit_names[bit];
         std::snprintf(form, sizeof form, "form%d w%d s%d t%d%s", v.form, v.warps, v.stages, v.stage_tiles, tag.c_str());
         row(form, blocks, us, err);
-        if (v.form >= 11)
+        if (v.form == 13)
+          std::printf("%-10s %3d   per layer, warp 0 of a block (mean): %.2f us waiting for input slices (%.1f the most), "
+                      "%.2f for the block's warps to pass op i - 2; %.2f in all\n", f.name, M, wsum / blocks * per_us,
+                      wmax * per_us, bsum / blocks * per_us, qsum / blocks * per_us);
+        else if (v.form >= 11)
           std::printf("%-10s %3d   per layer, warp 0 of a block (mean): %.2f us spinning on others (%.1f the most), "
                       "%.2f waiting for the block's warps, %.2f finishing, %.2f preparing the input; %.2f in all\n",
                       f.name, M, wsum / blocks * per_us, wmax * per_us, bsum / blocks * per_us, ssum / blocks * per_us,
@@ -771,8 +781,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   for (int s : stages)
-    if (s < 0) {  // forms 5-8 need 2 (their ring); form 11 takes 0 (no hand-off staging)
-      std::fprintf(stderr, "--stages: at least 0\n");
+    if (s < 2) {
+      std::fprintf(stderr, "--stages: at least 2\n");
       return 2;
     }
   for (int w : warps)
@@ -781,8 +791,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   for (int f : forms)
-    if (f < 5 || f == 10 || f > 12) {
-      std::fprintf(stderr, "--forms: 5 to 9, 11, 12\n");
+    if (f < 5 || f == 10 || f > 13) {
+      std::fprintf(stderr, "--forms: 5 to 9, 11 to 13\n");
       return 2;
     }
   for (int t : tiles)
