@@ -10,8 +10,10 @@
 //
 // Forms 1-4 are in git and in dev/PERSISTENT.md; this header holds form 5, its
 // variant form 6 (ChainShape::slices), forms 7-9 (chain7_kernel; form 9 is
-// described above that kernel's form-9 branch) and forms 11 and 12
-// (chain11_kernel; 12, the fastest, passes paired activations; int4 only).  Not yet built into the extension:
+// described above that kernel's form-9 branch), forms 11, 12 and 14
+// (chain11_kernel; 12 passes paired activations, 14 adds a feed warp that
+// bulk-copies the weights into shared-memory rings; int4 only) and form 13
+// (chain13_kernel, no block barriers).  Not yet built into the extension:
 // dev/persist_lab.cu runs them against qgemv's per-op GEMVs.
 //
 // Not deterministic: a panel's partial sums (one per warp that touched it)
@@ -36,11 +38,12 @@ struct ChainShape {
   int x_cap;        // the largest K (elements per token of the input buffer)
   int M;            // tokens
   int skip;         // 0; lab timing experiments only (results wrong): 1 no waits, 2 no input preparation (form 9),
-                    //    4 no tile math, 32 no flush or finish
+                    //    4 no tile math, 8 (form 14) weights from L2, 32 no flush or finish
   int slices = 0;   // finishing: 0 per panel, by the warp completing it (form 5); 1 per block slice, by the sync
                     //    warps once the op's sums are complete everywhere (form 6)
   int sums = 0;     // form 8: fp32 values of the block's sum buffer (chain8_sums)
   int paired = 0;   // form 12: form 11 with paired activations (ChainPaired)
+  int chunk = 4;    // form 14: tiles per feed chunk (stages, a warp's ring, is a multiple)
 };
 
 constexpr int kChainTileBytes = kPanelRows * kTileBytes;  // 1 KB: one tile of one panel
@@ -1370,41 +1373,70 @@ struct Chain11Format {
   static constexpr bool kGrouped = kGroup != 0;
 };
 
+// A warp's walk along its tiles of every op, in the order it sums them:
+// aim() finds the next segment (a run of `left` tiles from `tile`, within
+// one panel of op i_op; past the last op left stays 0).  The issue side of
+// forms 11-13 walks it for its own warp, form 14's feed lane for the warp it
+// feeds.
+struct Chain11Walk {
+  const Chain5Op* ops;
+  int nops, G, warp, W;
+  int i_op = -1, left = 0;
+  long long tile = 0;  // the op's tile (panel * K / 128 + k-tile) of the segment's next tile
+  Chain11Cursor ic{0, 0, 0, 0, 0, 1, 0, 0, 0};
+
+  __device__ __forceinline__ Chain11Walk(const Chain5Op* o, int n, int w, int nw)
+      : ops(o), nops(n), G(gridDim.x), warp(w), W(nw) {}
+
+  __device__ __forceinline__ void aim() {
+    while (i_op < nops && ic.pos >= ic.end)
+      if (++i_op < nops) chain11_start(ops[i_op], blockIdx.x, G, warp, W, ic);
+    if (i_op >= nops) return;
+    tile = static_cast<long long>(ic.panel) * ic.tpp + ic.kt;
+    left = min(ic.tpp - ic.kt, ic.end - ic.pos);
+    chain11_advance(ic, left);
+  }
+};
+
+// Tiles of every op that warp `warp` of W in this block sums.
+__device__ __forceinline__ unsigned chain11_warp_tiles(const Chain5Op* ops, int nops, int warp, int W) {
+  unsigned n = 0;
+  Chain11Cursor c;
+  for (int i = 0; i < nops; ++i) {
+    chain11_start(ops[i], blockIdx.x, gridDim.x, warp, W, c);
+    n += static_cast<unsigned>(c.end - c.pos);
+  }
+  return n;
+}
+
 // The issue side of forms 11 and 13: this lane's words of its warp's next
 // tiles, across ops, kD tiles ahead in registers (bw0 / bw1: rows g / g + 8;
 // bs / bz: their scales and zero points, chain_meta11).  fetch(d) with a
 // compile-time d (an unrolled loop) keeps the ring in registers.
 template <int kD, bool kGrouped, bool kZeros>
 struct Chain11Issue {
-  const Chain5Op* ops;
-  int nops, G, warp, W, g, t, mb;
-  int i_op = -1, left = 0;
-  Chain11Cursor ic{0, 0, 0, 0, 0, 1, 0, 0, 0};
+  Chain11Walk wk;
+  int g, t, mb;
   const uint4* wsrc = nullptr;
   const uint8_t* msrc = nullptr;
   uint4 bw0[kD], bw1[kD];
   uint32_t bs[kD], bz[kD];
 
   __device__ __forceinline__ Chain11Issue(const Chain5Op* o, int n, const ChainShape& sh, int lane)
-      : ops(o), nops(n), G(gridDim.x), warp(threadIdx.x >> 5), W(blockDim.x >> 5), g(lane >> 2), t(lane & 3),
-        mb(sh.meta_bytes) {}
+      : wk(o, n, threadIdx.x >> 5, blockDim.x >> 5), g(lane >> 2), t(lane & 3), mb(sh.meta_bytes) {}
 
-  // The next segment (past the last op: left stays 0).
+  // The next segment (past the last op: wk.left stays 0).
   __device__ __forceinline__ void aim() {
-    while (i_op < nops && ic.pos >= ic.end)
-      if (++i_op < nops) chain11_start(ops[i_op], blockIdx.x, G, warp, W, ic);
-    if (i_op >= nops) return;
-    const Chain5Op& o = ops[i_op];
-    const long long tile = static_cast<long long>(ic.panel) * ic.tpp + ic.kt;
-    left = min(ic.tpp - ic.kt, ic.end - ic.pos);
-    wsrc = reinterpret_cast<const uint4*>(static_cast<const char*>(o.p.qweight) + tile * kChainTileBytes +
+    wk.aim();
+    if (wk.left == 0) return;
+    const Chain5Op& o = wk.ops[wk.i_op];
+    wsrc = reinterpret_cast<const uint4*>(static_cast<const char*>(o.p.qweight) + wk.tile * kChainTileBytes +
                                           g * kTileBytes + 16 * t);
-    if constexpr (kGrouped) msrc = o.meta + tile * mb;
-    chain11_advance(ic, left);
+    if constexpr (kGrouped) msrc = o.meta + wk.tile * mb;
   }
 
   __device__ __forceinline__ void fetch(int d) {
-    if (left > 0) {
+    if (wk.left > 0) {
       bw0[d] = ldg_stream(wsrc);
       bw1[d] = ldg_stream(wsrc + 8 * kTileBytes / 16);
       if constexpr (kGrouped) {
@@ -1413,7 +1445,7 @@ struct Chain11Issue {
         msrc += mb;
       }
       wsrc += kChainTileBytes / 16;
-      if (--left == 0) aim();
+      if (--wk.left == 0) aim();
     }
   }
 
@@ -1424,7 +1456,7 @@ struct Chain11Issue {
   }
 };
 
-// The lab's timing: cycles c[k] of this block into wait_cycles[k * gridDim.x + block], k = 0..4.
+// The lab's timing: cycles c[k] of this block into wait_cycles[k * gridDim.x + block], k = 0..4; its SM at k = 5.
 struct ChainCycles {
   long long c[5];
 };
@@ -1432,6 +1464,9 @@ __device__ __forceinline__ void chain_add_cycles(unsigned long long* wait_cycles
 #pragma unroll
   for (int k = 0; k < 5; ++k)
     atomicAdd(wait_cycles + k * gridDim.x + blockIdx.x, static_cast<unsigned long long>(v.c[k]));
+  unsigned sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  wait_cycles[5 * gridDim.x + blockIdx.x] = sm;  // [5 blocks + b]: the SM the block ran on
 }
 
 // Per-channel scales of rows g and g + 8 of `panel` (for a segment's flush).
@@ -1572,14 +1607,158 @@ Status chain_kernel_launch(D&& dispatch, const Chain5Op* d_ops, int nops, const 
   return cudaGetLastError() == cudaSuccess ? Status::kOk : Status::kLaunchFailed;
 }
 
-template <int kGroup, bool kZeros, int kD, bool kM1, bool kPaired>
+// ---- Form 14: form 12 fed by a warp of its own ---------------------------------
+// Form 12's consumers and hand-off; the weights come from shared memory.  One
+// more warp per block, the feed, streams every consumer warp's tiles (lane w
+// feeds warp w) into that warp's ring of sh.stages one-tile slots, across op
+// boundaries, waiting only for free slots: no activation ever stops it, so
+// HBM keeps streaming while the consumers hand an op over.  The ring is cut
+// into chunks of sh.chunk slots; the feed fills a chunk with up to that many
+// consecutive tiles of one panel segment (one bulk copy) and writes how many;
+// the chunk's mbarrier counts the bytes in.  A consumer warp takes the tiles
+// into registers (kD ahead, as form 11) and publishes how many chunks it has
+// emptied, which frees them.  Grouped formats keep each tile's scales and
+// zero points (chain_meta11's bytes) right after its 1 KB (chain14_fuse), so
+// that one copy carries both: a bulk copy is issued one lane at a time.
+
+// Tiles (1 KB each) with each one's mb meta bytes after it.  Host arrays in.
+inline std::vector<uint8_t> chain14_fuse(const uint8_t* tiles, const uint8_t* meta, size_t n, int mb) {
+  const size_t ts = kChainTileBytes + mb;
+  std::vector<uint8_t> out(n * ts);
+  for (size_t i = 0; i < n; ++i) {
+    std::memcpy(out.data() + i * ts, tiles + i * kChainTileBytes, kChainTileBytes);
+    std::memcpy(out.data() + i * ts + kChainTileBytes, meta + i * mb, mb);
+  }
+  return out;
+}
+
+__host__ __device__ inline size_t chain14_ring_offset(const ChainShape& sh) {
+  return (chain11_smem_bytes(sh) + 127) / 128 * 128;
+}
+// Form 11's shared memory, then W x sh.stages slots of a tile and its meta,
+// each chunk's mbarrier and tile count, W taken counts.
+__host__ __device__ inline size_t chain14_smem_bytes(const ChainShape& sh, int W) {
+  const size_t slots = static_cast<size_t>(W) * sh.stages, chunks = slots / sh.chunk;
+  return chain14_ring_offset(sh) + slots * (kChainTileBytes + sh.meta_bytes) + chunks * (8 + 4) +
+         static_cast<size_t>(W) * 4;
+}
+
+struct Chain14Ring {
+  unsigned char* w;  // [W * R][ts]
+  uint64_t* full;    // [W * R / chunk]
+  unsigned* len;     // [W * R / chunk]: tiles in the chunk
+  unsigned* taken;   // [W]: chunks each consumer warp has emptied
+  int R, C, K, ts;   // slots and chunks a warp, tiles a chunk, bytes a tile (with its meta)
+
+  __device__ __forceinline__ Chain14Ring(unsigned char* smem, const ChainShape& sh, int W)
+      : R(sh.stages), C(sh.stages / sh.chunk), K(sh.chunk), ts(kChainTileBytes + sh.meta_bytes) {
+    const size_t slots = static_cast<size_t>(W) * R;
+    w = smem + chain14_ring_offset(sh);
+    full = reinterpret_cast<uint64_t*>(w + slots * ts);
+    len = reinterpret_cast<unsigned*>(full + W * C);
+    taken = len + W * C;
+  }
+};
+
+// The feed warp: lane w < W streams consumer warp w's tiles through its ring.
+__device__ __forceinline__ void chain14_feed(const Chain5Op* ops, int nops, int W, const Chain14Ring& rg,
+                                             int skip) {
+  const int lane = threadIdx.x & 31;
+  const bool mine = lane < W;
+  Chain11Walk wk(ops, nops, mine ? lane : 0, W);
+  const unsigned total = mine ? chain11_warp_tiles(ops, nops, lane, W) : 0u;
+  unsigned tiles = 0, chunks = 0;
+  int c = 0;
+  const char* wsrc = nullptr;
+  auto aim = [&] {
+    wk.aim();
+    if (wk.left == 0) return;
+    wsrc = static_cast<const char*>(ops[wk.i_op].p.qweight) + wk.tile * rg.ts;
+    if (skip & 8)  // lab: the block's own 64 tiles of op 0 over and over (L2 hits; results wrong)
+      wsrc = static_cast<const char*>(ops[0].p.qweight) +
+             (static_cast<long long>(blockIdx.x) * 64 + wk.tile % 64) * rg.ts;
+  };
+  if (mine) aim();
+  while (__any_sync(0xffffffffu, tiles < total)) {
+    if (tiles >= total) continue;
+    const unsigned room = static_cast<unsigned>(rg.C) - (chunks - ld_acquire_cta_smem(rg.taken + lane));
+    for (unsigned k = 0; k < room && tiles < total; ++k) {
+      const int n = min(rg.K, wk.left), q = lane * rg.C + c;
+      const size_t slot = static_cast<size_t>(lane) * rg.R + c * rg.K;
+      rg.len[q] = static_cast<unsigned>(n);  // before the arrive (a release): the taker reads it after its wait
+      mbar_expect_tx(rg.full + q, n * rg.ts);
+      bulk_copy(rg.w + slot * rg.ts, wsrc, n * rg.ts, rg.full + q);
+      wsrc += n * rg.ts;
+      tiles += n, ++chunks;
+      if (++c == rg.C) c = 0;
+      if ((wk.left -= n) == 0) aim();
+    }
+  }
+}
+
+// Form 14's issue side, in Chain11Issue's shape: this lane's words of its
+// warp's next tiles, taken from the warp's ring kD tiles ahead.
+template <int kD, bool kGrouped, bool kZeros>
+struct Chain14Take {
+  const Chain14Ring& rg;
+  int warp, lane, g, t;
+  unsigned n = 0, total, chunks = 0;
+  int c = 0, in = 0;  // the chunk; its tiles not yet taken
+  size_t slot = 0;
+  uint32_t phase = 0;
+  bool timed = false;     // the lab: count the cycles waiting for the feed
+  long long waited = 0;
+  uint4 bw0[kD], bw1[kD];
+  uint32_t bs[kD], bz[kD];
+
+  __device__ __forceinline__ Chain14Take(const Chain14Ring& r, const Chain5Op* ops, int nops, int W)
+      : rg(r), warp(threadIdx.x >> 5), lane(threadIdx.x & 31), g(lane >> 2), t(lane & 3),
+        total(chain11_warp_tiles(ops, nops, threadIdx.x >> 5, W)) {}
+
+  __device__ __forceinline__ void fetch(int d) {
+    if (n >= total) return;
+    if (in == 0) {
+      const int q = warp * rg.C + c;
+      if (timed && !mbar_test(rg.full + q, phase)) {
+        const long long w0 = clock64();
+        mbar_wait(rg.full + q, phase);
+        waited += clock64() - w0;
+      }
+      mbar_wait(rg.full + q, phase);
+      in = static_cast<int>(rg.len[q]);
+      slot = static_cast<size_t>(warp) * rg.R + c * rg.K;
+    }
+    const unsigned char* w = rg.w + slot * rg.ts + g * kTileBytes + 16 * t;
+    bw0[d] = *reinterpret_cast<const uint4*>(w);
+    bw1[d] = *reinterpret_cast<const uint4*>(w + 8 * kTileBytes);
+    if constexpr (kGrouped) {
+      const unsigned char* m = rg.w + slot * rg.ts + kChainTileBytes;
+      bs[d] = *reinterpret_cast<const unsigned*>(m + 4 * g);
+      if constexpr (kZeros) bz[d] = *reinterpret_cast<const unsigned short*>(m + 32 + 2 * g);
+    }
+    ++n, ++slot;
+    if (--in == 0) {
+      if (++c == rg.C) c = 0, phase ^= 1u;
+      __syncwarp();  // every lane's loads of the chunk are done before it is given back
+      if (lane == 0) st_release_cta_smem(rg.taken + warp, ++chunks);
+    }
+  }
+
+  __device__ __forceinline__ void prime() {
+#pragma unroll
+    for (int d = 0; d < kD; ++d) fetch(d);
+  }
+};
+
+template <int kGroup, bool kZeros, int kD, bool kM1, bool kPaired, bool kFeed>
 __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     chain11_kernel(const Chain5Op* __restrict__ ops, int nops, ChainShape sh, unsigned* sync,
                    unsigned long long* wait_cycles) {
   using T = __half;
   constexpr bool kGrouped = Chain11Format<kGroup, kZeros>::kGrouped;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int W = blockDim.x >> 5, G = gridDim.x, nthreads = blockDim.x;
+  // form 14: warp W is the feed; nthreads: the consumers
+  const int W = (blockDim.x >> 5) - (kFeed ? 1 : 0), G = gridDim.x, nthreads = W * 32;
   const int g = lane >> 2, t = lane & 3;
   const int M = sh.M, xg = sh.x_cap / 128;
 
@@ -1588,7 +1767,25 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
   T* xs = reinterpret_cast<T*>(chain_smem + (static_cast<size_t>(sh.sums) * 4 + 15) / 16 * 16);
   float* xsum = reinterpret_cast<float*>(xs + static_cast<size_t>(M) * sh.x_cap);  // [M][x_cap / 128]
   for (int q = threadIdx.x; q < sh.sums; q += nthreads) sums[q] = 0.f;
+  // Form 14: the consumers' rings; the feed warp leaves for its loop.
+  [[maybe_unused]] const Chain14Ring rg(chain_smem, sh, W);
+  if constexpr (kFeed) {
+    for (int q = threadIdx.x; q < W * rg.C; q += blockDim.x) mbar_init(rg.full + q, 1);
+    for (int q = threadIdx.x; q < W; q += blockDim.x) rg.taken[q] = 0;
+    mbar_init_fence();
+  }
   __syncthreads();
+  if constexpr (kFeed) {
+    if (warp == W) {
+      chain14_feed(ops, nops, W, rg, sh.skip);
+      return;
+    }
+  }
+  // The block's barrier among the consumers (form 14: not the feed warp).
+  auto csync = [&] {
+    if constexpr (kFeed) asm volatile("bar.sync 1, %0;" ::"r"(nthreads) : "memory");
+    else __syncthreads();
+  };
   const bool timed = wait_cycles && threadIdx.x == 0;
   long long t_spin = 0, t_warps = 0, t_finish = 0, t_prep = 0;
   // Form 12: this launch's epoch (1..32767; the previous launch left its count in sync[nops]).
@@ -1596,7 +1793,12 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
   const long long t_begin = timed ? clock64() : 0;
 
   // ---- the issue side
-  Chain11Issue<kD, kGrouped, kZeros> is(ops, nops, sh, lane);
+  auto make_issue = [&] {
+    if constexpr (kFeed) return Chain14Take<kD, kGrouped, kZeros>(rg, ops, nops, W);
+    else return Chain11Issue<kD, kGrouped, kZeros>(ops, nops, sh, lane);
+  };
+  auto is = make_issue();
+  if constexpr (kFeed) is.timed = timed;
 
   // ---- the consumer side
   int i = -1;  // the op being consumed
@@ -1608,7 +1810,7 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
   // -> xs, the high-nibble positions / 16, and 2^-24 x the sums of each 128.
   auto prep_input = [&](const GemvParams& p, int o_flags) {
     if (sh.skip & 2) return;  // lab: no hand-off at all (results wrong)
-    __syncthreads();  // thread 0's spin is over; every warp is past the last op's reads of xs
+    csync();  // thread 0's spin is over; every warp is past the last op's reads of xs
     const long long p0 = timed ? clock64() : 0;
     const int chunks = p.K / 8;
     // chunks in flight per thread: the L2 loads first, then the math (4 spilled; form 12 with kD = 4
@@ -1659,7 +1861,7 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
         if (c < chunks && lane % 16 == 0) xsum[m * xg + c / 16] = s * 0x1p-24f;
         }
       }
-    __syncthreads();
+    csync();
     if (timed) t_prep += clock64() - p0;
   };
 
@@ -1688,7 +1890,7 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
       res0 = res_at((threadIdx.x % vals) / kPanelRows,
                     static_cast<int>(u0 + threadIdx.x / vals) * kPanelRows + threadIdx.x % kPanelRows);
     const long long f0 = timed ? clock64() : 0;
-    __syncthreads();
+    csync();
     const long long f1 = timed ? clock64() : 0;
     for (int q = threadIdx.x; q < count; q += nthreads) {
       const int u = q / vals, tok = (q % vals) / kPanelRows, r = q % kPanelRows;
@@ -1715,7 +1917,7 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
       if (timed) t_warps += f1 - f0, t_finish += clock64() - f1;
       return;
     }
-    __syncthreads();  // the block's outputs of op oi are written
+    csync();  // the block's outputs of op oi are written
     if (timed) t_warps += f1 - f0, t_finish += clock64() - f1;
     if (threadIdx.x == 0) {
       if (oi + 1 == nops) {
@@ -1764,25 +1966,30 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
   };
 
   chain11_consume<kD>(is, seg, boundary, [] {});
+  if constexpr (kFeed) t_spin = is.waited;  // form 14: no spin; the cycles waiting for the feed instead
   if (timed) chain_add_cycles(wait_cycles, ChainCycles{{t_spin, t_warps, t_finish, t_prep, clock64() - t_begin}});
 }
 
-// Form 11's kernel (form 12: paired activations) for kD = sh.stage_tiles (2 or 4) and M; f(kernel); false
-// when there is none.
-template <int kGroup, bool kZeros, bool kPaired, typename F>
+// Form 11's kernel (form 12: paired activations; form 14: paired, with the
+// feed warp) for kD = sh.stage_tiles (2 or 4) and M; f(kernel); false when
+// there is none.
+template <int kGroup, bool kZeros, bool kPaired, bool kFeed, typename F>
 bool chain11_dispatch_p(const ChainShape& sh, F&& f) {
   const bool m1 = sh.M == 1;
   if (sh.stage_tiles == 2)
-    m1 ? f(chain11_kernel<kGroup, kZeros, 2, true, kPaired>) : f(chain11_kernel<kGroup, kZeros, 2, false, kPaired>);
+    m1 ? f(chain11_kernel<kGroup, kZeros, 2, true, kPaired, kFeed>)
+       : f(chain11_kernel<kGroup, kZeros, 2, false, kPaired, kFeed>);
   else if (sh.stage_tiles == 4)
-    m1 ? f(chain11_kernel<kGroup, kZeros, 4, true, kPaired>) : f(chain11_kernel<kGroup, kZeros, 4, false, kPaired>);
+    m1 ? f(chain11_kernel<kGroup, kZeros, 4, true, kPaired, kFeed>)
+       : f(chain11_kernel<kGroup, kZeros, 4, false, kPaired, kFeed>);
   else
     return false;
   return true;
 }
 template <int kGroup, bool kZeros, typename F>
 bool chain11_dispatch(const ChainShape& sh, F&& f) {
-  return sh.paired ? chain11_dispatch_p<kGroup, kZeros, true>(sh, f) : chain11_dispatch_p<kGroup, kZeros, false>(sh, f);
+  return sh.paired ? chain11_dispatch_p<kGroup, kZeros, true, false>(sh, f)
+                   : chain11_dispatch_p<kGroup, kZeros, false, false>(sh, f);
 }
 
 template <int kGroup, bool kZeros>
@@ -1800,6 +2007,30 @@ Status chain11_launch(const Chain5Op* d_ops, int nops, const ChainShape& sh, uns
                              d_sync, blocks, warps * kWarpSize, chain11_smem_bytes(sh), stream, wait_cycles);
 }
 
+// Form 14: `warps` consumer warps and the feed warp (16 warps in all at most:
+// a 17th would leave 96 registers a thread, as one SM quarter would hold 5
+// warps); sh.paired set, sh.stages ring slots per consumer warp (a multiple
+// of sh.chunk, more than kD).
+template <int kGroup, bool kZeros>
+bool chain14_fits(const ChainShape& sh, int warps) {
+  if (warps < 1 || warps >= kChain11MaxWarps || sh.M > 8 || !sh.paired || sh.stages <= sh.stage_tiles ||
+      sh.chunk < 1 || sh.stages % sh.chunk)
+    return false;
+  return chain_kernel_fits([&](auto&& f) { return chain11_dispatch_p<kGroup, kZeros, true, true>(sh, f); },
+                           chain14_smem_bytes(sh, warps), (warps + 1) * kWarpSize);
+}
+
+template <int kGroup, bool kZeros>
+Status chain14_launch(const Chain5Op* d_ops, int nops, const ChainShape& sh, unsigned* d_sync, int blocks, int warps,
+                      cudaStream_t stream, unsigned long long* wait_cycles = nullptr) {
+  if (warps < 1 || warps >= kChain11MaxWarps || blocks < 1 || nops < 1 || sh.M > 8 || !sh.paired ||
+      sh.stages <= sh.stage_tiles || sh.chunk < 1 || sh.stages % sh.chunk)
+    return Status::kBadShape;
+  return chain_kernel_launch([&](auto&& f) { return chain11_dispatch_p<kGroup, kZeros, true, true>(sh, f); }, d_ops,
+                             nops, sh, d_sync, blocks, (warps + 1) * kWarpSize, chain14_smem_bytes(sh, warps), stream,
+                             wait_cycles);
+}
+
 // ---- Form 13 ----------------------------------------------------------------
 // Form 12 without block barriers: every warp runs its own dataflow.
 //   * The input lives in shared memory by 128-k slices (one tile's k), each
@@ -1814,7 +2045,7 @@ Status chain11_launch(const Chain5Op* d_ops, int nops, const ChainShape& sh, uns
 //   * Op parity double-buffers the input, its sums and counts; a warp enters
 //     op i once every warp of the block is past op i - 2 (a shared counter).
 // M = 1, int4 per channel or G = 128 with fp16, paired activations (the lab's
-// form-12 ops).  Compiled; not yet run.
+// form-12 ops).  Measured: no faster than form 12 (dev/PERSISTENT.md).
 constexpr int kChain13MaxWarps = 16;
 
 // One parity's shared memory: sums (sh.sums fp32), unit counts (sh.sums / 16

@@ -6,14 +6,17 @@
 //        csrc/gemv_int4.cu csrc/gemv_int8.cu csrc/runtime.cpp -o /tmp/persist_lab
 //   /tmp/persist_lab [--probe-only | --no-probe] [--tma-probe] [--no-ceiling] [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers L]
 //                    [--ms 1,4] [--forms 5,6] [--warps 12,16] [--stages 4] [--stage-tiles 2]
-//                    [--formats int4g128a,int4,int8]
-//   (--forms: the kernel's forms 5-9 and 11-13 (csrc/persist_chain.cuh; 6 is form 5 finished by block slices,
-//    12 form 11 with paired activations, 13 form 12 without block barriers, M = 1), default 5;
+//                    [--formats int4g128a,int4,int8] [--chunks 4,8]
+//   (--forms: the kernel's forms 5-9 and 11-14 (csrc/persist_chain.cuh; 6 is form 5 finished by block slices,
+//    12 form 11 with paired activations, 13 form 12 without block barriers, M = 1, 14 form 12 fed by a
+//    warp of bulk copies into shared memory), default 5;
 //    --warps: consumer warps per block; --stages x --stage-tiles: each warp's weight ring, in 1 KB tiles
 //    (form 9: a ring of --stage-tiles one-tile slots, 4 or 8; forms 11-13 (int4 per channel or G = 128):
-//    the register ring, 2 or 4 tiles; --stages is ignored);
+//    the register ring, 2 or 4 tiles; --stages is ignored, except by form 14: each warp's ring of
+//    shared-memory slots, more than --stage-tiles and a multiple of --chunks, the tiles a feed chunk
+//    holds (4 unless given));
 //    --skip 0,1,5,37: timing experiments, ChainShape::skip: 1 no waits, 2 no input preparation (form 9;
-//    form 11: no hand-off at all), 4 no tile math, 32 no flush;
+//    form 11: no hand-off at all), 4 no tile math, 8 form 14's feed copies L2-resident tiles, 32 no flush;
 //    --no-ceiling: skip the 2 GB read that measures the ceiling, for runs under compute-sanitizer)
 //
 // Part 1, the probes (a co-resident grid of SMs x 1 blocks of 256 threads):
@@ -134,6 +137,7 @@ struct Lin {
   void *w = nullptr, *s = nullptr, *z = nullptr;
   uint8_t* meta = nullptr;    // grouped: scales / zeros in the persistent kernel's tile order
   uint8_t* meta11 = nullptr;  // the same in form 11's order (chain_meta11; G = 128)
+  void* fused = nullptr;      // form 14, G = 128: each 1 KB tile followed by its meta11 bytes (chain14_fuse)
   int N, K, Kp;
   size_t wbytes, bytes;
 };
@@ -187,6 +191,10 @@ Lin make_lin(const Fmt& f, int N, int K, std::mt19937& rng) {
       const auto m11 = qgemv::chain_meta11(hs16, hz8, N, K);
       CK(cudaMalloc(&L.meta11, m11.size()));
       CK(cudaMemcpy(L.meta11, m11.data(), m11.size(), cudaMemcpyHostToDevice));
+      const auto fu = qgemv::chain14_fuse(hw.data(), m11.data(), static_cast<size_t>(N / 16) * (K / 128),
+                                          qgemv::chain_meta_bytes(128, f.zeros));
+      CK(cudaMalloc(&L.fused, fu.size()));
+      CK(cudaMemcpy(L.fused, fu.data(), fu.size(), cudaMemcpyHostToDevice));
     }
   }
   return L;
@@ -221,6 +229,7 @@ struct Variant {
   int form;                        // 5 or 6 (csrc/persist_chain.cuh; 6: ChainShape::slices)
   int warps, stages, stage_tiles;  // consumer warps; the ring (form 5: each warp's): stages x stage_tiles tiles of 1 KB
   int skip;                        // ChainShape::skip (timing experiments)
+  int chunk;                       // form 14: tiles per feed chunk
 };
 
 // Form 5: with ops == nullptr only whether it fits.
@@ -231,6 +240,13 @@ bool launch5_t(const Variant& v, const ChainShape& sh, const qgemv::Chain5Op* op
     if constexpr (kBits == 4 && (kGroup == 0 || kGroup == 128)) {
       if (!ops) return qgemv::chain13_fits<kGroup, kZeros>(sh, v.warps);
       return qgemv::chain13_launch<kGroup, kZeros>(ops, nops, sh, sync, blocks, v.warps, st, wait) == qgemv::Status::kOk;
+    }
+    return false;
+  }
+  if (v.form == 14) {
+    if constexpr (kBits == 4 && (kGroup == 0 || kGroup == 128)) {
+      if (!ops) return qgemv::chain14_fits<kGroup, kZeros>(sh, v.warps);
+      return qgemv::chain14_launch<kGroup, kZeros>(ops, nops, sh, sync, blocks, v.warps, st, wait) == qgemv::Status::kOk;
     }
     return false;
   }
@@ -314,7 +330,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       // The chain: per layer q/k/v -> o (reads q; attention's stand-in) -> gate/up (after o + residual) ->
       // down (after SiLU * mul); the next layer's q/k/v reads down + residual, and so does the output
       // X[layers].  Every op writes its own activation buffer and the next op reads it.
-      std::vector<qgemv::Chain5Op> ops5, ops11, ops12;
+      std::vector<qgemv::Chain5Op> ops5, ops11, ops12, ops14;
       // Form 12's activations: 32-bit words (value, epoch), poisoned (epoch 0xffff never matches).
       std::vector<void*> paired;
       auto palloc = [&](size_t n) {
@@ -377,6 +393,8 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           o.res = pio[j].res;
           o.flags = pio[j].flags;
           ops12.push_back(o);
+          if (L[j].fused) o.p.qweight = L[j].fused;  // form 14: tiles with their meta
+          ops14.push_back(o);
         }
       }
       qgemv::Chain5Op* d_ops5;
@@ -387,6 +405,9 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       CK(cudaMemcpy(d_ops11, ops11.data(), ops11.size() * sizeof(qgemv::Chain5Op), cudaMemcpyHostToDevice));
       CK(cudaMalloc(&d_ops12, ops12.size() * sizeof(qgemv::Chain5Op)));
       CK(cudaMemcpy(d_ops12, ops12.data(), ops12.size() * sizeof(qgemv::Chain5Op), cudaMemcpyHostToDevice));
+      qgemv::Chain5Op* d_ops14;
+      CK(cudaMalloc(&d_ops14, ops14.size() * sizeof(qgemv::Chain5Op)));
+      CK(cudaMemcpy(d_ops14, ops14.data(), ops14.size() * sizeof(qgemv::Chain5Op), cudaMemcpyHostToDevice));
       unsigned* d_cnt;
       CK(cudaMalloc(&d_cnt, 2 * ops5.size() * 4));
       CK(cudaMemset(d_cnt, 0, 2 * ops5.size() * 4));
@@ -472,14 +493,16 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         const int blocks = sms;
         const int nops = static_cast<int>(ops5.size());
         // Form 9's ring is --stage-tiles one-tile slots per warp (sh.stages 1).
-        ChainShape sh{v.stage_tiles, v.form >= 9 ? 1 : v.stages, qgemv::chain_meta_bytes(f.group, f.zeros),
+        ChainShape sh{v.stage_tiles, v.form >= 9 && v.form != 14 ? 1 : v.stages, qgemv::chain_meta_bytes(f.group, f.zeros),
                       std::max(m.H, m.I), M, v.skip, v.form == 6 ? 1 : 0,
-                      v.form >= 8 ? qgemv::chain8_sums(ops5.data(), nops, blocks, M) : 0, v.form == 12 ? 1 : 0};
+                      v.form >= 8 ? qgemv::chain8_sums(ops5.data(), nops, blocks, M) : 0, v.form == 12 || v.form == 14 ? 1 : 0,
+                      v.chunk};
         const bool fits = launch5_fmt(f, v, sh, nullptr, nops, nullptr, blocks, st);
         if (M > 8 || !fits) {
           std::printf("%-10s %3d form %d w%d s%d t%d: does not fit (%zu B of shared memory%s)\n", f.name, M, v.form,
                       v.warps, v.stages, v.stage_tiles,
-                      v.form == 13  ? qgemv::chain13_smem_bytes(sh)
+                      v.form == 14  ? qgemv::chain14_smem_bytes(sh, v.warps)
+                      : v.form == 13 ? qgemv::chain13_smem_bytes(sh)
                       : v.form >= 11 ? qgemv::chain11_smem_bytes(sh)
                       : v.form >= 7 ? qgemv::chain7_smem_bytes<__half>(sh, v.warps, v.form >= 8, v.form >= 9)
                                     : qgemv::chain5_smem_bytes<__half>(sh, v.warps, nops),
@@ -490,7 +513,8 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         unsigned long long* wait = nullptr;
         auto go = [&] {
           const bool ok =
-              launch5_fmt(f, v, sh, v.form >= 12 ? d_ops12 : v.form == 11 ? d_ops11 : d_ops5, nops, d_cnt, blocks, st, wait);
+              launch5_fmt(f, v, sh, v.form == 14 ? d_ops14 : v.form >= 12 ? d_ops12 : v.form == 11 ? d_ops11 : d_ops5, nops,
+                          d_cnt, blocks, st, wait);
           if (!ok) {
             std::fprintf(stderr, "persistent launch failed\n");
             std::exit(1);
@@ -522,13 +546,13 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           failures += !(err2 / refmax < 2e-2);
         }
         // Where the time goes: one more launch with each block's spin cycles counted.
-        CK(cudaMemset(wait_dev, 0, sizeof(unsigned long long) * 5 * blocks));
+        CK(cudaMemset(wait_dev, 0, sizeof(unsigned long long) * 6 * blocks));
         wait = wait_dev;
         go();
         wait = nullptr;
         CK(cudaStreamSynchronize(st));
-        std::vector<unsigned long long> wc(5 * blocks);
-        CK(cudaMemcpy(wc.data(), wait_dev, sizeof(unsigned long long) * 5 * blocks, cudaMemcpyDeviceToHost));
+        std::vector<unsigned long long> wc(6 * blocks);
+        CK(cudaMemcpy(wc.data(), wait_dev, sizeof(unsigned long long) * 6 * blocks, cudaMemcpyDeviceToHost));
         double wsum = 0, wmax = 0, bsum = 0, ssum = 0, isum = 0, qsum = 0;
         for (int b2 = 0; b2 < blocks; ++b2) {
           wsum += wc[b2], wmax = std::max(wmax, double(wc[b2]));
@@ -538,9 +562,10 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         const double per_us = 1e3 / clock_khz / layers;  // cycles -> us per layer
         char form[48];
         std::string tag;
-        const char* bit_names[] = {" nowait", " noprep", " nomath", "", "", " noflush"};
+        const char* bit_names[] = {" nowait", " noprep", " nomath", " l2feed", "", " noflush"};
         for (int bit = 0; bit < 6; ++bit)
           if (v.skip & (1 << bit)) tag += bit_names[bit];
+        if (v.form == 14) tag += " c" + std::to_string(v.chunk);
         std::snprintf(form, sizeof form, "form%d w%d s%d t%d%s", v.form, v.warps, v.stages, v.stage_tiles, tag.c_str());
         row(form, blocks, us, err);
         if (v.form == 13)
@@ -548,11 +573,27 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
                       "%.2f for the block's warps to pass op i - 2; %.2f in all\n", f.name, M, wsum / blocks * per_us,
                       wmax * per_us, bsum / blocks * per_us, qsum / blocks * per_us);
         else if (v.form >= 11)
-          std::printf("%-10s %3d   per layer, warp 0 of a block (mean): %.2f us spinning on others (%.1f the most), "
+          std::printf("%-10s %3d   per layer, warp 0 of a block (mean): %.2f us %s (%.1f the most), "
                       "%.2f waiting for the block's warps, %.2f finishing, %.2f preparing the input; %.2f in all\n",
-                      f.name, M, wsum / blocks * per_us, wmax * per_us, bsum / blocks * per_us, ssum / blocks * per_us,
-                      isum / blocks * per_us, qsum / blocks * per_us);
-        else if (v.form >= 7)
+                      f.name, M, wsum / blocks * per_us, v.form == 14 ? "waiting for the feed" : "spinning on others",
+                      wmax * per_us, bsum / blocks * per_us, ssum / blocks * per_us, isum / blocks * per_us,
+                      qsum / blocks * per_us);
+        if (v.form >= 11 && v.form != 13) {
+          // The spread of the blocks' own times (thread 0, start to end): the slowest sets every hand-off.
+          std::vector<double> tot(blocks);
+          for (int b2 = 0; b2 < blocks; ++b2) tot[b2] = wc[4 * blocks + b2] * per_us;
+          std::vector<double> srt = tot;
+          std::sort(srt.begin(), srt.end());
+          std::printf("%-10s %3d   a block's time (us per layer): min %.2f, median %.2f, 90th %.2f, max %.2f\n", f.name,
+                      M, srt[0], srt[blocks / 2], srt[blocks * 9 / 10], srt[blocks - 1]);
+          if (std::getenv("LAB_BLOCKS")) {  // sm:time of every block, for the SM-to-speed map
+            std::printf("%-10s %3d   blocks", f.name, M);
+            for (int b2 = 0; b2 < blocks; ++b2) std::printf(" %llu:%.2f", wc[5 * blocks + b2], tot[b2]);
+            std::printf("\n");
+          }
+        }
+        if (v.form >= 11) {
+        } else if (v.form >= 7)
           std::printf("%-10s %3d   per layer, a block's mean: control warp %.2f us spinning on others (%.1f the most), "
                       "%.2f flushing; consumer warp 0 %.2f waiting for weights, %.2f for inputs, %.2f for a queue slot\n",
                       f.name, M, wsum / blocks * per_us, wmax * per_us, bsum / blocks * per_us, ssum / blocks * per_us,
@@ -566,6 +607,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       CK(cudaFree(d_ops5));
       CK(cudaFree(d_ops11));
       CK(cudaFree(d_ops12));
+      CK(cudaFree(d_ops14));
       for (void* q : paired) CK(cudaFree(q));
       for (void* pb : bufs5) CK(cudaFree(pb));
       CK(cudaFree(d_cnt));
@@ -580,6 +622,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       if (L.z) CK(cudaFree(L.z));
       if (L.meta) CK(cudaFree(L.meta));
       if (L.meta11) CK(cudaFree(L.meta11));
+      if (L.fused) CK(cudaFree(L.fused));
     }
   }
   return failures;
@@ -722,7 +765,7 @@ int main(int argc, char** argv) {
   bool probe_only = false, no_probe = false, tma = false, no_ceiling = false;
   const Model* model = &kModels[0];
   int layers = 0;
-  std::vector<int> Ms, warps, stages, tiles, skips, forms;
+  std::vector<int> Ms, warps, stages, tiles, skips, forms, chunks;
   std::vector<Fmt> fmts;
   const Fmt all[] = {{"int4g128a", 4, 128, true}, {"int4g128", 4, 128, false}, {"int4", 4, 0, false},
                      {"int8", 8, 0, false}};
@@ -758,6 +801,8 @@ int main(int argc, char** argv) {
       if (!parse(argv[++i], "--forms", forms)) return 2;
     } else if (a == "--skip" && has) {
       if (!parse(argv[++i], "--skip", skips)) return 2;
+    } else if (a == "--chunks" && has) {
+      if (!parse(argv[++i], "--chunks", chunks)) return 2;
     } else if (a == "--stage-tiles" && has) {
       if (!parse(argv[++i], "--stage-tiles", tiles)) return 2;
     } else if (a == "--formats" && has) {
@@ -791,8 +836,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   for (int f : forms)
-    if (f < 5 || f == 10 || f > 13) {
-      std::fprintf(stderr, "--forms: 5 to 9, 11 to 13\n");
+    if (f < 5 || f == 10 || f > 14) {
+      std::fprintf(stderr, "--forms: 5 to 9, 11 to 14\n");
       return 2;
     }
   for (int t : tiles)
@@ -804,6 +849,7 @@ int main(int argc, char** argv) {
   if (forms.empty()) forms = {5};
   if (warps.empty()) warps = {12};
   if (stages.empty()) stages = {4};
+  if (chunks.empty()) chunks = {4};
   if (tiles.empty()) tiles = {2};
   if (skips.empty()) skips = {0};
 
@@ -830,7 +876,8 @@ int main(int argc, char** argv) {
       for (int s : stages)
         for (int t : tiles)
           for (int k : skips)
-            variants.push_back({fm, w, s, t, k});
+            for (int c : chunks)
+              if (fm == 14 || c == chunks[0]) variants.push_back({fm, w, s, t, k, c});
   int clock_khz = 0;
   CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
   const int failures = run_chain(*model, layers ? layers : model->layers, fmts, Ms, variants, ceiling,
