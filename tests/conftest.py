@@ -3,6 +3,43 @@ import torch
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
+# The devices an op test runs on: the pure-torch reference always, the CUDA
+# kernels where there is a GPU (tests parametrized over format x device).
+DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
+
+
+def _formats():
+    from qgemv import formats
+
+    return {
+        "int8": formats.QuantConfig(8),
+        "int4": formats.QuantConfig(4),
+        "int4g32": formats.QuantConfig(4, 32),
+        "int4g32a": formats.QuantConfig(4, 32, False),
+        "int4g64": formats.QuantConfig(4, 64),
+        "int4g64a": formats.QuantConfig(4, 64, False),
+        "int4g128": formats.QuantConfig(4, 128),
+        "int4g128a": formats.QuantConfig(4, 128, False),
+    }
+
+
+# Every weight format the ops take, by the names the tests use (a: asymmetric, with zero points).
+FORMATS = _formats()
+
+
+def poison_like(shape, dtype):
+    """Fill a CUDA block of exactly an output's size with NaN and free it, so that the op's own allocation
+    most likely reuses it: any element a kernel fails to write stays NaN."""
+    t = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+    del t
+
+
+def quantized_linear(cfg, x, qw, s, z, perm=None):
+    """y = x @ W^T for a packed weight of format cfg, through the one dispatch (qgemv.ops.linear)."""
+    import qgemv
+
+    return qgemv.ops.linear(x, qgemv.PackedWeight(qw, s, z, cfg, x.shape[-1]), perm)
+
 
 @pytest.fixture(autouse=True)
 def _seed():

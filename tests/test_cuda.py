@@ -1,4 +1,6 @@
-"""CUDA kernels vs the fp64 reference on the same quantized weights.
+"""CUDA kernels vs the fp64 reference on the same quantized weights: paths,
+shapes and tight bounds (the contract every device shares, errors and opcheck
+included, is in test_ops.py, parametrized over format x device).
 
 Skipped per test without a GPU; run on the lent H200 (see BENCHMARKS.md).
 
@@ -24,19 +26,10 @@ import torch
 import qgemv
 from qgemv import formats
 
-from conftest import requires_cuda
+from conftest import FORMATS, poison_like, quantized_linear, requires_cuda
 
 EPS = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
-CFGS = {
-    "int8": formats.QuantConfig(8),
-    "int4": formats.QuantConfig(4),
-    "int4g32": formats.QuantConfig(4, 32),
-    "int4g32a": formats.QuantConfig(4, 32, False),
-    "int4g64": formats.QuantConfig(4, 64),
-    "int4g64a": formats.QuantConfig(4, 64, False),
-    "int4g128": formats.QuantConfig(4, 128),
-    "int4g128a": formats.QuantConfig(4, 128, False),
-}
+CFGS = FORMATS
 LLAMA = [(4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (14336, 4096),
          (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672)]
 ODD_K = [8, 24, 136, 2880, 5128]
@@ -48,8 +41,7 @@ def _fits(cfg, k):
     return cfg.group_size is None or k % cfg.group_size == 0
 
 
-def _call(cfg, x, qw, s, z):
-    return qgemv.ops.linear(x, qgemv.PackedWeight(qw, s, z, cfg, x.shape[-1]))
+_call = quantized_linear
 
 
 def _quantized(cfg, n, k):
@@ -58,18 +50,10 @@ def _quantized(cfg, n, k):
     return formats.quantize(w, cfg)
 
 
-def _poison_like(shape, dtype):
-    # Fill a block of exactly the output's size with NaN and free it, so the
-    # op's own allocation most likely reuses it: any element the kernel fails
-    # to write stays NaN.
-    t = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
-    del t
-
-
 def _check(cfg, x, qw, s, z, k, dense=None):
     n = qw.shape[0]
     m = x.numel() // k
-    _poison_like((*x.shape[:-1], n), x.dtype)
+    poison_like((*x.shape[:-1], n), x.dtype)
     y = _call(cfg, x, qw, s, z)
     torch.cuda.synchronize()
     assert y.shape == (*x.shape[:-1], n) and y.dtype == x.dtype
@@ -467,37 +451,13 @@ def test_torch_compile_fullgraph(bits, group, sym):
         torch.testing.assert_close(f(x), q(x))
 
 
-@requires_cuda
-def test_cuda_errors_name_tensor_and_rule():
-    qw, s, z = _quantized(CFGS["int8"], 64, 128)
-    x = torch.randn(2, 128, device="cuda", dtype=torch.float16)
-    with pytest.raises((RuntimeError, ValueError), match="qweight must be on the same device as x"):
-        qgemv.linear_int8(x, qw.cpu(), s, 128)
-    with pytest.raises((RuntimeError, ValueError), match="scales must be float16"):
-        qgemv.linear_int8(x, qw, s.float(), 128)
-
-
-@requires_cuda
-@pytest.mark.parametrize("m", [1, 24, 100], ids=["gemv", "tiled", "prefill"])
-@pytest.mark.parametrize("name", ["int8", "int4", "int4g32a", "int4g128"])
-def test_opcheck_on_cuda(name, m):
-    """torch.library.opcheck with CUDA tensors: schema, fake kernel and the
-    dispatch agree with the CUDA kernels (the CPU cases are in test_ops.py)."""
-    cfg = CFGS[name]
-    k = 256
-    qw, s, z = _weights(name, 72, k)
-    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-    op, args = qgemv.ops.op_for(qgemv.PackedWeight(qw, s, z, cfg, k))
-    torch.library.opcheck(getattr(torch.ops.qgemv, op).default, (x, *args))
-
-
 def _perm_case(name, n, k, m, dtype, seed=0):
     cfg = CFGS[name]
     qw, s, z = _weights(name, n, k)
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(m, k, device="cuda", dtype=dtype, generator=g)
     perm = torch.randperm(k, device="cuda", dtype=torch.int32, generator=g)
-    _poison_like((m, n), dtype)
+    poison_like((m, n), dtype)
     y = qgemv.ops.linear(x, qgemv.PackedWeight(qw, s, z, cfg, k), perm)
     torch.cuda.synchronize()
     assert not torch.isnan(y).any(), "unwritten (NaN-poisoned) outputs"
@@ -584,8 +544,8 @@ def test_add_rms_gather_kernel_matches_the_reference(shape, dtype):
     d = torch.randn(shape, device="cuda").to(dtype)
     w = (torch.rand(shape[-1], device="cuda") + 0.5).to(dtype)
     perm = torch.randperm(shape[-1], device="cuda", dtype=torch.int32)
-    _poison_like(shape, dtype)
-    _poison_like(shape, dtype)
+    poison_like(shape, dtype)
+    poison_like(shape, dtype)
     s, y = qgemv.ops.add_rms_gather(x, d, w, perm, 1e-5)
     torch.cuda.synchronize()
     want_s, want_y = qgemv.ops.ref_add_rms_gather(x.cpu(), d.cpu(), w.cpu(), perm.cpu(), 1e-5)
@@ -630,27 +590,6 @@ def test_add_rms_gather_under_cuda_graph_opcheck_and_bad_perm():
     assert torch.isfinite(y).all()
     with pytest.raises(ValueError, match="perm must be a permutation of 0..4095"):
         qgemv.ops.add_rms_gather(x, d, w, bad, 1e-6)
-
-
-SGEMV_SHAPES = [(1, 1), (7, 5), (33, 16), (65, 17), (129, 128), (4097, 130), (300, 4100), (28, 8192)]
-
-
-@requires_cuda
-@pytest.mark.parametrize("kernel", ["auto", "k32", "k128", "k16"])
-@pytest.mark.parametrize("n,k", SGEMV_SHAPES, ids=lambda v: str(v))
-def test_sgemv(n, k, kernel):
-    if kernel == "k16" and k > 16:
-        pytest.skip("k16 needs K <= 16")
-    if kernel == "k128" and k % 4 != 0:
-        pytest.skip("k128 needs K % 4 == 0")
-    A = torch.randn(n, k, device="cuda")
-    x = torch.randn(k, device="cuda")
-    _poison_like((n,), torch.float32)
-    y = qgemv.sgemv(A, x, kernel=kernel)
-    ref = A.double() @ x.double()
-    bound = (k + 32) * 2.0**-24 * (A.double().abs() @ x.double().abs()) + 1e-6
-    assert not torch.isnan(y).any()
-    assert ((y.double() - ref).abs() <= bound).all()
 
 
 def test_extension_ops_registered_when_buildable():

@@ -1,4 +1,7 @@
-"""Ops on CPU: reference vs float math, every bad-input error, opcheck."""
+"""The ops' contract on every device: results against float math, every
+bad-input error, opcheck, act-order perms.  Parametrized over format x
+device (the CPU reference always, the CUDA kernels where there is a GPU);
+the CUDA kernels' paths, shapes and tight bounds are in test_cuda.py."""
 
 import pytest
 import torch
@@ -6,44 +9,41 @@ import torch
 import qgemv
 from qgemv import formats
 
+from conftest import DEVICES, FORMATS, poison_like, quantized_linear, requires_cuda
+
 # Loose tolerances: quantized weights vs the float weights they came from,
 # relative Frobenius error of y on gaussian W and x.  RTN error per weight is
 # uniform in +-s/2 (std s/sqrt(12)); with s = amax/127 (int8, amax ~ 4.3 sigma
 # for 4096-ish samples), amax/7 (int4 per channel) or the group's amax/7
 # (~2.9 sigma for 128 samples, ~2.4 for 32) the expected relative error is
 # ~0.010, ~0.18, ~0.12 and ~0.10.  Bounds are ~1.5-2x those.
-LOOSE = {"int8": 0.02, "int4": 0.3, "int4g128": 0.2, "int4g64a": 0.15, "int4g32": 0.17}
-CFGS = {
-    "int8": formats.QuantConfig(8),
-    "int4": formats.QuantConfig(4),
-    "int4g128": formats.QuantConfig(4, 128),
-    "int4g64a": formats.QuantConfig(4, 64, False),
-    "int4g32": formats.QuantConfig(4, 32),
-}
+# Asymmetric groups (zero points) fit better than symmetric ones of the same size.
+LOOSE = {"int8": 0.02, "int4": 0.3, "int4g128": 0.2, "int4g128a": 0.2, "int4g64": 0.17, "int4g64a": 0.15,
+         "int4g32": 0.17, "int4g32a": 0.15}
+CFGS = FORMATS
+_call = quantized_linear
 
 
-def _call(cfg, x, qw, s, z):
-    return qgemv.ops.linear(x, qgemv.PackedWeight(qw, s, z, cfg, x.shape[-1]))
-
-
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(CFGS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_reference_close_to_float_weights(name, dtype):
+def test_close_to_float_weights(name, dtype, device):
     cfg = CFGS[name]
     n, k = 96, 1024
     w = torch.randn(n, k)
     x = torch.randn(2, 3, k)
-    qw, s, z = formats.quantize(w, cfg)
-    y = _call(cfg, x.to(dtype), qw, s, z)
-    assert y.shape == (2, 3, n) and y.dtype == dtype
+    qw, s, z = (t if t is None else t.to(device) for t in formats.quantize(w, cfg))
+    y = _call(cfg, x.to(device, dtype), qw, s, z)
+    assert y.shape == (2, 3, n) and y.dtype == dtype and y.device.type == device
     ref = x @ w.t()
-    rel = ((y.float() - ref).norm() / ref.norm()).item()
+    rel = ((y.float().cpu() - ref).norm() / ref.norm()).item()
     assert rel < LOOSE[name], rel
 
 
 @pytest.mark.parametrize("name", list(CFGS))
 def test_reference_equals_dequantized_matmul(name):
-    # Tight: same quantized weights, fp64 math; the reference works in fp32.
+    # Tight: same quantized weights, fp64 math; the reference works in fp32
+    # (the CUDA kernels' bounds: test_cuda.py).
     cfg = CFGS[name]
     n, k = 13, 256
     qw, s, z = formats.quantize(torch.randn(n, k), cfg)
@@ -55,18 +55,20 @@ def test_reference_equals_dequantized_matmul(name):
     assert ((y - ref).abs() <= bound).all()
 
 
-def _int8_args(k=64, n=8):
+def _int8_args(k=64, n=8, device="cpu"):
     qw, s = formats.quantize_int8(torch.randn(n, k))
-    return torch.randn(3, k, dtype=torch.float16), qw, s
+    return torch.randn(3, k, dtype=torch.float16, device=device), qw.to(device), s.to(device)
 
 
-def _int4g_args(k=64, n=8):
+def _int4g_args(k=64, n=8, device="cpu"):
     qw, s, z = formats.quantize_int4(torch.randn(n, k), 32, False)
-    return torch.randn(3, k, dtype=torch.float16), qw, s, z
+    return torch.randn(3, k, dtype=torch.float16, device=device), qw.to(device), s.to(device), z.to(device)
 
 
-def test_errors_int8():
-    x, qw, s = _int8_args()
+# The checks run before dispatch: the same errors, word for word, on every device.
+@pytest.mark.parametrize("device", DEVICES)
+def test_errors_int8(device):
+    x, qw, s = _int8_args(device=device)
     op = qgemv.linear_int8
     with pytest.raises(ValueError, match=r"qgemv.linear_int8: x must be float16, bfloat16 or float32, got torch.int32"):
         op(x.int(), qw, s, 64)
@@ -75,17 +77,18 @@ def test_errors_int8():
     with pytest.raises(ValueError, match=r"qgemv.linear_int8: scales must be float16, got torch.float32"):
         op(x, qw, s.float(), 64)
     with pytest.raises(ValueError, match=r"qgemv.linear_int8: qweight.shape\[1\] must be round_up\(K, 16\) = 80, got 64"):
-        op(torch.randn(3, 72, dtype=torch.float16), qw, s, 72)
+        op(torch.randn(3, 72, dtype=torch.float16, device=device), qw, s, 72)
     with pytest.raises(ValueError, match=r"qgemv.linear_int8: in_features must be a positive multiple of 8, got 60"):
-        op(torch.randn(3, 60, dtype=torch.float16), qw, s, 60)
+        op(torch.randn(3, 60, dtype=torch.float16, device=device), qw, s, 60)
     with pytest.raises(ValueError, match=r"qgemv.linear_int8: qweight must be contiguous"):
         op(x, torch.cat([qw, qw], 1)[:, ::2], s, 64)
     with pytest.raises(ValueError, match=r"qgemv.linear_int8: scales must have shape \[8\], got \[4\]"):
         op(x, qw, s[:4], 64)
 
 
-def test_errors_int4():
-    x, qw, s, z = _int4g_args()
+@pytest.mark.parametrize("device", DEVICES)
+def test_errors_int4(device):
+    x, qw, s, z = _int4g_args(device=device)
     op = qgemv.linear_int4_grouped
     with pytest.raises(ValueError, match=r"linear_int4_grouped: qweight must be int32, got torch.int64"):
         op(x, qw.long(), s, z, 32, 64)
@@ -101,8 +104,8 @@ def test_errors_int4():
     with pytest.raises(ValueError, match=r"linear_int4_grouped: qweight must be contiguous"):
         op(x, qw.t().contiguous().t(), s, z, 32, 64)
     with pytest.raises(ValueError, match=r"linear_int4_grouped: qweight.shape\[1\] must be round_up\(K, 32\) / 8 = 12"):
-        op(torch.randn(3, 96, dtype=torch.float16), qw, s, z, 32, 96)
-    qw4, s4, _ = formats.quantize_int4(torch.randn(8, 64))
+        op(torch.randn(3, 96, dtype=torch.float16, device=device), qw, s, z, 32, 96)
+    qw4, s4, _ = (t if t is None else t.to(device) for t in formats.quantize_int4(torch.randn(8, 64)))
     with pytest.raises(ValueError, match=r"qgemv.linear_int4: scales must have shape \[8\], got \[8, 1\]"):
         qgemv.linear_int4(x, qw4, s4[:, None], 64)
 
@@ -133,10 +136,14 @@ def test_quantlinear_refuses_other_input_widths(bits, group):
             q(torch.randn(1, width))
 
 
-def test_errors_wrong_device():
-    x, qw, s = _int8_args()
-    with pytest.raises(ValueError, match=r"qgemv.linear_int8: qweight must be on the same device as x \(cpu\), got meta"):
+@pytest.mark.parametrize("device", DEVICES)
+def test_errors_wrong_device(device):
+    x, qw, s = _int8_args(device=device)
+    with pytest.raises(ValueError, match=rf"qgemv.linear_int8: qweight must be on the same device as x \({device}\S*\), got meta"):
         qgemv.linear_int8(x, qw.to("meta"), s, 64)
+    other = "cpu" if device != "cpu" else "meta"
+    with pytest.raises(ValueError, match=rf"qgemv.linear_int8: scales must be on the same device as x \({device}\S*\), got {other}"):
+        qgemv.linear_int8(x, qw, s.to(other), 64)
 
 
 def test_errors_sgemv():
@@ -149,20 +156,50 @@ def test_errors_sgemv():
         qgemv.sgemv(A, torch.randn(7), kernel="k64")
 
 
-def test_sgemv_reference():
-    A, x = torch.randn(33, 17), torch.randn(17)
-    torch.testing.assert_close(qgemv.sgemv(A, x), A @ x)
+SGEMV_SHAPES = [(1, 1), (7, 5), (33, 16), (65, 17), (129, 128), (4097, 130), (300, 4100), (28, 8192)]
+
+
+def _sgemv_cases():
+    """(N, K, kernel, device): the CPU's one sgemv (the reference), every CUDA kernel choice within its rule
+    (k16: K <= 16; k128: K % 4 == 0); the others are refused (test_errors_sgemv)."""
+    for n, k in SGEMV_SHAPES:
+        yield pytest.param(n, k, "auto", "cpu", id=f"cpu-{n}x{k}")
+        for kn in ("auto", "k32", "k128", "k16"):
+            if not (kn == "k16" and k > 16 or kn == "k128" and k % 4):
+                yield pytest.param(n, k, kn, "cuda", marks=requires_cuda, id=f"cuda-{kn}-{n}x{k}")
+
+
+@pytest.mark.parametrize("n,k,kernel,device", list(_sgemv_cases()))
+def test_sgemv(n, k, kernel, device):
+    """fp32 y = A x within the fp32 summation bound, poisoned outputs on the GPU."""
+    A = torch.randn(n, k, device=device)
+    x = torch.randn(k, device=device)
+    if device == "cuda":
+        poison_like((n,), torch.float32)
+    y = qgemv.sgemv(A, x, kernel=kernel)
+    ref = A.double() @ x.double()
+    bound = (k + 32) * 2.0**-24 * (A.double().abs() @ x.double().abs()) + 1e-6
+    assert not torch.isnan(y).any()
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m", [1, 24, 100], ids=["gemv", "tiled", "prefill"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int4g32a", "int4g128"])
+def test_opcheck_linear(name, m, device):
+    """torch.library.opcheck of each format's op: schema, fake kernel and the dispatch agree, with the
+    CPU reference and with the CUDA kernels (whose token counts pick the GEMV, tiled and prefill paths)."""
+    cfg = CFGS[name]
+    k = 256
+    qw, s, z = (t if t is None else t.to(device) for t in formats.quantize(torch.randn(72, k), cfg))
+    x = torch.randn(m, k, device=device, dtype=torch.float16 if m != 24 else torch.bfloat16)
+    op, args = qgemv.ops.op_for(qgemv.PackedWeight(qw, s, z, cfg, k))
+    torch.library.opcheck(getattr(torch.ops.qgemv, op).default, (x, *args))
 
 
 def _opcheck_cases():
     torch.manual_seed(1)
-    x, qw, s = _int8_args(k=72, n=9)
-    yield "int8", torch.ops.qgemv.linear_int8.default, (x, qw, s, 72)
-    qw4, s4, _ = formats.quantize_int4(torch.randn(9, 72))
-    yield "int4", torch.ops.qgemv.linear_int4.default, (torch.randn(2, 4, 72), qw4, s4, 72)
     x, qw, s, z = _int4g_args()
-    yield "int4g_asym", torch.ops.qgemv.linear_int4_grouped.default, (x, qw, s, z, 32, 64)
-    yield "int4g_sym", torch.ops.qgemv.linear_int4_grouped.default, (x.bfloat16(), qw, s, None, 32, 64)
     yield "sgemv", torch.ops.qgemv.sgemv.default, (torch.randn(6, 20), torch.randn(20), 0)
     perm = torch.randperm(64, dtype=torch.int32)
     yield "int4g_asym_perm", torch.ops.qgemv.linear_int4_grouped.default, (x, qw, s, z, 32, 64, perm)
@@ -198,15 +235,16 @@ def test_set_gemv_pdl_validates_mode():
         qgemv.set_gemv_pdl(-1)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(CFGS))
-def test_perm_multiplies_the_gathered_input(name):
+def test_perm_multiplies_the_gathered_input(name, device):
     """perm (act-order): every op computes x[..., perm] @ W^T, the same numbers as gathering first."""
     cfg = CFGS[name]
     torch.manual_seed(3)
     k = 256
-    qw, s, z = formats.quantize(torch.randn(24, k), cfg)
-    x = torch.randn(2, 3, k, dtype=torch.bfloat16)
-    perm = torch.randperm(k, dtype=torch.int32)
+    qw, s, z = (t if t is None else t.to(device) for t in formats.quantize(torch.randn(24, k), cfg))
+    x = torch.randn(2, 3, k, dtype=torch.bfloat16, device=device)
+    perm = torch.randperm(k, dtype=torch.int32, device=device)
     op, args = qgemv.ops.op_for(qgemv.PackedWeight(qw, s, z, cfg, k))
     y, want = getattr(qgemv, op)(x, *args, perm), getattr(qgemv, op)(x[..., perm.long()], *args)
     assert torch.equal(y, want)
