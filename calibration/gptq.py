@@ -111,79 +111,16 @@ def gptq_quantize(
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
     W[:, dead] = 0
-    G = cfg.group_size
-    qmin, qmax = formats.code_range(cfg)
-
-    # Parameters fixed up front: per-channel always, groups only with act-order.
-    scales = torch.empty((n,) if G is None else (n, k // G), dtype=torch.float16, device=W.device)
-    zeros = None if (cfg.bits == 8 or cfg.symmetric) else torch.empty(n, k // G, dtype=torch.uint8, device=W.device)
-    static = G is None or act_order
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(k, device=W.device)
     # Clipping is judged by the output error each column causes, E[x_k^2] =
     # diag(H) / 2, not by the raw weight error.
-    hdiag = torch.diag(H)
-    if static:
-        s, z = formats.choose_params(W, cfg, name, clip_grid, hdiag)
-        scales.copy_(s)
-        if zeros is not None:
-            zeros.copy_(z)
-
-    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(k, device=W.device)
+    params = _ColumnParams(W, cfg, name, clip_grid, torch.diag(H), perm, act_order)
     W = W[:, perm]
     H = H[perm][:, perm]
     U, used_damp = _inverse_cholesky(H, damp, name)
-
-    # Each permuted column's scale and code bounds as [N] views, looked up on
-    # the host (one device sync for the whole permutation, none per column).
-    # The codes are clamp(round(w / s) + z, qmin, qmax) - z = clamp(round(w / s),
-    # qmin - z, qmax - z): small integers in fp32, so the two forms are equal.
-    perm_host = perm.tolist()
-    scales_f = scales.float()
-    z_const = 0.0 if cfg.bits == 8 else 8.0
-    lo_f = qmin - zeros.float() if zeros is not None else None
-    hi_f = qmax - zeros.float() if zeros is not None else None
-
-    def col_params(j_perm: int):
-        """(scale [N] fp32, lowest and highest code minus zero point: [N] fp32 or floats) of column j_perm."""
-        if G is None:
-            return scales_f, qmin - z_const, qmax - z_const
-        g = perm_host[j_perm] // G
-        if lo_f is None:
-            return scales_f[:, g], qmin - z_const, qmax - z_const
-        return scales_f[:, g], lo_f[:, g], hi_f[:, g]
-
-    Q = torch.zeros_like(W)
-    loss = torch.zeros(n, device=W.device)
-    for i1 in range(0, k, block):
-        i2 = min(i1 + block, k)
-        W1 = W[:, i1:i2].clone()
-        Q1 = torch.zeros_like(W1)
-        E1 = torch.zeros_like(W1)
-        U1 = U[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            j = i1 + i
-            if not static and j % G == 0:
-                # dynamic group parameters from the error-updated weights
-                # (blocks are 128 wide and start at multiples of G, so the group lies in W1)
-                s, z = formats.choose_params(W1[:, i : i + G], cfg, name, clip_grid, hdiag[perm[j : j + G]])
-                scales[:, j // G] = s.reshape(n)
-                scales_f[:, j // G] = scales[:, j // G].float()
-                if zeros is not None:
-                    zeros[:, j // G] = z.reshape(n)
-                    lo_f[:, j // G] = qmin - zeros[:, j // G].float()
-                    hi_f[:, j // G] = qmax - zeros[:, j // G].float()
-            s, lo, hi = col_params(j)
-            w = W1[:, i]
-            d = U1[i, i]
-            # seven kernels per column: the dequantized value and the error are written in place
-            dq = torch.mul(torch.round(w / s).clamp_(lo, hi), s, out=Q1[:, i])
-            err = torch.div(w - dq, d, out=E1[:, i])
-            W1[:, i:].addr_(err, U1[i, i:], alpha=-1)  # one kernel: W1 -= err (x) U1[i, i:]
-        loss += E1.square().sum(1) / 2  # (w - dq)^2 / d^2 / 2, summed over the block
-        Q[:, i1:i2] = Q1
-        W[:, i2:] -= E1 @ U[i1:i2, i2:]
-
-    inv = torch.argsort(perm)
-    Q = Q[:, inv]
+    Q, loss = _gptq_sweep(W, U, params, block)
+    Q = Q[:, torch.argsort(perm)]
+    scales, zeros = params.scales, params.zeros
     if split is None:
         qweight = formats.quantize_with_params(Q, scales, zeros, cfg)
         return qweight, scales, zeros, {"damp": used_damp, "loss": float(loss.sum())}
@@ -195,6 +132,97 @@ def gptq_quantize(
                     {"damp": used_damp, "loss": float(loss[a:b].sum())}))
         a = b
     return out
+
+
+class _ColumnParams:
+    """The scales and zero points of a GPTQ run, and each permuted column's view of them.
+
+    Per-channel parameters, and groups under act-order, are chosen up front
+    from W [N, K] (original column order); otherwise each group's are chosen
+    when the sweep reaches its first column, from the error-updated weights
+    (``refresh``).  ``column(j)`` gives permuted column j's scale ([N] fp32)
+    and its lowest and highest code minus the zero point ([N] fp32 or
+    floats): the codes clamp(round(w / s) + z, qmin, qmax) - z equal
+    clamp(round(w / s), qmin - z, qmax - z), small integers in fp32.  The
+    permutation is looked up on the host (one device sync in all, none per
+    column).
+    """
+
+    def __init__(self, W, cfg: QuantConfig, name: str, clip_grid: int, hdiag, perm, act_order: bool):
+        n, k = W.shape
+        G = cfg.group_size
+        self.cfg, self.name, self.clip_grid, self.G = cfg, name, clip_grid, G
+        self.qmin, self.qmax = formats.code_range(cfg)
+        self.hdiag, self.perm = hdiag, perm
+        self.scales = torch.empty((n,) if G is None else (n, k // G), dtype=torch.float16, device=W.device)
+        self.zeros = None if (cfg.bits == 8 or cfg.symmetric) else torch.empty(n, k // G, dtype=torch.uint8,
+                                                                                 device=W.device)
+        self.static = G is None or act_order
+        if self.static:
+            s, z = formats.choose_params(W, cfg, name, clip_grid, hdiag)
+            self.scales.copy_(s)
+            if self.zeros is not None:
+                self.zeros.copy_(z)
+        self.perm_host = perm.tolist()
+        self.scales_f = self.scales.float()
+        self.z_const = 0.0 if cfg.bits == 8 else 8.0
+        self.lo_f = self.qmin - self.zeros.float() if self.zeros is not None else None
+        self.hi_f = self.qmax - self.zeros.float() if self.zeros is not None else None
+
+    def refresh(self, j: int, W1, i: int) -> None:
+        """Before permuted column j (column i of the block W1): a dynamic group starting there gets its
+        parameters from the error-updated weights (blocks are 128 wide and start at multiples of G, so the
+        group lies in W1)."""
+        G = self.G
+        if self.static or j % G:
+            return
+        s, z = formats.choose_params(W1[:, i : i + G], self.cfg, self.name, self.clip_grid,
+                                     self.hdiag[self.perm[j : j + G]])
+        n, g = W1.shape[0], j // G
+        self.scales[:, g] = s.reshape(n)
+        self.scales_f[:, g] = self.scales[:, g].float()
+        if self.zeros is not None:
+            self.zeros[:, g] = z.reshape(n)
+            self.lo_f[:, g] = self.qmin - self.zeros[:, g].float()
+            self.hi_f[:, g] = self.qmax - self.zeros[:, g].float()
+
+    def column(self, j: int):
+        lo, hi = self.qmin - self.z_const, self.qmax - self.z_const
+        if self.G is None:
+            return self.scales_f, lo, hi
+        g = self.perm_host[j] // self.G
+        if self.lo_f is None:
+            return self.scales_f[:, g], lo, hi
+        return self.scales_f[:, g], self.lo_f[:, g], self.hi_f[:, g]
+
+
+def _gptq_sweep(W, U, params: _ColumnParams, block: int):
+    """The GPTQ column sweep over W [N, K] (permuted, fp32, updated in place) with U the upper Cholesky
+    factor of the permuted, damped inverse Hessian: returns the dequantized weights Q [N, K] (permuted) and
+    each row's Hessian-weighted error [N]."""
+    n, k = W.shape
+    Q = torch.zeros_like(W)
+    loss = torch.zeros(n, device=W.device)
+    for i1 in range(0, k, block):
+        i2 = min(i1 + block, k)
+        W1 = W[:, i1:i2].clone()
+        Q1 = torch.zeros_like(W1)
+        E1 = torch.zeros_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            j = i1 + i
+            params.refresh(j, W1, i)
+            s, lo, hi = params.column(j)
+            w = W1[:, i]
+            d = U1[i, i]
+            # seven kernels per column: the dequantized value and the error are written in place
+            dq = torch.mul(torch.round(w / s).clamp_(lo, hi), s, out=Q1[:, i])
+            err = torch.div(w - dq, d, out=E1[:, i])
+            W1[:, i:].addr_(err, U1[i, i:], alpha=-1)  # one kernel: W1 -= err (x) U1[i, i:]
+        loss += E1.square().sum(1) / 2  # (w - dq)^2 / d^2 / 2, summed over the block
+        Q[:, i1:i2] = Q1
+        W[:, i2:] -= E1 @ U[i1:i2, i2:]
+    return Q, loss
 
 
 class GPTQ:
