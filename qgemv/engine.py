@@ -444,14 +444,7 @@ class Engine:
         of the ``stop`` strings, or after max_new_tokens.  on_token(i, id) is
         called for every token of sequence i as it is produced.
         """
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if not (math.isfinite(temperature) and temperature >= 0) or not 0 < top_p <= 1 or top_k < 0:
-            raise ValueError(f"need a finite temperature >= 0, 0 < top_p <= 1, top_k >= 0; "
-                             f"got {temperature}, {top_p}, {top_k}")
-        stop = check_stop(stop)
-        if stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer")
+        stop = self._check_sampling(max_new_tokens, temperature, top_k, top_p, stop)
         seqs = self.encode(prompts)
         B, T = len(seqs), max(len(s) for s in seqs)
         if T + max_new_tokens > self.max_seq_len:
@@ -507,17 +500,32 @@ class Engine:
             steps += 1
         sync()
         t_decode = time.perf_counter() - t1
-        reasons = [d or "length" for d in done]
-        texts = None
-        if self.tokenizer is not None:
-            texts = []
-            for toks in out:
-                text = self.tokenizer.decode(toks, skip_special_tokens=True)
-                cut = min((text.find(s) for s in stop if s in text), default=-1)
-                texts.append(text[:cut] if cut >= 0 else text)
-        return Generation(tokens=out, texts=texts, prompt_tokens=sum(len(s) for s in seqs),
+        return Generation(tokens=out, texts=self._texts(out, stop), prompt_tokens=sum(len(s) for s in seqs),
                           prefill_seconds=t_prefill, decode_steps=steps, decode_seconds=t_decode, batch=B,
-                          graphs=self.cuda_graphs, finish_reasons=reasons)
+                          graphs=self.cuda_graphs, finish_reasons=[d or "length" for d in done])
+
+    def _check_sampling(self, max_new_tokens: int, temperature: float, top_k: int, top_p: float, stop):
+        """generate()'s settings, refused naming the rule; returns the checked stop strings."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not (math.isfinite(temperature) and temperature >= 0) or not 0 < top_p <= 1 or top_k < 0:
+            raise ValueError(f"need a finite temperature >= 0, 0 < top_p <= 1, top_k >= 0; "
+                             f"got {temperature}, {top_p}, {top_k}")
+        stop = check_stop(stop)
+        if stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        return stop
+
+    def _texts(self, out, stop):
+        """Each sequence's text (special tokens dropped), cut at the first stop string; None without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        texts = []
+        for toks in out:
+            text = self.tokenizer.decode(toks, skip_special_tokens=True)
+            cut = min((text.find(s) for s in stop if s in text), default=-1)
+            texts.append(text[:cut] if cut >= 0 else text)
+        return texts
 
     @staticmethod
     def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen) -> torch.Tensor:
