@@ -1616,8 +1616,8 @@ Status chain_kernel_launch(D&& dispatch, const Chain5Op* d_ops, int nops, const 
 // into chunks of sh.chunk slots; the feed fills a chunk with up to that many
 // consecutive tiles of one panel segment (one bulk copy) and writes how many;
 // the chunk's mbarrier counts the bytes in.  A consumer warp takes the tiles
-// into registers (kD ahead, as form 11) and publishes how many chunks it has
-// emptied, which frees them.  Grouped formats keep each tile's scales and
+// into registers (kD ahead, as form 11) and arrives on the chunk's empty
+// mbarrier once its last tile is in registers, which frees it.  Grouped formats keep each tile's scales and
 // zero points (chain_meta11's bytes) right after its 1 KB (chain14_fuse), so
 // that one copy carries both: a bulk copy is issued one lane at a time.
 
@@ -1636,18 +1636,17 @@ __host__ __device__ inline size_t chain14_ring_offset(const ChainShape& sh) {
   return (chain11_smem_bytes(sh) + 127) / 128 * 128;
 }
 // Form 11's shared memory, then W x sh.stages slots of a tile and its meta,
-// each chunk's mbarrier and tile count, W taken counts.
+// each chunk's full and empty mbarriers and its tile count.
 __host__ __device__ inline size_t chain14_smem_bytes(const ChainShape& sh, int W) {
   const size_t slots = static_cast<size_t>(W) * sh.stages, chunks = slots / sh.chunk;
-  return chain14_ring_offset(sh) + slots * (kChainTileBytes + sh.meta_bytes) + chunks * (8 + 4) +
-         static_cast<size_t>(W) * 4;
+  return chain14_ring_offset(sh) + slots * (kChainTileBytes + sh.meta_bytes) + chunks * (8 + 8 + 4);
 }
 
 struct Chain14Ring {
   unsigned char* w;  // [W * R][ts]
-  uint64_t* full;    // [W * R / chunk]
+  uint64_t* full;    // [W * R / chunk]: the feed's bytes in
+  uint64_t* empty;   // [W * R / chunk]: the consumer warp is done with it
   unsigned* len;     // [W * R / chunk]: tiles in the chunk
-  unsigned* taken;   // [W]: chunks each consumer warp has emptied
   int R, C, K, ts;   // slots and chunks a warp, tiles a chunk, bytes a tile (with its meta)
 
   __device__ __forceinline__ Chain14Ring(unsigned char* smem, const ChainShape& sh, int W)
@@ -1655,8 +1654,8 @@ struct Chain14Ring {
     const size_t slots = static_cast<size_t>(W) * R;
     w = smem + chain14_ring_offset(sh);
     full = reinterpret_cast<uint64_t*>(w + slots * ts);
-    len = reinterpret_cast<unsigned*>(full + W * C);
-    taken = len + W * C;
+    empty = full + W * C;
+    len = reinterpret_cast<unsigned*>(empty + W * C);
   }
 };
 
@@ -1681,9 +1680,12 @@ __device__ __forceinline__ void chain14_feed(const Chain5Op* ops, int nops, int 
   if (mine) aim();
   while (__any_sync(0xffffffffu, tiles < total)) {
     if (tiles >= total) continue;
-    const unsigned room = static_cast<unsigned>(rg.C) - (chunks - ld_acquire_cta_smem(rg.taken + lane));
-    for (unsigned k = 0; k < room && tiles < total; ++k) {
-      const int n = min(rg.K, wk.left), q = lane * rg.C + c;
+    for (int k = 0; k < rg.C && tiles < total; ++k) {
+      const int q = lane * rg.C + c;
+      // the chunk's previous round (lap - 1) must have been emptied; none before the first lap
+      const unsigned lap = chunks / static_cast<unsigned>(rg.C);
+      if (lap > 0 && !mbar_test(rg.empty + q, (lap - 1) & 1u)) break;
+      const int n = min(rg.K, wk.left);
       const size_t slot = static_cast<size_t>(lane) * rg.R + c * rg.K;
       rg.len[q] = static_cast<unsigned>(n);  // before the arrive (a release): the taker reads it after its wait
       mbar_expect_tx(rg.full + q, n * rg.ts);
@@ -1702,9 +1704,9 @@ template <int kD, bool kGrouped, bool kZeros>
 struct Chain14Take {
   const Chain14Ring& rg;
   int warp, lane, g, t;
-  unsigned n = 0, total, chunks = 0;
+  unsigned n = 0, total;
   int c = 0, in = 0;  // the chunk; its tiles not yet taken
-  size_t slot = 0;
+  const unsigned char* wp = nullptr;  // this lane's words of the next tile in the ring
   uint32_t phase = 0;
   bool timed = false;     // the lab: count the cycles waiting for the feed
   long long waited = 0;
@@ -1726,21 +1728,21 @@ struct Chain14Take {
       }
       mbar_wait(rg.full + q, phase);
       in = static_cast<int>(rg.len[q]);
-      slot = static_cast<size_t>(warp) * rg.R + c * rg.K;
+      wp = rg.w + (static_cast<size_t>(warp) * rg.R + c * rg.K) * rg.ts + g * kTileBytes + 16 * t;
     }
-    const unsigned char* w = rg.w + slot * rg.ts + g * kTileBytes + 16 * t;
-    bw0[d] = *reinterpret_cast<const uint4*>(w);
-    bw1[d] = *reinterpret_cast<const uint4*>(w + 8 * kTileBytes);
-    if constexpr (kGrouped) {
-      const unsigned char* m = rg.w + slot * rg.ts + kChainTileBytes;
+    bw0[d] = *reinterpret_cast<const uint4*>(wp);
+    bw1[d] = *reinterpret_cast<const uint4*>(wp + 8 * kTileBytes);
+    if constexpr (kGrouped) {  // the tile's meta: 4 g + 32 + 2 g bytes past its 1 KB, wp is g * 64 + 16 t in
+      const unsigned char* m = wp + (kChainTileBytes - g * kTileBytes - 16 * t);
       bs[d] = *reinterpret_cast<const unsigned*>(m + 4 * g);
       if constexpr (kZeros) bz[d] = *reinterpret_cast<const unsigned short*>(m + 32 + 2 * g);
     }
-    ++n, ++slot;
+    ++n;
+    wp += rg.ts;
     if (--in == 0) {
-      if (++c == rg.C) c = 0, phase ^= 1u;
       __syncwarp();  // every lane's loads of the chunk are done before it is given back
-      if (lane == 0) st_release_cta_smem(rg.taken + warp, ++chunks);
+      if (lane == 0) mbar_arrive(rg.empty + warp * rg.C + c);
+      if (++c == rg.C) c = 0, phase ^= 1u;
     }
   }
 
@@ -1770,8 +1772,7 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
   // Form 14: the consumers' rings; the feed warp leaves for its loop.
   [[maybe_unused]] const Chain14Ring rg(chain_smem, sh, W);
   if constexpr (kFeed) {
-    for (int q = threadIdx.x; q < W * rg.C; q += blockDim.x) mbar_init(rg.full + q, 1);
-    for (int q = threadIdx.x; q < W; q += blockDim.x) rg.taken[q] = 0;
+    for (int q = threadIdx.x; q < W * rg.C; q += blockDim.x) mbar_init(rg.full + q, 1), mbar_init(rg.empty + q, 1);
     mbar_init_fence();
   }
   __syncthreads();
