@@ -44,6 +44,7 @@ struct ChainShape {
   int sums = 0;     // form 8: fp32 values of the block's sum buffer (chain8_sums)
   int paired = 0;   // form 12: form 11 with paired activations (ChainPaired)
   int chunk = 4;    // form 14: tiles per feed chunk (stages, a warp's ring, is a multiple)
+  int pairs = 0;    // form 15: form 14 whose consumers take two tiles an iteration (kD = 2)
 };
 
 constexpr int kChainTileBytes = kPanelRows * kTileBytes;  // 1 KB: one tile of one panel
@@ -1575,6 +1576,25 @@ __device__ __forceinline__ void chain11_consume(Issue& is, Seg& seg, B&& boundar
   }
 }
 
+// Form 15's consumer loop (kD = 2, Chain14Take): two tiles an iteration while
+// the segment has two left, so the loop's, the segment's and the ring's
+// checks run once per pair; a segment's odd last tile alone.
+template <typename Issue, typename Seg, typename B>
+__device__ __forceinline__ void chain11_consume_pairs(Issue& is, Seg& seg, B&& boundary) {
+  is.prime();
+  for (;;) {
+    if (seg.left == 0 && !boundary()) return;
+    if (seg.left >= 2) {
+      seg.tile(is.bw0[0], is.bw1[0], is.bs[0], is.bz[0]);
+      seg.tile(is.bw0[1], is.bw1[1], is.bs[1], is.bz[1]);
+      is.fetch_pair();
+    } else {
+      seg.tile(is.bw0[0], is.bw1[0], is.bs[0], is.bz[0]);
+      is.shift();
+    }
+  }
+}
+
 // Whether one block of `threads` threads and `smem` bytes fits an SM, for the
 // kernel that dispatch(f) hands to f (false when there is none).
 template <typename D>
@@ -1739,11 +1759,45 @@ struct Chain14Take {
     }
     ++n;
     wp += rg.ts;
-    if (--in == 0) {
-      __syncwarp();  // every lane's loads of the chunk are done before it is given back
-      if (lane == 0) mbar_arrive(rg.empty + warp * rg.C + c);
-      if (++c == rg.C) c = 0, phase ^= 1u;
+    if (--in == 0) give_back();
+  }
+
+  // The chunk's last tile is in registers: free it for the feed.
+  __device__ __forceinline__ void give_back() {
+    __syncwarp();  // every lane's loads of the chunk are done before it is given back
+    if (lane == 0) mbar_arrive(rg.empty + warp * rg.C + c);
+    if (++c == rg.C) c = 0, phase ^= 1u;
+  }
+
+  // Form 15 (kD = 2): the next two tiles into slots 0 and 1; one check when both are in the chunk.
+  __device__ __forceinline__ void fetch_pair() {
+    if (in < 2) {
+      fetch(0);
+      fetch(1);
+      return;
     }
+    bw0[0] = *reinterpret_cast<const uint4*>(wp);
+    bw1[0] = *reinterpret_cast<const uint4*>(wp + 8 * kTileBytes);
+    bw0[1] = *reinterpret_cast<const uint4*>(wp + rg.ts);
+    bw1[1] = *reinterpret_cast<const uint4*>(wp + rg.ts + 8 * kTileBytes);
+    if constexpr (kGrouped) {
+      const unsigned char* m = wp + (kChainTileBytes - g * kTileBytes - 16 * t);
+      bs[0] = *reinterpret_cast<const unsigned*>(m + 4 * g);
+      bs[1] = *reinterpret_cast<const unsigned*>(m + rg.ts + 4 * g);
+      if constexpr (kZeros) {
+        bz[0] = *reinterpret_cast<const unsigned short*>(m + 32 + 2 * g);
+        bz[1] = *reinterpret_cast<const unsigned short*>(m + rg.ts + 32 + 2 * g);
+      }
+    }
+    n += 2;
+    wp += 2 * rg.ts;
+    if ((in -= 2) == 0) give_back();
+  }
+
+  // Form 15: slot 1's tile moves to slot 0, the next comes into slot 1 (a segment's odd last tile).
+  __device__ __forceinline__ void shift() {
+    bw0[0] = bw0[1], bw1[0] = bw1[1], bs[0] = bs[1], bz[0] = bz[1];
+    fetch(1);
   }
 
   __device__ __forceinline__ void prime() {
@@ -1752,7 +1806,7 @@ struct Chain14Take {
   }
 };
 
-template <int kGroup, bool kZeros, int kD, bool kM1, bool kPaired, bool kFeed>
+template <int kGroup, bool kZeros, int kD, bool kM1, bool kPaired, int kFeed>
 __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     chain11_kernel(const Chain5Op* __restrict__ ops, int nops, ChainShape sh, unsigned* sync,
                    unsigned long long* wait_cycles) {
@@ -1966,7 +2020,8 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     return true;
   };
 
-  chain11_consume<kD>(is, seg, boundary, [] {});
+  if constexpr (kFeed == 2 && kD == 2) chain11_consume_pairs(is, seg, boundary);
+  else chain11_consume<kD>(is, seg, boundary, [] {});
   if constexpr (kFeed) t_spin = is.waited;  // form 14: no spin; the cycles waiting for the feed instead
   if (timed) chain_add_cycles(wait_cycles, ChainCycles{{t_spin, t_warps, t_finish, t_prep, clock64() - t_begin}});
 }
@@ -1974,7 +2029,7 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
 // Form 11's kernel (form 12: paired activations; form 14: paired, with the
 // feed warp) for kD = sh.stage_tiles (2 or 4) and M; f(kernel); false when
 // there is none.
-template <int kGroup, bool kZeros, bool kPaired, bool kFeed, typename F>
+template <int kGroup, bool kZeros, bool kPaired, int kFeed, typename F>
 bool chain11_dispatch_p(const ChainShape& sh, F&& f) {
   const bool m1 = sh.M == 1;
   if (sh.stage_tiles == 2)
@@ -1989,8 +2044,8 @@ bool chain11_dispatch_p(const ChainShape& sh, F&& f) {
 }
 template <int kGroup, bool kZeros, typename F>
 bool chain11_dispatch(const ChainShape& sh, F&& f) {
-  return sh.paired ? chain11_dispatch_p<kGroup, kZeros, true, false>(sh, f)
-                   : chain11_dispatch_p<kGroup, kZeros, false, false>(sh, f);
+  return sh.paired ? chain11_dispatch_p<kGroup, kZeros, true, 0>(sh, f)
+                   : chain11_dispatch_p<kGroup, kZeros, false, 0>(sh, f);
 }
 
 template <int kGroup, bool kZeros>
@@ -2011,23 +2066,29 @@ Status chain11_launch(const Chain5Op* d_ops, int nops, const ChainShape& sh, uns
 // Form 14: `warps` consumer warps and the feed warp (16 warps in all at most:
 // a 17th would leave 96 registers a thread, as one SM quarter would hold 5
 // warps); sh.paired set, sh.stages ring slots per consumer warp (a multiple
-// of sh.chunk, more than kD).
+// of sh.chunk, more than kD).  Form 15 (sh.pairs): kD = 2 only.
+template <int kGroup, bool kZeros, typename F>
+bool chain14_dispatch(const ChainShape& sh, F&& f) {
+  return sh.pairs ? chain11_dispatch_p<kGroup, kZeros, true, 2>(sh, f)
+                  : chain11_dispatch_p<kGroup, kZeros, true, 1>(sh, f);
+}
+__host__ inline bool chain14_shape_ok(const ChainShape& sh, int warps) {
+  return warps >= 1 && warps < kChain11MaxWarps && sh.M <= 8 && sh.paired && sh.stages > sh.stage_tiles &&
+         sh.chunk >= 1 && sh.stages % sh.chunk == 0 && (!sh.pairs || sh.stage_tiles == 2);
+}
+
 template <int kGroup, bool kZeros>
 bool chain14_fits(const ChainShape& sh, int warps) {
-  if (warps < 1 || warps >= kChain11MaxWarps || sh.M > 8 || !sh.paired || sh.stages <= sh.stage_tiles ||
-      sh.chunk < 1 || sh.stages % sh.chunk)
-    return false;
-  return chain_kernel_fits([&](auto&& f) { return chain11_dispatch_p<kGroup, kZeros, true, true>(sh, f); },
+  if (!chain14_shape_ok(sh, warps)) return false;
+  return chain_kernel_fits([&](auto&& f) { return chain14_dispatch<kGroup, kZeros>(sh, f); },
                            chain14_smem_bytes(sh, warps), (warps + 1) * kWarpSize);
 }
 
 template <int kGroup, bool kZeros>
 Status chain14_launch(const Chain5Op* d_ops, int nops, const ChainShape& sh, unsigned* d_sync, int blocks, int warps,
                       cudaStream_t stream, unsigned long long* wait_cycles = nullptr) {
-  if (warps < 1 || warps >= kChain11MaxWarps || blocks < 1 || nops < 1 || sh.M > 8 || !sh.paired ||
-      sh.stages <= sh.stage_tiles || sh.chunk < 1 || sh.stages % sh.chunk)
-    return Status::kBadShape;
-  return chain_kernel_launch([&](auto&& f) { return chain11_dispatch_p<kGroup, kZeros, true, true>(sh, f); }, d_ops,
+  if (!chain14_shape_ok(sh, warps) || blocks < 1 || nops < 1) return Status::kBadShape;
+  return chain_kernel_launch([&](auto&& f) { return chain14_dispatch<kGroup, kZeros>(sh, f); }, d_ops,
                              nops, sh, d_sync, blocks, (warps + 1) * kWarpSize, chain14_smem_bytes(sh, warps), stream,
                              wait_cycles);
 }

@@ -9,7 +9,7 @@
 //                    [--formats int4g128a,int4,int8] [--chunks 4,8]
 //   (--forms: the kernel's forms 5-9 and 11-14 (csrc/persist_chain.cuh; 6 is form 5 finished by block slices,
 //    12 form 11 with paired activations, 13 form 12 without block barriers, M = 1, 14 form 12 fed by a
-//    warp of bulk copies into shared memory), default 5;
+//    warp of bulk copies into shared memory, 15 form 14 taking two tiles an iteration), default 5;
 //    --warps: consumer warps per block; --stages x --stage-tiles: each warp's weight ring, in 1 KB tiles
 //    (form 9: a ring of --stage-tiles one-tile slots, 4 or 8; forms 11-13 (int4 per channel or G = 128):
 //    the register ring, 2 or 4 tiles; --stages is ignored, except by form 14: each warp's ring of
@@ -243,7 +243,7 @@ bool launch5_t(const Variant& v, const ChainShape& sh, const qgemv::Chain5Op* op
     }
     return false;
   }
-  if (v.form == 14) {
+  if (v.form == 14 || v.form == 15) {
     if constexpr (kBits == 4 && (kGroup == 0 || kGroup == 128)) {
       if (!ops) return qgemv::chain14_fits<kGroup, kZeros>(sh, v.warps);
       return qgemv::chain14_launch<kGroup, kZeros>(ops, nops, sh, sync, blocks, v.warps, st, wait) == qgemv::Status::kOk;
@@ -493,15 +493,15 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         const int blocks = sms;
         const int nops = static_cast<int>(ops5.size());
         // Form 9's ring is --stage-tiles one-tile slots per warp (sh.stages 1).
-        ChainShape sh{v.stage_tiles, v.form >= 9 && v.form != 14 ? 1 : v.stages, qgemv::chain_meta_bytes(f.group, f.zeros),
+        ChainShape sh{v.stage_tiles, v.form >= 9 && v.form < 14 ? 1 : v.stages, qgemv::chain_meta_bytes(f.group, f.zeros),
                       std::max(m.H, m.I), M, v.skip, v.form == 6 ? 1 : 0,
-                      v.form >= 8 ? qgemv::chain8_sums(ops5.data(), nops, blocks, M) : 0, v.form == 12 || v.form == 14 ? 1 : 0,
-                      v.chunk};
+                      v.form >= 8 ? qgemv::chain8_sums(ops5.data(), nops, blocks, M) : 0, v.form == 12 || v.form >= 14 ? 1 : 0,
+                      v.chunk, v.form == 15 ? 1 : 0};
         const bool fits = launch5_fmt(f, v, sh, nullptr, nops, nullptr, blocks, st);
         if (M > 8 || !fits) {
           std::printf("%-10s %3d form %d w%d s%d t%d: does not fit (%zu B of shared memory%s)\n", f.name, M, v.form,
                       v.warps, v.stages, v.stage_tiles,
-                      v.form == 14  ? qgemv::chain14_smem_bytes(sh, v.warps)
+                      v.form >= 14  ? qgemv::chain14_smem_bytes(sh, v.warps)
                       : v.form == 13 ? qgemv::chain13_smem_bytes(sh)
                       : v.form >= 11 ? qgemv::chain11_smem_bytes(sh)
                       : v.form >= 7 ? qgemv::chain7_smem_bytes<__half>(sh, v.warps, v.form >= 8, v.form >= 9)
@@ -513,7 +513,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         unsigned long long* wait = nullptr;
         auto go = [&] {
           const bool ok =
-              launch5_fmt(f, v, sh, v.form == 14 ? d_ops14 : v.form >= 12 ? d_ops12 : v.form == 11 ? d_ops11 : d_ops5, nops,
+              launch5_fmt(f, v, sh, v.form >= 14 ? d_ops14 : v.form >= 12 ? d_ops12 : v.form == 11 ? d_ops11 : d_ops5, nops,
                           d_cnt, blocks, st, wait);
           if (!ok) {
             std::fprintf(stderr, "persistent launch failed\n");
@@ -565,7 +565,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         const char* bit_names[] = {" nowait", " noprep", " nomath", " l2feed", "", " noflush"};
         for (int bit = 0; bit < 6; ++bit)
           if (v.skip & (1 << bit)) tag += bit_names[bit];
-        if (v.form == 14) tag += " c" + std::to_string(v.chunk);
+        if (v.form >= 14) tag += " c" + std::to_string(v.chunk);
         std::snprintf(form, sizeof form, "form%d w%d s%d t%d%s", v.form, v.warps, v.stages, v.stage_tiles, tag.c_str());
         row(form, blocks, us, err);
         if (v.form == 13)
@@ -575,7 +575,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         else if (v.form >= 11)
           std::printf("%-10s %3d   per layer, warp 0 of a block (mean): %.2f us %s (%.1f the most), "
                       "%.2f waiting for the block's warps, %.2f finishing, %.2f preparing the input; %.2f in all\n",
-                      f.name, M, wsum / blocks * per_us, v.form == 14 ? "waiting for the feed" : "spinning on others",
+                      f.name, M, wsum / blocks * per_us, v.form >= 14 ? "waiting for the feed" : "spinning on others",
                       wmax * per_us, bsum / blocks * per_us, ssum / blocks * per_us, isum / blocks * per_us,
                       qsum / blocks * per_us);
         if (v.form >= 11 && v.form != 13) {
@@ -836,8 +836,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   for (int f : forms)
-    if (f < 5 || f == 10 || f > 14) {
-      std::fprintf(stderr, "--forms: 5 to 9, 11 to 14\n");
+    if (f < 5 || f == 10 || f > 15) {
+      std::fprintf(stderr, "--forms: 5 to 9, 11 to 15\n");
       return 2;
     }
   for (int t : tiles)
@@ -877,7 +877,7 @@ int main(int argc, char** argv) {
         for (int t : tiles)
           for (int k : skips)
             for (int c : chunks)
-              if (fm == 14 || c == chunks[0]) variants.push_back({fm, w, s, t, k, c});
+              if (fm >= 14 || c == chunks[0]) variants.push_back({fm, w, s, t, k, c});
   int clock_khz = 0;
   CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
   const int failures = run_chain(*model, layers ? layers : model->layers, fmts, Ms, variants, ceiling,
