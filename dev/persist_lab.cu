@@ -578,6 +578,16 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
                       f.name, M, wsum / blocks * per_us, v.form >= 14 ? "waiting for the feed" : "spinning on others",
                       wmax * per_us, bsum / blocks * per_us, ssum / blocks * per_us, isum / blocks * per_us,
                       qsum / blocks * per_us);
+        else if (v.form >= 7)
+          std::printf("%-10s %3d   per layer, a block's mean: control warp %.2f us spinning on others (%.1f the most), "
+                      "%.2f flushing; consumer warp 0 %.2f waiting for weights, %.2f for inputs, %.2f for a queue slot\n",
+                      f.name, M, wsum / blocks * per_us, wmax * per_us, bsum / blocks * per_us, ssum / blocks * per_us,
+                      isum / blocks * per_us, qsum / blocks * per_us);
+        else
+          std::printf("%-10s %3d   per layer, a block's mean: %.2f us spinning on others (%.1f the most), %.2f %s, "
+                      "%.2f waiting for weights (%s)\n", f.name, M,
+                      wsum / blocks * per_us, wmax * per_us, bsum / blocks * per_us,
+                      "copying inputs", ssum / blocks * per_us, "warp 0");
         if (v.form >= 11 && v.form != 13) {
           // The spread of the blocks' own times (thread 0, start to end): the slowest sets every hand-off.
           std::vector<double> tot(blocks);
@@ -592,17 +602,6 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
             std::printf("\n");
           }
         }
-        if (v.form >= 11) {
-        } else if (v.form >= 7)
-          std::printf("%-10s %3d   per layer, a block's mean: control warp %.2f us spinning on others (%.1f the most), "
-                      "%.2f flushing; consumer warp 0 %.2f waiting for weights, %.2f for inputs, %.2f for a queue slot\n",
-                      f.name, M, wsum / blocks * per_us, wmax * per_us, bsum / blocks * per_us, ssum / blocks * per_us,
-                      isum / blocks * per_us, qsum / blocks * per_us);
-        else
-          std::printf("%-10s %3d   per layer, a block's mean: %.2f us spinning on others (%.1f the most), %.2f %s, "
-                      "%.2f waiting for weights (%s)\n", f.name, M,
-                      wsum / blocks * per_us, wmax * per_us, bsum / blocks * per_us,
-                      "copying inputs", ssum / blocks * per_us, "warp 0");
       }
       CK(cudaFree(d_ops5));
       CK(cudaFree(d_ops11));
