@@ -37,14 +37,18 @@ struct ChainShape {
   int meta_bytes;   // per tile: 0, or chain_meta_bytes
   int x_cap;        // the largest K (elements per token of the input buffer)
   int M;            // tokens
-  int skip;         // 0; lab timing experiments only (results wrong): 1 no waits, 2 no input preparation (form 9),
-                    //    4 no tile math, 8 (form 14) weights from L2, 32 no flush or finish
+  int skip;         // 0; lab timing experiments only (results wrong): 1 no waits (forms 12-17: the polled words
+                    //    taken as they are), 2 no input preparation (form 9; forms 11-17: no hand-off),
+                    //    4 no tile math, 8 (forms 14-17) weights from L2, 32 no flush or finish
   int slices = 0;   // finishing: 0 per panel, by the warp completing it (form 5); 1 per block slice, by the sync
                     //    warps once the op's sums are complete everywhere (form 6)
   int sums = 0;     // form 8: fp32 values of the block's sum buffer (chain8_sums)
   int paired = 0;   // form 12: form 11 with paired activations (ChainPaired)
   int chunk = 4;    // form 14: tiles per feed chunk (stages, a warp's ring, is a multiple)
-  int pairs = 0;    // form 15: form 14 whose consumers take two tiles an iteration (kD = 2)
+  int chunked = 0;  // form 14's consumers take the ring chunk by chunk (sh.chunk 4): 1 form 16 (the feed warp),
+                    //    2 form 17 (every warp fills its own ring)
+  const int4* cursors = nullptr;  // forms 16 and 17: chain16_schedule's records (device memory)
+  int classes = 0;                // forms 16 and 17: op classes in `cursors` (chain16_classes)
 };
 
 constexpr int kChainTileBytes = kPanelRows * kTileBytes;  // 1 KB: one tile of one panel
@@ -127,6 +131,7 @@ struct Chain5Op {
   const void* res;       // kResidual: [M, N], row stride N
   int out;               // ChainOut
   int flags = 0;         // form 12 (ChainPaired): which of x, res, y are plain activations
+  int cls = 0;           // forms 16 and 17: the op's class in the schedule (chain16_classes)
 };
 
 // Form 12's activations carry their own readiness: each element of an op's
@@ -1310,16 +1315,23 @@ __device__ __forceinline__ int chain11_panel(const Chain11Cursor& c) {
   return c.u0 + (c.vp >> c.shift) + (c.vp & c.shift) * c.half;
 }
 
+// chain_range in 32 bits (a 64-bit division is a long software routine, and
+// forms 11-17 cut every op at every op boundary): n x (blocks + 1) must stay
+// below 2^32, as it does for any model (Llama-3-70B's gate/up: 229K tiles).
+__device__ __forceinline__ void chain_range32(unsigned n, unsigned b, unsigned blocks, int& first, int& end) {
+  first = static_cast<int>(n * b / blocks);
+  end = static_cast<int>(n * (b + 1) / blocks);
+}
+
 // Warp `warp` of W in block b of G: its run of op o.
 __device__ __forceinline__ void chain11_start(const Chain5Op& o, int b, int G, int warp, int W, Chain11Cursor& c) {
-  long long u0, u1, a, e;
-  chain_range(chain8_units(o), b, G, u0, u1);
+  int u0, u1;
+  chain_range32(static_cast<unsigned>(chain8_units(o)), b, G, u0, u1);
   c.tpp = o.p.K / 128;
-  chain_range((u1 - u0) * chain8_ppu(o) * c.tpp, warp, W, a, e);
-  c.u0 = static_cast<int>(u0);
+  chain_range32(static_cast<unsigned>((u1 - u0) * chain8_ppu(o) * c.tpp), warp, W, c.pos, c.end);
+  c.u0 = u0;
   c.shift = chain8_ppu(o) - 1;
   c.half = o.p.N / kPanelRows / 2;
-  c.pos = static_cast<int>(a), c.end = static_cast<int>(e);
   c.kt = c.pos % c.tpp, c.vp = c.pos / c.tpp;
   c.panel = chain11_panel(c);
 }
@@ -1374,6 +1386,68 @@ struct Chain11Format {
   static constexpr bool kGrouped = kGroup != 0;
 };
 
+// Forms 16 and 17 take each warp's run of an op from a schedule built on the
+// host, not from divisions at every op boundary (about 40 instructions a tile
+// in form 17's first profile).  Ops of one shape (N, K, output step) share a
+// class (Chain5Op::cls, chain16_classes); for class c, block b of `blocks`
+// and consumer warp w < W the record is chain11_start's cursor {pos, end, vp,
+// kt | u0 << 16}, and at w = W the block's units {u0, u1, 0, 0}: layout
+// [classes][blocks][W + 1].  The kernel copies its block's records into
+// shared memory at its start.  Host arrays in.
+constexpr int kChainMaxClasses = 8;
+
+// Each op's class (ops[i].cls); the number of classes, or -1 past kChainMaxClasses.
+inline int chain16_classes(Chain5Op* ops, int nops) {
+  int n = 0;
+  for (int i = 0; i < nops; ++i) {
+    ops[i].cls = -1;
+    for (int j = 0; j < i && ops[i].cls < 0; ++j)
+      if (ops[j].p.N == ops[i].p.N && ops[j].p.K == ops[i].p.K && ops[j].out == ops[i].out) ops[i].cls = ops[j].cls;
+    if (ops[i].cls < 0) {
+      if (n == kChainMaxClasses) return -1;
+      ops[i].cls = n++;
+    }
+  }
+  return n;
+}
+
+// The records for `blocks` blocks of W consumer warps (empty when a k-tile or a
+// unit index does not fit its 16 bits).
+inline std::vector<int4> chain16_schedule(const Chain5Op* ops, int nops, int classes, int blocks, int W) {
+  std::vector<int4> tab(static_cast<size_t>(classes) * blocks * (W + 1));
+  for (int c = 0; c < classes; ++c) {
+    const Chain5Op* o = nullptr;
+    for (int i = 0; i < nops && !o; ++i)
+      if (ops[i].cls == c) o = ops + i;
+    if (!o) return {};
+    const int tpp = o->p.K / 128, ppu = chain8_ppu(*o);
+    for (int b = 0; b < blocks; ++b) {
+      long long u0, u1;
+      chain_range(chain8_units(*o), b, blocks, u0, u1);
+      int4* r = tab.data() + (static_cast<size_t>(c) * blocks + b) * (W + 1);
+      for (int w = 0; w < W; ++w) {
+        long long a, e;
+        chain_range((u1 - u0) * ppu * tpp, w, W, a, e);
+        if (tpp > 0xffff || u0 > 0x7fff) return {};
+        r[w] = make_int4(static_cast<int>(a), static_cast<int>(e), static_cast<int>(a / tpp),
+                         static_cast<int>(a % tpp) | static_cast<int>(u0) << 16);
+      }
+      r[W] = make_int4(static_cast<int>(u0), static_cast<int>(u1), 0, 0);
+    }
+  }
+  return tab;
+}
+
+// chain11_start from the block's records (tab, in shared memory).
+__device__ __forceinline__ void chain16_start(const Chain5Op& o, const int4* tab, int warp, int W, Chain11Cursor& c) {
+  const int4 r = tab[o.cls * (W + 1) + warp];
+  c.pos = r.x, c.end = r.y, c.vp = r.z, c.kt = r.w & 0xffff, c.u0 = r.w >> 16;
+  c.tpp = o.p.K / 128;
+  c.shift = chain8_ppu(o) - 1;
+  c.half = o.p.N / kPanelRows / 2;
+  c.panel = chain11_panel(c);
+}
+
 // A warp's walk along its tiles of every op, in the order it sums them:
 // aim() finds the next segment (a run of `left` tiles from `tile`, within
 // one panel of op i_op; past the last op left stays 0).  The issue side of
@@ -1385,13 +1459,17 @@ struct Chain11Walk {
   int i_op = -1, left = 0;
   long long tile = 0;  // the op's tile (panel * K / 128 + k-tile) of the segment's next tile
   Chain11Cursor ic{0, 0, 0, 0, 0, 1, 0, 0, 0};
+  const int4* tab = nullptr;  // forms 16 and 17: the block's schedule records (chain16_start)
 
   __device__ __forceinline__ Chain11Walk(const Chain5Op* o, int n, int w, int nw)
       : ops(o), nops(n), G(gridDim.x), warp(w), W(nw) {}
 
   __device__ __forceinline__ void aim() {
     while (i_op < nops && ic.pos >= ic.end)
-      if (++i_op < nops) chain11_start(ops[i_op], blockIdx.x, G, warp, W, ic);
+      if (++i_op < nops) {
+        if (tab) chain16_start(ops[i_op], tab, warp, W, ic);
+        else chain11_start(ops[i_op], blockIdx.x, G, warp, W, ic);
+      }
     if (i_op >= nops) return;
     tile = static_cast<long long>(ic.panel) * ic.tpp + ic.kt;
     left = min(ic.tpp - ic.kt, ic.end - ic.pos);
@@ -1576,25 +1654,6 @@ __device__ __forceinline__ void chain11_consume(Issue& is, Seg& seg, B&& boundar
   }
 }
 
-// Form 15's consumer loop (kD = 2, Chain14Take): two tiles an iteration while
-// the segment has two left, so the loop's, the segment's and the ring's
-// checks run once per pair; a segment's odd last tile alone.
-template <typename Issue, typename Seg, typename B>
-__device__ __forceinline__ void chain11_consume_pairs(Issue& is, Seg& seg, B&& boundary) {
-  is.prime();
-  for (;;) {
-    if (seg.left == 0 && !boundary()) return;
-    if (seg.left >= 2) {
-      seg.tile(is.bw0[0], is.bw1[0], is.bs[0], is.bz[0]);
-      seg.tile(is.bw0[1], is.bw1[1], is.bs[1], is.bz[1]);
-      is.fetch_pair();
-    } else {
-      seg.tile(is.bw0[0], is.bw1[0], is.bs[0], is.bz[0]);
-      is.shift();
-    }
-  }
-}
-
 // Whether one block of `threads` threads and `smem` bytes fits an SM, for the
 // kernel that dispatch(f) hands to f (false when there is none).
 template <typename D>
@@ -1657,9 +1716,11 @@ __host__ __device__ inline size_t chain14_ring_offset(const ChainShape& sh) {
 }
 // Form 11's shared memory, then W x sh.stages slots of a tile and its meta,
 // each chunk's full and empty mbarriers and its tile count.
+// ... and, forms 16 and 17, the block's schedule records (chain16_schedule).
 __host__ __device__ inline size_t chain14_smem_bytes(const ChainShape& sh, int W) {
   const size_t slots = static_cast<size_t>(W) * sh.stages, chunks = slots / sh.chunk;
-  return chain14_ring_offset(sh) + slots * (kChainTileBytes + sh.meta_bytes) + chunks * (8 + 8 + 4);
+  const size_t ring = chain14_ring_offset(sh) + slots * (kChainTileBytes + sh.meta_bytes) + chunks * (8 + 8 + 4);
+  return (ring + 15) / 16 * 16 + static_cast<size_t>(sh.classes) * (W + 1) * 16;
 }
 
 struct Chain14Ring {
@@ -1667,6 +1728,7 @@ struct Chain14Ring {
   uint64_t* full;    // [W * R / chunk]: the feed's bytes in
   uint64_t* empty;   // [W * R / chunk]: the consumer warp is done with it
   unsigned* len;     // [W * R / chunk]: tiles in the chunk
+  int4* tab;         // forms 16 and 17: [sh.classes][W + 1] the block's schedule records
   int R, C, K, ts;   // slots and chunks a warp, tiles a chunk, bytes a tile (with its meta)
 
   __device__ __forceinline__ Chain14Ring(unsigned char* smem, const ChainShape& sh, int W)
@@ -1676,8 +1738,10 @@ struct Chain14Ring {
     full = reinterpret_cast<uint64_t*>(w + slots * ts);
     empty = full + W * C;
     len = reinterpret_cast<unsigned*>(empty + W * C);
+    tab = reinterpret_cast<int4*>(smem + (chain14_smem_bytes(sh, W) - static_cast<size_t>(sh.classes) * (W + 1) * 16));
   }
 };
+
 
 // The feed warp: lane w < W streams consumer warp w's tiles through its ring.
 __device__ __forceinline__ void chain14_feed(const Chain5Op* ops, int nops, int W, const Chain14Ring& rg,
@@ -1768,42 +1832,138 @@ struct Chain14Take {
     if (++c == rg.C) c = 0, phase ^= 1u;
   }
 
-  // Form 15 (kD = 2): the next two tiles into slots 0 and 1; one check when both are in the chunk.
-  __device__ __forceinline__ void fetch_pair() {
-    if (in < 2) {
-      fetch(0);
-      fetch(1);
-      return;
-    }
-    bw0[0] = *reinterpret_cast<const uint4*>(wp);
-    bw1[0] = *reinterpret_cast<const uint4*>(wp + 8 * kTileBytes);
-    bw0[1] = *reinterpret_cast<const uint4*>(wp + rg.ts);
-    bw1[1] = *reinterpret_cast<const uint4*>(wp + rg.ts + 8 * kTileBytes);
-    if constexpr (kGrouped) {
-      const unsigned char* m = wp + (kChainTileBytes - g * kTileBytes - 16 * t);
-      bs[0] = *reinterpret_cast<const unsigned*>(m + 4 * g);
-      bs[1] = *reinterpret_cast<const unsigned*>(m + rg.ts + 4 * g);
-      if constexpr (kZeros) {
-        bz[0] = *reinterpret_cast<const unsigned short*>(m + 32 + 2 * g);
-        bz[1] = *reinterpret_cast<const unsigned short*>(m + rg.ts + 32 + 2 * g);
-      }
-    }
-    n += 2;
-    wp += 2 * rg.ts;
-    if ((in -= 2) == 0) give_back();
-  }
-
-  // Form 15: slot 1's tile moves to slot 0, the next comes into slot 1 (a segment's odd last tile).
-  __device__ __forceinline__ void shift() {
-    bw0[0] = bw0[1], bw1[0] = bw1[1], bs[0] = bs[1], bz[0] = bz[1];
-    fetch(1);
-  }
-
   __device__ __forceinline__ void prime() {
 #pragma unroll
     for (int d = 0; d < kD; ++d) fetch(d);
   }
 };
+
+// Forms 16 and 17: a warp's ring read chunk by chunk, without form 14's
+// register ring.  The feed (or the warp itself) cuts each panel segment into
+// chunks of min(kChunk, tiles left), as the consumer's segments are cut, so
+// the consumer knows a chunk's length without reading it.  A full chunk is
+// summed in one unrolled pass (slot offsets are immediates, no per-tile
+// checks), a segment's short last chunk tile by tile; the shared-memory loads
+// come straight before the math (the other warps hide their latency).
+template <int kChunk, int kTs, bool kGrouped, bool kZeros>
+struct Chain16Ring {
+  const unsigned char* w;  // this lane's weight words in the warp's first slot
+  const unsigned char* m;  // the first slot's meta
+  uint64_t* full;          // the warp's chunks' full mbarriers
+  int g;
+
+  __device__ __forceinline__ Chain16Ring(const Chain14Ring& rg, int warp, int lane)
+      : w(rg.w + static_cast<size_t>(warp) * rg.R * kTs + (lane >> 2) * kTileBytes + 16 * (lane & 3)),
+        m(rg.w + static_cast<size_t>(warp) * rg.R * kTs + kChainTileBytes), full(rg.full + warp * rg.C),
+        g(lane >> 2) {}
+
+  // Chunk q's copy is in (phase), the cycles waited added to `waited` when timed.
+  __device__ __forceinline__ void wait(int q, uint32_t phase, bool timed, long long& waited) const {
+    if (mbar_test(full + q, phase)) return;
+    const long long w0 = timed ? clock64() : 0;
+    mbar_wait(full + q, phase);
+    if (timed) waited += clock64() - w0;
+  }
+
+  // The tiles of chunk q into the segment (its next min(kChunk, seg.left)).
+  template <typename Seg>
+  __device__ __forceinline__ void sum(int q, Seg& seg) const {
+    auto tile = [&](int at) {
+      const uint4 w0 = *reinterpret_cast<const uint4*>(w + at);
+      const uint4 w1 = *reinterpret_cast<const uint4*>(w + at + 8 * kTileBytes);
+      uint32_t bs = 0, bz = 0;
+      if constexpr (kGrouped) {
+        bs = *reinterpret_cast<const unsigned*>(m + at + 4 * g);
+        if constexpr (kZeros) bz = *reinterpret_cast<const unsigned short*>(m + at + 32 + 2 * g);
+      }
+      seg.tile(w0, w1, bs, bz);
+    };
+    const int at = q * kChunk * kTs;
+    if (seg.left >= kChunk) {
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) tile(at + j * kTs);
+    } else {
+      const int n = seg.left;
+      for (int j = 0; j < n; ++j) tile(at + j * kTs);
+    }
+  }
+};
+
+// Form 16's consumer loop: chunks filled by the feed warp (chain14_feed),
+// each given back through its empty mbarrier once summed.  waited: the
+// cycles spent waiting for the feed (the lab's, when timed).
+template <int kChunk, int kTs, bool kGrouped, bool kZeros, typename Seg, typename B>
+__device__ __forceinline__ void chain16_consume(const Chain14Ring& rg, Seg& seg, B&& boundary, bool timed,
+                                                long long& waited) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const Chain16Ring<kChunk, kTs, kGrouped, kZeros> ring(rg, warp, lane);
+  uint64_t* empty = rg.empty + warp * rg.C;
+  int c = 0;
+  uint32_t phase = 0;
+  for (;;) {
+    if (seg.left == 0 && !boundary()) return;
+    ring.wait(c, phase, timed, waited);
+    ring.sum(c, seg);
+    __syncwarp();  // every lane's loads of the chunk are done before it is given back
+    if (lane == 0) mbar_arrive(empty + c);
+    if (++c == rg.C) c = 0, phase ^= 1u;
+  }
+}
+
+// Form 17's consumer loop: form 16's, but every warp fills its own ring (no
+// feed warp).  The warp walks its tiles (Chain11Walk) up to rg.C chunks
+// ahead of its sums; once it has summed a chunk, lane 0 copies the walk's
+// next chunk into the freed slots at once, so a freed chunk is refilled
+// without waiting for another warp to notice.  skip & 8 (the lab): the
+// block's own 64 tiles of op 0 over and over (L2 hits; results wrong).
+template <int kChunk, int kTs, bool kGrouped, bool kZeros, typename Seg, typename B>
+__device__ __forceinline__ void chain17_consume(const Chain14Ring& rg, const Chain5Op* ops, int nops, int W, int skip,
+                                                Seg& seg, B&& boundary, bool timed, long long& waited) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const Chain16Ring<kChunk, kTs, kGrouped, kZeros> ring(rg, warp, lane);
+  unsigned char* slots = rg.w + static_cast<size_t>(warp) * rg.R * kTs;
+  // the issue side: the warp's walk; `ahead` chunks copied and not yet summed (the next one goes
+  // `ahead` chunks past the one to sum, c)
+  Chain11Walk wk(ops, nops, warp, W);
+  wk.tab = rg.tab;
+  const char* src = nullptr;
+  int ahead = 0, c = 0;
+  uint32_t phase = 0;
+  auto aim = [&] {
+    wk.aim();
+    if (wk.left == 0) return;
+    src = static_cast<const char*>(ops[wk.i_op].p.qweight) + wk.tile * kTs;
+    if (skip & 8)
+      src = static_cast<const char*>(ops[0].p.qweight) + (static_cast<long long>(blockIdx.x) * 64 + wk.tile % 64) * kTs;
+  };
+  auto top_up = [&] {  // the walk's next chunks into every free chunk of the ring
+    while (ahead < rg.C && wk.left > 0) {
+      const int n = min(kChunk, wk.left), q = c + ahead < rg.C ? c + ahead : c + ahead - rg.C;
+      if (lane == 0) {
+        mbar_expect_tx(ring.full + q, n * kTs);
+        bulk_copy(slots + q * kChunk * kTs, src, n * kTs, ring.full + q);
+      }
+      src += n * kTs;
+      ++ahead;
+      if ((wk.left -= n) == 0) aim();
+    }
+  };
+  aim();
+  top_up();
+  for (;;) {
+    if (seg.left == 0 && !boundary()) return;
+    ring.wait(c, phase, timed, waited);
+    ring.sum(c, seg);
+    // Every lane's reads of the chunk are done (their values are in the sums) before lane 0 has
+    // the copy engine overwrite it: the CTA's own ordering, as a consumer's release through an
+    // mbarrier orders a producer's next copy into the slot (no proxy fence: it compiled to
+    // MEMBAR.ALL.CTA, once a chunk).
+    __syncwarp();
+    --ahead;
+    if (++c == rg.C) c = 0, phase ^= 1u;
+    top_up();
+  }
+}
 
 template <int kGroup, bool kZeros, int kD, bool kM1, bool kPaired, int kFeed>
 __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
@@ -1813,7 +1973,7 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
   constexpr bool kGrouped = Chain11Format<kGroup, kZeros>::kGrouped;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   // form 14: warp W is the feed; nthreads: the consumers
-  const int W = (blockDim.x >> 5) - (kFeed ? 1 : 0), G = gridDim.x, nthreads = W * 32;
+  const int W = (blockDim.x >> 5) - (kFeed == 1 || kFeed == 2 ? 1 : 0), G = gridDim.x, nthreads = W * 32;
   const int g = lane >> 2, t = lane & 3;
   const int M = sh.M, xg = sh.x_cap / 128;
 
@@ -1828,8 +1988,12 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     for (int q = threadIdx.x; q < W * rg.C; q += blockDim.x) mbar_init(rg.full + q, 1), mbar_init(rg.empty + q, 1);
     mbar_init_fence();
   }
+  if constexpr (kFeed >= 2) {  // the block's schedule records
+    for (int q = threadIdx.x; q < sh.classes * (W + 1); q += blockDim.x)
+      rg.tab[q] = sh.cursors[(static_cast<size_t>(q / (W + 1)) * G + blockIdx.x) * (W + 1) + q % (W + 1)];
+  }
   __syncthreads();
-  if constexpr (kFeed) {
+  if constexpr (kFeed == 1 || kFeed == 2) {
     if (warp == W) {
       chain14_feed(ops, nops, W, rg, sh.skip);
       return;
@@ -1841,18 +2005,27 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     else __syncthreads();
   };
   const bool timed = wait_cycles && threadIdx.x == 0;
-  long long t_spin = 0, t_warps = 0, t_finish = 0, t_prep = 0;
+  // The lab's cycle counts (thread 0 of the block, when timed), in shared memory, not in registers
+  // every thread would hold: spinning (forms 14-17: waiting for the feed), waiting for the block's
+  // warps, finishing, preparing.
+  __shared__ long long t_acc[4];
+  long long& t_spin = t_acc[0];
+  long long& t_warps = t_acc[1];
+  long long& t_finish = t_acc[2];
+  long long& t_prep = t_acc[3];
+  if (timed) t_spin = t_warps = t_finish = t_prep = 0;
   // Form 12: this launch's epoch (1..32767; the previous launch left its count in sync[nops]).
   const unsigned epoch = kPaired ? __ldcg(sync + nops) % 32767u + 1u : 0u;
   const long long t_begin = timed ? clock64() : 0;
 
   // ---- the issue side
   auto make_issue = [&] {
-    if constexpr (kFeed) return Chain14Take<kD, kGrouped, kZeros>(rg, ops, nops, W);
-    else return Chain11Issue<kD, kGrouped, kZeros>(ops, nops, sh, lane);
+    if constexpr (kFeed == 1) return Chain14Take<kD, kGrouped, kZeros>(rg, ops, nops, W);
+    else if constexpr (kFeed == 0) return Chain11Issue<kD, kGrouped, kZeros>(ops, nops, sh, lane);
+    else return 0;  // forms 16 and 17 read their rings themselves
   };
   auto is = make_issue();
-  if constexpr (kFeed) is.timed = timed;
+  if constexpr (kFeed == 1) is.timed = timed;
 
   // ---- the consumer side
   int i = -1;  // the op being consumed
@@ -1864,8 +2037,10 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
   // -> xs, the high-nibble positions / 16, and 2^-24 x the sums of each 128.
   auto prep_input = [&](const GemvParams& p, int o_flags) {
     if (sh.skip & 2) return;  // lab: no hand-off at all (results wrong)
+    const long long b0 = timed ? clock64() : 0;
     csync();  // thread 0's spin is over; every warp is past the last op's reads of xs
     const long long p0 = timed ? clock64() : 0;
+    if (timed) t_warps += p0 - b0;
     const int chunks = p.K / 8;
     // chunks in flight per thread: the L2 loads first, then the math (4 spilled; form 12 with kD = 4
     // spills at 2, and more at 1)
@@ -1886,7 +2061,8 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
           for (int u = 0; u < kU; ++u) {
             const int c = cb + u * W * 32 + lane;
             if (c < chunks) {
-              while (!paired_ready(a[u], epoch) || !paired_ready(b[u], epoch))
+              // (skip & 1, the lab: take the words as they are, to time the hand-off without the grid's waits)
+              while (!(sh.skip & 1) && (!paired_ready(a[u], epoch) || !paired_ready(b[u], epoch)))
                 a[u] = ld_relaxed_gpu_v4(src + 2 * c), b[u] = ld_relaxed_gpu_v4(src + 2 * c + 1);
               vs[u] = make_uint4(__byte_perm(a[u].x, a[u].y, 0x5410), __byte_perm(a[u].z, a[u].w, 0x5410),
                                  __byte_perm(b[u].x, b[u].y, 0x5410), __byte_perm(b[u].z, b[u].w, 0x5410));
@@ -1924,12 +2100,17 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     const Chain5Op& o = ops[oi];
     const GemvParams& p = o.p;
     if (sh.skip & 2) return;  // lab: no hand-off at all (results wrong)
-    long long u0, u1;
-    chain_range(chain8_units(o), blockIdx.x, G, u0, u1);
+    int u0, u1;
+    if constexpr (kFeed >= 2) {
+      const int4 r = rg.tab[o.cls * (W + 1) + W];
+      u0 = r.x, u1 = r.y;
+    } else {
+      chain_range32(static_cast<unsigned>(chain8_units(o)), blockIdx.x, G, u0, u1);
+    }
     const int ppu = chain8_ppu(o), vals = kPanelRows * M;
     const bool silu = o.out == static_cast<int>(ChainOut::kSiluMul);
     const bool resid = o.out == static_cast<int>(ChainOut::kResidual);
-    const int count = static_cast<int>(u1 - u0) * vals;
+    const int count = (u1 - u0) * vals;
     // The residual (an earlier op's output, complete since its hand-off) of
     // this thread's first value: its L2 round trip under the barrier's wait.
     const bool pres = kPaired && !(o.flags & kChainPlainRes), py = kPaired && !(o.flags & kChainPlainY);
@@ -2011,7 +2192,8 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     while (cur.pos >= cur.end) {
       if (i >= 0) op_end(i);
       if (++i >= nops) return false;
-      chain11_start(ops[i], blockIdx.x, G, warp, W, cur);
+      if constexpr (kFeed >= 2) chain16_start(ops[i], rg.tab, warp, W, cur);
+      else chain11_start(ops[i], blockIdx.x, G, warp, W, cur);
       prep_input(ops[i].p, ops[i].flags);
     }
     seg.begin(cur, ops[i], g, xs + static_cast<size_t>(tokx) * sh.x_cap + 8 * t + cur.kt * 128,
@@ -2019,9 +2201,16 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     return true;
   };
 
-  if constexpr (kFeed == 2 && kD == 2) chain11_consume_pairs(is, seg, boundary);
-  else chain11_consume<kD>(is, seg, boundary, [] {});
-  if constexpr (kFeed) t_spin = is.waited;  // form 14: no spin; the cycles waiting for the feed instead
+  if constexpr (kFeed == 2 || kFeed == 3) {
+    constexpr int kTs = kChainTileBytes + chain_meta_bytes(kGroup, kZeros);
+    if constexpr (kFeed == 2)
+      chain16_consume<4, kTs, kGrouped, kZeros>(rg, seg, boundary, timed, t_spin);  // t_spin: waiting for the feed
+    else
+      chain17_consume<4, kTs, kGrouped, kZeros>(rg, ops, nops, W, sh.skip, seg, boundary, timed, t_spin);
+  } else {
+    chain11_consume<kD>(is, seg, boundary, [] {});
+    if constexpr (kFeed) t_spin = is.waited;  // form 14: no spin; the cycles waiting for the feed instead
+  }
   if (timed) chain_add_cycles(wait_cycles, ChainCycles{{t_spin, t_warps, t_finish, t_prep, clock64() - t_begin}});
 }
 
@@ -2065,22 +2254,31 @@ Status chain11_launch(const Chain5Op* d_ops, int nops, const ChainShape& sh, uns
 // Form 14: `warps` consumer warps and the feed warp (16 warps in all at most:
 // a 17th would leave 96 registers a thread, as one SM quarter would hold 5
 // warps); sh.paired set, sh.stages ring slots per consumer warp (a multiple
-// of sh.chunk, more than kD).  Form 15 (sh.pairs): kD = 2 only.
+// of sh.chunk, more than kD).  Forms 16 and 17 (sh.chunked): chunks of 4
+// tiles, sh.meta_bytes the format's (the slot size is compiled in), and the
+// schedule (sh.cursors, sh.classes: chain16_schedule for these blocks and warps).
 template <int kGroup, bool kZeros, typename F>
 bool chain14_dispatch(const ChainShape& sh, F&& f) {
-  return sh.pairs ? chain11_dispatch_p<kGroup, kZeros, true, 2>(sh, f)
-                  : chain11_dispatch_p<kGroup, kZeros, true, 1>(sh, f);
+  if (!sh.chunked) return chain11_dispatch_p<kGroup, kZeros, true, 1>(sh, f);
+  if (sh.meta_bytes != chain_meta_bytes(kGroup, kZeros)) return false;
+  return sh.chunked == 2 ? chain11_dispatch_p<kGroup, kZeros, true, 3>(sh, f)
+                         : chain11_dispatch_p<kGroup, kZeros, true, 2>(sh, f);
+}
+// Threads of a form 14 block: the consumers and (except form 17) the feed warp.
+__host__ inline int chain14_threads(const ChainShape& sh, int warps) {
+  return (warps + (sh.chunked == 2 ? 0 : 1)) * kWarpSize;
 }
 __host__ inline bool chain14_shape_ok(const ChainShape& sh, int warps) {
-  return warps >= 1 && warps < kChain11MaxWarps && sh.M <= 8 && sh.paired && sh.stages > sh.stage_tiles &&
-         sh.chunk >= 1 && sh.stages % sh.chunk == 0 && (!sh.pairs || sh.stage_tiles == 2);
+  return warps >= 1 && chain14_threads(sh, warps) <= kChain11MaxWarps * kWarpSize && sh.M <= 8 && sh.paired &&
+         sh.stages > sh.stage_tiles && sh.chunk >= 1 && sh.stages % sh.chunk == 0 &&
+         (!sh.chunked || (sh.chunk == 4 && sh.cursors && sh.classes > 0 && sh.classes <= kChainMaxClasses));
 }
 
 template <int kGroup, bool kZeros>
 bool chain14_fits(const ChainShape& sh, int warps) {
   if (!chain14_shape_ok(sh, warps)) return false;
   return chain_kernel_fits([&](auto&& f) { return chain14_dispatch<kGroup, kZeros>(sh, f); },
-                           chain14_smem_bytes(sh, warps), (warps + 1) * kWarpSize);
+                           chain14_smem_bytes(sh, warps), chain14_threads(sh, warps));
 }
 
 template <int kGroup, bool kZeros>
@@ -2088,7 +2286,7 @@ Status chain14_launch(const Chain5Op* d_ops, int nops, const ChainShape& sh, uns
                       cudaStream_t stream, unsigned long long* wait_cycles = nullptr) {
   if (!chain14_shape_ok(sh, warps) || blocks < 1 || nops < 1) return Status::kBadShape;
   return chain_kernel_launch([&](auto&& f) { return chain14_dispatch<kGroup, kZeros>(sh, f); }, d_ops,
-                             nops, sh, d_sync, blocks, (warps + 1) * kWarpSize, chain14_smem_bytes(sh, warps), stream,
+                             nops, sh, d_sync, blocks, chain14_threads(sh, warps), chain14_smem_bytes(sh, warps), stream,
                              wait_cycles);
 }
 

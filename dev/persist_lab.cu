@@ -7,9 +7,9 @@
 //   /tmp/persist_lab [--probe-only | --no-probe] [--tma-probe] [--no-ceiling] [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers L]
 //                    [--ms 1,4] [--forms 5,6] [--warps 12,16] [--stages 4] [--stage-tiles 2]
 //                    [--formats int4g128a,int4,int8] [--chunks 4,8]
-//   (--forms: the kernel's forms 5-9 and 11-14 (csrc/persist_chain.cuh; 6 is form 5 finished by block slices,
+//   (--forms: the kernel's forms 5-9, 11-14, 16 and 17 (csrc/persist_chain.cuh; 6 is form 5 finished by block slices,
 //    12 form 11 with paired activations, 13 form 12 without block barriers, M = 1, 14 form 12 fed by a
-//    warp of bulk copies into shared memory, 15 form 14 taking two tiles an iteration), default 5;
+//    warp of bulk copies into shared memory, 16 form 14 taking its ring chunk by chunk, 17 form 16 with every warp filling its own ring), default 5;
 //    --warps: consumer warps per block; --stages x --stage-tiles: each warp's weight ring, in 1 KB tiles
 //    (form 9: a ring of --stage-tiles one-tile slots, 4 or 8; forms 11-13 (int4 per channel or G = 128):
 //    the register ring, 2 or 4 tiles; --stages is ignored, except by form 14: each warp's ring of
@@ -243,7 +243,7 @@ bool launch5_t(const Variant& v, const ChainShape& sh, const qgemv::Chain5Op* op
     }
     return false;
   }
-  if (v.form == 14 || v.form == 15) {
+  if (v.form == 14 || v.form == 16 || v.form == 17) {
     if constexpr (kBits == 4 && (kGroup == 0 || kGroup == 128)) {
       if (!ops) return qgemv::chain14_fits<kGroup, kZeros>(sh, v.warps);
       return qgemv::chain14_launch<kGroup, kZeros>(ops, nops, sh, sync, blocks, v.warps, st, wait) == qgemv::Status::kOk;
@@ -405,6 +405,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       CK(cudaMemcpy(d_ops11, ops11.data(), ops11.size() * sizeof(qgemv::Chain5Op), cudaMemcpyHostToDevice));
       CK(cudaMalloc(&d_ops12, ops12.size() * sizeof(qgemv::Chain5Op)));
       CK(cudaMemcpy(d_ops12, ops12.data(), ops12.size() * sizeof(qgemv::Chain5Op), cudaMemcpyHostToDevice));
+      const int classes14 = qgemv::chain16_classes(ops14.data(), static_cast<int>(ops14.size()));
       qgemv::Chain5Op* d_ops14;
       CK(cudaMalloc(&d_ops14, ops14.size() * sizeof(qgemv::Chain5Op)));
       CK(cudaMemcpy(d_ops14, ops14.data(), ops14.size() * sizeof(qgemv::Chain5Op), cudaMemcpyHostToDevice));
@@ -496,7 +497,20 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         ChainShape sh{v.stage_tiles, v.form >= 9 && v.form < 14 ? 1 : v.stages, qgemv::chain_meta_bytes(f.group, f.zeros),
                       std::max(m.H, m.I), M, v.skip, v.form == 6 ? 1 : 0,
                       v.form >= 8 ? qgemv::chain8_sums(ops5.data(), nops, blocks, M) : 0, v.form == 12 || v.form >= 14 ? 1 : 0,
-                      v.chunk, v.form == 15 ? 1 : 0};
+                      v.chunk, v.form == 16 ? 1 : v.form == 17 ? 2 : 0};
+        int4* d_tab = nullptr;  // forms 16 and 17: the schedule for these blocks and warps
+        if (v.form >= 16 && classes14 > 0) {
+          const std::vector<int4> tab = qgemv::chain16_schedule(ops14.data(), nops, classes14, blocks, v.warps);
+          if (!tab.empty()) {
+            CK(cudaMalloc(&d_tab, tab.size() * sizeof(int4)));
+            CK(cudaMemcpy(d_tab, tab.data(), tab.size() * sizeof(int4), cudaMemcpyHostToDevice));
+            sh.cursors = d_tab, sh.classes = classes14;
+          }
+        }
+        struct Free {
+          void* p;
+          ~Free() { cudaFree(p); }
+        } free_tab{d_tab};  // at the end of this variant, or at its `continue`
         const bool fits = launch5_fmt(f, v, sh, nullptr, nops, nullptr, blocks, st);
         if (M > 8 || !fits) {
           std::printf("%-10s %3d form %d w%d s%d t%d: does not fit (%zu B of shared memory%s)\n", f.name, M, v.form,
@@ -835,8 +849,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   for (int f : forms)
-    if (f < 5 || f == 10 || f > 15) {
-      std::fprintf(stderr, "--forms: 5 to 9, 11 to 15\n");
+    if (f < 5 || f == 10 || f == 15 || f > 17) {
+      std::fprintf(stderr, "--forms: 5 to 9, 11 to 14, 16, 17\n");
       return 2;
     }
   for (int t : tiles)
