@@ -57,6 +57,19 @@ namespace {
 using qgemv::ChainShape;
 
 // ---- probes ---------------------------------------------------------------
+// Round r's grid barrier: every block adds 1 to *ctr and spins until it holds (r + 1) x blocks.
+__device__ void grid_barrier(unsigned* ctr, int r) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(ctr, 1u);
+    const unsigned need = (r + 1) * gridDim.x;
+    while (qgemv::ld_acquire_gpu(ctr) < need) {
+    }
+  }
+  __syncthreads();
+}
+
 __global__ void barrier_kernel(unsigned* ctr, int rounds, const uint4* w, size_t per_block, unsigned* sink) {
   uint32_t acc = 0;
   const uint4* mine = w ? w + blockIdx.x * per_block * static_cast<size_t>(rounds) : nullptr;
@@ -67,17 +80,7 @@ __global__ void barrier_kernel(unsigned* ctr, int rounds, const uint4* w, size_t
         acc ^= v.x ^ v.w;
       }
     }
-    if (ctr) {
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(ctr, 1u);
-        const unsigned need = (r + 1) * gridDim.x;
-        while (qgemv::ld_acquire_gpu(ctr) < need) {
-        }
-      }
-      __syncthreads();
-    }
+    if (ctr) grid_barrier(ctr, r);
   }
   if (acc == 0x9e3779b9u) *sink = acc;
 }
@@ -89,6 +92,30 @@ __global__ void handoff_kernel(unsigned* flag, int rounds) {
     }
     asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flag), "r"(static_cast<unsigned>(r + 1)) : "memory");
   }
+}
+
+// An op's input as every block reads it: all blocks at once (a grid barrier
+// between rounds) read n 16-byte words through L2 (ld.relaxed.gpu, as form
+// 12's polls), the same words (stride 0) or each block its own; thread 0
+// counts each read's cycles (the loads, then a block barrier) into *cycles.
+__global__ void bcast_kernel(const uint4* src, size_t stride, int n, unsigned* ctr, int rounds,
+                             unsigned long long* cycles, unsigned* sink) {
+  const uint4* mine = src + blockIdx.x * stride;
+  uint32_t acc = 0;
+  long long total = 0;
+  for (int r = 0; r < rounds; ++r) {
+    const long long t0 = clock64();
+#pragma unroll 4
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const uint4 v = qgemv::ld_relaxed_gpu_v4(mine + i);
+      acc ^= v.x ^ v.w;
+    }
+    __syncthreads();
+    total += clock64() - t0;
+    grid_barrier(ctr, r);
+  }
+  if (threadIdx.x == 0) atomicAdd(cycles, static_cast<unsigned long long>(total));
+  if (acc == 0x9e3779b9u) *sink = acc;
 }
 
 __global__ void add_kernel(const __half* a, const __half* b, __half* y, int n) {  // y = a + b (fp32, rounded)
@@ -668,6 +695,35 @@ void probes(int sms, double ceiling) {
       handoff_kernel<<<G, 32, 0, st>>>(ctr, H);
     });
     std::printf("handoff between blocks, %d blocks: %.3f us per producer -> consumer hop\n", G, th / H);
+  }
+  // Every block reads an op's input (fp16, or form 12's paired words) at once, against each its own bytes.
+  {
+    int khz = 0;
+    CK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0));
+    const int G = sms, R = 200;
+    uint4* buf;
+    unsigned long long* cyc;
+    const size_t most = size_t(57344) / 16 * G;
+    CK(cudaMalloc(&buf, most * 16));
+    CK(cudaMemset(buf, 1, most * 16));
+    CK(cudaMalloc(&cyc, 8));
+    std::printf("every block reads an input through L2, all at once (512 threads; us per read, nominal clock):\n");
+    for (int bytes : {8192, 16384, 28672, 57344}) {
+      float us[2];
+      for (int distinct = 0; distinct < 2; ++distinct) {
+        CK(cudaMemsetAsync(ctr, 0, 4, st));
+        CK(cudaMemsetAsync(cyc, 0, 8, st));
+        bcast_kernel<<<G, 512, 0, st>>>(buf, distinct ? bytes / 16 : 0, bytes / 16, ctr, R, cyc, sink);
+        CK(cudaStreamSynchronize(st));
+        CK(cudaGetLastError());
+        unsigned long long c;
+        CK(cudaMemcpy(&c, cyc, 8, cudaMemcpyDeviceToHost));
+        us[distinct] = static_cast<float>(double(c) / G / R / khz * 1e3);
+      }
+      std::printf("  %5d B: %.3f us the same bytes, %.3f us each block its own\n", bytes, us[0], us[1]);
+    }
+    CK(cudaFree(buf));
+    CK(cudaFree(cyc));
   }
   // Barrier under load: each block streams per_block x 16 bytes between barriers.
   const int G = sms;
