@@ -118,6 +118,24 @@ __global__ void bcast_kernel(const uint4* src, size_t stride, int n, unsigned* c
   if (acc == 0x9e3779b9u) *sink = acc;
 }
 
+// A split-K hand-off's reduction: every block adds its n partial sums into
+// acc (fp32, one buffer a round; vec 4: red.add.v4.f32, else one float a
+// red), then the round's grid barrier (whoever passes it may read acc).
+__global__ void reduce_kernel(float* acc, int n, int vec, unsigned* ctr, int rounds) {
+  for (int r = 0; r < rounds; ++r) {
+    float* a = acc + static_cast<size_t>(r) * n;
+    const float v = 1.f + threadIdx.x;
+    if (vec == 4) {
+      for (int i = 4 * threadIdx.x; i < n; i += 4 * blockDim.x)
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(a + i), "f"(v), "f"(v), "f"(v), "f"(v)
+                     : "memory");
+    } else if (vec == 1) {
+      for (int i = threadIdx.x; i < n; i += blockDim.x) atomicAdd(a + i, v);
+    }
+    grid_barrier(ctr, r);
+  }
+}
+
 __global__ void add_kernel(const __half* a, const __half* b, __half* y, int n) {  // y = a + b (fp32, rounded)
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) y[i] = __float2half_rn(__half2float(a[i]) + __half2float(b[i]));
@@ -724,6 +742,24 @@ void probes(int sms, double ceiling) {
     }
     CK(cudaFree(buf));
     CK(cudaFree(cyc));
+  }
+  // A split-K hand-off's reduction (the down projection's 4096 outputs, say): the barrier alone, then with the adds.
+  {
+    const int G = sms, R = 200;
+    for (int n : {4096, 8192}) {
+      float* acc;
+      CK(cudaMalloc(&acc, sizeof(float) * n * R));
+      float us[3];
+      for (int vec : {0, 1, 4}) {
+        us[vec == 4 ? 2 : vec] = time([&] {
+          CK(cudaMemsetAsync(ctr, 0, 4, st));
+          reduce_kernel<<<G, 512, 0, st>>>(acc, n, vec, ctr, R);
+        }) / R;
+      }
+      std::printf("every block adds %d fp32 partial sums, then a grid barrier: %.3f us a round (the barrier alone "
+                  "%.3f; one float a red %.3f)\n", n, us[2], us[0], us[1]);
+      CK(cudaFree(acc));
+    }
   }
   // Barrier under load: each block streams per_block x 16 bytes between barriers.
   const int G = sms;
