@@ -7,16 +7,18 @@
 //   /tmp/persist_lab [--probe-only | --no-probe] [--tma-probe] [--no-ceiling] [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers L]
 //                    [--ms 1,4] [--forms 5,6] [--warps 12,16] [--stages 4] [--stage-tiles 2]
 //                    [--formats int4g128a,int4,int8] [--chunks 4,8]
-//   (--forms: the kernel's forms 5-9, 11-14, 16 and 17 (csrc/persist_chain.cuh; 6 is form 5 finished by block slices,
-//    12 form 11 with paired activations, 13 form 12 without block barriers, M = 1, 14 form 12 fed by a
-//    warp of bulk copies into shared memory, 16 form 14 taking its ring chunk by chunk, 17 form 16 with every warp filling its own ring), default 5;
+//   (--forms: the kernel's forms 5-9, 11-14, 16 and 17 (csrc/persist_chain.cuh; 6 is form 5 finished by
+//    block slices, 12 form 11 with paired activations, 13 form 12 without block barriers, M = 1, 14 form 12
+//    fed by a warp of bulk copies into shared memory, 16 form 14 taking its ring chunk by chunk, 17 form 16
+//    with every warp filling its own ring), default 5;
 //    --warps: consumer warps per block; --stages x --stage-tiles: each warp's weight ring, in 1 KB tiles
 //    (form 9: a ring of --stage-tiles one-tile slots, 4 or 8; forms 11-13 (int4 per channel or G = 128):
-//    the register ring, 2 or 4 tiles; --stages is ignored, except by form 14: each warp's ring of
-//    shared-memory slots, more than --stage-tiles and a multiple of --chunks, the tiles a feed chunk
-//    holds (4 unless given));
-//    --skip 0,1,5,37: timing experiments, ChainShape::skip: 1 no waits, 2 no input preparation (form 9;
-//    form 11: no hand-off at all), 4 no tile math, 8 form 14's feed copies L2-resident tiles, 32 no flush;
+//    the register ring, 2 or 4 tiles; --stages is ignored, except by forms 14, 16 and 17: each warp's ring
+//    of shared-memory slots, more than --stage-tiles and a multiple of --chunks, the tiles a chunk holds
+//    (4 unless given; forms 16 and 17: 4));
+//    --skip 0,1,5,37: timing experiments, ChainShape::skip: 1 no waits (forms 12-17: the polled words
+//    taken as they are), 2 no input preparation (form 9; forms 11-17: no hand-off at all), 4 no tile
+//    math, 8 the weights copied from L2 (forms 14, 16, 17), 32 no flush;
 //    --no-ceiling: skip the 2 GB read that measures the ceiling, for runs under compute-sanitizer)
 //
 // Part 1, the probes (a co-resident grid of SMs x 1 blocks of 256 threads):
@@ -24,6 +26,10 @@
 //     (r + 1) x blocks; time per barrier from 4000 barriers;
 //   * handoff: block r % G waits for a flag to reach r, then sets it to
 //     r + 1 (blocks on different SMs): one producer -> consumer latency;
+//   * an op's input read by every block at once through L2 (8-57 KB, the
+//     same bytes or each block its own);
+//   * a split-K reduction: every block adds 4096 or 8192 fp32 sums into one
+//     vector, then the grid barrier;
 //   * barrier under load: the same barrier while every block also streams
 //     weights (256 KB per block between barriers), against the same stream
 //     without barriers.
