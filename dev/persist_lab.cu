@@ -76,14 +76,27 @@ __device__ void grid_barrier(unsigned* ctr, int r) {
   __syncthreads();
 }
 
-__global__ void barrier_kernel(unsigned* ctr, int rounds, const uint4* w, size_t per_block, unsigned* sink) {
+// sums (optional, 1024 threads): every thread also adds 4 fp32 sums into
+// round r's vector (sums + r * 4096) once during the round's stream, the
+// threads' adds spread evenly over it (a split-K op's panels, sent as each
+// completes).
+__global__ void barrier_kernel(unsigned* ctr, int rounds, const uint4* w, size_t per_block, unsigned* sink,
+                               float* sums = nullptr) {
   uint32_t acc = 0;
   const uint4* mine = w ? w + blockIdx.x * per_block * static_cast<size_t>(rounds) : nullptr;
+  const size_t iters = (per_block + blockDim.x - 1) / blockDim.x, mine_at = threadIdx.x % iters;
   for (int r = 0; r < rounds; ++r) {
     if (w) {
-      for (size_t i = threadIdx.x; i < per_block; i += blockDim.x) {
+      size_t it = 0;
+      for (size_t i = threadIdx.x; i < per_block; i += blockDim.x, ++it) {
         const uint4 v = __ldcs(mine + r * per_block + i);
         acc ^= v.x ^ v.w;
+        if (sums && it == mine_at) {
+          const float f = static_cast<float>(v.y & 7u);
+          asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(sums + r * 4096 + 4 * threadIdx.x),
+                       "f"(f), "f"(f), "f"(f), "f"(f)
+                       : "memory");
+        }
       }
     }
     if (ctr) grid_barrier(ctr, r);
@@ -781,6 +794,15 @@ void probes(int sms, double ceiling) {
       CK(cudaMemsetAsync(ctr, 0, 4, st));
       barrier_kernel<<<G, 1024, 0, st>>>(ctr, R, w, per_block, sink);
     });
+    float* sums;
+    CK(cudaMalloc(&sums, sizeof(float) * 4096 * R));
+    const float ts = time([&] {
+      CK(cudaMemsetAsync(ctr, 0, 4, st));
+      barrier_kernel<<<G, 1024, 0, st>>>(ctr, R, w, per_block, sink, sums);
+    });
+    CK(cudaFree(sums));
+    std::printf("stream %4zu KB/block, adding 4096 fp32 sums into one vector along the way, then barrier: %.2f us "
+                "per round\n", kb, ts / R);
     std::printf("stream %4zu KB/block then barrier: %.2f us per round with, %.2f without (%.1f%% / %.1f%% of ceiling)\n",
                 kb, tb / R, tl / R, 100 * total * 16 / (tb * 1e3) / ceiling, 100 * total * 16 / (tl * 1e3) / ceiling);
     CK(cudaFree(w));
