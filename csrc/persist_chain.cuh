@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "gemv_mma.cuh"
@@ -45,7 +46,7 @@ struct ChainShape {
   int sums = 0;     // form 8: fp32 values of the block's sum buffer (chain8_sums)
   int paired = 0;   // form 12: form 11 with paired activations (ChainPaired)
   int chunk = 4;    // form 14: tiles per feed chunk (stages, a warp's ring, is a multiple)
-  int chunked = 0;  // form 14's consumers take the ring chunk by chunk (sh.chunk 4): 1 form 16 (the feed warp),
+  int chunked = 0;  // form 14's consumers take the ring chunk by chunk (sh.chunk 2-4): 1 form 16 (the feed warp),
                     //    2 form 17 (every warp fills its own ring)
   const int4* cursors = nullptr;  // forms 16 and 17: chain16_schedule's records (device memory)
   int classes = 0;                // forms 16 and 17: op classes in `cursors` (chain16_classes)
@@ -1965,7 +1966,7 @@ __device__ __forceinline__ void chain17_consume(const Chain14Ring& rg, const Cha
   }
 }
 
-template <int kGroup, bool kZeros, int kD, bool kM1, bool kPaired, int kFeed>
+template <int kGroup, bool kZeros, int kD, bool kM1, bool kPaired, int kFeed, int kChunk = 4>
 __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     chain11_kernel(const Chain5Op* __restrict__ ops, int nops, ChainShape sh, unsigned* sync,
                    unsigned long long* wait_cycles) {
@@ -2205,9 +2206,9 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
   if constexpr (kFeed == 2 || kFeed == 3) {
     constexpr int kTs = kChainTileBytes + chain_meta_bytes(kGroup, kZeros);
     if constexpr (kFeed == 2)
-      chain16_consume<4, kTs, kGrouped, kZeros>(rg, seg, boundary, timed, t_spin);  // t_spin: waiting for the feed
+      chain16_consume<kChunk, kTs, kGrouped, kZeros>(rg, seg, boundary, timed, t_spin);  // t_spin: waiting for the feed
     else
-      chain17_consume<4, kTs, kGrouped, kZeros>(rg, ops, nops, W, sh.skip, seg, boundary, timed, t_spin);
+      chain17_consume<kChunk, kTs, kGrouped, kZeros>(rg, ops, nops, W, sh.skip, seg, boundary, timed, t_spin);
   } else {
     chain11_consume<kD>(is, seg, boundary, [] {});
     if constexpr (kFeed) t_spin = is.waited;  // form 14: no spin; the cycles waiting for the feed instead
@@ -2255,15 +2256,28 @@ Status chain11_launch(const Chain5Op* d_ops, int nops, const ChainShape& sh, uns
 // Form 14: `warps` consumer warps and the feed warp (16 warps in all at most:
 // a 17th would leave 96 registers a thread, as one SM quarter would hold 5
 // warps); sh.paired set, sh.stages ring slots per consumer warp (a multiple
-// of sh.chunk, more than kD).  Forms 16 and 17 (sh.chunked): chunks of 4
-// tiles, sh.meta_bytes the format's (the slot size is compiled in), and the
-// schedule (sh.cursors, sh.classes: chain16_schedule for these blocks and warps).
+// of sh.chunk, more than kD).  Forms 16 and 17 (sh.chunked): chunks of 2-4
+// tiles and sh.meta_bytes the format's (both compiled in), kD = 2 (unused),
+// and the schedule (sh.cursors, sh.classes: chain16_schedule for these blocks
+// and warps).
 template <int kGroup, bool kZeros, typename F>
 bool chain14_dispatch(const ChainShape& sh, F&& f) {
   if (!sh.chunked) return chain11_dispatch_p<kGroup, kZeros, true, 1>(sh, f);
-  if (sh.meta_bytes != chain_meta_bytes(kGroup, kZeros)) return false;
-  return sh.chunked == 2 ? chain11_dispatch_p<kGroup, kZeros, true, 3>(sh, f)
-                         : chain11_dispatch_p<kGroup, kZeros, true, 2>(sh, f);
+  if (sh.meta_bytes != chain_meta_bytes(kGroup, kZeros) || sh.stage_tiles != 2) return false;
+  auto chunk = [&](auto feed) {  // forms 16 and 17: the chunk's tiles compiled in (2, 3 or 4)
+    constexpr int kFeed = decltype(feed)::value;
+    const bool m1 = sh.M == 1;
+    if (sh.chunk == 2)
+      m1 ? f(chain11_kernel<kGroup, kZeros, 2, true, true, kFeed, 2>) : f(chain11_kernel<kGroup, kZeros, 2, false, true, kFeed, 2>);
+    else if (sh.chunk == 3)
+      m1 ? f(chain11_kernel<kGroup, kZeros, 2, true, true, kFeed, 3>) : f(chain11_kernel<kGroup, kZeros, 2, false, true, kFeed, 3>);
+    else if (sh.chunk == 4)
+      m1 ? f(chain11_kernel<kGroup, kZeros, 2, true, true, kFeed, 4>) : f(chain11_kernel<kGroup, kZeros, 2, false, true, kFeed, 4>);
+    else
+      return false;
+    return true;
+  };
+  return sh.chunked == 2 ? chunk(std::integral_constant<int, 3>{}) : chunk(std::integral_constant<int, 2>{});
 }
 // Threads of a form 14 block: the consumers and (except form 17) the feed warp.
 __host__ inline int chain14_threads(const ChainShape& sh, int warps) {
@@ -2272,7 +2286,8 @@ __host__ inline int chain14_threads(const ChainShape& sh, int warps) {
 __host__ inline bool chain14_shape_ok(const ChainShape& sh, int warps) {
   return warps >= 1 && chain14_threads(sh, warps) <= kChain11MaxWarps * kWarpSize && sh.M <= 8 && sh.paired &&
          sh.stages > sh.stage_tiles && sh.chunk >= 1 && sh.stages % sh.chunk == 0 &&
-         (!sh.chunked || (sh.chunk == 4 && sh.cursors && sh.classes > 0 && sh.classes <= kChainMaxClasses));
+         (!sh.chunked || (sh.chunk >= 2 && sh.chunk <= 4 && sh.stage_tiles == 2 && sh.cursors && sh.classes > 0 &&
+                          sh.classes <= kChainMaxClasses));
 }
 
 template <int kGroup, bool kZeros>

@@ -15,7 +15,7 @@
 //    (form 9: a ring of --stage-tiles one-tile slots, 4 or 8; forms 11-13 (int4 per channel or G = 128):
 //    the register ring, 2 or 4 tiles; --stages is ignored, except by forms 14, 16 and 17: each warp's ring
 //    of shared-memory slots, more than --stage-tiles and a multiple of --chunks, the tiles a chunk holds
-//    (4 unless given; forms 16 and 17: 4));
+//    (4 unless given; forms 16 and 17: 2, 3 or 4));
 //    --skip 0,1,5,37: timing experiments, ChainShape::skip: 1 no waits (forms 12-17: the polled words
 //    taken as they are), 2 no input preparation (form 9; forms 11-17: no hand-off at all), 4 no tile
 //    math, 8 the weights copied from L2 (forms 14, 16, 17), 32 no flush;
