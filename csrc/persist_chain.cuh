@@ -2009,12 +2009,17 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
   // The lab's cycle counts (thread 0 of the block, when timed), in shared memory, not in registers
   // every thread would hold: spinning (forms 14-17: waiting for the feed), waiting for the block's
   // warps, finishing, preparing.
-  __shared__ long long t_acc[4];
+  // Then, per op class (Chain5Op::cls), its preparing and finishing cycles.
+  __shared__ long long t_acc[4 + 2 * kChainMaxClasses];
   long long& t_spin = t_acc[0];
   long long& t_warps = t_acc[1];
   long long& t_finish = t_acc[2];
   long long& t_prep = t_acc[3];
-  if (timed) t_spin = t_warps = t_finish = t_prep = 0;
+  if (timed)
+    for (int k = 0; k < 4 + 2 * kChainMaxClasses; ++k) t_acc[k] = 0;
+  auto per_class = [&](int cls, int k, long long v) {  // k: 0 preparing, 1 finishing
+    if (cls >= 0 && cls < kChainMaxClasses) t_acc[4 + 2 * cls + k] += v;
+  };
   // Form 12: this launch's epoch (1..32767; the previous launch left its count in sync[nops]).
   const unsigned epoch = kPaired ? __ldcg(sync + nops) % 32767u + 1u : 0u;
   const long long t_begin = timed ? clock64() : 0;
@@ -2036,7 +2041,7 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
 
   // Op o's input: global (written by other blocks in this launch: through L2)
   // -> xs, the high-nibble positions / 16, and 2^-24 x the sums of each 128.
-  auto prep_input = [&](const GemvParams& p, int o_flags) {
+  auto prep_input = [&](const GemvParams& p, int o_flags, int cls) {
     if (sh.skip & 2) return;  // lab: no hand-off at all (results wrong)
     const long long b0 = timed ? clock64() : 0;
     csync();  // thread 0's spin is over; every warp is past the last op's reads of xs
@@ -2094,7 +2099,11 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
         }
       }
     csync();
-    if (timed) t_prep += clock64() - p0;
+    if (timed) {
+      const long long v = clock64() - p0;
+      t_prep += v;
+      per_class(cls, 0, v);
+    }
   };
 
   // Every warp is past op i: finish the block's panels, count the block, wait for the others.
@@ -2151,7 +2160,11 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     }
     if constexpr (kPaired) {  // no count: the words say when they are there
       if (oi + 1 == nops && blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(sync + nops, 1u);  // the next epoch
-      if (timed) t_warps += f1 - f0, t_finish += clock64() - f1;
+      if (timed) {
+        const long long v = clock64() - f1;
+        t_warps += f1 - f0, t_finish += v;
+        per_class(o.cls, 1, v);
+      }
       return;
     }
     csync();  // the block's outputs of op oi are written
@@ -2196,7 +2209,7 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
       if (++i >= nops) return false;
       if constexpr (kFeed >= 2) chain16_start(ops[i], rg.tab, warp, W, cur);
       else chain11_start(ops[i], blockIdx.x, G, warp, W, cur);
-      prep_input(ops[i].p, ops[i].flags);
+      prep_input(ops[i].p, ops[i].flags, ops[i].cls);
     }
     seg.begin(cur, ops[i], g, xs + static_cast<size_t>(tokx) * sh.x_cap + 8 * t + cur.kt * 128,
               xsum + tok0 * xg + cur.kt, xsum + tok1 * xg + cur.kt);
@@ -2213,7 +2226,11 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     chain11_consume<kD>(is, seg, boundary, [] {});
     if constexpr (kFeed) t_spin = is.waited;  // form 14: no spin; the cycles waiting for the feed instead
   }
-  if (timed) chain_add_cycles(wait_cycles, ChainCycles{{t_spin, t_warps, t_finish, t_prep, clock64() - t_begin}});
+  if (timed) {
+    chain_add_cycles(wait_cycles, ChainCycles{{t_spin, t_warps, t_finish, t_prep, clock64() - t_begin}});
+    for (int k = 0; k < 2 * kChainMaxClasses; ++k)  // after the SM id: [(6 + k) blocks + b]
+      atomicAdd(wait_cycles + (6 + k) * gridDim.x + blockIdx.x, static_cast<unsigned long long>(t_acc[4 + k]));
+  }
 }
 
 // Form 11's kernel (form 12: paired activations; form 14: paired, with the

@@ -464,12 +464,16 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       qgemv::Chain5Op* d_ops5;
       CK(cudaMalloc(&d_ops5, ops5.size() * sizeof(qgemv::Chain5Op)));
       CK(cudaMemcpy(d_ops5, ops5.data(), ops5.size() * sizeof(qgemv::Chain5Op), cudaMemcpyHostToDevice));
+      // Op classes (one per shape and output step): forms 16 and 17's schedule, and every form's
+      // per-class hand-off times.
+      const int classes14 = qgemv::chain16_classes(ops14.data(), static_cast<int>(ops14.size()));
+      qgemv::chain16_classes(ops11.data(), static_cast<int>(ops11.size()));
+      qgemv::chain16_classes(ops12.data(), static_cast<int>(ops12.size()));
       qgemv::Chain5Op *d_ops11, *d_ops12;  // forms 11 and 12: the same ops with its meta order (12: paired)
       CK(cudaMalloc(&d_ops11, ops11.size() * sizeof(qgemv::Chain5Op)));
       CK(cudaMemcpy(d_ops11, ops11.data(), ops11.size() * sizeof(qgemv::Chain5Op), cudaMemcpyHostToDevice));
       CK(cudaMalloc(&d_ops12, ops12.size() * sizeof(qgemv::Chain5Op)));
       CK(cudaMemcpy(d_ops12, ops12.data(), ops12.size() * sizeof(qgemv::Chain5Op), cudaMemcpyHostToDevice));
-      const int classes14 = qgemv::chain16_classes(ops14.data(), static_cast<int>(ops14.size()));
       qgemv::Chain5Op* d_ops14;
       CK(cudaMalloc(&d_ops14, ops14.size() * sizeof(qgemv::Chain5Op)));
       CK(cudaMemcpy(d_ops14, ops14.data(), ops14.size() * sizeof(qgemv::Chain5Op), cudaMemcpyHostToDevice));
@@ -624,13 +628,15 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           failures += !(err2 / refmax < 2e-2);
         }
         // Where the time goes: one more launch with each block's spin cycles counted.
-        CK(cudaMemset(wait_dev, 0, sizeof(unsigned long long) * 6 * blocks));
+        // per block: 5 counts, its SM, then preparing and finishing per op class
+        const int nwc = 6 + 2 * qgemv::kChainMaxClasses;
+        CK(cudaMemset(wait_dev, 0, sizeof(unsigned long long) * nwc * blocks));
         wait = wait_dev;
         go();
         wait = nullptr;
         CK(cudaStreamSynchronize(st));
-        std::vector<unsigned long long> wc(6 * blocks);
-        CK(cudaMemcpy(wc.data(), wait_dev, sizeof(unsigned long long) * 6 * blocks, cudaMemcpyDeviceToHost));
+        std::vector<unsigned long long> wc(nwc * blocks);
+        CK(cudaMemcpy(wc.data(), wait_dev, sizeof(unsigned long long) * nwc * blocks, cudaMemcpyDeviceToHost));
         double wsum = 0, wmax = 0, bsum = 0, ssum = 0, isum = 0, qsum = 0;
         for (int b2 = 0; b2 < blocks; ++b2) {
           wsum += wc[b2], wmax = std::max(wmax, double(wc[b2]));
@@ -674,6 +680,17 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           std::sort(srt.begin(), srt.end());
           std::printf("%-10s %3d   a block's time (us per layer): min %.2f, median %.2f, 90th %.2f, max %.2f\n", f.name,
                       M, srt[0], srt[blocks / 2], srt[blocks * 9 / 10], srt[blocks - 1]);
+          // Each op class's hand-off (thread 0, a block's mean): preparing its input, finishing its outputs.
+          std::printf("%-10s %3d   per layer and op class, preparing / finishing (us):", f.name, M);
+          for (int c = 0; c < classes14; ++c) {
+            const qgemv::Chain5Op* o = nullptr;
+            for (const qgemv::Chain5Op& q : ops14)
+              if (!o && q.cls == c) o = &q;
+            double pc = 0, fc = 0;
+            for (int b2 = 0; b2 < blocks; ++b2) pc += wc[(6 + 2 * c) * blocks + b2], fc += wc[(7 + 2 * c) * blocks + b2];
+            std::printf(" %dx%d %.2f / %.2f;", o->p.N, o->p.K, pc / blocks * per_us, fc / blocks * per_us);
+          }
+          std::printf("\n");
           if (std::getenv("LAB_BLOCKS")) {  // sm:time of every block, for the SM-to-speed map
             std::printf("%-10s %3d   blocks", f.name, M);
             for (int b2 = 0; b2 < blocks; ++b2) std::printf(" %llu:%.2f", wc[5 * blocks + b2], tot[b2]);
