@@ -45,7 +45,7 @@ struct ChainShape {
                     //    warps once the op's sums are complete everywhere (form 6)
   int sums = 0;     // form 8: fp32 values of the block's sum buffer (chain8_sums)
   int paired = 0;   // form 12: form 11 with paired activations (ChainPaired)
-  int chunk = 4;    // form 14: tiles per feed chunk (stages, a warp's ring, is a multiple)
+  int chunk = 4;    // forms 14, 16, 17: tiles per ring chunk (stages, a warp's ring, is a multiple)
   int chunked = 0;  // form 14's consumers take the ring chunk by chunk (sh.chunk 2-4): 1 form 16 (the feed warp),
                     //    2 form 17 (every warp fills its own ring)
   const int4* cursors = nullptr;  // forms 16 and 17: chain16_schedule's records (device memory)
