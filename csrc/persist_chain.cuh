@@ -626,6 +626,15 @@ __device__ __forceinline__ bool mbar_test(uint64_t* bar, uint32_t parity) {
   return done != 0;
 }
 
+// mbar_wait, and when `timed` (the lab) the cycles it waited added to `waited`
+// (none when the phase is already complete).
+__device__ __forceinline__ void mbar_wait_timed(uint64_t* bar, uint32_t parity, bool timed, long long& waited) {
+  if (mbar_test(bar, parity)) return;
+  const long long w0 = timed ? clock64() : 0;
+  mbar_wait(bar, parity);
+  if (timed) waited += clock64() - w0;
+}
+
 // ops[nops] as for form 5 (form 8 uses no acc or panel_cnt); sync[nops] zero
 // before the first launch, left zero; sh.stage_tiles == kTS; form 8:
 // sh.sums >= chain8_sums.  wait_cycles: nullptr, or [5 x blocks]: the control
@@ -1743,7 +1752,6 @@ struct Chain14Ring {
   }
 };
 
-
 // The feed warp: lane w < W streams consumer warp w's tiles through its ring.
 __device__ __forceinline__ void chain14_feed(const Chain5Op* ops, int nops, int W, const Chain14Ring& rg,
                                              int skip) {
@@ -1806,11 +1814,7 @@ struct Chain14Take {
     if (n >= total) return;
     if (in == 0) {
       const int q = warp * rg.C + c;
-      if (!mbar_test(rg.full + q, phase)) {  // not there yet: wait (the lab counts the cycles)
-        const long long w0 = timed ? clock64() : 0;
-        mbar_wait(rg.full + q, phase);
-        if (timed) waited += clock64() - w0;
-      }
+      mbar_wait_timed(rg.full + q, phase, timed, waited);
       in = static_cast<int>(rg.len[q]);
       wp = rg.w + (static_cast<size_t>(warp) * rg.R + c * rg.K) * rg.ts + g * kTileBytes + 16 * t;
     }
@@ -1860,10 +1864,7 @@ struct Chain16Ring {
 
   // Chunk q's copy is in (phase), the cycles waited added to `waited` when timed.
   __device__ __forceinline__ void wait(int q, uint32_t phase, bool timed, long long& waited) const {
-    if (mbar_test(full + q, phase)) return;
-    const long long w0 = timed ? clock64() : 0;
-    mbar_wait(full + q, phase);
-    if (timed) waited += clock64() - w0;
+    mbar_wait_timed(full + q, phase, timed, waited);
   }
 
   // The tiles of chunk q into the segment (its next min(kChunk, seg.left)).
@@ -1966,6 +1967,12 @@ __device__ __forceinline__ void chain17_consume(const Chain14Ring& rg, const Cha
   }
 }
 
+// chain11_kernel's kFeed: where the consumers' weights come from.
+constexpr int kFeedNone = 0;     // forms 11-13: each lane's own loads, a register ring
+constexpr int kFeedWarp = 1;     // form 14: a feed warp's shared-memory rings, a register ring
+constexpr int kFeedChunks = 2;   // form 16: a feed warp's rings, summed chunk by chunk
+constexpr int kFeedSelf = 3;     // form 17: every warp fills its own ring, summed chunk by chunk
+
 template <int kGroup, bool kZeros, int kD, bool kM1, bool kPaired, int kFeed, int kChunk = 4>
 __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     chain11_kernel(const Chain5Op* __restrict__ ops, int nops, ChainShape sh, unsigned* sync,
@@ -1974,7 +1981,9 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
   constexpr bool kGrouped = Chain11Format<kGroup, kZeros>::kGrouped;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   // form 14: warp W is the feed; nthreads: the consumers
-  const int W = (blockDim.x >> 5) - (kFeed == 1 || kFeed == 2 ? 1 : 0), G = gridDim.x, nthreads = W * 32;
+  constexpr bool kFeedWarpToo = kFeed == kFeedWarp || kFeed == kFeedChunks;  // one more warp: the feed
+  constexpr bool kChunked = kFeed == kFeedChunks || kFeed == kFeedSelf;
+  const int W = (blockDim.x >> 5) - (kFeedWarpToo ? 1 : 0), G = gridDim.x, nthreads = W * 32;
   const int g = lane >> 2, t = lane & 3;
   const int M = sh.M, xg = sh.x_cap / 128;
 
@@ -1989,12 +1998,12 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     for (int q = threadIdx.x; q < W * rg.C; q += blockDim.x) mbar_init(rg.full + q, 1), mbar_init(rg.empty + q, 1);
     mbar_init_fence();
   }
-  if constexpr (kFeed >= 2) {  // the block's schedule records
+  if constexpr (kChunked) {  // the block's schedule records
     for (int q = threadIdx.x; q < sh.classes * (W + 1); q += blockDim.x)
       rg.tab[q] = sh.cursors[(static_cast<size_t>(q / (W + 1)) * G + blockIdx.x) * (W + 1) + q % (W + 1)];
   }
   __syncthreads();
-  if constexpr (kFeed == 1 || kFeed == 2) {
+  if constexpr (kFeedWarpToo) {
     if (warp == W) {
       chain14_feed(ops, nops, W, rg, sh.skip);
       return;
@@ -2026,12 +2035,12 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
 
   // ---- the issue side
   auto make_issue = [&] {
-    if constexpr (kFeed == 1) return Chain14Take<kD, kGrouped, kZeros>(rg, ops, nops, W);
-    else if constexpr (kFeed == 0) return Chain11Issue<kD, kGrouped, kZeros>(ops, nops, sh, lane);
+    if constexpr (kFeed == kFeedWarp) return Chain14Take<kD, kGrouped, kZeros>(rg, ops, nops, W);
+    else if constexpr (kFeed == kFeedNone) return Chain11Issue<kD, kGrouped, kZeros>(ops, nops, sh, lane);
     else return 0;  // forms 16 and 17 read their rings themselves
   };
   auto is = make_issue();
-  if constexpr (kFeed == 1) is.timed = timed;
+  if constexpr (kFeed == kFeedWarp) is.timed = timed;
 
   // ---- the consumer side
   int i = -1;  // the op being consumed
@@ -2112,7 +2121,7 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     const GemvParams& p = o.p;
     if (sh.skip & 2) return;  // lab: no hand-off at all (results wrong)
     int u0, u1;
-    if constexpr (kFeed >= 2) {
+    if constexpr (kChunked) {
       const int4 r = rg.tab[o.cls * (W + 1) + W];
       u0 = r.x, u1 = r.y;
     } else {
@@ -2207,7 +2216,7 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     while (cur.pos >= cur.end) {
       if (i >= 0) op_end(i);
       if (++i >= nops) return false;
-      if constexpr (kFeed >= 2) chain16_start(ops[i], rg.tab, warp, W, cur);
+      if constexpr (kChunked) chain16_start(ops[i], rg.tab, warp, W, cur);
       else chain11_start(ops[i], blockIdx.x, G, warp, W, cur);
       prep_input(ops[i].p, ops[i].flags, ops[i].cls);
     }
@@ -2216,9 +2225,9 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     return true;
   };
 
-  if constexpr (kFeed == 2 || kFeed == 3) {
+  if constexpr (kChunked) {
     constexpr int kTs = kChainTileBytes + chain_meta_bytes(kGroup, kZeros);
-    if constexpr (kFeed == 2)
+    if constexpr (kFeed == kFeedChunks)
       chain16_consume<kChunk, kTs, kGrouped, kZeros>(rg, seg, boundary, timed, t_spin);  // t_spin: waiting for the feed
     else
       chain17_consume<kChunk, kTs, kGrouped, kZeros>(rg, ops, nops, W, sh.skip, seg, boundary, timed, t_spin);
@@ -2251,8 +2260,8 @@ bool chain11_dispatch_p(const ChainShape& sh, F&& f) {
 }
 template <int kGroup, bool kZeros, typename F>
 bool chain11_dispatch(const ChainShape& sh, F&& f) {
-  return sh.paired ? chain11_dispatch_p<kGroup, kZeros, true, 0>(sh, f)
-                   : chain11_dispatch_p<kGroup, kZeros, false, 0>(sh, f);
+  return sh.paired ? chain11_dispatch_p<kGroup, kZeros, true, kFeedNone>(sh, f)
+                   : chain11_dispatch_p<kGroup, kZeros, false, kFeedNone>(sh, f);
 }
 
 template <int kGroup, bool kZeros>
@@ -2279,7 +2288,7 @@ Status chain11_launch(const Chain5Op* d_ops, int nops, const ChainShape& sh, uns
 // and warps).
 template <int kGroup, bool kZeros, typename F>
 bool chain14_dispatch(const ChainShape& sh, F&& f) {
-  if (!sh.chunked) return chain11_dispatch_p<kGroup, kZeros, true, 1>(sh, f);
+  if (!sh.chunked) return chain11_dispatch_p<kGroup, kZeros, true, kFeedWarp>(sh, f);
   if (sh.meta_bytes != chain_meta_bytes(kGroup, kZeros) || sh.stage_tiles != 2) return false;
   auto chunk = [&](auto feed) {  // forms 16 and 17: the chunk's tiles compiled in (2, 3 or 4)
     constexpr int kFeed = decltype(feed)::value;
@@ -2294,7 +2303,8 @@ bool chain14_dispatch(const ChainShape& sh, F&& f) {
       return false;
     return true;
   };
-  return sh.chunked == 2 ? chunk(std::integral_constant<int, 3>{}) : chunk(std::integral_constant<int, 2>{});
+  return sh.chunked == 2 ? chunk(std::integral_constant<int, kFeedSelf>{})
+                         : chunk(std::integral_constant<int, kFeedChunks>{});
 }
 // Threads of a form 14 block: the consumers and (except form 17) the feed warp.
 __host__ inline int chain14_threads(const ChainShape& sh, int warps) {
