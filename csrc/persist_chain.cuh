@@ -13,8 +13,9 @@
 // described above that kernel's form-9 branch), forms 11, 12 and 14
 // (chain11_kernel; 12 passes paired activations, 14 adds a feed warp that
 // bulk-copies the weights into shared-memory rings; int4 only) and form 13
-// (chain13_kernel, no block barriers).  Not yet built into the extension:
-// dev/persist_lab.cu runs them against qgemv's per-op GEMVs.
+// (chain13_kernel, no block barriers).  dev/persist_lab.cu runs them against
+// qgemv's per-op GEMVs; the extension compiles form 17 only (csrc/persist.cu,
+// qgemv.persist), the other forms stay for the lab.
 //
 // Not deterministic: a panel's partial sums (one per warp that touched it)
 // meet in fp32 atomics, in the order they arrive.
@@ -1977,6 +1978,9 @@ template <int kGroup, bool kZeros, int kD, bool kM1, bool kPaired, int kFeed, in
 __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     chain11_kernel(const Chain5Op* __restrict__ ops, int nops, ChainShape sh, unsigned* sync,
                    unsigned long long* wait_cycles) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // bulk copies and mbarrier waits need sm_90: the host launches this on compute capability 9.x only
+#else
   using T = __half;
   constexpr bool kGrouped = Chain11Format<kGroup, kZeros>::kGrouped;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -2240,6 +2244,7 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     for (int k = 0; k < 2 * kChainMaxClasses; ++k)  // after the SM id: [(6 + k) blocks + b]
       atomicAdd(wait_cycles + (6 + k) * gridDim.x + blockIdx.x, static_cast<unsigned long long>(t_acc[4 + k]));
   }
+#endif
 }
 
 // Form 11's kernel (form 12: paired activations; form 14: paired, with the

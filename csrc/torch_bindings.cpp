@@ -13,11 +13,14 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
+#include <string>
 #include <tuple>
 #include <vector>
 
+#include "persist.h"
 #include "qgemv.h"
 #include "testing.h"
 #include "tuning.h"
@@ -399,6 +402,100 @@ void register_cuda_kernels() {
   lib = std::move(l);
 }
 
+// ---- the persistent chain (csrc/persist.h), for qgemv/persist.py --------------
+// Low-level: pointers travel as integers (the Python class owns the tensors).
+
+// (error, op table uint8 [nops * sizeof(op)], schedule int32 [classes, blocks, warps + 1, 4], op classes,
+// classes, sums, x_cap, smem); ops: (x, res, y, weight, scales, N, K, out, x_plain, res_plain, y_plain).
+using PersistOpTuple = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, bool, bool, bool>;
+
+PersistPlan persist_plan_of(const std::vector<PersistOpTuple>& in, int group, bool zeros, int blocks, int warps,
+                            int stages) {
+  std::vector<PersistOp> ops;
+  for (const auto& t : in) {
+    PersistOp o;
+    o.x = reinterpret_cast<const void*>(std::get<0>(t));
+    o.res = reinterpret_cast<const void*>(std::get<1>(t));
+    o.y = reinterpret_cast<void*>(std::get<2>(t));
+    o.weight = reinterpret_cast<const void*>(std::get<3>(t));
+    o.scales = reinterpret_cast<const void*>(std::get<4>(t));
+    o.N = std::get<5>(t), o.K = std::get<6>(t), o.out = std::get<7>(t);
+    o.x_plain = std::get<8>(t), o.res_plain = std::get<9>(t), o.y_plain = std::get<10>(t);
+    ops.push_back(o);
+  }
+  return persist_plan(ops, group, zeros, blocks, warps, stages);
+}
+
+pybind11::tuple persist_plan_py(const std::vector<PersistOpTuple>& in, int group, bool zeros, int blocks, int warps,
+                                int stages) {
+  const PersistPlan pl = persist_plan_of(in, group, zeros, blocks, warps, stages);
+  at::Tensor ops = at::empty({static_cast<int64_t>(pl.ops.size())}, at::kByte);
+  if (!pl.ops.empty()) std::memcpy(ops.data_ptr(), pl.ops.data(), pl.ops.size());
+  at::Tensor sched = at::empty({static_cast<int64_t>(pl.schedule.size())}, at::kInt);
+  if (!pl.schedule.empty()) std::memcpy(sched.data_ptr(), pl.schedule.data(), pl.schedule.size() * 4);
+  if (pl.error.empty()) sched = sched.view({pl.classes, blocks, warps + 1, 4});
+  return pybind11::make_tuple(pl.error, ops, sched, pl.op_class, pl.classes, pl.sums, pl.x_cap,
+                              static_cast<int64_t>(pl.smem));
+}
+
+PersistPlan persist_plan_from(int classes, int sums, int x_cap, int64_t smem) {
+  PersistPlan pl;
+  pl.classes = classes, pl.sums = sums, pl.x_cap = x_cap, pl.smem = static_cast<size_t>(smem);
+  return pl;
+}
+
+// Plain pybind functions, not dispatcher ops.  fuse's checks are a backstop
+// (ValueError; qgemv/persist.py checks first: on torch 2.11 an exception out
+// of the extension ends the process).
+#define PS_CHECK(cond, op, ...) \
+  if (!(cond)) throw pybind11::value_error(c10::str("qgemv.persist.", op, ": ", __VA_ARGS__))
+
+// zeros: uint8 [N, K / 128], or an empty tensor (no zero points).
+at::Tensor persist_fuse_py(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& zeros, int64_t N,
+                           int64_t K) {
+  const char* op = "fuse";
+  const bool has_zeros = zeros.numel() > 0;
+  PS_CHECK(qweight.device().is_cpu() && scales.device().is_cpu() && zeros.device().is_cpu(), op,
+           "tensors must be on the CPU");
+  PS_CHECK(N >= 16 && N % 16 == 0 && K >= 128 && K % 128 == 0, op, "N must be a multiple of 16 and K of 128, got ",
+           N, " x ", K);
+  PS_CHECK(qweight.is_contiguous() && qweight.dtype() == at::kInt && qweight.numel() == N * K / 8, op,
+           "qweight must be contiguous int32 with N * K / 8 = ", N * K / 8, " words, got ", qweight.dtype(), " ",
+           qweight.sizes());
+  PS_CHECK(scales.is_contiguous() && scales.dtype() == at::kHalf && scales.numel() == N * (K / 128), op,
+           "scales must be contiguous float16 [N, K / 128], got ", scales.dtype(), " ", scales.sizes());
+  if (has_zeros)
+    PS_CHECK(zeros.is_contiguous() && zeros.dtype() == at::kByte && zeros.numel() == N * (K / 128), op,
+             "zeros must be contiguous uint8 [N, K / 128], got ", zeros.dtype(), " ", zeros.sizes());
+  const std::vector<uint8_t> out = persist_fuse(static_cast<const uint8_t*>(qweight.data_ptr()),
+                                                static_cast<const uint16_t*>(scales.data_ptr()),
+                                                has_zeros ? static_cast<const uint8_t*>(zeros.data_ptr()) : nullptr,
+                                                static_cast<int>(N), static_cast<int>(K));
+  at::Tensor t = at::empty({static_cast<int64_t>(out.size())}, at::kByte);
+  std::memcpy(t.data_ptr(), out.data(), out.size());
+  return t;
+}
+
+// "" when launched, else why not (returned, not thrown: on torch 2.11 an
+// exception out of the extension ends the process, see ops._precheck_cuda).
+std::string persist_launch_py(const at::Tensor& ops, const at::Tensor& schedule, const at::Tensor& sync, int group,
+                              bool zeros, int blocks, int warps, int stages, int classes, int sums, int x_cap,
+                              int64_t smem) {
+  if (!ops.is_cuda() || !schedule.is_cuda() || !sync.is_cuda() || ops.device() != sync.device() ||
+      schedule.device() != sync.device())
+    return "ops, schedule and sync must be CUDA tensors on one device";
+  if (ops.dtype() != at::kByte || schedule.dtype() != at::kInt || sync.dtype() != at::kInt)
+    return "ops must be uint8, schedule and sync int32";
+  const int64_t nops = ops.numel() / static_cast<int64_t>(persist_op_bytes());
+  if (nops < 1 || sync.numel() != nops + 1) return c10::str("sync must hold nops + 1 = ", nops + 1, " counters");
+  c10::cuda::CUDAGuard guard(ops.device());
+  const cudaError_t err = persist_launch(persist_plan_from(classes, sums, x_cap, smem), ops.data_ptr(),
+                                         static_cast<int>(nops), schedule.data_ptr<int32_t>(),
+                                         reinterpret_cast<unsigned*>(sync.data_ptr<int32_t>()), group, zeros, blocks,
+                                         warps, stages, c10::cuda::getCurrentCUDAStream());
+  return err == cudaSuccess ? std::string() : std::string(cudaGetErrorString(err));
+}
+
 }  // namespace
 
 }  // namespace qgemv
@@ -467,4 +564,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         "Force the wgmma GEMM's block shape (0: 64 tokens x 256 rows, 1: 128 tokens x 128 rows, "
         "warp-specialized); -1 restores the rule.");
+
+  auto ps = m.def_submodule("persist", "The persistent chain of linears (csrc/persist.h); qgemv.persist is the API.");
+  ps.def("tile_bytes", &qgemv::persist_tile_bytes, "Bytes of one fused tile for (group, zeros).");
+  ps.def("fuse", &qgemv::persist_fuse_py, "G = 128 weights in the chain's tiles (CPU tensors in, uint8 out).",
+         pybind11::arg("qweight"), pybind11::arg("scales"), pybind11::arg("zeros"), pybind11::arg("N"),
+         pybind11::arg("K"));
+  ps.def("plan", &qgemv::persist_plan_py, "The chain's tables (host only; pointers as integers).");
+  ps.def("op_bytes", &qgemv::persist_op_bytes, "Bytes of one op in the plan's op table.");
+  ps.def("refusal", [](const std::vector<qgemv::PersistOpTuple>& in, int group, bool zeros, int blocks, int warps,
+                       int stages) {
+           return qgemv::persist_refusal(qgemv::persist_plan_of(in, group, zeros, blocks, warps, stages), group, zeros,
+                                         blocks, warps, stages);
+         },
+         "Why the chain cannot run on the current device, or an empty string.");
+  ps.def("launch", &qgemv::persist_launch_py,
+         "One launch of the chain on the current stream: '' when launched, else why not (never raises).");
 }

@@ -16,6 +16,15 @@ int4 g128 (bf16) and int8 weight-only kernels; gemlite 0.6 int4 g128 with
 zero points and int8 (``A16W4_HQQ_INT`` / ``A16W8_INT8``, Triton);
 bitsandbytes NF4 (blocks of 64) and LLM.int8.  Writes <out>.json, <out>.md
 and <out>.png.
+
+The chain with real dependencies (M = 1 only), for int4, int4g128 and
+int4g128a: ``FMT_deps`` runs each layer as the decode step chains it (q/k/v,
+o reading q's first H outputs plus the residual, gate/up with SiLU * mul, down
+plus the residual; qgemv.persist.reference: one qgemv kernel a linear, the
+glue in torch), and ``FMT_persist`` runs the same layers, the same weights, as
+one persistent launch (qgemv.persist.PersistentChain, compute capability 9.x).
+Their outputs are compared (``rel_err`` in the report: the largest difference
+over the largest output).  Bytes per layer are the packed weights' in both.
 """
 
 from __future__ import annotations
@@ -36,7 +45,8 @@ MODELS = {
     "qwen2.5-7b": (16, [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)]),
 }
 VARIANTS = ["fp16", "bf16", "int8", "int4", "int4g128", "int4g128a", "tinygemm_g128", "torch_int8",
-            "gemlite_int4g128a", "gemlite_int8", "bnb_nf4", "bnb_int8"]
+            "gemlite_int4g128a", "gemlite_int8", "bnb_nf4", "bnb_int8",
+            "int4_deps", "int4_persist", "int4g128_deps", "int4g128_persist", "int4g128a_deps", "int4g128a_persist"]
 QGEMV = ("int8", "int4", "int4g128", "int4g128a")
 
 
@@ -70,6 +80,58 @@ def peer_variant(name: str, n: int, k: int):
         lin.weight = bnb.nn.Int8Params(w.cpu(), requires_grad=False, has_fp16_weights=False)
         return lin.cuda(), n * k + 4 * n, torch.float16
     raise ValueError(f"unknown variant {name}")
+
+
+def dep_layers(fmt: str, layers: int, shapes: list):
+    """Random weights of a dependent chain: [(qkv, o, gate_up, down) PackedWeight] on the GPU (gate_up: gate's
+    rows, then up's); each linear maps activations of size 1 to about 0.3 (the chain stays finite in fp16)."""
+    from qgemv import formats
+    from qgemv.weight import PackedWeight
+
+    from .bench_gemv import QCFG
+
+    cfg = QCFG[fmt]
+
+    def packed(n, k):
+        w = torch.randn(n, k, device="cuda") * (0.3 / k ** 0.5)
+        qw, s, z = formats.quantize(w, cfg)
+        return PackedWeight(qw, s, z, cfg, k)
+
+    (nqkv, h), _, (n_gu, _), (_, inter) = shapes
+    return [(packed(nqkv, h), packed(h, h), packed(n_gu, h), packed(h, inter)) for _ in range(layers)]
+
+
+def dep_rows(fmt: str, layers: int, shapes: list, names: list, ceiling: dict, fp16: dict) -> list:
+    """Rows of FMT_deps and FMT_persist (whichever of them names holds), M = 1, one set of weights."""
+    from qgemv import persist
+
+    lay = dep_layers(fmt, layers, shapes)
+    nbytes = sum(w.nbytes for w in lay[0])
+    x = torch.randn(1, shapes[1][1], device="cuda", dtype=torch.float16)
+    ref = persist.reference(lay, x)
+    rows = []
+    for name in names:
+        err = 0.0
+        if name.endswith("_persist"):
+            try:
+                chain = persist.PersistentChain(lay)
+            except persist.PersistError as e:
+                print(f"{name}: unavailable ({e})", flush=True)
+                continue
+            y = chain(x)
+            err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            us = graph_time(chain.run, replays=20) * 1e3 / layers
+            del chain
+        else:
+            us = graph_time(lambda: persist.reference(lay, x), replays=20) * 1e3 / layers
+        gbps = nbytes / us / 1e3
+        row = dict(variant=name, M=1, us_per_layer=us, bytes_per_layer=nbytes, GBps=gbps,
+                   pct_read_ceiling=100 * gbps / ceiling["read_GBps"], x_fp16=fp16.get(1, float("nan")) / us,
+                   rel_err=err)
+        rows.append(row)
+        print(f"{name:18s} M= 1: {us:8.1f} us/layer  {gbps:6.0f} GB/s  {row['pct_read_ceiling']:5.1f}% of read  "
+              f"{row['x_fp16']:.2f}x fp16  rel.err {err:.1e}", flush=True)
+    return rows
 
 
 def chain(name: str, layers: int, shapes: list):
@@ -114,7 +176,21 @@ def main(argv=None) -> int:
     ceiling = read_ceiling(Timer())
     pdl = torch.cuda.get_device_capability()[0] >= 9
     rows, fp16 = [], {}
-    for name in args.variants.split(","):
+    names = args.variants.split(",")
+    done_deps = set()
+    for name in names:
+        if name.endswith(("_deps", "_persist")):  # the dependent chain, M = 1: both modes of a format at once
+            fmt = name.rsplit("_", 1)[0]
+            if fmt in done_deps:
+                continue
+            done_deps.add(fmt)
+            if 1 not in ms:
+                print(f"{fmt}_deps / _persist: M = 1 only, skipped", flush=True)
+                continue
+            rows += dep_rows(fmt, layers, shapes, [n for n in names if n in (fmt + "_deps", fmt + "_persist")],
+                             ceiling, fp16)
+            torch.cuda.empty_cache()
+            continue
         try:
             calls, nbytes, dtype = chain(name, layers, shapes)
         except Exception as e:  # a peer this torch build lacks
@@ -150,10 +226,12 @@ def main(argv=None) -> int:
         json.dump(result, f, indent=1)
     lines = [f"{result['date']}, {result['gpu']}, torch {result['torch']}, `{result['command']}`; {args.model}, "
              f"{layers} layers; read ceiling {ceiling['read_GBps']:.0f} GB/s", "",
-             "| variant | M | µs / layer | GB/s | % of read ceiling | × fp16 |", "|---|---|---|---|---|---|"]
+             "| variant | M | µs / layer | GB/s | % of read ceiling | × fp16 | rel. error |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
+        err = f"{r['rel_err']:.1e}" if "rel_err" in r else ""
         lines.append(f"| {r['variant']} | {r['M']} | {r['us_per_layer']:.1f} | {r['GBps']:.0f} | "
-                     f"{r['pct_read_ceiling']:.1f} | {r['x_fp16']:.2f} |")
+                     f"{r['pct_read_ceiling']:.1f} | {r['x_fp16']:.2f} | {err} |")
     with open(out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     _plot(rows, ms, out + ".png", f"{args.model}, {layers} layers, {result['gpu']}")

@@ -1,0 +1,175 @@
+// The persistent chain of linears in the extension (csrc/persist.h): form 17
+// of csrc/persist_chain.cuh, compiled for M = 1 and chunks of 2 tiles (the
+// lab's best, dev/PERSISTENT.md), int4 per channel and G = 128 with or
+// without zero points.
+#include "persist.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "persist_chain.cuh"
+
+namespace qgemv {
+namespace {
+
+constexpr int kPersistChunk = 2;  // tiles a ring chunk
+constexpr int kPersistStageTiles = 2;
+
+template <int kGroup, bool kZeros>
+constexpr auto persist_kernel = chain11_kernel<kGroup, kZeros, kPersistStageTiles, true, true, kFeedSelf, kPersistChunk>;
+
+// f(kernel) for the format; false when there is none.
+template <typename F>
+bool persist_dispatch(int group, bool zeros, F&& f) {
+  if (group == 0 && !zeros) return f(persist_kernel<0, false>), true;
+  if (group == 128 && !zeros) return f(persist_kernel<128, false>), true;
+  if (group == 128 && zeros) return f(persist_kernel<128, true>), true;
+  return false;
+}
+
+ChainShape persist_shape(const PersistPlan& plan, int group, bool zeros, int stages, const int32_t* d_schedule) {
+  ChainShape sh{kPersistStageTiles, stages, chain_meta_bytes(group, zeros), plan.x_cap, 1, 0};
+  sh.sums = plan.sums;
+  sh.paired = 1;
+  sh.chunk = kPersistChunk;
+  sh.chunked = 2;
+  sh.cursors = reinterpret_cast<const int4*>(d_schedule);
+  sh.classes = plan.classes;
+  return sh;
+}
+
+std::string str(const char* a, long long v) { return std::string(a) + std::to_string(v); }
+
+}  // namespace
+
+int persist_op_bytes() { return static_cast<int>(sizeof(Chain5Op)); }
+
+int persist_tile_bytes(int group, bool zeros) { return kChainTileBytes + chain_meta_bytes(group, zeros); }
+
+std::vector<uint8_t> persist_fuse(const uint8_t* qweight, const uint16_t* scales, const uint8_t* zeros, int N,
+                                  int K) {
+  const std::vector<uint8_t> meta = chain_meta11(scales, zeros, N, K);
+  return chain14_fuse(qweight, meta.data(), static_cast<size_t>(N / kPanelRows) * (K / 128),
+                      chain_meta_bytes(128, zeros != nullptr));
+}
+
+PersistPlan persist_plan(const std::vector<PersistOp>& in, int group, bool zeros, int blocks, int warps,
+                         int stages) {
+  PersistPlan pl;
+  const int n = static_cast<int>(in.size());
+  if (group != 0 && group != 128) return pl.error = str("group_size must be 0 (per channel) or 128, got ", group), pl;
+  if (zeros && group == 0) return pl.error = "zero points need group_size 128", pl;
+  if (n < 1) return pl.error = "the chain has no linears", pl;
+  if (blocks < 1) return pl.error = str("blocks must be at least 1, got ", blocks), pl;
+  if (warps < 1 || warps > kChain11MaxWarps)
+    return pl.error = "warps must be 1.." + std::to_string(kChain11MaxWarps) + ", got " + std::to_string(warps), pl;
+  if (stages <= kPersistStageTiles || stages % kPersistChunk != 0)
+    return pl.error = str("stages must be an even number above 2, got ", stages), pl;
+  std::vector<Chain5Op> ops(n);
+  for (int i = 0; i < n; ++i) {
+    const PersistOp& a = in[i];
+    const std::string at = "linear " + std::to_string(i) + ": ";
+    if (a.K < 128 || a.K % 128 != 0) return pl.error = at + str("K must be a positive multiple of 128, got ", a.K), pl;
+    if (a.N < 16 || a.N % (a.out == 2 ? 32 : 16) != 0)
+      return pl.error = at + "N must be a positive multiple of " + (a.out == 2 ? "32 (SiLU * mul)" : "16") +
+                        ", got " + std::to_string(a.N), pl;
+    if (a.out < 0 || a.out > 2) return pl.error = at + str("out must be 0, 1 or 2, got ", a.out), pl;
+    if (!a.x || !a.y || !a.weight || (group == 0 && !a.scales) || (a.out == 1 && !a.res))
+      return pl.error = at + "a null pointer (x, y, weight, scales or residual)", pl;
+    Chain5Op& o = ops[i];
+    o = Chain5Op{};
+    o.p.x = a.x;
+    o.p.qweight = a.weight;
+    o.p.scales = a.scales;
+    o.p.y = a.y;
+    o.p.M = 1;
+    o.p.N = a.N;
+    o.p.K = a.K;
+    o.p.Kp = a.K;
+    o.p.ldx = a.K;
+    o.p.ldy = a.out == 2 ? a.N / 2 : a.N;
+    o.p.group_size = group;
+    o.p.act = ActType::kHalf;
+    o.res = a.res;
+    o.out = a.out;
+    o.flags = (a.x_plain ? kChainPlainX : 0) | (a.res_plain ? kChainPlainRes : 0) | (a.y_plain ? kChainPlainY : 0);
+    pl.x_cap = std::max(pl.x_cap, a.K);
+  }
+  pl.classes = chain16_classes(ops.data(), n);
+  if (pl.classes < 0) return pl.error = str("more distinct linear shapes than the schedule holds: ", kChainMaxClasses), pl;
+  for (int i = 0; i < n; ++i) pl.op_class.push_back(ops[i].cls);
+  const std::vector<int4> tab = chain16_schedule(ops.data(), n, pl.classes, blocks, warps);
+  if (tab.empty()) return pl.error = "a linear too large for the schedule's 16-bit fields", pl;
+  pl.schedule.resize(tab.size() * 4);
+  std::memcpy(pl.schedule.data(), tab.data(), tab.size() * sizeof(int4));
+  pl.sums = chain8_sums(ops.data(), n, blocks, 1);
+  pl.ops.resize(sizeof(Chain5Op) * n);
+  std::memcpy(pl.ops.data(), ops.data(), pl.ops.size());
+  ChainShape sh = persist_shape(pl, group, zeros, stages, nullptr);
+  pl.smem = chain14_smem_bytes(sh, warps);
+  return pl;
+}
+
+std::string persist_refusal(const PersistPlan& plan, int group, bool zeros, int blocks, int warps, int stages) {
+  if (!plan.error.empty()) return plan.error;
+  int dev = 0, major = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return "no CUDA device";
+  }
+  if (major != 9) return str("needs compute capability 9.x (bulk copies, mbarriers), this GPU has ", major);
+  std::string why;
+  const bool known = persist_dispatch(group, zeros, [&](auto kernel) {
+    cudaFuncAttributes fa{};
+    if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess || fa.binaryVersion < 90) {
+      (void)cudaGetLastError();
+      why = "this build of the extension has no sm_90 code (QGEMV_CUDA_ARCHS)";
+      return;
+    }
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan.smem)) !=
+        cudaSuccess) {
+      (void)cudaGetLastError();
+      why = "needs " + std::to_string(plan.smem) + " bytes of shared memory a block (fewer stages or warps)";
+      return;
+    }
+    int per_sm = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, warps * kWarpSize, plan.smem) != cudaSuccess ||
+        per_sm < 1) {
+      (void)cudaGetLastError();
+      why = "one block does not fit an SM";
+      return;
+    }
+    if (blocks > per_sm * sms) why = str("the grid cannot be co-resident: blocks must be at most ", per_sm * sms);
+  });
+  if (!known) return "no kernel for this format";
+  (void)stages;
+  return why;
+}
+
+cudaError_t persist_launch(const PersistPlan& plan, const void* d_ops, int nops, const int32_t* d_schedule,
+                           unsigned* d_sync, int group, bool zeros, int blocks, int warps, int stages,
+                           cudaStream_t stream) {
+  const ChainShape sh = persist_shape(plan, group, zeros, stages, d_schedule);
+  cudaError_t err = cudaErrorInvalidValue;
+  persist_dispatch(group, zeros, [&](auto kernel) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan.smem));
+    if (err != cudaSuccess) return;
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(blocks);
+    cfg.blockDim = dim3(warps * kWarpSize);
+    cfg.dynamicSmemBytes = plan.smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeCooperative;  // co-resident or refused: never a hang
+    attr[0].val.cooperative = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    err = cudaLaunchKernelEx(&cfg, kernel, static_cast<const Chain5Op*>(d_ops), nops, sh, d_sync,
+                             static_cast<unsigned long long*>(nullptr));
+  });
+  return err;
+}
+
+}  // namespace qgemv

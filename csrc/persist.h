@@ -1,0 +1,75 @@
+// The persistent chain of linears (issue 35, stage 1): host interface of
+// csrc/persist.cu, for the torch glue.  One launch runs a chain of int4
+// linears, each reading an earlier one's output, with no kernel boundary
+// between them (form 17 of csrc/persist_chain.cuh; dev/PERSISTENT.md).
+//
+// Supported: int4 per channel and int4 G = 128 with or without zero points,
+// fp16 activations, one token, compute capability 9.x.  K % 128 == 0,
+// N % 16 == 0 (N % 32 == 0 for SiLU * mul).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "qgemv.h"
+
+namespace qgemv {
+
+// One linear of the chain.  Activations inside the chain are 32-bit words
+// (fp16 value | epoch << 16) that carry their own readiness; `*_plain` marks
+// a buffer of plain fp16 written before the launch (x, res) or read only
+// after it (y).
+struct PersistOp {
+  const void* x = nullptr;    // [K] input (element stride 1)
+  const void* res = nullptr;  // out == 1: [N] residual added after rounding
+  void* y = nullptr;          // [N] output (out == 2: [N / 2])
+  const void* weight = nullptr;  // per channel: qweight's bytes; G = 128: persist_fuse's tiles
+  const void* scales = nullptr;  // per channel: fp16 [N]; G = 128: unused (in the tiles)
+  int N = 0, K = 0;
+  int out = 0;  // 0: y = round(W x); 1: y = round(round(W x) + res); 2: SiLU * mul of 16-row panel pairs
+  bool x_plain = false, res_plain = false, y_plain = false;
+};
+
+// The launch's tables, built on the host once per chain.
+struct PersistPlan {
+  std::string error;             // empty when the chain is supported
+  std::vector<uint8_t> ops;      // the op table (device layout), to copy to the GPU
+  std::vector<int32_t> schedule; // [classes][blocks][warps + 1][4]: each warp's run of each op class
+  std::vector<int32_t> op_class; // [nops]
+  int classes = 0, sums = 0, x_cap = 0;
+  size_t smem = 0;               // dynamic shared memory a block
+};
+
+// Bytes of one op in PersistPlan::ops.
+int persist_op_bytes();
+
+// Bytes of one fused G = 128 tile: 1 KB of codes, then its scales (and zero points).
+int persist_tile_bytes(int group, bool zeros);
+
+// G = 128 weights for the chain: each 1 KB tile of the packed qweight (its
+// panel order) followed by the tile's scales and zero points.  Host arrays
+// in (qweight's bytes, scales fp16 [N, K / 128], zeros uint8 or nullptr).
+std::vector<uint8_t> persist_fuse(const uint8_t* qweight, const uint16_t* scales, const uint8_t* zeros, int N,
+                                  int K);
+
+// The tables for `blocks` blocks of `warps` warps with `stages` ring slots
+// a warp (plan.error names the first rule broken).
+PersistPlan persist_plan(const std::vector<PersistOp>& ops, int group, bool zeros, int blocks, int warps,
+                         int stages);
+
+// Why the chain's grid cannot run on the current device ("" when it can):
+// compute capability, this build's machine code, and one block an SM.
+std::string persist_refusal(const PersistPlan& plan, int group, bool zeros, int blocks, int warps, int stages);
+
+// One launch: d_ops / d_schedule the plan's tables on the device, d_sync
+// [nops + 1] u32 zeroed once before the first launch (the last counts the
+// launches: the epoch).  A cooperative launch: refused, not hung, when the
+// grid cannot be co-resident.
+cudaError_t persist_launch(const PersistPlan& plan, const void* d_ops, int nops, const int32_t* d_schedule,
+                           unsigned* d_sync, int group, bool zeros, int blocks, int warps, int stages,
+                           cudaStream_t stream);
+
+}  // namespace qgemv

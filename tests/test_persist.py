@@ -1,0 +1,253 @@
+"""The persistent chain (qgemv.persist, csrc/persist.cu).
+
+On the CPU (the extension built, no GPU needed): the host side the kernel
+trusts, re-derived independently here: every tile of every linear assigned to
+exactly one warp of one block, in order; the fused G = 128 tiles' bytes; the
+plan's refusals.  On a compute-capability-9 GPU: the chain against the per-op
+chain (qgemv.persist.reference) for every supported format, odd grids, CUDA
+graph replays, and a grid too large to be co-resident refused, not hung.
+"""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import qgemv
+from qgemv import _ext, formats, persist
+from qgemv.weight import PackedWeight
+
+from conftest import FORMATS
+
+has_persist = _ext.MODULE is not None and hasattr(_ext.MODULE, "persist")
+needs_ext = pytest.mark.skipif(not has_persist, reason="needs the CUDA extension (built without a GPU is fine)")
+needs_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and has_persist and
+                                     torch.cuda.get_device_capability()[0] == 9),
+                                reason="needs a compute-capability-9 GPU")
+
+
+def fake_ops(shapes, outs=None):
+    """Plan tuples with made-up (never dereferenced) pointers: shapes [(N, K)], outs per op."""
+    outs = outs or [0] * len(shapes)
+    return [(4096 * (4 * i + 1), 4096 * (4 * i + 2) if o == 1 else 0, 4096 * (4 * i + 3), 4096 * (4 * i + 4),
+             4096 * (4 * i + 5), n, k, o, i == 0, False, i + 1 == len(shapes)) for i, ((n, k), o) in
+            enumerate(zip(shapes, outs))]
+
+
+LLAMA_LIKE = ([(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)], [0, 1, 2, 1])
+SMALL = ([(384, 256), (256, 256), (1280, 256), (256, 640)], [0, 1, 2, 1])
+
+
+@needs_ext
+@pytest.mark.parametrize("shapes,outs", [LLAMA_LIKE, SMALL])
+@pytest.mark.parametrize("blocks,warps", [(132, 16), (7, 5), (1, 1), (13, 16)])
+def test_schedule_assigns_every_tile_once(shapes, outs, blocks, warps):
+    ps = qgemv._ext.MODULE.persist
+    ops = fake_ops(shapes * 2, outs * 2)  # two layers: the second reuses the first's classes
+    err, table, sched, op_class, classes, sums, x_cap, smem = ps.plan(ops, 128, True, blocks, warps, 8)
+    assert err == ""
+    assert classes == 4 and op_class == [0, 1, 2, 3] * 2
+    assert table.numel() == len(ops) * ps.op_bytes()
+    assert x_cap == max(k for _, k in shapes)
+    assert sched.shape == (classes, blocks, warps + 1, 4)
+    most = 0
+    for c, ((n, k), out) in enumerate(zip(shapes, outs)):
+        ppu = 2 if out == 2 else 1  # SiLU * mul: a unit is a gate panel and its up panel
+        units, tpp = n // 16 // ppu, k // 128
+        seen = torch.zeros(n // 16, tpp, dtype=torch.int32)
+        u_next = 0
+        for b in range(blocks):
+            u0, u1 = sched[c, b, warps, :2].tolist()
+            assert u0 == u_next and u1 >= u0  # the blocks' units: contiguous, in order
+            u_next = u1
+            most = max(most, (u1 - u0) * ppu)
+            pos_next = 0
+            for w in range(warps):
+                pos, end, vp, rest = sched[c, b, w].tolist()
+                assert pos == pos_next and end >= pos  # the warps' runs: contiguous, in order
+                pos_next = end
+                assert vp == pos // tpp and rest & 0xFFFF == pos % tpp and rest >> 16 == u0
+                for p in range(pos, end):  # the block's p-th tile -> the op's (panel, k-tile)
+                    v, kt = divmod(p, tpp)
+                    unit, half = divmod(v, ppu)
+                    panel = u0 + unit + half * (n // 16 // 2)
+                    seen[panel, kt] += 1
+            assert pos_next == (u1 - u0) * ppu * tpp
+        assert u_next == units
+        assert bool((seen == 1).all()), f"class {c}: tiles assigned {seen.min()}..{seen.max()} times"
+    assert sums == max(-(-(n // 16 // (2 if o == 2 else 1)) // blocks) * (2 if o == 2 else 1)
+                       for (n, _), o in zip(shapes, outs)) * 16
+
+
+@needs_ext
+def test_plan_names_the_rule():
+    ps = qgemv._ext.MODULE.persist
+    bad_k = fake_ops([(256, 200)])
+    assert "linear 0: K must be a positive multiple of 128, got 200" in ps.plan(bad_k, 0, False, 4, 4, 8)[0]
+    bad_silu = fake_ops([(256, 256), (272, 256)], [0, 2])
+    assert "linear 1: N must be a positive multiple of 32 (SiLU * mul), got 272" in \
+        ps.plan(bad_silu, 0, False, 4, 4, 8)[0]
+    ok = fake_ops([(256, 256)])
+    assert "group_size must be 0 (per channel) or 128, got 64" in ps.plan(ok, 64, False, 4, 4, 8)[0]
+    assert "zero points need group_size 128" in ps.plan(ok, 0, True, 4, 4, 8)[0]
+    assert "stages must be an even number above 2, got 5" in ps.plan(ok, 0, False, 4, 4, 5)[0]
+    assert "warps must be 1..16, got 17" in ps.plan(ok, 0, False, 4, 17, 8)[0]
+    many = fake_ops([(256 + 16 * j, 256) for j in range(9)])
+    assert "more distinct linear shapes than the schedule holds: 8" in ps.plan(many, 0, False, 4, 4, 8)[0]
+
+
+@needs_ext
+@pytest.mark.parametrize("zeros", [False, True])
+def test_fused_tiles_hold_codes_then_scales(zeros):
+    ps = qgemv._ext.MODULE.persist
+    n, k = 48, 384
+    w = torch.randn(n, k)
+    qw, s, z = formats.quantize_int4(w, 128, symmetric=not zeros)
+    fused = ps.fuse(qw, s, z if zeros else torch.empty(0, dtype=torch.uint8), n, k)
+    ts = ps.tile_bytes(128, zeros)
+    assert ts == 1024 + (48 if zeros else 32)
+    tiles = n // 16 * (k // 128)
+    assert fused.numel() == tiles * ts
+    raw = qw.contiguous().view(torch.uint8).reshape(tiles, 1024)  # the packed panels are the tile stream
+    f = fused.reshape(tiles, ts)
+    assert torch.equal(f[:, :1024], raw)
+    s16 = s.view(torch.int16)
+    for pn in range(n // 16):
+        for kt in range(k // 128):
+            meta = f[pn * (k // 128) + kt, 1024:]
+            for g in range(8):
+                for h in range(2):
+                    row = pn * 16 + g + 8 * h
+                    got = meta[4 * g + 2 * h: 4 * g + 2 * h + 2].view(torch.int16).item()
+                    assert got == s16[row, kt].item()
+                    if zeros:
+                        assert meta[32 + 2 * g + h].item() == z[row, kt].item()
+
+
+@needs_ext
+def test_fuse_tiles_checks_in_python():
+    w = PackedWeight(*formats.quantize_int4(torch.randn(32, 256), 128), FORMATS["int4g128"], 256)
+    assert torch.equal(persist.fuse_tiles(w), qgemv._ext.MODULE.persist.fuse(
+        w.qweight, w.scales, torch.empty(0, dtype=torch.uint8), 32, 256))
+    with pytest.raises(persist.PersistError, match="fuse_tiles: format int4, expected int4g128"):
+        persist.fuse_tiles(PackedWeight(*formats.quantize_int4(torch.randn(32, 256)), FORMATS["int4"], 256))
+
+
+# The extension's own checks, behind the Python ones (on torch 2.11 an exception out of the extension ends
+# the process: ops._precheck_cuda).
+@needs_ext
+@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13),
+                    reason="C++ exceptions end the process on this torch")
+def test_fuse_checks_its_tensors():
+    ps = qgemv._ext.MODULE.persist
+    qw, s, _ = formats.quantize_int4(torch.randn(32, 256), 128)
+    none = torch.empty(0, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="qgemv.persist.fuse: scales must be contiguous float16"):
+        ps.fuse(qw, s.float(), none, 32, 256)
+    with pytest.raises(ValueError, match="qgemv.persist.fuse: N must be a multiple of 16 and K of 128"):
+        ps.fuse(qw, s, none, 32, 200)
+
+
+def packed(name, n, k, gain=0.3):
+    w = torch.randn(n, k) * (gain / k ** 0.5)
+    cfg = FORMATS[name]
+    qw, s, z = formats.quantize(w, cfg)
+    return PackedWeight(qw, s, z, cfg, k)
+
+
+def make_layers(name, layers, h, nqkv, inter, device="cpu"):
+    return [tuple(w.to(device) for w in (packed(name, nqkv, h), packed(name, h, h), packed(name, 2 * inter, h),
+                                          packed(name, h, inter))) for _ in range(layers)]
+
+
+def test_chain_refuses_what_it_cannot_run():
+    if not has_persist:
+        with pytest.raises(persist.PersistError, match="needs the CUDA extension"):
+            persist.PersistentChain(make_layers("int4", 1, 256, 384, 640))
+        return
+    with pytest.raises(persist.PersistError, match="must be on a CUDA device"):
+        persist.PersistentChain(make_layers("int4", 1, 256, 384, 640))
+    with pytest.raises(persist.PersistError, match="layer 0 qkv: format int8 is not supported"):
+        persist.PersistentChain(make_layers("int8", 1, 256, 384, 640))
+    mixed = make_layers("int4", 1, 256, 384, 640)
+    mixed[0] = (mixed[0][0], packed("int4g128", 256, 256)) + mixed[0][2:]
+    with pytest.raises(persist.PersistError, match="layer 0 o: every weight must share one format"):
+        persist.PersistentChain(mixed)
+    bad = make_layers("int4", 1, 256, 384, 640)
+    bad[0] = bad[0][:3] + (packed("int4", 256, 512),)
+    with pytest.raises(persist.PersistError, match="layer 0 down: shape 256 x 512, expected 256 x 640"):
+        persist.PersistentChain(bad)
+
+
+@needs_sm90
+@pytest.mark.parametrize("name", persist.FORMATS)
+@pytest.mark.parametrize("dims,grid", [((256, 384, 640, 3), {}), ((384, 640, 1152, 2), dict(blocks=7, warps=5, stages=4)),
+                                       ((512, 768, 1024, 4), dict(blocks=61, warps=16, stages=8))])
+def test_chain_matches_the_per_op_chain(name, dims, grid):
+    h, nqkv, inter, nl = dims
+    layers = make_layers(name, nl, h, nqkv, inter, "cuda")
+    chain = persist.PersistentChain(layers, **grid)
+    for trial in range(3):  # several launches: the epoch moves on each time
+        x = torch.randn(1, h, device="cuda", dtype=torch.float16)
+        chain.output.fill_(float("nan"))
+        y = chain(x)
+        ref = persist.reference(layers, x)
+        assert torch.isfinite(y).all(), f"trial {trial}: non-finite outputs"
+        err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        assert err < 1e-2, f"trial {trial}: relative error {err:.2e}"
+
+
+@needs_sm90
+def test_chain_replays_in_a_cuda_graph():
+    layers = make_layers("int4g128a", 2, 256, 384, 640, "cuda")
+    chain = persist.PersistentChain(layers)
+    chain.input.copy_(torch.randn(1, 256, device="cuda", dtype=torch.float16))
+    chain.run()  # warm-up outside the capture
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            chain.run()
+    for _ in range(3):
+        x = torch.randn(1, 256, device="cuda", dtype=torch.float16)
+        chain.input.copy_(x)
+        chain.output.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = persist.reference(layers, x)
+        err = ((chain.output.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        assert err < 1e-2
+
+
+@needs_sm90
+def test_a_grid_that_cannot_be_co_resident_is_refused_not_hung():
+    # In a child process with a timeout: a hang fails the test instead of stalling the suite.
+    code = textwrap.dedent("""
+        import torch, qgemv
+        from qgemv import persist
+        import test_persist as t
+        layers = t.make_layers("int4", 1, 256, 384, 640, "cuda")
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        try:
+            persist.PersistentChain(layers, blocks=2 * sms + 1)
+            print("ACCEPTED")
+        except persist.PersistError as e:
+            print("REFUSED", e)
+        chain = persist.PersistentChain(layers)
+        ps = qgemv._ext.MODULE.persist
+        # past the refusal check: the cooperative launch itself must refuse (a grid it would run is the
+        # chain's own schedule for fewer blocks: never launched here)
+        why = ps.launch(chain._table, chain._schedule, chain._sync, chain.group, chain.zeros, 2 * sms + 1,
+                        chain.warps, chain.stages, chain.classes, chain.sums, chain.x_cap, chain.smem)
+        torch.cuda.synchronize()
+        print("LAUNCH REFUSED" if why else "LAUNCHED", why)
+    """)
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=here)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "REFUSED" in r.stdout and "co-resident" in r.stdout, r.stdout
+    assert "LAUNCH REFUSED" in r.stdout, r.stdout
