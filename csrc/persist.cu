@@ -1,7 +1,8 @@
-// The persistent chain of linears in the extension (csrc/persist.h): form 17
-// of csrc/persist_chain.cuh, compiled for M = 1 and chunks of 2 tiles (the
-// lab's best, dev/PERSISTENT.md), int4 per channel and G = 128 with or
-// without zero points.
+// The persistent chain of linears in the extension (csrc/persist.h): form 18
+// of csrc/persist_chain.cuh (form 17, every warp filling its own ring, with
+// fp16 activations poisoned until written), compiled for M = 1 and chunks of
+// 2 tiles (the lab's best, dev/PERSISTENT.md), int4 per channel and G = 128
+// with or without zero points.
 #include "persist.h"
 
 #include <algorithm>
@@ -16,7 +17,8 @@ constexpr int kPersistChunk = 2;  // tiles a ring chunk
 constexpr int kPersistStageTiles = 2;
 
 template <int kGroup, bool kZeros>
-constexpr auto persist_kernel = chain11_kernel<kGroup, kZeros, kPersistStageTiles, true, true, kFeedSelf, kPersistChunk>;
+constexpr auto persist_kernel =
+    chain11_kernel<kGroup, kZeros, kPersistStageTiles, true, true, kFeedSelf, kPersistChunk, true>;
 
 // f(kernel) for the format; false when there is none.
 template <typename F>
@@ -30,7 +32,7 @@ bool persist_dispatch(int group, bool zeros, F&& f) {
 ChainShape persist_shape(const PersistPlan& plan, int group, bool zeros, int stages, const int32_t* d_schedule) {
   ChainShape sh{kPersistStageTiles, stages, chain_meta_bytes(group, zeros), plan.x_cap, 1, 0};
   sh.sums = plan.sums;
-  sh.paired = 1;
+  sh.paired = 2;  // halves
   sh.chunk = kPersistChunk;
   sh.chunked = 2;
   sh.cursors = reinterpret_cast<const int4*>(d_schedule);
@@ -74,6 +76,7 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int group, bool zeros
       return pl.error = at + "N must be a positive multiple of " + (a.out == 2 ? "32 (SiLU * mul)" : "16") +
                         ", got " + std::to_string(a.N), pl;
     if (a.out < 0 || a.out > 2) return pl.error = at + str("out must be 0, 1 or 2, got ", a.out), pl;
+    if (a.ldx != 0 && a.ldx < a.K) return pl.error = at + str("ldx must be 0 or at least K, got ", a.ldx), pl;
     if (!a.x || !a.y || !a.weight || (group == 0 && !a.scales) || (a.out == 1 && !a.res))
       return pl.error = at + "a null pointer (x, y, weight, scales or residual)", pl;
     Chain5Op& o = ops[i];
@@ -86,7 +89,7 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int group, bool zeros
     o.p.N = a.N;
     o.p.K = a.K;
     o.p.Kp = a.K;
-    o.p.ldx = a.K;
+    o.p.ldx = a.ldx ? a.ldx : a.K;
     o.p.ldy = a.out == 2 ? a.N / 2 : a.N;
     o.p.group_size = group;
     o.p.act = ActType::kHalf;

@@ -18,12 +18,14 @@
 
 namespace qgemv {
 
-// One linear of the chain.  Activations inside the chain are 32-bit words
-// (fp16 value | epoch << 16) that carry their own readiness; `*_plain` marks
-// a buffer of plain fp16 written before the launch (x, res) or read only
-// after it (y).
+// One linear of the chain.  Activations inside the chain carry their own
+// readiness: a buffer of n values holds two copies of n fp16 (2n x 16 bits),
+// 0xffff until written; a launch writes the copy of its parity (launch count
+// & 1) and poisons the other for the next.  `*_plain` marks a buffer of plain
+// fp16 written before the launch (x, res) or read only after it (y).
 struct PersistOp {
-  const void* x = nullptr;    // [K] input (element stride 1)
+  const void* x = nullptr;    // [K] input
+  int ldx = 0;                // x's copy stride: the producing linear's N (0: K)
   const void* res = nullptr;  // out == 1: [N] residual added after rounding
   void* y = nullptr;          // [N] output (out == 2: [N / 2])
   const void* weight = nullptr;  // per channel: qweight's bytes; G = 128: persist_fuse's tiles

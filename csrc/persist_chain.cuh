@@ -45,7 +45,8 @@ struct ChainShape {
   int slices = 0;   // finishing: 0 per panel, by the warp completing it (form 5); 1 per block slice, by the sync
                     //    warps once the op's sums are complete everywhere (form 6)
   int sums = 0;     // form 8: fp32 values of the block's sum buffer (chain8_sums)
-  int paired = 0;   // form 12: form 11 with paired activations (ChainPaired)
+  int paired = 0;   // form 12: form 11 with paired activations (ChainPaired); 2 (form 17, M = 1): fp16 halves
+                    //    with a poison instead of words (chain_half_ready), each buffer two copies
   int chunk = 4;    // forms 14, 16, 17: tiles per ring chunk (stages, a warp's ring, is a multiple)
   int chunked = 0;  // form 14's consumers take the ring chunk by chunk (sh.chunk 2-4): 1 form 16 (the feed warp),
                     //    2 form 17 (every warp fills its own ring)
@@ -1364,6 +1365,12 @@ __device__ __forceinline__ uint4 ld_relaxed_gpu_v4(const uint4* p) {
   return v;
 }
 
+// Whether no fp16 of eight is the poison 0xffff (ChainShape::paired 2).
+__device__ __forceinline__ bool chain_half_ready(const uint4& v) {
+  return (__vcmpeq2(v.x, 0xffffffffu) | __vcmpeq2(v.y, 0xffffffffu) | __vcmpeq2(v.z, 0xffffffffu) |
+          __vcmpeq2(v.w, 0xffffffffu)) == 0u;
+}
+
 // Whether four paired words all carry epoch e.
 __device__ __forceinline__ bool paired_ready(const uint4& v, unsigned e) {
   return (v.x >> 16) == e && (v.y >> 16) == e && (v.z >> 16) == e && (v.w >> 16) == e;
@@ -1974,7 +1981,7 @@ constexpr int kFeedWarp = 1;     // form 14: a feed warp's shared-memory rings, 
 constexpr int kFeedChunks = 2;   // form 16: a feed warp's rings, summed chunk by chunk
 constexpr int kFeedSelf = 3;     // form 17: every warp fills its own ring, summed chunk by chunk
 
-template <int kGroup, bool kZeros, int kD, bool kM1, bool kPaired, int kFeed, int kChunk = 4>
+template <int kGroup, bool kZeros, int kD, bool kM1, bool kPaired, int kFeed, int kChunk = 4, bool kHalves = false>
 __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     chain11_kernel(const Chain5Op* __restrict__ ops, int nops, ChainShape sh, unsigned* sync,
                    unsigned long long* wait_cycles) {
@@ -2034,7 +2041,12 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     if (cls >= 0 && cls < kChainMaxClasses) t_acc[4 + 2 * cls + k] += v;
   };
   // Form 12: this launch's epoch (1..32767; the previous launch left its count in sync[nops]).
-  const unsigned epoch = kPaired ? __ldcg(sync + nops) % 32767u + 1u : 0u;
+  // kHalves (ChainShape::paired 2, M = 1): fp16 halves instead, 0xffff while not written; each buffer holds
+  // two copies, the launch's parity selecting one (the row of M = 2): a launch writes its copy and poisons the
+  // other, which the next launch writes (chain_half_ready).
+  const unsigned launch = kPaired ? __ldcg(sync + nops) : 0u;
+  const unsigned epoch = kPaired ? launch % 32767u + 1u : 0u;
+  [[maybe_unused]] const int par = static_cast<int>(launch & 1u);
   const long long t_begin = timed ? clock64() : 0;
 
   // ---- the issue side
@@ -2068,7 +2080,21 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     for (int m = 0; m < M; ++m)
       for (int cb = warp * 32; cb < chunks; cb += kU * W * 32) {  // warp-uniform (the shuffles)
         uint4 vs[kU];
-        if (kPaired && !(o_flags & kChainPlainX)) {
+        if (kHalves && !(o_flags & kChainPlainX)) {
+          // 8 halves a chunk, this launch's copy, polled until none is the poison
+          const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.x) + static_cast<size_t>(par) * p.ldx);
+#pragma unroll
+          for (int u = 0; u < kU; ++u) {
+            const int c = cb + u * W * 32 + lane;
+            if (c < chunks) vs[u] = ld_relaxed_gpu_v4(src + c);
+          }
+#pragma unroll
+          for (int u = 0; u < kU; ++u) {
+            const int c = cb + u * W * 32 + lane;
+            if (c < chunks)
+              while (!(sh.skip & 1) && !chain_half_ready(vs[u])) vs[u] = ld_relaxed_gpu_v4(src + c);
+          }
+        } else if (kPaired && !(o_flags & kChainPlainX)) {
           // 8 words a chunk, polled until all carry this launch's epoch
           const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(p.x) + static_cast<size_t>(m) * p.ldx);
           uint4 a[kU], b[kU];
@@ -2141,6 +2167,8 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     // (a paired residual was some earlier op's input: every block has seen all of it)
     auto res_at = [&](int tok, int row) {
       const size_t at = static_cast<size_t>(tok) * p.N + row;
+      if constexpr (kHalves)  // the launch's copy (M = 1: tok 0)
+        if (pres) return to_float(__ldcg(static_cast<const T*>(o.res) + static_cast<size_t>(par) * p.N + row));
       return pres ? __half2float(__ushort_as_half(static_cast<unsigned short>(__ldcg(static_cast<const uint32_t*>(o.res) + at))))
                   : to_float(__ldcg(static_cast<const T*>(o.res) + at));
     };
@@ -2163,7 +2191,13 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
       const int row = static_cast<int>(u0 + u) * kPanelRows + r;
       if (resid) v += q == threadIdx.x ? res0 : res_at(tok, row);
       const size_t at = static_cast<size_t>(tok) * p.ldy + row;
-      if (py) {
+      if (kHalves && py) {  // M = 1: tok 0; the other copy poisoned for the next launch
+        unsigned short bits = __half_as_ushort(__float2half_rn(v));
+        if (bits == 0xffffu) bits = 0x7fffu;  // a NaN, never the poison
+        unsigned short* yp = static_cast<unsigned short*>(p.y) + row;
+        asm volatile("st.relaxed.gpu.global.u16 [%0], %1;" ::"l"(yp + static_cast<size_t>(par) * p.ldy), "h"(bits) : "memory");
+        yp[static_cast<size_t>(par ^ 1) * p.ldy] = 0xffffu;
+      } else if (py) {
         const uint32_t word = __half_as_ushort(__float2half_rn(v)) | (epoch << 16);
         asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(static_cast<uint32_t*>(p.y) + at), "r"(word) : "memory");
       } else {
@@ -2298,7 +2332,12 @@ bool chain14_dispatch(const ChainShape& sh, F&& f) {
   auto chunk = [&](auto feed) {  // forms 16 and 17: the chunk's tiles compiled in (2, 3 or 4)
     constexpr int kFeed = decltype(feed)::value;
     const bool m1 = sh.M == 1;
-    if (sh.chunk == 2)
+    if (kFeed == kFeedSelf && sh.paired == 2) {  // halves: form 17, M = 1
+      if (!m1) return false;
+      if (sh.chunk == 2) f(chain11_kernel<kGroup, kZeros, 2, true, true, kFeed, 2, true>);
+      else if (sh.chunk == 4) f(chain11_kernel<kGroup, kZeros, 2, true, true, kFeed, 4, true>);
+      else return false;
+    } else if (sh.chunk == 2)
       m1 ? f(chain11_kernel<kGroup, kZeros, 2, true, true, kFeed, 2>) : f(chain11_kernel<kGroup, kZeros, 2, false, true, kFeed, 2>);
     else if (sh.chunk == 3)
       m1 ? f(chain11_kernel<kGroup, kZeros, 2, true, true, kFeed, 3>) : f(chain11_kernel<kGroup, kZeros, 2, false, true, kFeed, 3>);

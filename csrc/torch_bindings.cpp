@@ -406,8 +406,8 @@ void register_cuda_kernels() {
 // Low-level: pointers travel as integers (the Python class owns the tensors).
 
 // (error, op table uint8 [nops * sizeof(op)], schedule int32 [classes, blocks, warps + 1, 4], op classes,
-// classes, sums, x_cap, smem); ops: (x, res, y, weight, scales, N, K, out, x_plain, res_plain, y_plain).
-using PersistOpTuple = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, bool, bool, bool>;
+// classes, sums, x_cap, smem); ops: (x, res, y, weight, scales, N, K, out, x_plain, res_plain, y_plain, ldx).
+using PersistOpTuple = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, bool, bool, bool, int>;
 
 PersistPlan persist_plan_of(const std::vector<PersistOpTuple>& in, int group, bool zeros, int blocks, int warps,
                             int stages) {
@@ -421,6 +421,7 @@ PersistPlan persist_plan_of(const std::vector<PersistOpTuple>& in, int group, bo
     o.scales = reinterpret_cast<const void*>(std::get<4>(t));
     o.N = std::get<5>(t), o.K = std::get<6>(t), o.out = std::get<7>(t);
     o.x_plain = std::get<8>(t), o.res_plain = std::get<9>(t), o.y_plain = std::get<10>(t);
+    o.ldx = std::get<11>(t);
     ops.push_back(o);
   }
   return persist_plan(ops, group, zeros, blocks, warps, stages);

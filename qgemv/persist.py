@@ -5,10 +5,10 @@
 
 One kernel launch runs every linear of every layer: each block streams its
 share of the next linear's weights into shared memory while the previous
-linear's outputs are still being written, and every activation word carries
-the launch's epoch, so a block starts on an input as soon as the words it
+linear's outputs are still being written, and every activation reads 0xffff
+until it is written, so a block starts on an input as soon as the values it
 reads are there (no kernel boundary, no grid barrier; csrc/persist_chain.cuh,
-form 17; dev/PERSISTENT.md has the design and its measurements).
+form 18; dev/PERSISTENT.md has the design and its measurements).
 
 Each layer is the decode step's linears with their glue and a stand-in for
 attention (o reads the first H outputs of q/k/v):
@@ -150,12 +150,13 @@ class PersistentChain:
             blocks = torch.cuda.get_device_properties(dev).multi_processor_count
         self.blocks = blocks
 
-        def buf(n: int, dtype=torch.int32) -> torch.Tensor:  # paired words, poisoned: epoch 0xffff never matches
-            return torch.full((n,), -1, dtype=dtype, device=dev)
+        def buf(n: int) -> torch.Tensor:  # two copies of n fp16 values, all 0xffff (not yet written)
+            return torch.full((n,), -1, dtype=torch.int32, device=dev)
 
         self.input = torch.zeros(1, h, dtype=torch.float16, device=dev)
         self.output = torch.zeros(1, h, dtype=torch.float16, device=dev)
         self._keep = []  # every tensor the op table points at
+        self._acts = []  # the activation buffers inside the launch (two fp16 copies each)
         self.weight_bytes = 0  # what one launch streams: the weights in the kernel's layout
         ops = []
         x, x_plain = self.input, True
@@ -164,12 +165,14 @@ class PersistentChain:
             q, hh, a = buf(qkv.out_features), buf(h), buf(i)
             nxt = self.output if last else buf(h)
             self._keep += [q, hh, a, nxt]
+            self._acts += [q, hh, a] + ([] if last else [nxt])
             ws = [self._weight(w) for w in (qkv, o, gu, down)]
-            # (x, res, y, weight, scales, N, K, out, x_plain, res_plain, y_plain)
-            ops.append((x.data_ptr(), 0, q.data_ptr(), *ws[0], qkv.out_features, h, 0, x_plain, False, False))
-            ops.append((q.data_ptr(), x.data_ptr(), hh.data_ptr(), *ws[1], h, h, 1, False, x_plain, False))
-            ops.append((hh.data_ptr(), 0, a.data_ptr(), *ws[2], 2 * i, h, 2, False, False, False))
-            ops.append((a.data_ptr(), hh.data_ptr(), nxt.data_ptr(), *ws[3], h, i, 1, False, False, last))
+            # (x, res, y, weight, scales, N, K, out, x_plain, res_plain, y_plain, x's copy stride)
+            ops.append((x.data_ptr(), 0, q.data_ptr(), *ws[0], qkv.out_features, h, 0, x_plain, False, False, h))
+            ops.append((q.data_ptr(), x.data_ptr(), hh.data_ptr(), *ws[1], h, h, 1, False, x_plain, False,
+                        qkv.out_features))  # o reads q/k/v's first H outputs
+            ops.append((hh.data_ptr(), 0, a.data_ptr(), *ws[2], 2 * i, h, 2, False, False, False, h))
+            ops.append((a.data_ptr(), hh.data_ptr(), nxt.data_ptr(), *ws[3], h, i, 1, False, False, last, i))
             x, x_plain = nxt, False
         self._ops_desc = ops
         err, table, sched, self.op_class, self.classes, self.sums, self.x_cap, self.smem = ps.plan(

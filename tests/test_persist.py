@@ -32,7 +32,7 @@ def fake_ops(shapes, outs=None):
     """Plan tuples with made-up (never dereferenced) pointers: shapes [(N, K)], outs per op."""
     outs = outs or [0] * len(shapes)
     return [(4096 * (4 * i + 1), 4096 * (4 * i + 2) if o == 1 else 0, 4096 * (4 * i + 3), 4096 * (4 * i + 4),
-             4096 * (4 * i + 5), n, k, o, i == 0, False, i + 1 == len(shapes)) for i, ((n, k), o) in
+             4096 * (4 * i + 5), n, k, o, i == 0, False, i + 1 == len(shapes), 0) for i, ((n, k), o) in
             enumerate(zip(shapes, outs))]
 
 
@@ -96,6 +96,8 @@ def test_plan_names_the_rule():
     assert "warps must be 1..16, got 17" in ps.plan(ok, 0, False, 4, 17, 8)[0]
     many = fake_ops([(256 + 16 * j, 256) for j in range(9)])
     assert "more distinct linear shapes than the schedule holds: 8" in ps.plan(many, 0, False, 4, 4, 8)[0]
+    short = [t[:11] + (200,) for t in fake_ops([(256, 256)])]
+    assert "linear 0: ldx must be 0 or at least K, got 200" in ps.plan(short, 0, False, 4, 4, 8)[0]
 
 
 @needs_ext
@@ -197,6 +199,11 @@ def test_chain_matches_the_per_op_chain(name, dims, grid):
         assert torch.isfinite(y).all(), f"trial {trial}: non-finite outputs"
         err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
         assert err < 1e-2, f"trial {trial}: relative error {err:.2e}"
+        # every activation buffer: this launch's copy all written, the other all poison for the next launch
+        # (launch t, counted from 0, writes copy t % 2)
+        for buf in chain._acts:
+            copies = buf.view(torch.int16).view(2, -1)
+            assert not (copies[trial % 2] == -1).any() and bool((copies[1 - trial % 2] == -1).all())
 
 
 @needs_sm90
