@@ -2075,7 +2075,8 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     const int chunks = p.K / 8;
     // chunks in flight per thread: the L2 loads first, then the math (4 spilled in form 12; form 12
     // with kD = 4 spills at 2, and more at 1; form 17 with 4, down's 14336 inputs in one round: 1.8 us
-    // a layer slower on the H200)
+    // a layer slower on the H200; form 18 with 4: 1.5 slower, 124 registers against 118, though
+    // down's preparation fell from 1.63 to 1.37)
     constexpr int kU = 2;
     for (int m = 0; m < M; ++m)
       for (int cb = warp * 32; cb < chunks; cb += kU * W * 32) {  // warp-uniform (the shuffles)
