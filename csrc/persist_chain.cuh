@@ -49,7 +49,7 @@ struct ChainShape {
                     //    with a poison instead of words (chain_half_ready), each buffer two copies
   int chunk = 4;    // forms 14, 16, 17: tiles per ring chunk (stages, a warp's ring, is a multiple)
   int chunked = 0;  // form 14's consumers take the ring chunk by chunk (sh.chunk 2-4): 1 form 16 (the feed warp),
-                    //    2 form 17 (every warp fills its own ring)
+                    //    2 form 17 (every warp fills its own ring), 3 form 19 (form 18's lean loop, chunks of 2)
   const int4* cursors = nullptr;  // forms 16 and 17: chain16_schedule's records (device memory)
   int classes = 0;                // forms 16 and 17: op classes in `cursors` (chain16_classes)
 };
@@ -1578,7 +1578,17 @@ __device__ __forceinline__ void chain11_row_scales(const Chain5Op& o, int panel,
 // 2^-24 x sums for tokens 2t and 2t + 1.  Grouped (G = 128, one group a
 // tile): folded into acc with the tile's scales and zero points; per
 // channel: c0 / c1 accumulate the segment and xa0 / xa1 its x sums.
-template <bool kGrouped, bool kZeros, bool kM1>
+// 16 bytes of shared memory in one 128-bit load (form 19: the compiler split the x
+// loads' uint4 dereference into two LDS.64).
+__device__ __forceinline__ uint4 lds128(const void* p) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))));
+  return v;
+}
+
+template <bool kGrouped, bool kZeros, bool kM1, bool kLds128 = false>
 __device__ __forceinline__ void chain11_tile(const uint4& w0, const uint4& w1, uint32_t bs, uint32_t bz,
                                              const __half* xk, float xa, float xb, float (&acc)[4], float (&c0)[4],
                                              float (&c1)[4], float& xa0, float& xa1) {
@@ -1586,8 +1596,12 @@ __device__ __forceinline__ void chain11_tile(const uint4& w0, const uint4& w1, u
   float(&q0)[4] = kGrouped ? p0 : c0;
   float(&q1)[4] = kGrouped ? p1 : c1;
 #pragma unroll
-  for (int j = 0; j < 4; ++j)
-    chain_nibble_mma(word_of(w0, j), word_of(w1, j), *reinterpret_cast<const uint4*>(xk + 32 * j), q0, q1);
+  for (int j = 0; j < 4; ++j) {
+    if constexpr (kLds128)
+      chain_nibble_mma(word_of(w0, j), word_of(w1, j), lds128(xk + 32 * j), q0, q1);
+    else  // (a reference into shared memory: the compiler loads each half where its MMA needs it)
+      chain_nibble_mma(word_of(w0, j), word_of(w1, j), *reinterpret_cast<const uint4*>(xk + 32 * j), q0, q1);
+  }
   if constexpr (kGrouped) {
     const __half2 s2 = *reinterpret_cast<const __half2*>(&bs);
     const float s0 = __low2float(s2), s1 = __high2float(s2);
@@ -1611,7 +1625,7 @@ __device__ __forceinline__ void chain11_tile(const uint4& w0, const uint4& w1, u
 
 // A warp's current panel segment in forms 11 and 13: its sums so far and
 // where the next tile's activations and x sums are.
-template <bool kGrouped, bool kZeros, bool kM1>
+template <bool kGrouped, bool kZeros, bool kM1, bool kLds128 = false>
 struct Chain11Seg {
   int len = 0, left = 0;  // tiles in the segment; not yet summed
   bool open = false;
@@ -1631,7 +1645,7 @@ struct Chain11Seg {
   }
 
   __device__ __forceinline__ void tile(const uint4& w0, const uint4& w1, uint32_t bs, uint32_t bz) {
-    chain11_tile<kGrouped, kZeros, kM1>(w0, w1, bs, bz, xk, *X0, kM1 ? 0.f : *X1, acc, c0, c1, xa0, xa1);
+    chain11_tile<kGrouped, kZeros, kM1, kLds128>(w0, w1, bs, bz, xk, *X0, kM1 ? 0.f : *X1, acc, c0, c1, xa0, xa1);
     xk += 128;
     ++X0;
     ++X1;
@@ -1926,7 +1940,7 @@ __device__ __forceinline__ void chain16_consume(const Chain14Ring& rg, Seg& seg,
 // next chunk into the freed slots at once, so a freed chunk is refilled
 // without waiting for another warp to notice.  skip & 8 (the lab): the
 // block's own 64 tiles of op 0 over and over (L2 hits; results wrong).
-template <int kChunk, int kTs, bool kGrouped, bool kZeros, typename Seg, typename B>
+template <int kChunk, int kTs, bool kGrouped, bool kZeros, bool kLean = false, typename Seg, typename B>
 __device__ __forceinline__ void chain17_consume(const Chain14Ring& rg, const Chain5Op* ops, int nops, int W, int skip,
                                                 Seg& seg, B&& boundary, bool timed, long long& waited) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -1960,6 +1974,27 @@ __device__ __forceinline__ void chain17_consume(const Chain14Ring& rg, const Cha
   };
   aim();
   top_up();
+  if constexpr (kLean) {
+    // Form 19: the chunk just summed is the one to refill (the ring is full until the walk ends, and
+    // the walk's chunks lie in the ring in the order they are summed), so no count of chunks ahead
+    // and no search for a free one.
+    for (;;) {
+      if (seg.left == 0 && !boundary()) return;
+      ring.wait(c, phase, timed, waited);
+      ring.sum(c, seg);
+      __syncwarp();  // as below: every lane's reads of the chunk are done before its refill
+      if (wk.left > 0) {
+        const int n = min(kChunk, wk.left);
+        if (lane == 0) {
+          mbar_expect_tx(ring.full + c, n * kTs);
+          bulk_copy(slots + c * (kChunk * kTs), src, n * kTs, ring.full + c);
+        }
+        src += n * kTs;
+        if ((wk.left -= n) == 0) aim();
+      }
+      if (++c == rg.C) c = 0, phase ^= 1u;
+    }
+  }
   for (;;) {
     if (seg.left == 0 && !boundary()) return;
     ring.wait(c, phase, timed, waited);
@@ -1981,7 +2016,8 @@ constexpr int kFeedWarp = 1;     // form 14: a feed warp's shared-memory rings, 
 constexpr int kFeedChunks = 2;   // form 16: a feed warp's rings, summed chunk by chunk
 constexpr int kFeedSelf = 3;     // form 17: every warp fills its own ring, summed chunk by chunk
 
-template <int kGroup, bool kZeros, int kD, bool kM1, bool kPaired, int kFeed, int kChunk = 4, bool kHalves = false>
+template <int kGroup, bool kZeros, int kD, bool kM1, bool kPaired, int kFeed, int kChunk = 4, bool kHalves = false,
+          bool kLean = false>
 __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     chain11_kernel(const Chain5Op* __restrict__ ops, int nops, ChainShape sh, unsigned* sync,
                    unsigned long long* wait_cycles) {
@@ -2061,7 +2097,7 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
   // ---- the consumer side
   int i = -1;  // the op being consumed
   Chain11Cursor cur{0, 0, 0, 0, 0, 1, 0, 0, 0};
-  Chain11Seg<kGrouped, kZeros, kM1> seg;
+  Chain11Seg<kGrouped, kZeros, kM1, kLean> seg;
   const int tokx = min(g, M - 1), tok0 = min(2 * t, M - 1), tok1 = min(2 * t + 1, M - 1);
 
   // Op o's input: global (written by other blocks in this launch: through L2)
@@ -2269,7 +2305,7 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     if constexpr (kFeed == kFeedChunks)
       chain16_consume<kChunk, kTs, kGrouped, kZeros>(rg, seg, boundary, timed, t_spin);  // t_spin: waiting for the feed
     else
-      chain17_consume<kChunk, kTs, kGrouped, kZeros>(rg, ops, nops, W, sh.skip, seg, boundary, timed, t_spin);
+      chain17_consume<kChunk, kTs, kGrouped, kZeros, kLean>(rg, ops, nops, W, sh.skip, seg, boundary, timed, t_spin);
   } else {
     chain11_consume<kD>(is, seg, boundary, [] {});
     if constexpr (kFeed) t_spin = is.waited;  // form 14: no spin; the cycles waiting for the feed instead
@@ -2333,7 +2369,11 @@ bool chain14_dispatch(const ChainShape& sh, F&& f) {
   auto chunk = [&](auto feed) {  // forms 16 and 17: the chunk's tiles compiled in (2, 3 or 4)
     constexpr int kFeed = decltype(feed)::value;
     const bool m1 = sh.M == 1;
-    if (kFeed == kFeedSelf && sh.paired == 2) {  // halves: form 17, M = 1
+    if (kFeed == kFeedSelf && sh.chunked == 3) {  // form 19: form 18's halves, the lean loop, M = 1
+      if (!m1 || sh.paired != 2) return false;
+      if (sh.chunk == 2) f(chain11_kernel<kGroup, kZeros, 2, true, true, kFeed, 2, true, true>);
+      else return false;
+    } else if (kFeed == kFeedSelf && sh.paired == 2) {  // halves: form 18, M = 1
       if (!m1) return false;
       if (sh.chunk == 2) f(chain11_kernel<kGroup, kZeros, 2, true, true, kFeed, 2, true>);
       else if (sh.chunk == 4) f(chain11_kernel<kGroup, kZeros, 2, true, true, kFeed, 4, true>);
@@ -2348,12 +2388,12 @@ bool chain14_dispatch(const ChainShape& sh, F&& f) {
       return false;
     return true;
   };
-  return sh.chunked == 2 ? chunk(std::integral_constant<int, kFeedSelf>{})
+  return sh.chunked >= 2 ? chunk(std::integral_constant<int, kFeedSelf>{})
                          : chunk(std::integral_constant<int, kFeedChunks>{});
 }
 // Threads of a form 14 block: the consumers and (except form 17) the feed warp.
 __host__ inline int chain14_threads(const ChainShape& sh, int warps) {
-  return (warps + (sh.chunked == 2 ? 0 : 1)) * kWarpSize;
+  return (warps + (sh.chunked >= 2 ? 0 : 1)) * kWarpSize;
 }
 __host__ inline bool chain14_shape_ok(const ChainShape& sh, int warps) {
   return warps >= 1 && chain14_threads(sh, warps) <= kChain11MaxWarps * kWarpSize && sh.M <= 8 && sh.paired &&

@@ -7,10 +7,11 @@
 //   /tmp/persist_lab [--probe-only | --no-probe] [--tma-probe] [--no-ceiling] [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers L]
 //                    [--ms 1,4] [--forms 5,6] [--warps 12,16] [--stages 4] [--stage-tiles 2]
 //                    [--formats int4g128a,int4,int8] [--chunks 4,8]
-//   (--forms: the kernel's forms 5-9, 11-14 and 16-18 (csrc/persist_chain.cuh; 6 is form 5 finished by
+//   (--forms: the kernel's forms 5-9, 11-14 and 16-19 (csrc/persist_chain.cuh; 6 is form 5 finished by
 //    block slices, 12 form 11 with paired activations, 13 form 12 without block barriers, M = 1, 14 form 12
 //    fed by a warp of bulk copies into shared memory, 16 form 14 taking its ring chunk by chunk, 17 form 16
-//    with every warp filling its own ring, 18 form 17 with fp16 halves instead of paired words, M = 1), default 5;
+//    with every warp filling its own ring, 18 form 17 with fp16 halves instead of paired words, M = 1, 19 form
+//    18 with a leaner consumer loop and 128-bit activation loads, chunks of 2), default 5;
 //    --warps: consumer warps per block; --stages x --stage-tiles: each warp's weight ring, in 1 KB tiles
 //    (form 9: a ring of --stage-tiles one-tile slots, 4 or 8; forms 11-13 (int4 per channel or G = 128):
 //    the register ring, 2 or 4 tiles; --stages is ignored, except by forms 14, 16 and 17: each warp's ring
@@ -307,7 +308,7 @@ bool launch5_t(const Variant& v, const ChainShape& sh, const qgemv::Chain5Op* op
     }
     return false;
   }
-  if (v.form == 14 || v.form == 16 || v.form == 17 || v.form == 18) {
+  if (v.form == 14 || v.form >= 16) {
     if constexpr (kBits == 4 && (kGroup == 0 || kGroup == 128)) {
       if (!ops) return qgemv::chain14_fits<kGroup, kZeros>(sh, v.warps);
       return qgemv::chain14_launch<kGroup, kZeros>(ops, nops, sh, sync, blocks, v.warps, st, wait) == qgemv::Status::kOk;
@@ -566,8 +567,8 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         // Form 9's ring is --stage-tiles one-tile slots per warp (sh.stages 1).
         ChainShape sh{v.stage_tiles, v.form >= 9 && v.form < 14 ? 1 : v.stages, qgemv::chain_meta_bytes(f.group, f.zeros),
                       std::max(m.H, m.I), M, v.skip, v.form == 6 ? 1 : 0,
-                      v.form >= 8 ? qgemv::chain8_sums(ops5.data(), nops, blocks, M) : 0, v.form == 18 ? 2 : v.form == 12 || v.form >= 14 ? 1 : 0,
-                      v.chunk, v.form == 16 ? 1 : v.form >= 17 ? 2 : 0};
+                      v.form >= 8 ? qgemv::chain8_sums(ops5.data(), nops, blocks, M) : 0, v.form >= 18 ? 2 : v.form == 12 || v.form >= 14 ? 1 : 0,
+                      v.chunk, v.form == 16 ? 1 : v.form == 19 ? 3 : v.form >= 17 ? 2 : 0};
         int4* d_tab = nullptr;  // forms 16 and 17: the schedule for these blocks and warps
         if (v.form >= 16 && classes14 > 0) {
           const std::vector<int4> tab = qgemv::chain16_schedule(ops14.data(), nops, classes14, blocks, v.warps);
@@ -991,8 +992,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   for (int f : forms)
-    if (f < 5 || f == 10 || f == 15 || f > 18) {
-      std::fprintf(stderr, "--forms: 5 to 9, 11 to 14, 16 to 18\n");
+    if (f < 5 || f == 10 || f == 15 || f > 19) {
+      std::fprintf(stderr, "--forms: 5 to 9, 11 to 14, 16 to 19\n");
       return 2;
     }
   for (int t : tiles)
