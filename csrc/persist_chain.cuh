@@ -52,6 +52,7 @@ struct ChainShape {
                     //    2 form 17 (every warp fills its own ring), 3 form 19 (form 18's lean loop, chunks of 2)
   const int4* cursors = nullptr;  // forms 16 and 17: chain16_schedule's records (device memory)
   int classes = 0;                // forms 16 and 17: op classes in `cursors` (chain16_classes)
+  int norm = 0;                   // form 19: compiled with the hand-off's RMSNorm (Chain5Op::norm)
 };
 
 constexpr int kChainTileBytes = kPanelRows * kTileBytes;  // 1 KB: one tile of one panel
@@ -135,6 +136,8 @@ struct Chain5Op {
   int out;               // ChainOut
   int flags = 0;         // form 12 (ChainPaired): which of x, res, y are plain activations
   int cls = 0;           // forms 16 and 17: the op's class in the schedule (chain16_classes)
+  const void* norm = nullptr;  // form 19: the input's RMSNorm gain (fp16 [K]), or nullptr (no norm)
+  float eps = 0.f;             // form 19: the RMSNorm's epsilon
 };
 
 // Form 12's activations carry their own readiness: each element of an op's
@@ -1994,19 +1997,85 @@ __device__ __forceinline__ void chain17_consume(const Chain14Ring& rg, const Cha
       }
       if (++c == rg.C) c = 0, phase ^= 1u;
     }
+  } else {
+    for (;;) {
+      if (seg.left == 0 && !boundary()) return;
+      ring.wait(c, phase, timed, waited);
+      ring.sum(c, seg);
+      // Every lane's reads of the chunk are done (their values are in the sums) before lane 0 has
+      // the copy engine overwrite it: the CTA's own ordering, as a consumer's release through an
+      // mbarrier orders a producer's next copy into the slot (no proxy fence: it compiled to
+      // MEMBAR.ALL.CTA, once a chunk).
+      __syncwarp();
+      --ahead;
+      if (++c == rg.C) c = 0, phase ^= 1u;
+      top_up();
+    }
   }
-  for (;;) {
-    if (seg.left == 0 && !boundary()) return;
-    ring.wait(c, phase, timed, waited);
-    ring.sum(c, seg);
-    // Every lane's reads of the chunk are done (their values are in the sums) before lane 0 has
-    // the copy engine overwrite it: the CTA's own ordering, as a consumer's release through an
-    // mbarrier orders a producer's next copy into the slot (no proxy fence: it compiled to
-    // MEMBAR.ALL.CTA, once a chunk).
-    __syncwarp();
-    --ahead;
-    if (++c == rg.C) c = 0, phase ^= 1u;
-    top_up();
+}
+
+// Form 19's input with its RMSNorm (M = 1, fp16 halves; every consumer thread
+// calls it between the block barriers of the hand-off): the input's copy
+// for this launch (parity par; or plain fp16) into xs, polled as form 18
+// does, with the fp32 sum of its squares; one block barrier; then each
+// value y = round(w * round(s * rsqrt(mean(s^2) + eps))), as transformers'
+// LlamaRMSNorm and qgemv's add_rms_gather round, then the nibble transform
+// and the 2^-24 group sums of the plain preparation.  Thread i handles
+// chunks i, i + n, ... in both passes (n = nthreads, a multiple of 32).
+// Not inlined: once an op boundary, and kept out of the tile loop's registers.
+template <typename Sync>
+__device__ __noinline__ void chain_norm_input(const GemvParams& p, int o_flags, int par, const void* norm, float eps,
+                                                 int chunks, int nthreads, Sync&& csync, __half* xs, float* xsum,
+                                                 bool nowait) {
+  __shared__ float partial[kChain11MaxWarps];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint4* xs4 = reinterpret_cast<uint4*>(xs);
+  float ss = 0.f;
+  for (int c = threadIdx.x; c < chunks; c += nthreads) {
+    uint4 v;
+    if (o_flags & kChainPlainX) {
+      v = __ldcg(reinterpret_cast<const uint4*>(p.x) + c);
+    } else {
+      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.x) + static_cast<size_t>(par) * p.ldx);
+      v = ld_relaxed_gpu_v4(src + c);
+      while (!nowait && !chain_half_ready(v)) v = ld_relaxed_gpu_v4(src + c);
+    }
+    xs4[c] = v;
+    const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float2 f = __half22float2(h[q]);
+      ss = fmaf(f.x, f.x, fmaf(f.y, f.y, ss));
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if (lane == 0) partial[warp] = ss;
+  csync();
+  float total = 0.f;
+  for (int w = 0; w < nthreads / 32; ++w) total += partial[w];
+  const float r = rsqrtf(total / static_cast<float>(p.K) + eps);
+  const uint4* gain = static_cast<const uint4*>(norm);
+  for (int cb = warp * 32; cb < chunks; cb += nthreads) {  // warp-uniform (the shuffles)
+    const int c = cb + lane;
+    float s = 0.f;
+    if (c < chunks) {
+      uint4 v = xs4[c];
+      const uint4 g = __ldg(gain + c);
+      __half2* h = reinterpret_cast<__half2*>(&v);
+      const __half2* gh = reinterpret_cast<const __half2*>(&g);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 a = __half22float2(h[q]), w = __half22float2(gh[q]);
+        h[q] = __floats2half2_rn(__half2float(__float2half_rn(a.x * r)) * w.x,
+                                 __half2float(__float2half_rn(a.y * r)) * w.y);
+      }
+      s = chain_nibble_input(v);
+      xs4[c] = v;
+    }
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (c < chunks && lane % 16 == 0) xsum[c / 16] = s * 0x1p-24f;
   }
 }
 
@@ -2017,7 +2086,7 @@ constexpr int kFeedChunks = 2;   // form 16: a feed warp's rings, summed chunk b
 constexpr int kFeedSelf = 3;     // form 17: every warp fills its own ring, summed chunk by chunk
 
 template <int kGroup, bool kZeros, int kD, bool kM1, bool kPaired, int kFeed, int kChunk = 4, bool kHalves = false,
-          bool kLean = false>
+          bool kLean = false, bool kNorm = false>
 __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     chain11_kernel(const Chain5Op* __restrict__ ops, int nops, ChainShape sh, unsigned* sync,
                    unsigned long long* wait_cycles) {
@@ -2102,13 +2171,25 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
 
   // Op o's input: global (written by other blocks in this launch: through L2)
   // -> xs, the high-nibble positions / 16, and 2^-24 x the sums of each 128.
-  auto prep_input = [&](const GemvParams& p, int o_flags, int cls) {
+  auto prep_input = [&](const GemvParams& p, int o_flags, int cls, const void* norm, float eps) {
     if (sh.skip & 2) return;  // lab: no hand-off at all (results wrong)
     const long long b0 = timed ? clock64() : 0;
     csync();  // thread 0's spin is over; every warp is past the last op's reads of xs
     const long long p0 = timed ? clock64() : 0;
     if (timed) t_warps += p0 - b0;
     const int chunks = p.K / 8;
+    if constexpr (kNorm) {
+      if (norm) {  // form 19 with ChainShape::norm (M = 1): RMSNorm of the input on the way in (chain_norm_input)
+        chain_norm_input(p, o_flags, par, norm, eps, chunks, nthreads, csync, xs, xsum, (sh.skip & 1) != 0);
+        csync();
+        if (timed) {
+          const long long v = clock64() - p0;
+          t_prep += v;
+          per_class(cls, 0, v);
+        }
+        return;
+      }
+    }
     // chunks in flight per thread: the L2 loads first, then the math (4 spilled in form 12; form 12
     // with kD = 4 spills at 2, and more at 1; form 17 with 4, down's 14336 inputs in one round: 1.8 us
     // a layer slower on the H200; form 18 with 4: 1.5 slower, 124 registers against 118, though
@@ -2293,7 +2374,7 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
       if (++i >= nops) return false;
       if constexpr (kChunked) chain16_start(ops[i], rg.tab, warp, W, cur);
       else chain11_start(ops[i], blockIdx.x, G, warp, W, cur);
-      prep_input(ops[i].p, ops[i].flags, ops[i].cls);
+      prep_input(ops[i].p, ops[i].flags, ops[i].cls, ops[i].norm, ops[i].eps);
     }
     seg.begin(cur, ops[i], g, xs + static_cast<size_t>(tokx) * sh.x_cap + 8 * t + cur.kt * 128,
               xsum + tok0 * xg + cur.kt, xsum + tok1 * xg + cur.kt);
@@ -2369,11 +2450,16 @@ bool chain14_dispatch(const ChainShape& sh, F&& f) {
   auto chunk = [&](auto feed) {  // forms 16 and 17: the chunk's tiles compiled in (2, 3 or 4)
     constexpr int kFeed = decltype(feed)::value;
     const bool m1 = sh.M == 1;
-    if (kFeed == kFeedSelf && sh.chunked == 3) {  // form 19: form 18's halves, the lean loop, M = 1
-      if (!m1 || sh.paired != 2) return false;
-      if (sh.chunk == 2) f(chain11_kernel<kGroup, kZeros, 2, true, true, kFeed, 2, true, true>);
-      else return false;
-    } else if (kFeed == kFeedSelf && sh.paired == 2) {  // halves: form 18, M = 1
+    if constexpr (kFeed == kFeedSelf) {
+      if (sh.chunked == 3) {  // form 19: form 18's halves, the lean loop, M = 1, chunks of 2; norm: the RMSNorms
+        if (!m1 || sh.paired != 2 || sh.chunk != 2) return false;
+        if (sh.norm) f(chain11_kernel<kGroup, kZeros, 2, true, true, kFeed, 2, true, true, true>);
+        else f(chain11_kernel<kGroup, kZeros, 2, true, true, kFeed, 2, true, true>);
+        return true;
+      }
+    }
+    if (sh.norm) return false;
+    if (kFeed == kFeedSelf && sh.paired == 2) {  // halves: form 18, M = 1
       if (!m1) return false;
       if (sh.chunk == 2) f(chain11_kernel<kGroup, kZeros, 2, true, true, kFeed, 2, true>);
       else if (sh.chunk == 4) f(chain11_kernel<kGroup, kZeros, 2, true, true, kFeed, 4, true>);

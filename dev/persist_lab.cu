@@ -4,7 +4,7 @@
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc dev/persist_lab.cu \
 //        csrc/gemv_int4.cu csrc/gemv_int8.cu csrc/runtime.cpp -o /tmp/persist_lab
-//   /tmp/persist_lab [--probe-only | --no-probe] [--tma-probe] [--no-ceiling] [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers L]
+//   /tmp/persist_lab [--probe-only | --no-probe] [--tma-probe] [--no-ceiling] [--norm] [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers L]
 //                    [--ms 1,4] [--forms 5,6] [--warps 12,16] [--stages 4] [--stage-tiles 2]
 //                    [--formats int4g128a,int4,int8] [--chunks 4,8]
 //   (--forms: the kernel's forms 5-9, 11-14 and 16-19 (csrc/persist_chain.cuh; 6 is form 5 finished by
@@ -20,7 +20,9 @@
 //    --skip 0,1,5,37: timing experiments, ChainShape::skip: 1 no waits (forms 12-17: the polled words
 //    taken as they are), 2 no input preparation (form 9; forms 11-17: no hand-off at all), 4 no tile
 //    math, 8 the weights copied from L2 (forms 14, 16, 17), 32 no flush;
-//    --no-ceiling: skip the 2 GB read that measures the ceiling, for runs under compute-sanitizer)
+//    --no-ceiling: skip the 2 GB read that measures the ceiling, for runs under compute-sanitizer;
+//    --norm: an RMSNorm before q/k/v and before gate/up, in the reference (a kernel each) and in form 19's
+//    hand-off; the other forms are skipped)
 //
 // Part 1, the probes (a co-resident grid of SMs x 1 blocks of 256 threads):
 //   * grid barrier: every block adds 1 to a counter and spins until it holds
@@ -159,6 +161,27 @@ __global__ void reduce_kernel(float* acc, int n, int vec, unsigned* ctr, int rou
 __global__ void add_kernel(const __half* a, const __half* b, __half* y, int n) {  // y = a + b (fp32, rounded)
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) y[i] = __float2half_rn(__half2float(a[i]) + __half2float(b[i]));
+}
+// --norm: y = round(w * round(x * rsqrt(mean(x^2) + eps))) per row of H (one block of 1024 threads a row), as
+// transformers' LlamaRMSNorm and qgemv's add_rms_gather round.
+constexpr float kNormEps = 1e-5f;
+__global__ void rms_kernel(const __half* x, const __half* w, __half* y, int H) {
+  __shared__ float part[32];
+  const __half* xr = x + static_cast<size_t>(blockIdx.x) * H;
+  __half* yr = y + static_cast<size_t>(blockIdx.x) * H;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < H; i += blockDim.x) {
+    const float v = __half2float(xr[i]);
+    ss = fmaf(v, v, ss);
+  }
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  float total = 0.f;
+  for (int k = 0; k < static_cast<int>(blockDim.x >> 5); ++k) total += part[k];
+  const float r = rsqrtf(total / static_cast<float>(H) + kNormEps);
+  for (int i = threadIdx.x; i < H; i += blockDim.x)
+    yr[i] = __float2half_rn(__half2float(w[i]) * __half2float(__float2half_rn(__half2float(xr[i]) * r)));
 }
 // y[m, i] = silu(gu[m, i]) * gu[m, I + i]
 __global__ void silu_mul_kernel(const __half* gu, __half* y, int M, int I) {
@@ -341,7 +364,7 @@ bool launch5_fmt(const Fmt& f, const Variant& v, const ChainShape& sh, const qge
 }
 
 int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const std::vector<int>& Ms,
-              const std::vector<Variant>& variants, double ceiling, int sms, int clock_khz) {
+              const std::vector<Variant>& variants, double ceiling, int sms, int clock_khz, bool norm) {
   unsigned long long* wait_dev;
   CK(cudaMalloc(&wait_dev, sizeof(unsigned long long) * 5 * 4096));
   cudaStream_t st;
@@ -390,6 +413,20 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       std::normal_distribution<float> nd(0.f, 1.f);
       for (auto& v : hx) v = __float2half(nd(rng));
       CK(cudaMemcpy(X[0], hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
+      // --norm: each layer's two RMSNorm gains (0.5-1.5) and the reference's normalized inputs
+      std::vector<__half*> G1(layers, nullptr), G2(layers, nullptr), rN1(layers, nullptr), rN2(layers, nullptr);
+      if (norm) {
+        std::uniform_real_distribution<float> ug(0.5f, 1.5f);
+        std::vector<__half> hg(m.H);
+        for (int l = 0; l < layers; ++l) {
+          for (__half** g : {&G1[l], &G2[l]}) {
+            for (auto& v : hg) v = __float2half(ug(rng));
+            *g = dalloc(m.H);
+            CK(cudaMemcpy(*g, hg.data(), hg.size() * 2, cudaMemcpyHostToDevice));
+          }
+          rN1[l] = dalloc(size_t(M) * m.H), rN2[l] = dalloc(size_t(M) * m.H);
+        }
+      }
       CK(cudaMemcpy(rX[0], hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
 
       // The chain: per layer q/k/v -> o (reads q; attention's stand-in) -> gate/up (after o + residual) ->
@@ -461,6 +498,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           o.flags = pio[j].flags;
           ops12.push_back(o);
           if (L[j].fused) o.p.qweight = L[j].fused;  // form 14: tiles with their meta
+          if (norm && (j == 0 || j == 2)) o.norm = j == 0 ? G1[l] : G2[l], o.eps = kNormEps;  // form 19 only
           ops14.push_back(o);
         }
       }
@@ -495,10 +533,12 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       auto per_op = [&](bool glue) {
         for (int l = 0; l < layers; ++l) {
           const Lin* L = &lins[4 * l];
-          gemv(params(f, L[0], rX[l], m.H, rQ[l], m.Nqkv, M));
+          if (glue && norm) rms_kernel<<<M, 1024, 0, st>>>(rX[l], G1[l], rN1[l], m.H);
+          gemv(params(f, L[0], glue && norm ? rN1[l] : rX[l], m.H, rQ[l], m.Nqkv, M));
           gemv(params(f, L[1], rQ[l], m.Nqkv, rO[l], m.H, M));
           if (glue) add_kernel<<<(M * m.H + 255) / 256, 256, 0, st>>>(rO[l], rX[l], rH[l], M * m.H);
-          gemv(params(f, L[2], glue ? rH[l] : rO[l], m.H, rGU[l], 2 * m.I, M));
+          if (glue && norm) rms_kernel<<<M, 1024, 0, st>>>(rH[l], G2[l], rN2[l], m.H);
+          gemv(params(f, L[2], glue ? (norm ? rN2[l] : rH[l]) : rO[l], m.H, rGU[l], 2 * m.I, M));
           if (glue) silu_mul_kernel<<<(M * m.I + 255) / 256, 256, 0, st>>>(rGU[l], rA[l], M, m.I);
           gemv(params(f, L[3], rA[l], m.I, rD[l], m.H, M));
           if (glue) add_kernel<<<(M * m.H + 255) / 256, 256, 0, st>>>(rD[l], rH[l], rX[l + 1], M * m.H);
@@ -562,6 +602,10 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       std::printf("%-10s %3d reference output max |y| %.3g (input 1)\n", f.name, M, refmax);
 
       for (const Variant& v : variants) {
+        if (norm && v.form != 19) {  // --norm: the reference's inputs are normalized; form 19 alone does it too
+          std::printf("%-10s %3d form %d: skipped (--norm: form 19 only)\n", f.name, M, v.form);
+          continue;
+        }
         const int blocks = sms;
         const int nops = static_cast<int>(ops5.size());
         // Form 9's ring is --stage-tiles one-tile slots per warp (sh.stages 1).
@@ -569,6 +613,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
                       std::max(m.H, m.I), M, v.skip, v.form == 6 ? 1 : 0,
                       v.form >= 8 ? qgemv::chain8_sums(ops5.data(), nops, blocks, M) : 0, v.form >= 18 ? 2 : v.form == 12 || v.form >= 14 ? 1 : 0,
                       v.chunk, v.form == 16 ? 1 : v.form == 19 ? 3 : v.form >= 17 ? 2 : 0};
+        sh.norm = norm ? 1 : 0;  // form 19 with the hand-off's RMSNorm (the others are skipped)
         int4* d_tab = nullptr;  // forms 16 and 17: the schedule for these blocks and warps
         if (v.form >= 16 && classes14 > 0) {
           const std::vector<int4> tab = qgemv::chain16_schedule(ops14.data(), nops, classes14, blocks, v.warps);
@@ -918,7 +963,7 @@ bool parse(char* text, const char* flag, std::vector<int>& out) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool probe_only = false, no_probe = false, tma = false, no_ceiling = false;
+  bool probe_only = false, no_probe = false, tma = false, no_ceiling = false, norm = false;
   const Model* model = &kModels[0];
   int layers = 0;
   std::vector<int> Ms, warps, stages, tiles, skips, forms, chunks;
@@ -936,6 +981,8 @@ int main(int argc, char** argv) {
       no_ceiling = true;
     } else if (a == "--tma-probe") {
       tma = true;
+    } else if (a == "--norm") {
+      norm = true;
     } else if (a == "--model" && has) {
       model = nullptr;
       for (const Model& m : kModels)
@@ -1037,7 +1084,7 @@ int main(int argc, char** argv) {
   int clock_khz = 0;
   CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
   const int failures = run_chain(*model, layers ? layers : model->layers, fmts, Ms, variants, ceiling,
-                                 prop.multiProcessorCount, clock_khz);
+                                 prop.multiProcessorCount, clock_khz, norm);
   std::printf("%s (%d failures)\n", failures ? "FAILED" : "every persistent result matches the per-op chain",
               failures);
   return failures ? 1 : 0;
