@@ -52,7 +52,10 @@ struct ChainShape {
                     //    2 form 17 (every warp fills its own ring), 3 form 19 (form 18's lean loop, chunks of 2)
   const int4* cursors = nullptr;  // forms 16 and 17: chain16_schedule's records (device memory)
   int classes = 0;                // forms 16 and 17: op classes in `cursors` (chain16_classes)
-  int norm = 0;                   // form 19: compiled with the hand-off's RMSNorm (Chain5Op::norm)
+  // form 19 (lab): each op's input RMSNorm gain (device array of nops fp16 [K] pointers, nullptr
+  // for none) and its epsilon; set, the kernel compiled with the norm runs
+  const void* const* norms = nullptr;
+  float norm_eps = 0.f;
 };
 
 constexpr int kChainTileBytes = kPanelRows * kTileBytes;  // 1 KB: one tile of one panel
@@ -136,8 +139,6 @@ struct Chain5Op {
   int out;               // ChainOut
   int flags = 0;         // form 12 (ChainPaired): which of x, res, y are plain activations
   int cls = 0;           // forms 16 and 17: the op's class in the schedule (chain16_classes)
-  const void* norm = nullptr;  // form 19: the input's RMSNorm gain (fp16 [K]), or nullptr (no norm)
-  float eps = 0.f;             // form 19: the RMSNorm's epsilon
 };
 
 // Form 12's activations carry their own readiness: each element of an op's
@@ -2171,7 +2172,7 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
 
   // Op o's input: global (written by other blocks in this launch: through L2)
   // -> xs, the high-nibble positions / 16, and 2^-24 x the sums of each 128.
-  auto prep_input = [&](const GemvParams& p, int o_flags, int cls, const void* norm, float eps) {
+  auto prep_input = [&](const GemvParams& p, int o_flags, int cls, [[maybe_unused]] int oi) {
     if (sh.skip & 2) return;  // lab: no hand-off at all (results wrong)
     const long long b0 = timed ? clock64() : 0;
     csync();  // thread 0's spin is over; every warp is past the last op's reads of xs
@@ -2179,8 +2180,9 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     if (timed) t_warps += p0 - b0;
     const int chunks = p.K / 8;
     if constexpr (kNorm) {
-      if (norm) {  // form 19 with ChainShape::norm (M = 1): RMSNorm of the input on the way in (chain_norm_input)
-        chain_norm_input(p, o_flags, par, norm, eps, chunks, nthreads, csync, xs, xsum, (sh.skip & 1) != 0);
+      // form 19 with ChainShape::norms (M = 1): RMSNorm of the input on the way in (chain_norm_input)
+      if (const void* norm = sh.norms[oi]) {
+        chain_norm_input(p, o_flags, par, norm, sh.norm_eps, chunks, nthreads, csync, xs, xsum, (sh.skip & 1) != 0);
         csync();
         if (timed) {
           const long long v = clock64() - p0;
@@ -2374,7 +2376,7 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
       if (++i >= nops) return false;
       if constexpr (kChunked) chain16_start(ops[i], rg.tab, warp, W, cur);
       else chain11_start(ops[i], blockIdx.x, G, warp, W, cur);
-      prep_input(ops[i].p, ops[i].flags, ops[i].cls, ops[i].norm, ops[i].eps);
+      prep_input(ops[i].p, ops[i].flags, ops[i].cls, i);
     }
     seg.begin(cur, ops[i], g, xs + static_cast<size_t>(tokx) * sh.x_cap + 8 * t + cur.kt * 128,
               xsum + tok0 * xg + cur.kt, xsum + tok1 * xg + cur.kt);
@@ -2453,12 +2455,12 @@ bool chain14_dispatch(const ChainShape& sh, F&& f) {
     if constexpr (kFeed == kFeedSelf) {
       if (sh.chunked == 3) {  // form 19: form 18's halves, the lean loop, M = 1, chunks of 2; norm: the RMSNorms
         if (!m1 || sh.paired != 2 || sh.chunk != 2) return false;
-        if (sh.norm) f(chain11_kernel<kGroup, kZeros, 2, true, true, kFeed, 2, true, true, true>);
+        if (sh.norms) f(chain11_kernel<kGroup, kZeros, 2, true, true, kFeed, 2, true, true, true>);
         else f(chain11_kernel<kGroup, kZeros, 2, true, true, kFeed, 2, true, true>);
         return true;
       }
     }
-    if (sh.norm) return false;
+    if (sh.norms) return false;
     if (kFeed == kFeedSelf && sh.paired == 2) {  // halves: form 18, M = 1
       if (!m1) return false;
       if (sh.chunk == 2) f(chain11_kernel<kGroup, kZeros, 2, true, true, kFeed, 2, true>);

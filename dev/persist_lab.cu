@@ -498,7 +498,6 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           o.flags = pio[j].flags;
           ops12.push_back(o);
           if (L[j].fused) o.p.qweight = L[j].fused;  // form 14: tiles with their meta
-          if (norm && (j == 0 || j == 2)) o.norm = j == 0 ? G1[l] : G2[l], o.eps = kNormEps;  // form 19 only
           ops14.push_back(o);
         }
       }
@@ -521,6 +520,14 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       unsigned* d_cnt;
       CK(cudaMalloc(&d_cnt, 2 * ops5.size() * 4));
       CK(cudaMemset(d_cnt, 0, 2 * ops5.size() * 4));
+      // --norm: each op's input RMSNorm gain (q/k/v: the layer's first, gate/up: its second), for form 19
+      const void** d_norms = nullptr;
+      if (norm) {
+        std::vector<const void*> hn(ops14.size(), nullptr);
+        for (int l = 0; l < layers; ++l) hn[4 * l] = G1[l], hn[4 * l + 2] = G2[l];
+        CK(cudaMalloc(&d_norms, hn.size() * sizeof(void*)));
+        CK(cudaMemcpy(d_norms, hn.data(), hn.size() * sizeof(void*), cudaMemcpyHostToDevice));
+      }
 
       // The reference: one kernel per GEMV and per glue step.
       auto gemv = [&](const qgemv::GemvParams& p) {
@@ -613,7 +620,8 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
                       std::max(m.H, m.I), M, v.skip, v.form == 6 ? 1 : 0,
                       v.form >= 8 ? qgemv::chain8_sums(ops5.data(), nops, blocks, M) : 0, v.form >= 18 ? 2 : v.form == 12 || v.form >= 14 ? 1 : 0,
                       v.chunk, v.form == 16 ? 1 : v.form == 19 ? 3 : v.form >= 17 ? 2 : 0};
-        sh.norm = norm ? 1 : 0;  // form 19 with the hand-off's RMSNorm (the others are skipped)
+        sh.norms = norm ? d_norms : nullptr;  // form 19 with the hand-off's RMSNorms (the others are skipped)
+        sh.norm_eps = kNormEps;
         int4* d_tab = nullptr;  // forms 16 and 17: the schedule for these blocks and warps
         if (v.form >= 16 && classes14 > 0) {
           const std::vector<int4> tab = qgemv::chain16_schedule(ops14.data(), nops, classes14, blocks, v.warps);
@@ -756,6 +764,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       for (void* q : paired) CK(cudaFree(q));
       for (void* pb : bufs5) CK(cudaFree(pb));
       CK(cudaFree(d_cnt));
+      if (d_norms) CK(cudaFree(d_norms));
       for (auto* p : X) CK(cudaFree(p));
       for (auto* p : rX) CK(cudaFree(p));
       for (auto* v : {&Q, &Hh, &A, &rQ, &rH, &rA, &rGU, &rO, &rD})
