@@ -113,7 +113,7 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int group, bool zeros
   return pl;
 }
 
-std::string persist_refusal(const PersistPlan& plan, int group, bool zeros, int blocks, int warps, int stages) {
+std::string persist_refusal(const PersistPlan& plan, int group, bool zeros, int blocks, int warps) {
   if (!plan.error.empty()) return plan.error;
   int dev = 0, major = 0, sms = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
@@ -147,7 +147,6 @@ std::string persist_refusal(const PersistPlan& plan, int group, bool zeros, int 
     if (blocks > per_sm * sms) why = str("the grid cannot be co-resident: blocks must be at most ", per_sm * sms);
   });
   if (!known) return "no kernel for this format";
-  (void)stages;
   return why;
 }
 

@@ -64,7 +64,7 @@ PersistPlan persist_plan(const std::vector<PersistOp>& ops, int group, bool zero
 
 // Why the chain's grid cannot run on the current device ("" when it can):
 // compute capability, this build's machine code, and one block an SM.
-std::string persist_refusal(const PersistPlan& plan, int group, bool zeros, int blocks, int warps, int stages);
+std::string persist_refusal(const PersistPlan& plan, int group, bool zeros, int blocks, int warps);
 
 // One launch: d_ops / d_schedule the plan's tables on the device, d_sync
 // [nops + 1] u32 zeroed once before the first launch (the last counts the

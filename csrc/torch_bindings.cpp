@@ -576,7 +576,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   ps.def("refusal", [](const std::vector<qgemv::PersistOpTuple>& in, int group, bool zeros, int blocks, int warps,
                        int stages) {
            return qgemv::persist_refusal(qgemv::persist_plan_of(in, group, zeros, blocks, warps, stages), group, zeros,
-                                         blocks, warps, stages);
+                                         blocks, warps);
          },
          "Why the chain cannot run on the current device, or an empty string.");
   ps.def("launch", &qgemv::persist_launch_py,

@@ -179,7 +179,8 @@ class PersistentChain:
             ops, self.group, self.zeros, blocks, warps, stages)
         if err:
             raise PersistError(f"PersistentChain: {err}")
-        why = ps.refusal(ops, self.group, self.zeros, blocks, warps, stages)
+        with torch.cuda.device(dev):  # the weights' GPU, not the current one
+            why = ps.refusal(ops, self.group, self.zeros, blocks, warps, stages)
         if why:
             raise PersistError(f"PersistentChain: {why}")
         self._table = table.to(dev)
