@@ -573,12 +573,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          pybind11::arg("K"));
   ps.def("plan", &qgemv::persist_plan_py, "The chain's tables (host only; pointers as integers).");
   ps.def("op_bytes", &qgemv::persist_op_bytes, "Bytes of one op in the plan's op table.");
-  ps.def("refusal", [](const std::vector<qgemv::PersistOpTuple>& in, int group, bool zeros, int blocks, int warps,
-                       int stages) {
-           return qgemv::persist_refusal(qgemv::persist_plan_of(in, group, zeros, blocks, warps, stages), group, zeros,
-                                         blocks, warps);
+  ps.def("refusal", [](int64_t smem, int group, bool zeros, int blocks, int warps) {
+           return qgemv::persist_refusal(qgemv::persist_plan_from(0, 0, 0, smem), group, zeros, blocks, warps);
          },
-         "Why the chain cannot run on the current device, or an empty string.");
+         "Why a grid of a plan (its shared memory a block) cannot run on the current device, or ''.");
   ps.def("launch", &qgemv::persist_launch_py,
          "One launch of the chain on the current stream: '' when launched, else why not (never raises).");
 }

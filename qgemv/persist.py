@@ -174,13 +174,12 @@ class PersistentChain:
             ops.append((hh.data_ptr(), 0, a.data_ptr(), *ws[2], 2 * i, h, 2, False, False, False, h))
             ops.append((a.data_ptr(), hh.data_ptr(), nxt.data_ptr(), *ws[3], h, i, 1, False, False, last, i))
             x, x_plain = nxt, False
-        self._ops_desc = ops
         err, table, sched, self.op_class, self.classes, self.sums, self.x_cap, self.smem = ps.plan(
             ops, self.group, self.zeros, blocks, warps, stages)
         if err:
             raise PersistError(f"PersistentChain: {err}")
         with torch.cuda.device(dev):  # the weights' GPU, not the current one
-            why = ps.refusal(ops, self.group, self.zeros, blocks, warps, stages)
+            why = ps.refusal(self.smem, self.group, self.zeros, blocks, warps)
         if why:
             raise PersistError(f"PersistentChain: {why}")
         self._table = table.to(dev)
