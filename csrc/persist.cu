@@ -1,8 +1,9 @@
-// The persistent chain of linears in the extension (csrc/persist.h): form 18
-// of csrc/persist_chain.cuh (form 17, every warp filling its own ring, with
-// fp16 activations poisoned until written), compiled for M = 1 and chunks of
-// 2 tiles (the lab's best, dev/PERSISTENT.md), int4 per channel and G = 128
-// with or without zero points.
+// The persistent chain of linears in the extension (csrc/persist.h): form 19
+// of csrc/persist_chain.cuh (every warp fills its own ring and refills the
+// chunk it has just summed; fp16 activations poisoned until written),
+// compiled for M = 1 and chunks of 2 tiles (the lab's best,
+// dev/PERSISTENT.md), int4 per channel and G = 128 with or without zero
+// points.
 #include "persist.h"
 
 #include <algorithm>
@@ -18,7 +19,7 @@ constexpr int kPersistStageTiles = 2;
 
 template <int kGroup, bool kZeros>
 constexpr auto persist_kernel =
-    chain11_kernel<kGroup, kZeros, kPersistStageTiles, true, true, kFeedSelf, kPersistChunk, true>;
+    chain11_kernel<kGroup, kZeros, kPersistStageTiles, true, true, kFeedSelf, kPersistChunk, true, true>;
 
 // f(kernel) for the format; false when there is none.
 template <typename F>
@@ -34,7 +35,7 @@ ChainShape persist_shape(const PersistPlan& plan, int group, bool zeros, int sta
   sh.sums = plan.sums;
   sh.paired = 2;  // halves
   sh.chunk = kPersistChunk;
-  sh.chunked = 2;
+  sh.chunked = 3;  // form 19
   sh.cursors = reinterpret_cast<const int4*>(d_schedule);
   sh.classes = plan.classes;
   return sh;

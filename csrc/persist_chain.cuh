@@ -56,9 +56,18 @@ struct ChainShape {
   // for none) and its epsilon; set, the kernel compiled with the norm runs
   const void* const* norms = nullptr;
   float norm_eps = 0.f;
+  // lab (forms 11-19, the timed launch): per op and block, [nops][blocks][5]: the cycles on the op's
+  // tiles, finishing it, preparing its input; %globaltimer when its outputs are written and when its
+  // input was all read
+  unsigned long long* stamps = nullptr;
 };
 
 constexpr int kChainTileBytes = kPanelRows * kTileBytes;  // 1 KB: one tile of one panel
+
+#ifndef QGEMV_CHAIN_STAMPS
+#define QGEMV_CHAIN_STAMPS 0  // the lab defines it 1 (ChainShape::stamps)
+#endif
+constexpr bool kStamps = QGEMV_CHAIN_STAMPS != 0;
 
 // Bytes of one tile's scales and zero points in `meta` (padded to 16).
 __host__ __device__ constexpr int chain_meta_bytes(int group, bool zeros) {
@@ -2143,6 +2152,16 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
   long long& t_prep = t_acc[3];
   if (timed)
     for (int k = 0; k < 4 + 2 * kChainMaxClasses; ++k) t_acc[k] = 0;
+  // sh.stamps (lab builds with QGEMV_CHAIN_STAMPS only: the extension's kernels stay without the code,
+  // which costs the G = 128 kernel without zero points 16 more bytes of spills): thread 0's last marks, the end of the input's preparation and of the op's finishing
+  __shared__ long long t_mark[2];
+  auto gtime = [] {
+    unsigned long long v;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
+    return v;
+  };
+  auto stamp = [&](int oi, int k, unsigned long long v) { sh.stamps[(static_cast<size_t>(oi) * gridDim.x + blockIdx.x) * 5 + k] = v; };
+  if (kStamps && timed && sh.stamps) t_mark[1] = clock64();
   auto per_class = [&](int cls, int k, long long v) {  // k: 0 preparing, 1 finishing
     if (cls >= 0 && cls < kChainMaxClasses) t_acc[4 + 2 * cls + k] += v;
   };
@@ -2189,6 +2208,7 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
           t_prep += v;
           per_class(cls, 0, v);
         }
+        if (kStamps && timed && sh.stamps) t_mark[0] = clock64(), stamp(oi, 2, t_mark[0] - t_mark[1]), stamp(oi, 4, gtime());
         return;
       }
     }
@@ -2263,6 +2283,7 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
       t_prep += v;
       per_class(cls, 0, v);
     }
+    if (kStamps && timed && sh.stamps) t_mark[0] = clock64(), stamp(oi, 2, t_mark[0] - t_mark[1]), stamp(oi, 4, gtime());
   };
 
   // Every warp is past op i: finish the block's panels, count the block, wait for the others.
@@ -2297,6 +2318,7 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
       res0 = res_at((threadIdx.x % vals) / kPanelRows,
                     static_cast<int>(u0 + threadIdx.x / vals) * kPanelRows + threadIdx.x % kPanelRows);
     const long long f0 = timed ? clock64() : 0;
+    if (kStamps && timed && sh.stamps) stamp(oi, 0, f0 - t_mark[0]);
     csync();
     const long long f1 = timed ? clock64() : 0;
     for (int q = threadIdx.x; q < count; q += nthreads) {
@@ -2332,6 +2354,7 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
         t_warps += f1 - f0, t_finish += v;
         per_class(o.cls, 1, v);
       }
+      if (kStamps && timed && sh.stamps) t_mark[1] = clock64(), stamp(oi, 1, t_mark[1] - f0), stamp(oi, 3, gtime());
       return;
     }
     csync();  // the block's outputs of op oi are written

@@ -58,6 +58,7 @@
 #include <cuda_runtime.h>
 
 #include "lab_common.cuh"
+#define QGEMV_CHAIN_STAMPS 1  // ChainShape::stamps: the per-op skew (print_skew)
 #include "persist_chain.cuh"
 
 
@@ -363,6 +364,62 @@ bool launch5_fmt(const Fmt& f, const Variant& v, const ChainShape& sh, const qge
   return launch5_t<4, 128, false>(v, sh, ops, nops, sync, blocks, st, wait);
 }
 
+// ChainShape::stamps of one timed launch ([op][block][5]: cycles on the tiles, finishing, preparing the
+// input; %globaltimer at the outputs written and at the input read), per op class and layer (µs): the
+// blocks' time on the op's tiles (mean, the slowest over the median); their outputs' times (the last
+// over the median: the skew a hand-off waits for); each block's input read after the last producer's
+// outputs (median: propagation and the read); preparing (fastest / median / slowest block).
+static void print_skew(const char* name, int M, const std::vector<qgemv::Chain5Op>& ops, int classes,
+                       const std::vector<unsigned long long>& st, int blocks, int clock_khz, int layers) {
+  const int nops = static_cast<int>(ops.size());
+  const double cyc_us = 1e3 / clock_khz;
+  auto at = [&](int o, int b, int k) { return st[(static_cast<size_t>(o) * blocks + b) * 5 + k]; };
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  {  // the timer's resolution: the smallest positive gap between blocks' stamps of one op
+    std::vector<unsigned long long> d;
+    for (int b = 0; b < blocks; ++b) d.push_back(at(nops / 2, b, 3));
+    std::sort(d.begin(), d.end());
+    unsigned long long gap = ~0ull;
+    for (size_t q = 1; q < d.size(); ++q)
+      if (d[q] > d[q - 1]) gap = std::min(gap, d[q] - d[q - 1]);
+    std::printf("%-10s %3d   globaltimer: smallest gap between blocks %llu ns\n", name, M, gap);
+  }
+  std::printf("%-10s %3d   skew per layer and op class (us): tiles mean / slowest-median; outputs last-median; "
+              "input read after the last output (median); preparing min / median / max\n", name, M);
+  for (int c = 0; c < classes; ++c) {
+    double tm = 0, tx = 0, om = 0, pr = 0, p0 = 0, p1 = 0, p2 = 0;
+    int n = 0;
+    for (int o = 0; o < nops; ++o) {
+      if (ops[o].cls != c) continue;
+      std::vector<double> work(blocks), done(blocks), prep(blocks), after;
+      for (int b = 0; b < blocks; ++b)
+        work[b] = at(o, b, 0) * cyc_us, done[b] = double(at(o, b, 3)), prep[b] = at(o, b, 2) * cyc_us;
+      const double last = *std::max_element(done.begin(), done.end());
+      double wmean = 0;
+      for (double w : work) wmean += w;
+      tm += wmean / blocks, tx += *std::max_element(work.begin(), work.end()) - median(work);
+      om += (last - median(done)) * 1e-3;
+      if (o + 1 < nops) {  // the next op reads this one's outputs
+        for (int b = 0; b < blocks; ++b) after.push_back((double(at(o + 1, b, 4)) - last) * 1e-3);
+        pr += median(after);
+      }
+      std::vector<double> sp = prep;
+      std::sort(sp.begin(), sp.end());
+      p0 += sp[0], p1 += sp[blocks / 2], p2 += sp[blocks - 1];
+      ++n;
+    }
+    const qgemv::Chain5Op* o = nullptr;
+    for (const qgemv::Chain5Op& q : ops)
+      if (!o && q.cls == c) o = &q;
+    const double k = 1.0 / layers;
+    std::printf("%-10s %3d     %dx%d: tiles %.2f / %.2f; outputs %.2f; input after %.2f; preparing %.2f / %.2f / %.2f\n",
+                name, M, o->p.N, o->p.K, tm * k, tx * k, om * k, pr * k, p0 * k, p1 * k, p2 * k);
+    (void)n;
+  }
+}
 int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const std::vector<int>& Ms,
               const std::vector<Variant>& variants, double ceiling, int sms, int clock_khz, bool norm) {
   unsigned long long* wait_dev;
@@ -690,10 +747,24 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         // per block: 5 counts, its SM, then preparing and finishing per op class
         const int nwc = 6 + 2 * qgemv::kChainMaxClasses;
         CK(cudaMemset(wait_dev, 0, sizeof(unsigned long long) * nwc * blocks));
+        // forms 12-19: each op's and block's stamps too (ChainShape::stamps)
+        const size_t nst = static_cast<size_t>(nops) * blocks * 5;
+        unsigned long long* d_st = nullptr;
+        if (v.form >= 12 && v.form != 13) {
+          CK(cudaMalloc(&d_st, nst * 8));
+          CK(cudaMemset(d_st, 0, nst * 8));
+          sh.stamps = d_st;
+        }
         wait = wait_dev;
         go();
         wait = nullptr;
+        sh.stamps = nullptr;
         CK(cudaStreamSynchronize(st));
+        std::vector<unsigned long long> hst(d_st ? nst : 0);
+        if (d_st) {
+          CK(cudaMemcpy(hst.data(), d_st, nst * 8, cudaMemcpyDeviceToHost));
+          CK(cudaFree(d_st));
+        }
         std::vector<unsigned long long> wc(nwc * blocks);
         CK(cudaMemcpy(wc.data(), wait_dev, sizeof(unsigned long long) * nwc * blocks, cudaMemcpyDeviceToHost));
         double wsum = 0, wmax = 0, bsum = 0, ssum = 0, isum = 0, qsum = 0;
@@ -750,6 +821,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
             std::printf(" %dx%d %.2f / %.2f;", o->p.N, o->p.K, pc / blocks * per_us, fc / blocks * per_us);
           }
           std::printf("\n");
+          if (!hst.empty()) print_skew(f.name, M, ops14, classes14, hst, blocks, clock_khz, layers);
           if (std::getenv("LAB_BLOCKS")) {  // sm:time of every block, for the SM-to-speed map
             std::printf("%-10s %3d   blocks", f.name, M);
             for (int b2 = 0; b2 < blocks; ++b2) std::printf(" %llu:%.2f", wc[5 * blocks + b2], tot[b2]);
