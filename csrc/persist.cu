@@ -1,6 +1,7 @@
-// The persistent chain of linears in the extension (csrc/persist.h): form 19
+// The persistent chain of linears in the extension (csrc/persist.h): form 20
 // of csrc/persist_chain.cuh (every warp fills its own ring and refills the
-// chunk it has just summed; fp16 activations poisoned until written),
+// chunk it has just summed; fp16 activations poisoned until written, each
+// op's input copied into shared memory at once),
 // compiled for M = 1 and chunks of 2 tiles (the lab's best,
 // dev/PERSISTENT.md), int4 per channel and G = 128 with or without zero
 // points.
@@ -35,7 +36,7 @@ ChainShape persist_shape(const PersistPlan& plan, int group, bool zeros, int sta
   sh.sums = plan.sums;
   sh.paired = 2;  // halves
   sh.chunk = kPersistChunk;
-  sh.chunked = 3;  // form 19
+  sh.chunked = 3;  // form 20
   sh.cursors = reinterpret_cast<const int4*>(d_schedule);
   sh.classes = plan.classes;
   return sh;

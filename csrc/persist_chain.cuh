@@ -49,10 +49,10 @@ struct ChainShape {
                     //    with a poison instead of words (chain_half_ready), each buffer two copies
   int chunk = 4;    // forms 14, 16, 17: tiles per ring chunk (stages, a warp's ring, is a multiple)
   int chunked = 0;  // form 14's consumers take the ring chunk by chunk (sh.chunk 2-4): 1 form 16 (the feed warp),
-                    //    2 form 17 (every warp fills its own ring), 3 form 19 (form 18's lean loop, chunks of 2)
+                    //    2 form 17 (every warp fills its own ring), 3 form 20 (form 18's lean loop, chunks of 2, the input copied at once)
   const int4* cursors = nullptr;  // forms 16 and 17: chain16_schedule's records (device memory)
   int classes = 0;                // forms 16 and 17: op classes in `cursors` (chain16_classes)
-  // form 19 (lab): each op's input RMSNorm gain (device array of nops fp16 [K] pointers, nullptr
+  // form 20 (lab): each op's input RMSNorm gain (device array of nops fp16 [K] pointers, nullptr
   // for none) and its epsilon; set, the kernel compiled with the norm runs
   const void* const* norms = nullptr;
   float norm_eps = 0.f;
@@ -60,6 +60,7 @@ struct ChainShape {
   // tiles, finishing it, preparing its input; %globaltimer when its outputs are written and when its
   // input was all read
   unsigned long long* stamps = nullptr;
+  int rotate = 0;  // lab (QGEMV_CHAIN_STAMPS, forms 16-19): block b runs the schedule of block (b + rotate) % blocks
 };
 
 constexpr int kChainTileBytes = kPanelRows * kTileBytes;  // 1 KB: one tile of one panel
@@ -2024,7 +2025,39 @@ __device__ __forceinline__ void chain17_consume(const Chain14Ring& rg, const Cha
   }
 }
 
-// Form 19's input with its RMSNorm (M = 1, fp16 halves; every consumer thread
+// Form 20's preparation of an fp16 input (ChainShape::paired 2, M = 1): every
+// chunk of 8 halves of this launch's copy copied into xs at once
+// (cp.async, L2 only: no registers hold the data in flight, so a K of 14336,
+// 3.5 chunks a thread, is one L2 round trip, not two), then each thread takes
+// its own chunks back (its copies, seen after its wait), polls again those
+// that still hold the poison, and writes them back as chain_nibble_input
+// makes them, with the 2^-24 sums of each 128.  Thread i: chunks i, i + n, ...
+// in both passes (n = nthreads, a multiple of 32: the 16-lane shuffles).
+// src: the copy to read; nowait: a plain input (written before the launch)
+// or the lab's timing without waits.
+__device__ __forceinline__ void chain_async_input(const uint4* src, int chunks, int nthreads, __half* xs, float* xsum,
+                                                  bool nowait) {
+  const int lane = threadIdx.x & 31;
+  uint4* xs4 = reinterpret_cast<uint4*>(xs);
+  for (int c = threadIdx.x; c < chunks; c += nthreads) cp_async_16_shared_data(xs4 + c, src + c);
+  cp_async_commit();
+  cp_async_wait<0>();
+  for (int cb = threadIdx.x - lane; cb < chunks; cb += nthreads) {  // warp-uniform (the shuffles)
+    const int c = cb + lane;
+    float sum = 0.f;
+    if (c < chunks) {
+      uint4 v = xs4[c];
+      while (!nowait && !chain_half_ready(v)) v = ld_relaxed_gpu_v4(src + c);
+      sum = chain_nibble_input(v);
+      xs4[c] = v;
+    }
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (c < chunks && lane % 16 == 0) xsum[c / 16] = sum * 0x1p-24f;
+  }
+}
+
+// Form 20's input with its RMSNorm (M = 1, fp16 halves; every consumer thread
 // calls it between the block barriers of the hand-off): the input's copy
 // for this launch (parity par; or plain fp16) into xs, polled as form 18
 // does, with the fp32 sum of its squares; one block barrier; then each
@@ -2126,7 +2159,8 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
   }
   if constexpr (kChunked) {  // the block's schedule records
     for (int q = threadIdx.x; q < sh.classes * (W + 1); q += blockDim.x)
-      rg.tab[q] = sh.cursors[(static_cast<size_t>(q / (W + 1)) * G + blockIdx.x) * (W + 1) + q % (W + 1)];
+      rg.tab[q] = sh.cursors[(static_cast<size_t>(q / (W + 1)) * G + (kStamps ? (blockIdx.x + sh.rotate) % G : blockIdx.x)) *
+                                 (W + 1) + q % (W + 1)];
   }
   __syncthreads();
   if constexpr (kFeedWarpToo) {
@@ -2199,7 +2233,7 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     if (timed) t_warps += p0 - b0;
     const int chunks = p.K / 8;
     if constexpr (kNorm) {
-      // form 19 with ChainShape::norms (M = 1): RMSNorm of the input on the way in (chain_norm_input)
+      // form 20 with ChainShape::norms (M = 1): RMSNorm of the input on the way in (chain_norm_input)
       if (const void* norm = sh.norms[oi]) {
         chain_norm_input(p, o_flags, par, norm, sh.norm_eps, chunks, nthreads, csync, xs, xsum, (sh.skip & 1) != 0);
         csync();
@@ -2212,71 +2246,77 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
         return;
       }
     }
-    // chunks in flight per thread: the L2 loads first, then the math (4 spilled in form 12; form 12
-    // with kD = 4 spills at 2, and more at 1; form 17 with 4, down's 14336 inputs in one round: 1.8 us
-    // a layer slower on the H200; form 18 with 4: 1.5 slower, 124 registers against 118, though
-    // down's preparation fell from 1.63 to 1.37)
-    constexpr int kU = 2;
-    for (int m = 0; m < M; ++m)
-      for (int cb = warp * 32; cb < chunks; cb += kU * W * 32) {  // warp-uniform (the shuffles)
-        uint4 vs[kU];
-        if (kHalves && !(o_flags & kChainPlainX)) {
-          // 8 halves a chunk, this launch's copy, polled until none is the poison
-          const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.x) + static_cast<size_t>(par) * p.ldx);
+    if constexpr (kHalves && kLean) {  // form 20: the input copied at once
+      const bool plain = (o_flags & kChainPlainX) != 0;
+      const uint16_t* x16 = static_cast<const uint16_t*>(p.x) + (plain ? size_t{0} : static_cast<size_t>(par) * p.ldx);
+      chain_async_input(reinterpret_cast<const uint4*>(x16), chunks, nthreads, xs, xsum, plain || (sh.skip & 1));
+    } else {
+      // chunks in flight per thread: the L2 loads first, then the math (4 spilled in form 12; form 12
+      // with kD = 4 spills at 2, and more at 1; form 17 with 4, down's 14336 inputs in one round: 1.8 us
+      // a layer slower on the H200; form 18 with 4: 1.5 slower, 124 registers against 118, though
+      // down's preparation fell from 1.63 to 1.37)
+      constexpr int kU = 2;
+      for (int m = 0; m < M; ++m)
+        for (int cb = warp * 32; cb < chunks; cb += kU * W * 32) {  // warp-uniform (the shuffles)
+          uint4 vs[kU];
+          if (kHalves && !(o_flags & kChainPlainX)) {
+            // 8 halves a chunk, this launch's copy, polled until none is the poison
+            const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.x) + static_cast<size_t>(par) * p.ldx);
 #pragma unroll
-          for (int u = 0; u < kU; ++u) {
-            const int c = cb + u * W * 32 + lane;
-            if (c < chunks) vs[u] = ld_relaxed_gpu_v4(src + c);
-          }
+            for (int u = 0; u < kU; ++u) {
+              const int c = cb + u * W * 32 + lane;
+              if (c < chunks) vs[u] = ld_relaxed_gpu_v4(src + c);
+            }
 #pragma unroll
-          for (int u = 0; u < kU; ++u) {
-            const int c = cb + u * W * 32 + lane;
-            if (c < chunks)
-              while (!(sh.skip & 1) && !chain_half_ready(vs[u])) vs[u] = ld_relaxed_gpu_v4(src + c);
-          }
-        } else if (kPaired && !(o_flags & kChainPlainX)) {
-          // 8 words a chunk, polled until all carry this launch's epoch
-          const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(p.x) + static_cast<size_t>(m) * p.ldx);
-          uint4 a[kU], b[kU];
+            for (int u = 0; u < kU; ++u) {
+              const int c = cb + u * W * 32 + lane;
+              if (c < chunks)
+                while (!(sh.skip & 1) && !chain_half_ready(vs[u])) vs[u] = ld_relaxed_gpu_v4(src + c);
+            }
+          } else if (kPaired && !(o_flags & kChainPlainX)) {
+            // 8 words a chunk, polled until all carry this launch's epoch
+            const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(p.x) + static_cast<size_t>(m) * p.ldx);
+            uint4 a[kU], b[kU];
 #pragma unroll
-          for (int u = 0; u < kU; ++u) {
-            const int c = cb + u * W * 32 + lane;
-            if (c < chunks) a[u] = ld_relaxed_gpu_v4(src + 2 * c), b[u] = ld_relaxed_gpu_v4(src + 2 * c + 1);
-          }
+            for (int u = 0; u < kU; ++u) {
+              const int c = cb + u * W * 32 + lane;
+              if (c < chunks) a[u] = ld_relaxed_gpu_v4(src + 2 * c), b[u] = ld_relaxed_gpu_v4(src + 2 * c + 1);
+            }
 #pragma unroll
-          for (int u = 0; u < kU; ++u) {
-            const int c = cb + u * W * 32 + lane;
-            if (c < chunks) {
-              // (skip & 1, the lab: take the words as they are, to time the hand-off without the grid's waits)
-              while (!(sh.skip & 1) && (!paired_ready(a[u], epoch) || !paired_ready(b[u], epoch)))
-                a[u] = ld_relaxed_gpu_v4(src + 2 * c), b[u] = ld_relaxed_gpu_v4(src + 2 * c + 1);
-              vs[u] = make_uint4(__byte_perm(a[u].x, a[u].y, 0x5410), __byte_perm(a[u].z, a[u].w, 0x5410),
-                                 __byte_perm(b[u].x, b[u].y, 0x5410), __byte_perm(b[u].z, b[u].w, 0x5410));
+            for (int u = 0; u < kU; ++u) {
+              const int c = cb + u * W * 32 + lane;
+              if (c < chunks) {
+                // (skip & 1, the lab: take the words as they are, to time the hand-off without the grid's waits)
+                while (!(sh.skip & 1) && (!paired_ready(a[u], epoch) || !paired_ready(b[u], epoch)))
+                  a[u] = ld_relaxed_gpu_v4(src + 2 * c), b[u] = ld_relaxed_gpu_v4(src + 2 * c + 1);
+                vs[u] = make_uint4(__byte_perm(a[u].x, a[u].y, 0x5410), __byte_perm(a[u].z, a[u].w, 0x5410),
+                                   __byte_perm(b[u].x, b[u].y, 0x5410), __byte_perm(b[u].z, b[u].w, 0x5410));
+              }
+            }
+          } else {
+            const uint4* src = reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + static_cast<size_t>(m) * p.ldx);
+#pragma unroll
+            for (int u = 0; u < kU; ++u) {
+              const int c = cb + u * W * 32 + lane;
+              if (c < chunks) vs[u] = __ldcg(src + c);
             }
           }
-        } else {
-          const uint4* src = reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + static_cast<size_t>(m) * p.ldx);
 #pragma unroll
           for (int u = 0; u < kU; ++u) {
             const int c = cb + u * W * 32 + lane;
-            if (c < chunks) vs[u] = __ldcg(src + c);
+            if (cb + u * W * 32 >= chunks) break;
+            float s = 0.f;
+            if (c < chunks) {
+              uint4 v = vs[u];
+              s = chain_nibble_input(v);
+              reinterpret_cast<uint4*>(xs + static_cast<size_t>(m) * sh.x_cap)[c] = v;
+            }
+#pragma unroll
+            for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            if (c < chunks && lane % 16 == 0) xsum[m * xg + c / 16] = s * 0x1p-24f;
           }
         }
-#pragma unroll
-        for (int u = 0; u < kU; ++u) {
-        const int c = cb + u * W * 32 + lane;
-        if (cb + u * W * 32 >= chunks) break;
-        float s = 0.f;
-        if (c < chunks) {
-          uint4 v = vs[u];
-          s = chain_nibble_input(v);
-          reinterpret_cast<uint4*>(xs + static_cast<size_t>(m) * sh.x_cap)[c] = v;
-        }
-#pragma unroll
-        for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if (c < chunks && lane % 16 == 0) xsum[m * xg + c / 16] = s * 0x1p-24f;
-        }
-      }
+    }
     csync();
     if (timed) {
       const long long v = clock64() - p0;
@@ -2476,7 +2516,7 @@ bool chain14_dispatch(const ChainShape& sh, F&& f) {
     constexpr int kFeed = decltype(feed)::value;
     const bool m1 = sh.M == 1;
     if constexpr (kFeed == kFeedSelf) {
-      if (sh.chunked == 3) {  // form 19: form 18's halves, the lean loop, M = 1, chunks of 2; norm: the RMSNorms
+      if (sh.chunked == 3) {  // form 20: form 18's halves, the lean loop and the input copied at once, M = 1, chunks of 2; norm: the RMSNorms
         if (!m1 || sh.paired != 2 || sh.chunk != 2) return false;
         if (sh.norms) f(chain11_kernel<kGroup, kZeros, 2, true, true, kFeed, 2, true, true, true>);
         else f(chain11_kernel<kGroup, kZeros, 2, true, true, kFeed, 2, true, true>);

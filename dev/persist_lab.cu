@@ -7,7 +7,7 @@
 //   /tmp/persist_lab [--probe-only | --no-probe] [--tma-probe] [--no-ceiling] [--norm] [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers L]
 //                    [--ms 1,4] [--forms 5,6] [--warps 12,16] [--stages 4] [--stage-tiles 2]
 //                    [--formats int4g128a,int4,int8] [--chunks 4,8]
-//   (--forms: the kernel's forms 5-9, 11-14 and 16-19 (csrc/persist_chain.cuh; 6 is form 5 finished by
+//   (--forms: the kernel's forms 5-9, 11-14, 16-18 and 20 (csrc/persist_chain.cuh; 6 is form 5 finished by
 //    block slices, 12 form 11 with paired activations, 13 form 12 without block barriers, M = 1, 14 form 12
 //    fed by a warp of bulk copies into shared memory, 16 form 14 taking its ring chunk by chunk, 17 form 16
 //    with every warp filling its own ring, 18 form 17 with fp16 halves instead of paired words, M = 1, 19 form
@@ -21,7 +21,7 @@
 //    taken as they are), 2 no input preparation (form 9; forms 11-17: no hand-off at all), 4 no tile
 //    math, 8 the weights copied from L2 (forms 14, 16, 17), 32 no flush;
 //    --no-ceiling: skip the 2 GB read that measures the ceiling, for runs under compute-sanitizer;
-//    --norm: an RMSNorm before q/k/v and before gate/up, in the reference (a kernel each) and in form 19's
+//    --norm: an RMSNorm before q/k/v and before gate/up, in the reference (a kernel each) and in form 20's
 //    hand-off; the other forms are skipped)
 //
 // Part 1, the probes (a co-resident grid of SMs x 1 blocks of 256 threads):
@@ -577,7 +577,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       unsigned* d_cnt;
       CK(cudaMalloc(&d_cnt, 2 * ops5.size() * 4));
       CK(cudaMemset(d_cnt, 0, 2 * ops5.size() * 4));
-      // --norm: each op's input RMSNorm gain (q/k/v: the layer's first, gate/up: its second), for form 19
+      // --norm: each op's input RMSNorm gain (q/k/v: the layer's first, gate/up: its second), for form 20
       const void** d_norms = nullptr;
       if (norm) {
         std::vector<const void*> hn(ops14.size(), nullptr);
@@ -666,8 +666,8 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       std::printf("%-10s %3d reference output max |y| %.3g (input 1)\n", f.name, M, refmax);
 
       for (const Variant& v : variants) {
-        if (norm && v.form != 19) {  // --norm: the reference's inputs are normalized; form 19 alone does it too
-          std::printf("%-10s %3d form %d: skipped (--norm: form 19 only)\n", f.name, M, v.form);
+        if (norm && v.form != 20) {  // --norm: the reference's inputs are normalized; form 20 alone does it too
+          std::printf("%-10s %3d form %d: skipped (--norm: form 20 only)\n", f.name, M, v.form);
           continue;
         }
         const int blocks = sms;
@@ -676,8 +676,8 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         ChainShape sh{v.stage_tiles, v.form >= 9 && v.form < 14 ? 1 : v.stages, qgemv::chain_meta_bytes(f.group, f.zeros),
                       std::max(m.H, m.I), M, v.skip, v.form == 6 ? 1 : 0,
                       v.form >= 8 ? qgemv::chain8_sums(ops5.data(), nops, blocks, M) : 0, v.form >= 18 ? 2 : v.form == 12 || v.form >= 14 ? 1 : 0,
-                      v.chunk, v.form == 16 ? 1 : v.form == 19 ? 3 : v.form >= 17 ? 2 : 0};
-        sh.norms = norm ? d_norms : nullptr;  // form 19 with the hand-off's RMSNorms (the others are skipped)
+                      v.chunk, v.form == 16 ? 1 : v.form == 20 ? 3 : v.form >= 17 ? 2 : 0};
+        sh.norms = norm ? d_norms : nullptr;  // form 20 with the hand-off's RMSNorms (the others are skipped)
         sh.norm_eps = kNormEps;
         int4* d_tab = nullptr;  // forms 16 and 17: the schedule for these blocks and warps
         if (v.form >= 16 && classes14 > 0) {
@@ -822,6 +822,74 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           }
           std::printf("\n");
           if (!hst.empty()) print_skew(f.name, M, ops14, classes14, hst, blocks, clock_khz, layers);
+          if (!hst.empty() && std::getenv("LAB_SMMAP")) {
+            // Is a block's speed its SM's or its work's?  Each block's time on each op class's tiles (us a
+            // layer) in three timed launches: the one above, the same again, and one with every block running
+            // another block's schedule (ChainShape::rotate); then correlated by SM and by schedule slot.
+            const int rot = blocks / 3 + 1;
+            std::vector<std::vector<double>> tim;  // [run * classes + class][block]
+            std::vector<std::vector<int>> smof;    // [run][block]
+            for (int run = 0; run < 3; ++run) {
+              std::vector<unsigned long long> w2(wc), s2(hst);
+              if (run > 0) {
+                CK(cudaMemset(wait_dev, 0, sizeof(unsigned long long) * nwc * blocks));
+                CK(cudaMalloc(&d_st, nst * 8));
+                CK(cudaMemset(d_st, 0, nst * 8));
+                sh.stamps = d_st, wait = wait_dev, sh.rotate = run == 2 ? rot : 0;
+                go();
+                wait = nullptr, sh.stamps = nullptr, sh.rotate = 0;
+                CK(cudaStreamSynchronize(st));
+                CK(cudaMemcpy(w2.data(), wait_dev, sizeof(unsigned long long) * nwc * blocks, cudaMemcpyDeviceToHost));
+                CK(cudaMemcpy(s2.data(), d_st, nst * 8, cudaMemcpyDeviceToHost));
+                CK(cudaFree(d_st));
+              }
+              smof.emplace_back(blocks);
+              for (int b2 = 0; b2 < blocks; ++b2) smof[run][b2] = static_cast<int>(w2[5 * blocks + b2]);
+              for (int c = 0; c < classes14; ++c) {
+                std::vector<double> t(blocks, 0.0);
+                for (int b2 = 0; b2 < blocks; ++b2)
+                  for (int o = 0; o < nops; ++o)
+                    if (ops14[o].cls == c) t[b2] += s2[(static_cast<size_t>(o) * blocks + b2) * 5] * per_us;
+                tim.push_back(t);
+              }
+            }
+            auto corr = [](const std::vector<double>& a, const std::vector<double>& b) {
+              const double n = static_cast<double>(a.size());
+              double ma = 0, mb = 0;
+              for (size_t q = 0; q < a.size(); ++q) ma += a[q] / n, mb += b[q] / n;
+              double sab = 0, saa = 0, sbb = 0;
+              for (size_t q = 0; q < a.size(); ++q)
+                sab += (a[q] - ma) * (b[q] - mb), saa += (a[q] - ma) * (a[q] - ma), sbb += (b[q] - mb) * (b[q] - mb);
+              return sab / std::sqrt(saa * sbb);
+            };
+            bool same_sms = true;
+            for (int b2 = 0; b2 < blocks; ++b2) same_sms &= smof[0][b2] == smof[1][b2] && smof[0][b2] == smof[2][b2];
+            std::printf("%-10s %3d   SM map: a block's SM the same in the three launches: %s\n", f.name, M,
+                        same_sms ? "yes" : "no");
+            for (int c = 0; c < classes14; ++c) {
+              // by SM: launch 3's time of the block on SM s; by slot: launch 3's time of the block that ran slot s
+              std::vector<double> a = tim[c], b = tim[classes14 + c], bysm(blocks), byslot(blocks);
+              std::vector<int> at_sm(1024, -1);
+              for (int b2 = 0; b2 < blocks; ++b2) at_sm[smof[2][b2] & 1023] = b2;
+              for (int b2 = 0; b2 < blocks; ++b2) {
+                const int j = at_sm[smof[0][b2] & 1023];
+                bysm[b2] = j >= 0 ? tim[2 * classes14 + c][j] : 0.0;
+                byslot[b2] = tim[2 * classes14 + c][(b2 - rot % blocks + blocks) % blocks];  // it ran slot b2
+              }
+              std::vector<double> srt = a;
+              std::sort(srt.begin(), srt.end());
+              std::printf("%-10s %3d   SM map, class %d: us a layer min %.2f median %.2f max %.2f; correlation with "
+                          "the same launch again %.2f, with the rotated launch by SM %.2f, by slot %.2f\n", f.name, M, c,
+                          srt[0], srt[blocks / 2], srt[blocks - 1], corr(a, b), corr(a, bysm), corr(a, byslot));
+            }
+            if (std::getenv("LAB_SMMAP_ALL"))
+              for (int c = 0; c < classes14; ++c) {
+                std::printf("%-10s %3d   SM map, class %d, block:sm:us (launch 1, rotated):", f.name, M, c);
+                for (int b2 = 0; b2 < blocks; ++b2)
+                  std::printf(" %d:%d:%.2f:%.2f", b2, smof[0][b2], tim[c][b2], tim[2 * classes14 + c][b2]);
+                std::printf("\n");
+              }
+          }
           if (std::getenv("LAB_BLOCKS")) {  // sm:time of every block, for the SM-to-speed map
             std::printf("%-10s %3d   blocks", f.name, M);
             for (int b2 = 0; b2 < blocks; ++b2) std::printf(" %llu:%.2f", wc[5 * blocks + b2], tot[b2]);
@@ -1120,8 +1188,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   for (int f : forms)
-    if (f < 5 || f == 10 || f == 15 || f > 19) {
-      std::fprintf(stderr, "--forms: 5 to 9, 11 to 14, 16 to 19\n");
+    if (f < 5 || f == 10 || f == 15 || f == 19 || f > 20) {
+      std::fprintf(stderr, "--forms: 5 to 9, 11 to 14, 16 to 18, 20 (form 19 became form 20)\n");
       return 2;
     }
   for (int t : tiles)

@@ -8,7 +8,7 @@ share of the next linear's weights into shared memory while the previous
 linear's outputs are still being written, and every activation reads 0xffff
 until it is written, so a block starts on an input as soon as the values it
 reads are there (no kernel boundary, no grid barrier; csrc/persist_chain.cuh,
-form 19; dev/PERSISTENT.md has the design and its measurements).
+form 20; dev/PERSISTENT.md has the design and its measurements).
 
 Each layer is the decode step's linears with their glue and a stand-in for
 attention (o reads the first H outputs of q/k/v):
