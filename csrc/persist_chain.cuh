@@ -2059,8 +2059,8 @@ __device__ __forceinline__ void chain_async_input(const uint4* src, int chunks, 
 
 // Form 20's input with its RMSNorm (M = 1, fp16 halves; every consumer thread
 // calls it between the block barriers of the hand-off): the input's copy
-// for this launch (parity par; or plain fp16) into xs, polled as form 18
-// does, with the fp32 sum of its squares; one block barrier; then each
+// for this launch (parity par; or plain fp16) into xs at once, as
+// chain_async_input copies it, with the fp32 sum of its squares; one block barrier; then each
 // value y = round(w * round(s * rsqrt(mean(s^2) + eps))), as transformers'
 // LlamaRMSNorm and qgemv's add_rms_gather round, then the nibble transform
 // and the 2^-24 group sums of the plain preparation.  Thread i handles
@@ -2074,16 +2074,20 @@ __device__ __noinline__ void chain_norm_input(const GemvParams& p, int o_flags, 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   uint4* xs4 = reinterpret_cast<uint4*>(xs);
   float ss = 0.f;
+  // as chain_async_input: every chunk copied at once, the poisoned ones polled again
+  const bool plain = (o_flags & kChainPlainX) != 0;
+  const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.x) +
+                                                    (plain ? size_t{0} : static_cast<size_t>(par) * p.ldx));
+  for (int c = threadIdx.x; c < chunks; c += nthreads) cp_async_16_shared_data(xs4 + c, src + c);
+  cp_async_commit();
+  cp_async_wait<0>();
   for (int c = threadIdx.x; c < chunks; c += nthreads) {
-    uint4 v;
-    if (o_flags & kChainPlainX) {
-      v = __ldcg(reinterpret_cast<const uint4*>(p.x) + c);
-    } else {
-      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.x) + static_cast<size_t>(par) * p.ldx);
-      v = ld_relaxed_gpu_v4(src + c);
-      while (!nowait && !chain_half_ready(v)) v = ld_relaxed_gpu_v4(src + c);
+    uint4 v = xs4[c];
+    if (!plain && !nowait && !chain_half_ready(v)) {
+      do v = ld_relaxed_gpu_v4(src + c);
+      while (!chain_half_ready(v));
+      xs4[c] = v;
     }
-    xs4[c] = v;
     const __half2* h = reinterpret_cast<const __half2*>(&v);
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
