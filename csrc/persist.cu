@@ -18,20 +18,26 @@ namespace {
 constexpr int kPersistChunk = 2;  // tiles a ring chunk
 constexpr int kPersistStageTiles = 2;
 
-template <int kGroup, bool kZeros>
+// kNorm: each op's input through its RMSNorm gain on the way in (ChainShape::norms).
+template <int kGroup, bool kZeros, bool kNorm>
 constexpr auto persist_kernel =
-    chain11_kernel<kGroup, kZeros, kPersistStageTiles, true, true, kFeedSelf, kPersistChunk, true, true>;
+    chain11_kernel<kGroup, kZeros, kPersistStageTiles, true, true, kFeedSelf, kPersistChunk, true, true, kNorm>;
 
-// f(kernel) for the format; false when there is none.
-template <typename F>
-bool persist_dispatch(int group, bool zeros, F&& f) {
-  if (group == 0 && !zeros) return f(persist_kernel<0, false>), true;
-  if (group == 128 && !zeros) return f(persist_kernel<128, false>), true;
-  if (group == 128 && zeros) return f(persist_kernel<128, true>), true;
+template <bool kNorm, typename F>
+bool persist_dispatch_n(int group, bool zeros, F&& f) {
+  if (group == 0 && !zeros) return f(persist_kernel<0, false, kNorm>), true;
+  if (group == 128 && !zeros) return f(persist_kernel<128, false, kNorm>), true;
+  if (group == 128 && zeros) return f(persist_kernel<128, true, kNorm>), true;
   return false;
 }
+// f(kernel) for the format (with the RMSNorms or not); false when there is none.
+template <typename F>
+bool persist_dispatch(int group, bool zeros, bool norm, F&& f) {
+  return norm ? persist_dispatch_n<true>(group, zeros, f) : persist_dispatch_n<false>(group, zeros, f);
+}
 
-ChainShape persist_shape(const PersistPlan& plan, int group, bool zeros, int stages, const int32_t* d_schedule) {
+ChainShape persist_shape(const PersistPlan& plan, int group, bool zeros, int stages, const int32_t* d_schedule,
+                         const void* const* d_norms = nullptr, float eps = 0.f) {
   ChainShape sh{kPersistStageTiles, stages, chain_meta_bytes(group, zeros), plan.x_cap, 1, 0};
   sh.sums = plan.sums;
   sh.paired = 2;  // halves
@@ -39,6 +45,8 @@ ChainShape persist_shape(const PersistPlan& plan, int group, bool zeros, int sta
   sh.chunked = 3;  // form 20
   sh.cursors = reinterpret_cast<const int4*>(d_schedule);
   sh.classes = plan.classes;
+  sh.norms = d_norms;
+  sh.norm_eps = eps;
   return sh;
 }
 
@@ -115,7 +123,7 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int group, bool zeros
   return pl;
 }
 
-std::string persist_refusal(const PersistPlan& plan, int group, bool zeros, int blocks, int warps) {
+std::string persist_refusal(const PersistPlan& plan, int group, bool zeros, int blocks, int warps, bool norm) {
   if (!plan.error.empty()) return plan.error;
   int dev = 0, major = 0, sms = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
@@ -126,7 +134,7 @@ std::string persist_refusal(const PersistPlan& plan, int group, bool zeros, int 
   }
   if (major != 9) return str("needs compute capability 9.x (bulk copies, mbarriers), this GPU has ", major);
   std::string why;
-  const bool known = persist_dispatch(group, zeros, [&](auto kernel) {
+  const bool known = persist_dispatch(group, zeros, norm, [&](auto kernel) {
     cudaFuncAttributes fa{};
     if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess || fa.binaryVersion < 90) {
       (void)cudaGetLastError();
@@ -154,10 +162,10 @@ std::string persist_refusal(const PersistPlan& plan, int group, bool zeros, int 
 
 cudaError_t persist_launch(const PersistPlan& plan, const void* d_ops, int nops, const int32_t* d_schedule,
                            unsigned* d_sync, int group, bool zeros, int blocks, int warps, int stages,
-                           cudaStream_t stream) {
-  const ChainShape sh = persist_shape(plan, group, zeros, stages, d_schedule);
+                           cudaStream_t stream, const void* const* d_norms, float eps) {
+  const ChainShape sh = persist_shape(plan, group, zeros, stages, d_schedule, d_norms, eps);
   cudaError_t err = cudaErrorInvalidValue;
-  persist_dispatch(group, zeros, [&](auto kernel) {
+  persist_dispatch(group, zeros, d_norms != nullptr, [&](auto kernel) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan.smem));
     if (err != cudaSuccess) return;
     cudaLaunchConfig_t cfg{};

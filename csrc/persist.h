@@ -1,7 +1,8 @@
 // The persistent chain of linears (issue 35, stage 1): host interface of
 // csrc/persist.cu, for the torch glue.  One launch runs a chain of int4
 // linears, each reading an earlier one's output, with no kernel boundary
-// between them (form 17 of csrc/persist_chain.cuh; dev/PERSISTENT.md).
+// between them (form 20 of csrc/persist_chain.cuh; dev/PERSISTENT.md), with
+// the RMSNorms of the ops' inputs inside the hand-offs when asked.
 //
 // Supported: int4 per channel and int4 G = 128 with or without zero points,
 // fp16 activations, one token, compute capability 9.x.  K % 128 == 0,
@@ -63,15 +64,19 @@ PersistPlan persist_plan(const std::vector<PersistOp>& ops, int group, bool zero
                          int stages);
 
 // Why the chain's grid cannot run on the current device ("" when it can):
-// compute capability, this build's machine code, and one block an SM.
-std::string persist_refusal(const PersistPlan& plan, int group, bool zeros, int blocks, int warps);
+// compute capability, this build's machine code, and one block an SM (norm:
+// the kernel with the RMSNorms).
+std::string persist_refusal(const PersistPlan& plan, int group, bool zeros, int blocks, int warps,
+                            bool norm = false);
 
 // One launch: d_ops / d_schedule the plan's tables on the device, d_sync
 // [nops + 1] u32 zeroed once before the first launch (the last counts the
-// launches: the epoch).  A cooperative launch: refused, not hung, when the
-// grid cannot be co-resident.
+// launches: the epoch).  d_norms (or nullptr): a device array of nops
+// pointers, each op's RMSNorm gain (fp16 [K], 16-byte aligned) or nullptr:
+// that op reads round(gain * round(x * rsqrt(mean(x^2) + eps))) instead of x.
+// A cooperative launch: refused, not hung, when the grid cannot be co-resident.
 cudaError_t persist_launch(const PersistPlan& plan, const void* d_ops, int nops, const int32_t* d_schedule,
                            unsigned* d_sync, int group, bool zeros, int blocks, int warps, int stages,
-                           cudaStream_t stream);
+                           cudaStream_t stream, const void* const* d_norms = nullptr, float eps = 0.f);
 
 }  // namespace qgemv

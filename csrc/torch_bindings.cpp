@@ -479,9 +479,10 @@ at::Tensor persist_fuse_py(const at::Tensor& qweight, const at::Tensor& scales, 
 
 // "" when launched, else why not (returned, not thrown: on torch 2.11 an
 // exception out of the extension ends the process, see ops._precheck_cuda).
+// norms: 0, or the device address of nops pointers (each op's RMSNorm gain or 0; qgemv/persist.py keeps them).
 std::string persist_launch_py(const at::Tensor& ops, const at::Tensor& schedule, const at::Tensor& sync, int group,
                               bool zeros, int blocks, int warps, int stages, int classes, int sums, int x_cap,
-                              int64_t smem) {
+                              int64_t smem, int64_t norms, double eps) {
   if (!ops.is_cuda() || !schedule.is_cuda() || !sync.is_cuda() || ops.device() != sync.device() ||
       schedule.device() != sync.device())
     return "ops, schedule and sync must be CUDA tensors on one device";
@@ -493,7 +494,8 @@ std::string persist_launch_py(const at::Tensor& ops, const at::Tensor& schedule,
   const cudaError_t err = persist_launch(persist_plan_from(classes, sums, x_cap, smem), ops.data_ptr(),
                                          static_cast<int>(nops), schedule.data_ptr<int32_t>(),
                                          reinterpret_cast<unsigned*>(sync.data_ptr<int32_t>()), group, zeros, blocks,
-                                         warps, stages, c10::cuda::getCurrentCUDAStream());
+                                         warps, stages, c10::cuda::getCurrentCUDAStream(),
+                                         reinterpret_cast<const void* const*>(norms), static_cast<float>(eps));
   return err == cudaSuccess ? std::string() : std::string(cudaGetErrorString(err));
 }
 
@@ -573,10 +575,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          pybind11::arg("K"));
   ps.def("plan", &qgemv::persist_plan_py, "The chain's tables (host only; pointers as integers).");
   ps.def("op_bytes", &qgemv::persist_op_bytes, "Bytes of one op in the plan's op table.");
-  ps.def("refusal", [](int64_t smem, int group, bool zeros, int blocks, int warps) {
-           return qgemv::persist_refusal(qgemv::persist_plan_from(0, 0, 0, smem), group, zeros, blocks, warps);
+  ps.def("refusal", [](int64_t smem, int group, bool zeros, int blocks, int warps, bool norm) {
+           return qgemv::persist_refusal(qgemv::persist_plan_from(0, 0, 0, smem), group, zeros, blocks, warps, norm);
          },
-         "Why a grid of a plan (its shared memory a block) cannot run on the current device, or ''.");
+         "Why a grid of a plan (its shared memory a block) cannot run on the current device, or ''.",
+         pybind11::arg("smem"), pybind11::arg("group"), pybind11::arg("zeros"), pybind11::arg("blocks"),
+         pybind11::arg("warps"), pybind11::arg("norm") = false);
   ps.def("launch", &qgemv::persist_launch_py,
-         "One launch of the chain on the current stream: '' when launched, else why not (never raises).");
+         "One launch of the chain on the current stream: '' when launched, else why not (never raises).",
+         pybind11::arg("ops"), pybind11::arg("schedule"), pybind11::arg("sync"), pybind11::arg("group"),
+         pybind11::arg("zeros"), pybind11::arg("blocks"), pybind11::arg("warps"), pybind11::arg("stages"),
+         pybind11::arg("classes"), pybind11::arg("sums"), pybind11::arg("x_cap"), pybind11::arg("smem"),
+         pybind11::arg("norms") = 0, pybind11::arg("eps") = 0.0);
 }

@@ -2,6 +2,7 @@
 
     chain = qgemv.persist.PersistentChain(layers)      # [(qkv, o, gate_up, down) PackedWeight, ...]
     y = chain(x)                                       # x [1, H] float16 -> [1, H] float16
+    chain = qgemv.persist.PersistentChain(layers, norms=gains, eps=1e-5)   # with each layer's two RMSNorms
 
 One kernel launch runs every linear of every layer: each block streams its
 share of the next linear's weights into shared memory while the previous
@@ -13,16 +14,20 @@ form 20; dev/PERSISTENT.md has the design and its measurements).
 Each layer is the decode step's linears with their glue and a stand-in for
 attention (o reads the first H outputs of q/k/v):
 
-    q = qkv(x);  h = o(q[:, :H]) + x;  a = silu(g) * u  for (g, u) = gate_up(h);  x' = down(a) + h
+    q = qkv(n1(x));  h = o(q[:, :H]) + x;  a = silu(g) * u  for (g, u) = gate_up(n2(h));  x' = down(a) + h
 
-every result rounded to float16 as the per-op chain rounds it
-(:func:`reference` is that chain, one qgemv kernel a linear).  gate_up holds
-gate's rows, then up's (a qgemv checkpoint's fused gate/up).
+where n1 and n2 are the layer's RMSNorms when ``norms`` is given (the
+identity otherwise), computed inside the launch where each block reads the
+linear's input: n(v) = round(gain * round(v * rsqrt(mean(v^2) + eps))), the
+rounding of transformers' LlamaRMSNorm.  Every result is rounded to float16
+as the per-op chain rounds it (:func:`reference` is that chain, one qgemv
+kernel a linear).  gate_up holds gate's rows, then up's (a qgemv
+checkpoint's fused gate/up).
 
 Supported: int4 per channel, int4 G = 128 with or without zero points (no
 act-order perm), float16 activations, one token, compute capability 9.x,
 K % 128 == 0 and N % 16 == 0 (gate_up: % 32).  Not in the engine yet: no
-RMSNorm, RoPE or attention inside the launch (stage 2).
+RoPE or attention inside the launch (stage 2).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ DEFAULT_WARPS = 16
 DEFAULT_STAGES = 8
 
 Layer = Tuple[PackedWeight, PackedWeight, PackedWeight, PackedWeight]
+Norms = Tuple[torch.Tensor, torch.Tensor]  # a layer's (input, post-attention) RMSNorm gains, float16 [H]
 
 
 class PersistError(ValueError):
@@ -53,15 +59,23 @@ def _module():
     return mod.persist
 
 
-def reference(layers: Sequence[Layer], x: torch.Tensor) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+    """round(gain * round(x * rsqrt(mean(x^2) + eps))) over the last dim (float32 inside, as transformers'
+    LlamaRMSNorm): x [..., H] float16, gain [H] float16 -> [..., H] float16."""
+    xf = x.float()
+    return gain * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def reference(layers: Sequence[Layer], x: torch.Tensor, norms: Optional[Sequence[Norms]] = None,
+              eps: float = 1e-5) -> torch.Tensor:
     """The same chain one qgemv kernel a linear, with the glue in torch: x [1, H] float16 -> [1, H] float16."""
     from .ops import linear
 
-    for qkv, o, gate_up, down in layers:
+    for li, (qkv, o, gate_up, down) in enumerate(layers):
         h_dim = o.out_features
-        q = linear(x, qkv)
+        q = linear(rms_norm(x, norms[li][0], eps) if norms else x, qkv)
         h = linear(q[:, :h_dim], o) + x
-        gu = linear(h, gate_up).float()
+        gu = linear(rms_norm(h, norms[li][1], eps) if norms else h, gate_up).float()
         inter = gu.shape[-1] // 2
         a = (torch.nn.functional.silu(gu[..., :inter]) * gu[..., inter:]).half()
         x = linear(a, down) + h
@@ -100,12 +114,14 @@ class PersistentChain:
             device, all in one of :data:`FORMATS`; Nqkv >= H; gate_up: gate's rows, then up's.
         warps: warps a block (1-16); stages: ring slots a warp (an even number above 2).
         blocks: the grid (default: one block an SM; more than fit at once is refused, never hung).
+        norms: per layer (input, post-attention) RMSNorm gains, float16 [H] on the chain's device, or None (no
+            norms); eps: their epsilon.
     The weights are re-laid for the kernel (G = 128: each 1 KB tile with its scales and zero points, on the
     CPU once); the chain keeps its own activation buffers, so calls on one chain must not overlap.
     """
 
     def __init__(self, layers: Sequence[Layer], *, warps: int = DEFAULT_WARPS, stages: int = DEFAULT_STAGES,
-                 blocks: Optional[int] = None):
+                 blocks: Optional[int] = None, norms: Optional[Sequence[Norms]] = None, eps: float = 1e-5):
         ps = _module()
         layers = [tuple(layer) for layer in layers]
         if not layers:
@@ -141,11 +157,28 @@ class PersistentChain:
                                        f"multiple of {step} and K of 128")
         if dev.type != "cuda":
             raise PersistError(f"PersistentChain: the weights must be on a CUDA device, got {dev}")
+        if norms is not None:
+            norms = [tuple(n) for n in norms]
+            if len(norms) != len(layers):
+                raise PersistError(f"norms: {len(norms)} pairs of gains for {len(layers)} layers")
+            for li, pair in enumerate(norms):
+                if len(pair) != 2:
+                    raise PersistError(f"norms[{li}]: expected 2 gains (input, post-attention), got {len(pair)}")
+                for name, g in zip(("input", "post-attention"), pair):
+                    if not isinstance(g, torch.Tensor) or g.dtype != torch.float16 or g.shape != (h,) or \
+                            g.device != dev:
+                        raise PersistError(f"norms[{li}] {name}: must be float16 [{h}] on {dev}, got "
+                                           f"{getattr(g, 'dtype', type(g).__name__)} "
+                                           f"{list(getattr(g, 'shape', []))} on {getattr(g, 'device', '-')}")
+            if not (eps > 0.0):
+                raise PersistError(f"eps must be positive, got {eps}")
         self.group, self.zeros = fmt
         self.format = qkv0.format
         self.device = dev
         self.layers = len(layers)
         self.warps, self.stages = warps, stages
+        self.eps = float(eps)
+        self.has_norms = norms is not None
         if blocks is None:
             blocks = torch.cuda.get_device_properties(dev).multi_processor_count
         self.blocks = blocks
@@ -159,6 +192,7 @@ class PersistentChain:
         self._acts = []  # the activation buffers inside the launch (two fp16 copies each)
         self.weight_bytes = 0  # what one launch streams: the weights in the kernel's layout
         ops = []
+        gains = []  # per op: its input's RMSNorm gain (a contiguous copy: 16-byte aligned) or 0
         x, x_plain = self.input, True
         for li, (qkv, o, gu, down) in enumerate(layers):
             last = li + 1 == len(layers)
@@ -173,18 +207,23 @@ class PersistentChain:
                         qkv.out_features))  # o reads q/k/v's first H outputs
             ops.append((hh.data_ptr(), 0, a.data_ptr(), *ws[2], 2 * i, h, 2, False, False, False, h))
             ops.append((a.data_ptr(), hh.data_ptr(), nxt.data_ptr(), *ws[3], h, i, 1, False, False, last, i))
+            if norms is not None:
+                g1, g2 = (n.contiguous().clone() for n in norms[li])
+                self._keep += [g1, g2]
+                gains += [g1.data_ptr(), 0, g2.data_ptr(), 0]
             x, x_plain = nxt, False
         err, table, sched, self.op_class, self.classes, self.sums, self.x_cap, self.smem = ps.plan(
             ops, self.group, self.zeros, blocks, warps, stages)
         if err:
             raise PersistError(f"PersistentChain: {err}")
         with torch.cuda.device(dev):  # the weights' GPU, not the current one
-            why = ps.refusal(self.smem, self.group, self.zeros, blocks, warps)
+            why = ps.refusal(self.smem, self.group, self.zeros, blocks, warps, self.has_norms)
         if why:
             raise PersistError(f"PersistentChain: {why}")
         self._table = table.to(dev)
         self._schedule = sched.to(dev)
         self._sync = torch.zeros(len(ops) + 1, dtype=torch.int32, device=dev)
+        self._norms = torch.tensor(gains, dtype=torch.int64).to(dev) if gains else None
 
     def _weight(self, w: PackedWeight) -> Tuple[int, int]:
         """(weight pointer, scales pointer) of one linear in the kernel's layout."""
@@ -201,7 +240,8 @@ class PersistentChain:
     def run(self) -> None:
         """One launch on the current stream: :attr:`input` -> :attr:`output` (capturable in a CUDA graph)."""
         why = _module().launch(self._table, self._schedule, self._sync, self.group, self.zeros, self.blocks,
-                               self.warps, self.stages, self.classes, self.sums, self.x_cap, self.smem)
+                               self.warps, self.stages, self.classes, self.sums, self.x_cap, self.smem,
+                               self._norms.data_ptr() if self._norms is not None else 0, self.eps)
         if why:
             raise PersistError(f"PersistentChain: launch refused: {why}")
 

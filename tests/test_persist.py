@@ -4,10 +4,12 @@ On the CPU (the extension built, no GPU needed): the host side the kernel
 trusts, re-derived independently here: every tile of every linear assigned to
 exactly one warp of one block, in order; the fused G = 128 tiles' bytes; the
 plan's refusals.  On a compute-capability-9 GPU: the chain against the per-op
-chain (qgemv.persist.reference) for every supported format, odd grids, CUDA
-graph replays, and a grid too large to be co-resident refused, not hung.
+chain (qgemv.persist.reference) for every supported format, odd grids, with
+and without the layers' RMSNorms, CUDA graph replays, and a grid too large to
+be co-resident refused, not hung.
 """
 
+import math
 import subprocess
 import sys
 import textwrap
@@ -204,6 +206,48 @@ def test_chain_matches_the_per_op_chain(name, dims, grid):
         for buf in chain._acts:
             copies = buf.view(torch.int16).view(2, -1)
             assert not (copies[trial % 2] == -1).any() and bool((copies[1 - trial % 2] == -1).all())
+
+
+def random_norms(layers, h):
+    return [tuple((0.5 + torch.rand(h, device="cuda")).half() for _ in range(2)) for _ in range(layers)]
+
+
+@needs_sm90
+@pytest.mark.parametrize("name", persist.FORMATS)
+@pytest.mark.parametrize("dims,grid", [((256, 384, 640, 3), {}), ((384, 640, 1152, 2), dict(blocks=7, warps=5, stages=4))])
+def test_chain_with_rms_norms_matches_the_per_op_chain(name, dims, grid):
+    h, nqkv, inter, nl = dims
+    layers = make_layers(name, nl, h, nqkv, inter, "cuda")
+    norms = random_norms(nl, h)
+    chain = persist.PersistentChain(layers, norms=norms, eps=1e-5, **grid)
+    for trial in range(3):
+        # inputs far from unit scale: the norm, not the weights, sets the linears' input scale
+        x = (torch.randn(1, h, device="cuda") * 4 ** trial).half()
+        chain.output.fill_(float("nan"))
+        y = chain(x)
+        ref = persist.reference(layers, x, norms, 1e-5)
+        assert torch.isfinite(y).all(), f"trial {trial}: non-finite outputs"
+        # measured on what the layers add to x (the residual stream carries x through unchanged), plus one
+        # float16 step of the output's magnitude (the residual adds round there)
+        added = (ref.float() - x.float()).abs().max().item()
+        step = 2.0 ** (math.floor(math.log2(ref.float().abs().max().item())) - 10)
+        diff = (y.float() - ref.float()).abs().max().item()
+        assert diff <= 2e-2 * added + step, f"trial {trial}: error {diff:.3g}, the layers add {added:.3g}"
+        # and the norms change the result: the chain without them is another function
+        plain = persist.reference(layers, x)
+        assert ((plain.float() - ref.float()).abs().max() / added).item() > 0.1
+
+
+@needs_sm90
+def test_chain_checks_its_norms():
+    layers = make_layers("int4", 2, 256, 384, 640, "cuda")
+    good = random_norms(2, 256)
+    with pytest.raises(persist.PersistError, match="norms: 1 pairs of gains for 2 layers"):
+        persist.PersistentChain(layers, norms=good[:1])
+    with pytest.raises(persist.PersistError, match=r"norms\[1\] post-attention: must be float16 \[256\]"):
+        persist.PersistentChain(layers, norms=[good[0], (good[1][0], good[1][1].float())])
+    with pytest.raises(persist.PersistError, match="eps must be positive"):
+        persist.PersistentChain(layers, norms=good, eps=0.0)
 
 
 @needs_sm90
