@@ -25,6 +25,8 @@ glue in torch), and ``FMT_persist`` runs the same layers, the same weights, as
 one persistent launch (qgemv.persist.PersistentChain, compute capability 9.x).
 Their outputs are compared (``rel_err`` in the report: the largest difference
 over the largest output).  Bytes per layer are the packed weights' in both.
+``--norms`` adds each layer's two RMSNorms (random gains) to both modes: torch
+ops in ``FMT_deps``, the launch's hand-offs in ``FMT_persist``.
 """
 
 from __future__ import annotations
@@ -101,20 +103,24 @@ def dep_layers(fmt: str, layers: int, shapes: list):
     return [(packed(nqkv, h), packed(h, h), packed(n_gu, h), packed(h, inter)) for _ in range(layers)]
 
 
-def dep_rows(fmt: str, layers: int, shapes: list, names: list, ceiling: dict, fp16: dict) -> list:
-    """Rows of FMT_deps and FMT_persist (whichever of them names holds), M = 1, one set of weights."""
+def dep_rows(fmt: str, layers: int, shapes: list, names: list, ceiling: dict, fp16: dict,
+             norms: bool = False) -> list:
+    """Rows of FMT_deps and FMT_persist (whichever of them names holds), M = 1, one set of weights; norms:
+    with each layer's two RMSNorms (gains 0.5-1.5)."""
     from qgemv import persist
 
     lay = dep_layers(fmt, layers, shapes)
     nbytes = sum(w.nbytes for w in lay[0])
-    x = torch.randn(1, shapes[1][1], device="cuda", dtype=torch.float16)
-    ref = persist.reference(lay, x)
+    h = shapes[1][1]
+    x = torch.randn(1, h, device="cuda", dtype=torch.float16)
+    gains = [tuple((0.5 + torch.rand(h, device="cuda")).half() for _ in range(2)) for _ in lay] if norms else None
+    ref = persist.reference(lay, x, gains)
     rows = []
     for name in names:
         err = 0.0
         if name.endswith("_persist"):
             try:
-                chain = persist.PersistentChain(lay)
+                chain = persist.PersistentChain(lay, norms=gains)
             except persist.PersistError as e:
                 print(f"{name}: unavailable ({e})", flush=True)
                 continue
@@ -123,13 +129,14 @@ def dep_rows(fmt: str, layers: int, shapes: list, names: list, ceiling: dict, fp
             us = graph_time(chain.run, replays=20) * 1e3 / layers
             del chain
         else:
-            us = graph_time(lambda: persist.reference(lay, x), replays=20) * 1e3 / layers
+            us = graph_time(lambda: persist.reference(lay, x, gains), replays=20) * 1e3 / layers
         gbps = nbytes / us / 1e3
-        row = dict(variant=name, M=1, us_per_layer=us, bytes_per_layer=nbytes, GBps=gbps,
+        label = name + ("+norms" if norms else "")
+        row = dict(variant=label, M=1, us_per_layer=us, bytes_per_layer=nbytes, GBps=gbps,
                    pct_read_ceiling=100 * gbps / ceiling["read_GBps"], x_fp16=fp16.get(1, float("nan")) / us,
                    rel_err=err)
         rows.append(row)
-        print(f"{name:18s} M= 1: {us:8.1f} us/layer  {gbps:6.0f} GB/s  {row['pct_read_ceiling']:5.1f}% of read  "
+        print(f"{label:24s} M= 1: {us:8.1f} us/layer  {gbps:6.0f} GB/s  {row['pct_read_ceiling']:5.1f}% of read  "
               f"{row['x_fp16']:.2f}x fp16  rel.err {err:.1e}", flush=True)
     return rows
 
@@ -164,6 +171,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--layers", type=int, default=None, help="decoder layers in the chain (default: the model's)")
     ap.add_argument("--out", default=None, help="report prefix (default runs/chain_MODEL)")
+    ap.add_argument("--norms", action="store_true",
+                    help="FMT_deps / FMT_persist: with each layer's two RMSNorms (torch ops / inside the launch)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_chain needs a CUDA GPU")
@@ -188,7 +197,7 @@ def main(argv=None) -> int:
                 print(f"{fmt}_deps / _persist: M = 1 only, skipped", flush=True)
                 continue
             rows += dep_rows(fmt, layers, shapes, [n for n in names if n in (fmt + "_deps", fmt + "_persist")],
-                             ceiling, fp16)
+                             ceiling, fp16, args.norms)
             torch.cuda.empty_cache()
             continue
         try:
