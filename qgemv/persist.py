@@ -115,7 +115,7 @@ class PersistentChain:
         warps: warps a block (1-16); stages: ring slots a warp (an even number above 2).
         blocks: the grid (default: one block an SM; more than fit at once is refused, never hung).
         norms: per layer (input, post-attention) RMSNorm gains, float16 [H] on the chain's device, or None (no
-            norms); eps: their epsilon.
+            norms), copied at construction (later changes to them are not seen); eps: their epsilon.
     The weights are re-laid for the kernel (G = 128: each 1 KB tile with its scales and zero points, on the
     CPU once); the chain keeps its own activation buffers, so calls on one chain must not overlap.
     """
