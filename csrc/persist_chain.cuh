@@ -60,7 +60,7 @@ struct ChainShape {
   // tiles, finishing it, preparing its input; %globaltimer when its outputs are written and when its
   // input was all read
   unsigned long long* stamps = nullptr;
-  int rotate = 0;  // lab (QGEMV_CHAIN_STAMPS, forms 16-19): block b runs the schedule of block (b + rotate) % blocks
+  int rotate = 0;  // lab (QGEMV_CHAIN_STAMPS, forms 16-20): block b runs the schedule of block (b + rotate) % blocks
 };
 
 constexpr int kChainTileBytes = kPanelRows * kTileBytes;  // 1 KB: one tile of one panel
