@@ -69,9 +69,6 @@ constexpr int kChainTileBytes = kPanelRows * kTileBytes;  // 1 KB: one tile of o
 #define QGEMV_CHAIN_STAMPS 0  // the lab defines it 1 (ChainShape::stamps)
 #endif
 constexpr bool kStamps = QGEMV_CHAIN_STAMPS != 0;
-#ifndef QGEMV_CHAIN_SHIFT_IMAD
-#define QGEMV_CHAIN_SHIFT_IMAD 0  // lab A/B (chain_nibble_mma): 1 shifts the nibbles with IMAD.HI
-#endif
 
 // Bytes of one tile's scales and zero points in `meta` (padded to 16).
 __host__ __device__ constexpr int chain_meta_bytes(int group, bool zeros) {
@@ -590,12 +587,7 @@ __device__ __forceinline__ float chain_nibble_input(uint4& v) {
 // accumulator or a second chain).  The sums are 2^-24 of the true ones.
 __device__ __forceinline__ void chain_nibble_mma(uint32_t u0, uint32_t u1, const uint4& xv, float (&c0)[4],
                                                  float (&c1)[4]) {
-#if QGEMV_CHAIN_SHIFT_IMAD
-  // the shift as the high word of a multiply: the FMA pipe instead of the ALU pipe, which the masks fill
-  const uint32_t h0 = __umulhi(u0, 1u << 24), h1 = __umulhi(u1, 1u << 24);
-#else
   const uint32_t h0 = u0 >> 8, h1 = u1 >> 8;
-#endif
   const uint32_t a0[4] = {u0 & 0x000f000fu, u1 & 0x000f000fu, u0 & 0x00f000f0u, u1 & 0x00f000f0u};
   const uint32_t a1[4] = {h0 & 0x000f000fu, h1 & 0x000f000fu, h0 & 0x00f000f0u, h1 & 0x00f000f0u};
   ActTraits<__half>::mma(c0, a0, xv.x, xv.y);
