@@ -18,26 +18,29 @@ namespace {
 constexpr int kPersistChunk = 2;  // tiles a ring chunk
 constexpr int kPersistStageTiles = 2;
 
-// kNorm: each op's input through its RMSNorm gain on the way in (ChainShape::norms).
-template <int kGroup, bool kZeros, bool kNorm>
-constexpr auto persist_kernel =
-    chain11_kernel<kGroup, kZeros, kPersistStageTiles, true, true, kFeedSelf, kPersistChunk, true, true, kNorm>;
+// kNorm: each op's input through its RMSNorm gain on the way in (ChainShape::norms); kDecode (with kNorm):
+// the layers' rotary embedding, cache write and attention (ChainShape::attn).
+template <int kGroup, bool kZeros, bool kNorm, bool kDecode>
+constexpr auto persist_kernel = chain11_kernel<kGroup, kZeros, kPersistStageTiles, true, true, kFeedSelf, kPersistChunk,
+                                               true, true, kNorm, kDecode>;
 
-template <bool kNorm, typename F>
+template <bool kNorm, bool kDecode, typename F>
 bool persist_dispatch_n(int group, bool zeros, F&& f) {
-  if (group == 0 && !zeros) return f(persist_kernel<0, false, kNorm>), true;
-  if (group == 128 && !zeros) return f(persist_kernel<128, false, kNorm>), true;
-  if (group == 128 && zeros) return f(persist_kernel<128, true, kNorm>), true;
+  if (group == 0 && !zeros) return f(persist_kernel<0, false, kNorm, kDecode>), true;
+  if (group == 128 && !zeros) return f(persist_kernel<128, false, kNorm, kDecode>), true;
+  if (group == 128 && zeros) return f(persist_kernel<128, true, kNorm, kDecode>), true;
   return false;
 }
-// f(kernel) for the format (with the RMSNorms or not); false when there is none.
+// f(kernel) for the format (with the RMSNorms or not, with the attention or not); false when there is none.
 template <typename F>
-bool persist_dispatch(int group, bool zeros, bool norm, F&& f) {
-  return norm ? persist_dispatch_n<true>(group, zeros, f) : persist_dispatch_n<false>(group, zeros, f);
+bool persist_dispatch(int group, bool zeros, bool norm, bool decode, F&& f) {
+  if (decode) return norm && persist_dispatch_n<true, true>(group, zeros, f);
+  return norm ? persist_dispatch_n<true, false>(group, zeros, f) : persist_dispatch_n<false, false>(group, zeros, f);
 }
 
 ChainShape persist_shape(const PersistPlan& plan, int group, bool zeros, int stages, const int32_t* d_schedule,
-                         const void* const* d_norms = nullptr, float eps = 0.f) {
+                         const void* const* d_norms = nullptr, float eps = 0.f, const void* d_attn = nullptr,
+                         const int32_t* d_pos = nullptr) {
   ChainShape sh{kPersistStageTiles, stages, chain_meta_bytes(group, zeros), plan.x_cap, 1, 0};
   sh.sums = plan.sums;
   sh.paired = 2;  // halves
@@ -47,6 +50,8 @@ ChainShape persist_shape(const PersistPlan& plan, int group, bool zeros, int sta
   sh.classes = plan.classes;
   sh.norms = d_norms;
   sh.norm_eps = eps;
+  sh.attn = static_cast<const ChainAttn*>(d_attn);
+  sh.pos = d_pos;
   return sh;
 }
 
@@ -55,6 +60,23 @@ std::string str(const char* a, long long v) { return std::string(a) + std::to_st
 }  // namespace
 
 int persist_op_bytes() { return static_cast<int>(sizeof(Chain5Op)); }
+
+long long persist_attn_part(int heads, int kv_heads, int head_dim, int splits) {
+  if (kv_heads < 1 || heads < kv_heads) return 0;
+  return static_cast<long long>(kv_heads) * splits * (heads / kv_heads) * (head_dim + 2);
+}
+
+std::vector<int32_t> persist_rope_rows(int heads, int kv_heads, int head_dim) {
+  std::vector<int32_t> perm;
+  const int D = head_dim, half = D / 2;
+  for (int h = 0; h < heads + kv_heads; ++h)  // q heads, then k heads: panel j holds pairs 8j..8j+7
+    for (int j = 0; j < half / 8; ++j) {
+      for (int r = 0; r < 8; ++r) perm.push_back(h * D + 8 * j + r);
+      for (int r = 0; r < 8; ++r) perm.push_back(h * D + half + 8 * j + r);
+    }
+  for (int r = 0; r < kv_heads * D; ++r) perm.push_back((heads + kv_heads) * D + r);  // v as is
+  return perm;
+}
 
 int persist_tile_bytes(int group, bool zeros) { return kChainTileBytes + chain_meta_bytes(group, zeros); }
 
@@ -66,7 +88,7 @@ std::vector<uint8_t> persist_fuse(const uint8_t* qweight, const uint16_t* scales
 }
 
 PersistPlan persist_plan(const std::vector<PersistOp>& in, int group, bool zeros, int blocks, int warps,
-                         int stages) {
+                         int stages, const std::vector<PersistAttn>& attns) {
   PersistPlan pl;
   const int n = static_cast<int>(in.size());
   if (group != 0 && group != 128) return pl.error = str("group_size must be 0 (per channel) or 128, got ", group), pl;
@@ -108,6 +130,68 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int group, bool zeros
     o.flags = (a.x_plain ? kChainPlainX : 0) | (a.res_plain ? kChainPlainRes : 0) | (a.y_plain ? kChainPlainY : 0);
     pl.x_cap = std::max(pl.x_cap, a.K);
   }
+  // stage 2: each attention's two linears, its shapes, and its table entry
+  const int na = static_cast<int>(attns.size());
+  std::vector<ChainAttn> at(na);
+  std::vector<int> seen(2 * na, -1);
+  for (int i = 0; i < n; ++i) {
+    const PersistOp& a = in[i];
+    const std::string where = "linear " + std::to_string(i) + ": ";
+    if (a.role == 0) continue;
+    if (a.role < 0 || a.role > 2 || a.attn < 0 || a.attn >= na)
+      return pl.error = where + "role must be 1 or 2 with attn in 0.." + std::to_string(na - 1) + ", got role " +
+                        std::to_string(a.role) + " attn " + std::to_string(a.attn), pl;
+    int& slot = seen[2 * a.attn + a.role - 1];
+    if (slot >= 0) return pl.error = where + "attention " + std::to_string(a.attn) + " already has its " +
+                                     (a.role == 1 ? "q/k/v linear" : "linear after it"), pl;
+    slot = i;
+    ops[i].attn = a.attn;
+    ops[i].flags |= a.role == 1 ? kChainRope : kChainAttnIn;
+  }
+  for (int k = 0; k < na; ++k) {
+    const PersistAttn& a = attns[k];
+    const std::string where = "attention " + std::to_string(k) + ": ";
+    const int qi = seen[2 * k], oi = seen[2 * k + 1];
+    if (qi < 0 || oi < 0) return pl.error = where + "needs its q/k/v linear (role 1) and the linear after it (role 2)", pl;
+    if (oi <= qi) return pl.error = where + "the linear after it must come after its q/k/v linear", pl;
+    const int H = a.heads, Hk = a.kv_heads, D = a.head_dim;
+    if (Hk < 1 || H < Hk || H % Hk != 0 || H / Hk > 8)
+      return pl.error = where + "heads must be a multiple of kv_heads, at most 8 query heads a kv head, got " +
+                        std::to_string(H) + " and " + std::to_string(Hk), pl;
+    if (D < 16 || D % 16 != 0) return pl.error = where + str("head_dim must be a positive multiple of 16, got ", D), pl;
+    if ((H / Hk) * D > 2 * warps * kWarpSize)
+      return pl.error = where + "query heads a kv head x head_dim must be at most 2 x the block's threads (" +
+                        std::to_string(2 * warps * kWarpSize) + "), got " + std::to_string((H / Hk) * D), pl;
+    if (a.max_seq < 1 || a.splits < 1)
+      return pl.error = where + "max_seq and splits must be positive, got " + std::to_string(a.max_seq) + " and " +
+                        std::to_string(a.splits), pl;
+    if (!a.k_cache || !a.v_cache || !a.cos || !a.sin || !a.part || !a.count)
+      return pl.error = where + "a null pointer (caches, rotary tables, scratch or counters)", pl;
+    const PersistOp& q = in[qi];
+    const PersistOp& o = in[oi];
+    if (q.N != (H + 2 * Hk) * D || q.out != 0)
+      return pl.error = where + "the q/k/v linear must have N = (heads + 2 kv_heads) head_dim = " +
+                        std::to_string((H + 2 * Hk) * D) + " and a plain output, got N = " + std::to_string(q.N), pl;
+    if (o.K != H * D) return pl.error = where + str("the linear after it must have K = heads x head_dim, got ", o.K), pl;
+    if (q.y_plain || o.x_plain) return pl.error = where + "its buffers live inside the launch (not plain)", pl;
+    ChainAttn& c = at[k];
+    c.qkv = static_cast<const unsigned short*>(q.y);
+    c.out = static_cast<unsigned short*>(const_cast<void*>(o.x));
+    c.k_cache = static_cast<__half*>(a.k_cache);
+    c.v_cache = static_cast<__half*>(a.v_cache);
+    c.cos = static_cast<const __half*>(a.cos);
+    c.sin = static_cast<const __half*>(a.sin);
+    c.part = a.part;
+    c.count = a.count;
+    c.ldq = q.N, c.H = H, c.Hkv = Hk, c.D = D, c.S = a.max_seq, c.splits = a.splits;
+    c.scale = a.scale;
+    // the attention's scratch lives in the input buffer (x_cap fp16)
+    pl.x_cap = std::max(pl.x_cap, (2 * chain_attn_floats(H / Hk, D) + 127) / 128 * 128);
+  }
+  if (na > 0) {
+    pl.attn.resize(sizeof(ChainAttn) * na);
+    std::memcpy(pl.attn.data(), at.data(), pl.attn.size());
+  }
   pl.classes = chain16_classes(ops.data(), n);
   if (pl.classes < 0) return pl.error = str("more distinct linear shapes than the schedule holds: ", kChainMaxClasses), pl;
   for (int i = 0; i < n; ++i) pl.op_class.push_back(ops[i].cls);
@@ -123,7 +207,8 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int group, bool zeros
   return pl;
 }
 
-std::string persist_refusal(const PersistPlan& plan, int group, bool zeros, int blocks, int warps, bool norm) {
+std::string persist_refusal(const PersistPlan& plan, int group, bool zeros, int blocks, int warps, bool norm,
+                            bool decode) {
   if (!plan.error.empty()) return plan.error;
   int dev = 0, major = 0, sms = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
@@ -134,7 +219,7 @@ std::string persist_refusal(const PersistPlan& plan, int group, bool zeros, int 
   }
   if (major != 9) return str("needs compute capability 9.x (bulk copies, mbarriers), this GPU has ", major);
   std::string why;
-  const bool known = persist_dispatch(group, zeros, norm, [&](auto kernel) {
+  const bool known = persist_dispatch(group, zeros, norm, decode, [&](auto kernel) {
     cudaFuncAttributes fa{};
     if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess || fa.binaryVersion < 90) {
       (void)cudaGetLastError();
@@ -162,10 +247,12 @@ std::string persist_refusal(const PersistPlan& plan, int group, bool zeros, int 
 
 cudaError_t persist_launch(const PersistPlan& plan, const void* d_ops, int nops, const int32_t* d_schedule,
                            unsigned* d_sync, int group, bool zeros, int blocks, int warps, int stages,
-                           cudaStream_t stream, const void* const* d_norms, float eps) {
-  const ChainShape sh = persist_shape(plan, group, zeros, stages, d_schedule, d_norms, eps);
+                           cudaStream_t stream, const void* const* d_norms, float eps, const void* d_attn,
+                           const int32_t* d_pos) {
+  if ((d_attn != nullptr) != (d_pos != nullptr) || (d_attn && !d_norms)) return cudaErrorInvalidValue;
+  const ChainShape sh = persist_shape(plan, group, zeros, stages, d_schedule, d_norms, eps, d_attn, d_pos);
   cudaError_t err = cudaErrorInvalidValue;
-  persist_dispatch(group, zeros, d_norms != nullptr, [&](auto kernel) {
+  persist_dispatch(group, zeros, d_norms != nullptr, d_attn != nullptr, [&](auto kernel) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan.smem));
     if (err != cudaSuccess) return;
     cudaLaunchConfig_t cfg{};

@@ -4,8 +4,9 @@
 // between them (form 20 of csrc/persist_chain.cuh; dev/PERSISTENT.md), with
 // the RMSNorms of the ops' inputs inside the hand-offs when asked.
 //
-// Supported: int4 per channel and int4 G = 128 with or without zero points,
-// fp16 activations, one token, compute capability 9.x.  K % 128 == 0,
+// Stage 2 adds each layer's rotary embedding, KV-cache write and attention
+// (PersistAttn).  Supported: int4 per channel and int4 G = 128 with or
+// without zero points, fp16 activations, one token, compute capability 9.x.  K % 128 == 0,
 // N % 16 == 0 (N % 32 == 0 for SiLU * mul).
 #pragma once
 
@@ -34,7 +35,32 @@ struct PersistOp {
   int N = 0, K = 0;
   int out = 0;  // 0: y = round(W x); 1: y = round(round(W x) + res); 2: SiLU * mul of 16-row panel pairs
   bool x_plain = false, res_plain = false, y_plain = false;
+  // stage 2 (the decode step): 1, the q/k/v linear of attention `attn` (its q and k rows permuted so that
+  // each 16-row panel holds 8 rotation pairs, persist_rope_rows); 2, the linear after it (x: its output)
+  int role = 0, attn = -1;
 };
+
+// One layer's attention inside the launch (stage 2; M = 1, fp16).  The
+// token's cache slot, also its rotary position, is a device int32 that the
+// launch reads.  The q/k/v linear's output is q, k, v in their natural order
+// ((heads + 2 kv_heads) x head_dim), rotated.
+struct PersistAttn {
+  void* k_cache = nullptr;      // fp16 [kv_heads][max_seq][head_dim] (this layer's), written at the slot
+  void* v_cache = nullptr;
+  const void* cos = nullptr;    // fp16 [max_seq][head_dim]: the model's rotary tables
+  const void* sin = nullptr;
+  float* part = nullptr;        // fp32 [persist_attn_part(...)] scratch
+  unsigned* count = nullptr;    // [kv_heads], zeroed once before the first launch
+  int heads = 0, kv_heads = 0, head_dim = 0, max_seq = 0, splits = 0;
+  float scale = 0.f;
+};
+
+// Floats of PersistAttn::part.
+long long persist_attn_part(int heads, int kv_heads, int head_dim, int splits);
+
+// The q/k/v rows' order for the launch: row i of the permuted weight is row
+// perm[i] of the natural one (q and k heads' rows in rotation pairs, v as is).
+std::vector<int32_t> persist_rope_rows(int heads, int kv_heads, int head_dim);
 
 // The launch's tables, built on the host once per chain.
 struct PersistPlan {
@@ -42,6 +68,7 @@ struct PersistPlan {
   std::vector<uint8_t> ops;      // the op table (device layout), to copy to the GPU
   std::vector<int32_t> schedule; // [classes][blocks][warps + 1][4]: each warp's run of each op class
   std::vector<int32_t> op_class; // [nops]
+  std::vector<uint8_t> attn;     // stage 2: the attention table (device layout), empty without
   int classes = 0, sums = 0, x_cap = 0;
   size_t smem = 0;               // dynamic shared memory a block
 };
@@ -61,22 +88,25 @@ std::vector<uint8_t> persist_fuse(const uint8_t* qweight, const uint16_t* scales
 // The tables for `blocks` blocks of `warps` warps with `stages` ring slots
 // a warp (plan.error names the first rule broken).
 PersistPlan persist_plan(const std::vector<PersistOp>& ops, int group, bool zeros, int blocks, int warps,
-                         int stages);
+                         int stages, const std::vector<PersistAttn>& attns = {});
 
 // Why the chain's grid cannot run on the current device ("" when it can):
 // compute capability, this build's machine code, and one block an SM (norm:
 // the kernel with the RMSNorms).
 std::string persist_refusal(const PersistPlan& plan, int group, bool zeros, int blocks, int warps,
-                            bool norm = false);
+                            bool norm = false, bool decode = false);
 
 // One launch: d_ops / d_schedule the plan's tables on the device, d_sync
 // [nops + 1] u32 zeroed once before the first launch (the last counts the
 // launches: the epoch).  d_norms (or nullptr): a device array of nops
 // pointers, each op's RMSNorm gain (fp16 [K], 16-byte aligned) or nullptr:
 // that op reads round(gain * round(x * rsqrt(mean(x^2) + eps))) instead of x.
+// d_attn (stage 2, with d_norms): the plan's attention table on the device,
+// d_pos the token's slot (int32).
 // A cooperative launch: refused, not hung, when the grid cannot be co-resident.
 cudaError_t persist_launch(const PersistPlan& plan, const void* d_ops, int nops, const int32_t* d_schedule,
                            unsigned* d_sync, int group, bool zeros, int blocks, int warps, int stages,
-                           cudaStream_t stream, const void* const* d_norms = nullptr, float eps = 0.f);
+                           cudaStream_t stream, const void* const* d_norms = nullptr, float eps = 0.f,
+                           const void* d_attn = nullptr, const int32_t* d_pos = nullptr);
 
 }  // namespace qgemv

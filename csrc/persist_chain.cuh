@@ -14,8 +14,9 @@
 // (chain11_kernel; 12 passes paired activations, 14 adds a feed warp that
 // bulk-copies the weights into shared-memory rings; int4 only) and form 13
 // (chain13_kernel, no block barriers).  dev/persist_lab.cu runs them against
-// qgemv's per-op GEMVs; the extension compiles form 17 only (csrc/persist.cu,
-// qgemv.persist), the other forms stay for the lab.
+// qgemv's per-op GEMVs; the extension compiles form 20 only (csrc/persist.cu,
+// qgemv.persist), the other forms stay for the lab.  Stage 2 (kDecode) adds
+// each layer's RoPE, KV-cache write and attention to form 20 (ChainAttn).
 //
 // Not deterministic: a panel's partial sums (one per warp that touched it)
 // meet in fp32 atomics, in the order they arrive.
@@ -31,6 +32,8 @@
 #include "mbarrier.cuh"
 
 namespace qgemv {
+
+struct ChainAttn;
 
 // The launch's geometry (the host's choice; chain5_smem_bytes sizes it).
 struct ChainShape {
@@ -61,6 +64,10 @@ struct ChainShape {
   // input was all read
   unsigned long long* stamps = nullptr;
   int rotate = 0;  // lab (QGEMV_CHAIN_STAMPS, forms 16-20): block b runs the schedule of block (b + rotate) % blocks
+  // form 20 compiled with kDecode: the layers' attention (device array, Chain5Op::attn indexes it) and the
+  // token's cache slot, which is also its rotary position (a device scalar, read at every launch)
+  const ChainAttn* attn = nullptr;
+  const int* pos = nullptr;
 };
 
 constexpr int kChainTileBytes = kPanelRows * kTileBytes;  // 1 KB: one tile of one panel
@@ -149,6 +156,7 @@ struct Chain5Op {
   int out;               // ChainOut
   int flags = 0;         // form 12 (ChainPaired): which of x, res, y are plain activations
   int cls = 0;           // forms 16 and 17: the op's class in the schedule (chain16_classes)
+  int attn = -1;         // form 20 with kDecode: the layer's ChainAttn for kChainRope / kChainAttnIn
 };
 
 // Form 12's activations carry their own readiness: each element of an op's
@@ -161,6 +169,8 @@ enum ChainPaired : int {
   kChainPlainX = 1,    // x is plain (ready at launch)
   kChainPlainRes = 2,  // res is plain
   kChainPlainY = 4,    // y is plain (nothing in this launch reads it)
+  kChainRope = 8,      // form 20, kDecode: the q/k/v op; its finishing rotates q and k and writes the cache
+  kChainAttnIn = 16,   // form 20, kDecode: the op after attention; the blocks run the attention before its input
 };
 
 constexpr int kChain5MaxWarps = 16;
@@ -2126,6 +2136,242 @@ __device__ __noinline__ void chain_norm_input(const GemvParams& p, int o_flags, 
   }
 }
 
+// ---- Stage 2: a layer's attention inside the launch (form 20, kDecode; M = 1, fp16)
+// The q/k/v op's rows of q and k are permuted on the host so that each
+// 16-row panel holds 8 rotation pairs: panel j of a head holds the head's rows
+// 8j..8j+7 and D/2+8j..D/2+8j+7 (D the head size).  Its finishing rotates
+// them (the token's position a device scalar: one CUDA graph serves every
+// step), writes q, k and v in their natural order into its output (two
+// poisoned copies, as every chain buffer) and k and v into the cache at the
+// token's slot.  Then, before the next op's (o's) input, every block runs its
+// units of the attention: a unit is (kv head, context split), its kv head's
+// gq = H / Hkv query heads over the split's cache positions, with an online
+// softmax; the split's (max, sum, weighted values) go to a scratch buffer,
+// and the last split of a kv head to arrive (a counter) merges them
+// (flash-decoding's merge) into o's input, poisoned copies as any output.
+struct ChainAttn {
+  const unsigned short* qkv;  // the q/k/v op's output: two copies of (H + 2 Hkv) D fp16, copy stride ldq
+  unsigned short* out;        // the attention's output (o's input): two copies of H D fp16
+  __half* k_cache;            // [Hkv][S][D] this layer's
+  __half* v_cache;
+  const __half* cos;          // [S][D] the model's rotary tables (cos[., f] == cos[., f + D / 2])
+  const __half* sin;
+  float* part;                // [Hkv][splits][gq][D + 2]: a split's weighted values, then its max and sum
+  unsigned* count;            // [Hkv]: splits done; zero before the first launch, left zero
+  int ldq, H, Hkv, D, S, splits;
+  float scale;                // the scores' scale (D^-1/2)
+};
+
+// Shared memory the attention needs (floats), inside the input buffer xs: the
+// group's queries, the token's k and v, a chunk's scores, then two buffers of
+// a chunk's K and V rows (fp16, copied at once; the next chunk's copy flies
+// while the block sums this one).
+constexpr int kChainAttnChunk = 32;  // cache positions a chunk
+__host__ __device__ inline int chain_attn_floats(int gq, int D) {
+  return gq * D + 2 * D + gq * kChainAttnChunk + 2 * kChainAttnChunk * D;
+}
+
+// The q/k/v op's finishing with the rotation (M = 1; sums: the block's panels
+// [u0, u0 + count / 16) of this op, complete).  Pairs meet in one warp (rows r
+// and r ^ 8 of a panel are values q and q ^ 8 of an iteration), so the loop is
+// warp-uniform and each warp reads both halves of a pair before zeroing.
+__device__ __noinline__ void chain_rope_finish(const ChainAttn& a, int pos, int par, float* sums, int u0, int count,
+                                               unsigned short* y, int ldy, int nthreads) {
+  const int lane = threadIdx.x & 31, D = a.D, half = D / 2;
+  const int q_rows = a.H * D, qk_rows = (a.H + a.Hkv) * D;
+  if (pos < 0 || pos >= a.S) __trap();  // the slot outside the cache: stop rather than write outside it
+  const __half* cs = a.cos + static_cast<size_t>(pos) * D;
+  const __half* sn = a.sin + static_cast<size_t>(pos) * D;
+  for (int qb = threadIdx.x - lane; qb < count; qb += nthreads) {
+    const int q = qb + lane;
+    const bool on = q < count;
+    const int u = q / kPanelRows, r = q % kPanelRows, row = (u0 + u) * kPanelRows + r;
+    float* sp = sums + static_cast<size_t>(u) * kPanelRows + r;
+    float v = 0.f, w = 0.f;
+    if (on) {
+      v = __half2float(__float2half_rn(*sp));
+      if (row < qk_rows) w = __half2float(__float2half_rn(sp[r < 8 ? 8 : -8]));
+    }
+    __syncwarp();
+    if (!on) continue;
+    *sp = 0.f;
+    int nat = row;  // the row's place in the natural order
+    if (row < qk_rows) {
+      const int head = row / D, f = 8 * ((row % D) / kPanelRows) + (r & 7);
+      nat = head * D + (r < 8 ? f : half + f);
+      const float c = __half2float(cs[f]), s = __half2float(sn[f]);
+      // x1 = row f, x2 = row f + D / 2: (x1 c - x2 s, x2 c + x1 s); here v is this row's, w its pair's
+      v = r < 8 ? v * c - w * s : v * c + w * s;
+    }
+    const __half hv = __float2half_rn(v);
+    unsigned short bits = __half_as_ushort(hv);
+    if (bits == 0xffffu) bits = 0x7fffu;  // a NaN, never the poison
+    unsigned short* yp = y + nat;
+    asm volatile("st.relaxed.gpu.global.u16 [%0], %1;" ::"l"(yp + static_cast<size_t>(par) * ldy), "h"(bits) : "memory");
+    yp[static_cast<size_t>(par ^ 1) * ldy] = 0xffffu;
+    if (nat >= q_rows) {  // k or v of kv head kh: the cache at the token's slot
+      const bool is_k = nat < qk_rows;
+      const int off = nat - (is_k ? q_rows : qk_rows), kh = off / D;
+      (is_k ? a.k_cache : a.v_cache)[(static_cast<size_t>(kh) * a.S + pos) * D + off % D] = hv;
+    }
+  }
+}
+
+// 8 fp16 of a chain buffer, polled until none is the poison, as floats.
+__device__ __forceinline__ void chain_poll8(const unsigned short* p, float* out, float mul) {
+  const uint4* src = reinterpret_cast<const uint4*>(p);
+  uint4 v = ld_relaxed_gpu_v4(src);
+  while (!chain_half_ready(v)) v = ld_relaxed_gpu_v4(src);
+  const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 f = __half22float2(h[e]);
+    out[2 * e] = f.x * mul, out[2 * e + 1] = f.y * mul;
+  }
+}
+
+// The block's units of one layer's attention (every consumer thread; csync
+// the block barrier; sm: chain_attn_floats floats of shared memory).  Each
+// chunk's K and V rows are copied into shared memory at once (cp.async: one
+// round trip a chunk, and the split's first chunk is on its way while the
+// block waits for q/k/v's outputs).  Thread e owns (query head e / D, dim
+// e % D) and e + nthreads (gq D <= 2 nthreads).
+template <typename Sync>
+__device__ __noinline__ void chain_attention(const ChainAttn& a, int pos, int par, int nthreads, Sync&& csync,
+                                             float* sm) {
+  __shared__ int last;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = nthreads / 32;
+  const int gq = a.H / a.Hkv, D = a.D, L = pos + 1, units = a.Hkv * a.splits, pairs = gq * D;
+  float* qf = sm;                                          // [gq][D] queries x scale
+  float* kv = qf + pairs;                                  // [2][D] the token's k, v
+  float* sc = kv + 2 * D;                                  // [gq][kChainAttnChunk] a chunk's scores
+  // [2][K, V][kChainAttnChunk][D]: two chunks' rows
+  __half* rows = reinterpret_cast<__half*>(sc + gq * kChainAttnChunk);
+  const unsigned short* src = a.qkv + static_cast<size_t>(par) * a.ldq;
+  for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
+    const int h = unit / a.splits, s = unit % a.splits;
+    const int p0 = static_cast<int>(static_cast<long long>(s) * L / a.splits);
+    const int p1 = static_cast<int>(static_cast<long long>(s + 1) * L / a.splits);
+    const __half* kc = a.k_cache + static_cast<size_t>(h) * a.S * D;
+    const __half* vc = a.v_cache + static_cast<size_t>(h) * a.S * D;
+    // the chunk at c0 into buffer b: its K and V rows in flight (row pos, not yet written, is copied and
+    // never read)
+    auto fetch = [&](int c0, int b) {
+      const int n = min(kChainAttnChunk, p1 - c0), words = n * D / 8;
+      const uint4* k4 = reinterpret_cast<const uint4*>(kc + static_cast<size_t>(c0) * D);
+      const uint4* v4 = reinterpret_cast<const uint4*>(vc + static_cast<size_t>(c0) * D);
+      uint4* ks4 = reinterpret_cast<uint4*>(rows + static_cast<size_t>(2 * b) * kChainAttnChunk * D);
+      uint4* vs4 = ks4 + kChainAttnChunk * D / 8;
+      for (int c = threadIdx.x; c < 2 * words; c += nthreads)
+        cp_async_16_shared_data(c < words ? ks4 + c : vs4 + (c - words), c < words ? k4 + c : v4 + (c - words));
+      cp_async_commit();
+    };
+    if (p0 < p1) fetch(p0, 0);
+    for (int c = threadIdx.x; c < pairs / 8; c += nthreads) chain_poll8(src + h * pairs + 8 * c, qf + 8 * c, a.scale);
+    if (p1 == L)
+      for (int c = threadIdx.x; c < D / 4; c += nthreads) {
+        const int at = c < D / 8 ? a.H * D + h * D + 8 * c : (a.H + a.Hkv) * D + h * D + 8 * (c - D / 8);
+        chain_poll8(src + at, kv + 8 * c, 1.f);
+      }
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, acc[2] = {0.f, 0.f};
+    for (int c0 = p0, b = 0; c0 < p1; c0 += kChainAttnChunk, b ^= 1) {
+      const int n = min(kChainAttnChunk, p1 - c0);
+      const __half* ks = rows + static_cast<size_t>(2 * b) * kChainAttnChunk * D;
+      const __half* vs = ks + kChainAttnChunk * D;
+      if (c0 + kChainAttnChunk < p1) {  // the next chunk's copy flies while this one is summed
+        fetch(c0 + kChainAttnChunk, b ^ 1);
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      csync();  // the chunk's rows, the queries and the token's k / v are in
+      // scores: a warp a position; lanes over the dims, one shuffle reduction a query head
+      for (int pl = warp; pl < n; pl += W) {
+        const int p = c0 + pl;
+        float part[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) part[j] = 0.f;
+        for (int d = lane; d < D; d += 32) {
+          const float k = p == pos ? kv[d] : __half2float(ks[pl * D + d]);
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+            if (j < gq) part[j] = fmaf(qf[j * D + d], k, part[j]);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          if (j >= gq) break;
+          float v = part[j];
+#pragma unroll
+          for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+          if (lane == 0) sc[j * kChainAttnChunk + pl] = v;
+        }
+      }
+      csync();
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int e = threadIdx.x + k * nthreads;
+        if (e >= pairs) break;
+        const int j = e / D, d = e % D;
+        const float* sj = sc + j * kChainAttnChunk;
+        float mx = m[k];
+        for (int pl = 0; pl < n; ++pl) mx = fmaxf(mx, sj[pl]);
+        const float alpha = __expf(m[k] - mx);
+        float lk = l[k] * alpha, ak = acc[k] * alpha;
+        for (int pl = 0; pl < n; ++pl) {
+          const float pe = __expf(sj[pl] - mx);
+          lk += pe;
+          ak = fmaf(pe, c0 + pl == pos ? kv[D + d] : __half2float(vs[pl * D + d]), ak);
+        }
+        m[k] = mx, l[k] = lk, acc[k] = ak;
+      }
+      csync();  // the chunk's scores and rows are read before the copies two chunks on
+    }
+    float* ps = a.part + (static_cast<size_t>(h) * a.splits + s) * gq * (D + 2);
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int e = threadIdx.x + k * nthreads;
+      if (e >= pairs) break;
+      const int j = e / D, d = e % D;
+      ps[j * (D + 2) + d] = acc[k];
+      if (d == 0) ps[j * (D + 2) + D] = m[k], ps[j * (D + 2) + D + 1] = l[k];
+    }
+    __threadfence();  // the split's values before its count
+    csync();
+    if (threadIdx.x == 0) last = atomicAdd(a.count + h, 1u) == static_cast<unsigned>(a.splits - 1);
+    csync();
+    if (last) {  // every split of kv head h is in: merge them into o's input
+      __threadfence();
+      if (threadIdx.x == 0) a.count[h] = 0u;  // for the next launch (nobody else touches it in this one)
+      const float* ph = a.part + static_cast<size_t>(h) * a.splits * gq * (D + 2);
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int e = threadIdx.x + k * nthreads;
+        if (e >= pairs) break;
+        const int j = e / D, d = e % D;
+        // one pass, the running max rescaling the sums (unrolled: 8 splits' loads in flight at once)
+        float mx = -INFINITY, den = 0.f, num = 0.f;
+#pragma unroll 8
+        for (int t = 0; t < a.splits; ++t) {
+          const float* pt = ph + (t * gq + j) * (D + 2);
+          const float mt = __ldcg(pt + D), lt = __ldcg(pt + D + 1), at = __ldcg(pt + d);
+          if (mt == -INFINITY) continue;  // an empty split
+          const float m2 = fmaxf(mx, mt), r = __expf(mx - m2), w = __expf(mt - m2);
+          den = fmaf(den, r, lt * w);
+          num = fmaf(num, r, at * w);
+          mx = m2;
+        }
+        unsigned short bits = __half_as_ushort(__float2half_rn(num / den));
+        if (bits == 0xffffu) bits = 0x7fffu;
+        unsigned short* op = a.out + h * pairs + e;
+        asm volatile("st.relaxed.gpu.global.u16 [%0], %1;" ::"l"(op + static_cast<size_t>(par) * a.H * D), "h"(bits)
+                     : "memory");
+        op[static_cast<size_t>(par ^ 1) * a.H * D] = 0xffffu;
+      }
+    }
+    csync();  // the scratch is free for the block's next unit
+  }
+}
+
 // chain11_kernel's kFeed: where the consumers' weights come from.
 constexpr int kFeedNone = 0;     // forms 11-13: each lane's own loads, a register ring
 constexpr int kFeedWarp = 1;     // form 14: a feed warp's shared-memory rings, a register ring
@@ -2133,7 +2379,7 @@ constexpr int kFeedChunks = 2;   // form 16: a feed warp's rings, summed chunk b
 constexpr int kFeedSelf = 3;     // form 17: every warp fills its own ring, summed chunk by chunk
 
 template <int kGroup, bool kZeros, int kD, bool kM1, bool kPaired, int kFeed, int kChunk = 4, bool kHalves = false,
-          bool kLean = false, bool kNorm = false>
+          bool kLean = false, bool kNorm = false, bool kDecode = false>
 __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
     chain11_kernel(const Chain5Op* __restrict__ ops, int nops, ChainShape sh, unsigned* sync,
                    unsigned long long* wait_cycles) {
@@ -2343,6 +2589,20 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
       chain_range32(static_cast<unsigned>(chain8_units(o)), blockIdx.x, G, u0, u1);
     }
     const int ppu = chain8_ppu(o), vals = kPanelRows * M;
+    if constexpr (kDecode && kHalves) {
+      if (o.flags & kChainRope) {  // stage 2: q/k/v, rotated, into its output and the cache
+        const long long f0 = timed ? clock64() : 0;
+        csync();
+        chain_rope_finish(sh.attn[o.attn], *sh.pos, par, sums, u0, (u1 - u0) * vals, static_cast<unsigned short*>(p.y),
+                          p.ldy, nthreads);
+        if (timed) {
+          const long long v = clock64() - f0;
+          t_finish += v;
+          per_class(o.cls, 1, v);
+        }
+        return;
+      }
+    }
     const bool silu = o.out == static_cast<int>(ChainOut::kSiluMul);
     const bool resid = o.out == static_cast<int>(ChainOut::kResidual);
     const int count = (u1 - u0) * vals;
@@ -2443,6 +2703,14 @@ __global__ void __launch_bounds__(kChain11MaxWarps * 32, 1)
       if (++i >= nops) return false;
       if constexpr (kChunked) chain16_start(ops[i], rg.tab, warp, W, cur);
       else chain11_start(ops[i], blockIdx.x, G, warp, W, cur);
+      if constexpr (kDecode && kHalves) {
+        if (ops[i].flags & kChainAttnIn) {  // stage 2: the layer's attention writes this op's input
+          const long long a0 = timed ? clock64() : 0;
+          csync();  // every warp is past the last op's reads of xs, the attention's scratch
+          chain_attention(sh.attn[ops[i].attn], *sh.pos, par, nthreads, csync, reinterpret_cast<float*>(xs));
+          if (timed) t_prep += clock64() - a0;
+        }
+      }
       prep_input(ops[i].p, ops[i].flags, ops[i].cls, i);
     }
     seg.begin(cur, ops[i], g, xs + static_cast<size_t>(tokx) * sh.x_cap + 8 * t + cur.kt * 128,

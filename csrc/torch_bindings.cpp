@@ -406,11 +406,16 @@ void register_cuda_kernels() {
 // Low-level: pointers travel as integers (the Python class owns the tensors).
 
 // (error, op table uint8 [nops * sizeof(op)], schedule int32 [classes, blocks, warps + 1, 4], op classes,
-// classes, sums, x_cap, smem); ops: (x, res, y, weight, scales, N, K, out, x_plain, res_plain, y_plain, ldx).
-using PersistOpTuple = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, bool, bool, bool, int>;
+// classes, sums, x_cap, smem, attention table uint8); ops: (x, res, y, weight, scales, N, K, out, x_plain,
+// res_plain, y_plain, ldx, role, attn); attns: (k_cache, v_cache, cos, sin, part, count, heads, kv_heads,
+// head_dim, max_seq, splits, scale).
+using PersistOpTuple =
+    std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, bool, bool, bool, int, int, int>;
+using PersistAttnTuple =
+    std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, int, int, double>;
 
 PersistPlan persist_plan_of(const std::vector<PersistOpTuple>& in, int group, bool zeros, int blocks, int warps,
-                            int stages) {
+                            int stages, const std::vector<PersistAttnTuple>& attn_in) {
   std::vector<PersistOp> ops;
   for (const auto& t : in) {
     PersistOp o;
@@ -422,21 +427,38 @@ PersistPlan persist_plan_of(const std::vector<PersistOpTuple>& in, int group, bo
     o.N = std::get<5>(t), o.K = std::get<6>(t), o.out = std::get<7>(t);
     o.x_plain = std::get<8>(t), o.res_plain = std::get<9>(t), o.y_plain = std::get<10>(t);
     o.ldx = std::get<11>(t);
+    o.role = std::get<12>(t), o.attn = std::get<13>(t);
     ops.push_back(o);
   }
-  return persist_plan(ops, group, zeros, blocks, warps, stages);
+  std::vector<PersistAttn> attns;
+  for (const auto& t : attn_in) {
+    PersistAttn a;
+    a.k_cache = reinterpret_cast<void*>(std::get<0>(t));
+    a.v_cache = reinterpret_cast<void*>(std::get<1>(t));
+    a.cos = reinterpret_cast<const void*>(std::get<2>(t));
+    a.sin = reinterpret_cast<const void*>(std::get<3>(t));
+    a.part = reinterpret_cast<float*>(std::get<4>(t));
+    a.count = reinterpret_cast<unsigned*>(std::get<5>(t));
+    a.heads = std::get<6>(t), a.kv_heads = std::get<7>(t), a.head_dim = std::get<8>(t);
+    a.max_seq = std::get<9>(t), a.splits = std::get<10>(t);
+    a.scale = static_cast<float>(std::get<11>(t));
+    attns.push_back(a);
+  }
+  return persist_plan(ops, group, zeros, blocks, warps, stages, attns);
 }
 
 pybind11::tuple persist_plan_py(const std::vector<PersistOpTuple>& in, int group, bool zeros, int blocks, int warps,
-                                int stages) {
-  const PersistPlan pl = persist_plan_of(in, group, zeros, blocks, warps, stages);
+                                int stages, const std::vector<PersistAttnTuple>& attns) {
+  const PersistPlan pl = persist_plan_of(in, group, zeros, blocks, warps, stages, attns);
   at::Tensor ops = at::empty({static_cast<int64_t>(pl.ops.size())}, at::kByte);
   if (!pl.ops.empty()) std::memcpy(ops.data_ptr(), pl.ops.data(), pl.ops.size());
   at::Tensor sched = at::empty({static_cast<int64_t>(pl.schedule.size())}, at::kInt);
   if (!pl.schedule.empty()) std::memcpy(sched.data_ptr(), pl.schedule.data(), pl.schedule.size() * 4);
   if (pl.error.empty()) sched = sched.view({pl.classes, blocks, warps + 1, 4});
+  at::Tensor attn = at::empty({static_cast<int64_t>(pl.attn.size())}, at::kByte);
+  if (!pl.attn.empty()) std::memcpy(attn.data_ptr(), pl.attn.data(), pl.attn.size());
   return pybind11::make_tuple(pl.error, ops, sched, pl.op_class, pl.classes, pl.sums, pl.x_cap,
-                              static_cast<int64_t>(pl.smem));
+                              static_cast<int64_t>(pl.smem), attn);
 }
 
 PersistPlan persist_plan_from(int classes, int sums, int x_cap, int64_t smem) {
@@ -482,7 +504,7 @@ at::Tensor persist_fuse_py(const at::Tensor& qweight, const at::Tensor& scales, 
 // norms: 0, or the device address of nops pointers (each op's RMSNorm gain or 0; qgemv/persist.py keeps them).
 std::string persist_launch_py(const at::Tensor& ops, const at::Tensor& schedule, const at::Tensor& sync, int group,
                               bool zeros, int blocks, int warps, int stages, int classes, int sums, int x_cap,
-                              int64_t smem, int64_t norms, double eps) {
+                              int64_t smem, int64_t norms, double eps, int64_t attn, int64_t pos) {
   if (!ops.is_cuda() || !schedule.is_cuda() || !sync.is_cuda() || ops.device() != sync.device() ||
       schedule.device() != sync.device())
     return "ops, schedule and sync must be CUDA tensors on one device";
@@ -495,7 +517,8 @@ std::string persist_launch_py(const at::Tensor& ops, const at::Tensor& schedule,
                                          static_cast<int>(nops), schedule.data_ptr<int32_t>(),
                                          reinterpret_cast<unsigned*>(sync.data_ptr<int32_t>()), group, zeros, blocks,
                                          warps, stages, c10::cuda::getCurrentCUDAStream(),
-                                         reinterpret_cast<const void* const*>(norms), static_cast<float>(eps));
+                                         reinterpret_cast<const void* const*>(norms), static_cast<float>(eps),
+                                         reinterpret_cast<const void*>(attn), reinterpret_cast<const int32_t*>(pos));
   return err == cudaSuccess ? std::string() : std::string(cudaGetErrorString(err));
 }
 
@@ -573,18 +596,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   ps.def("fuse", &qgemv::persist_fuse_py, "G = 128 weights in the chain's tiles (CPU tensors in, uint8 out).",
          pybind11::arg("qweight"), pybind11::arg("scales"), pybind11::arg("zeros"), pybind11::arg("N"),
          pybind11::arg("K"));
-  ps.def("plan", &qgemv::persist_plan_py, "The chain's tables (host only; pointers as integers).");
+  ps.def("plan", &qgemv::persist_plan_py, "The chain's tables (host only; pointers as integers).",
+         pybind11::arg("ops"), pybind11::arg("group"), pybind11::arg("zeros"), pybind11::arg("blocks"),
+         pybind11::arg("warps"), pybind11::arg("stages"),
+         pybind11::arg("attns") = std::vector<qgemv::PersistAttnTuple>{});
+  ps.def("rope_rows", &qgemv::persist_rope_rows,
+         "The q/k/v rows' order for the launch: permuted row i is natural row rope_rows[i].",
+         pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("head_dim"));
+  ps.def("attn_part", &qgemv::persist_attn_part, "Floats of one attention's scratch.", pybind11::arg("heads"),
+         pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("splits"));
   ps.def("op_bytes", &qgemv::persist_op_bytes, "Bytes of one op in the plan's op table.");
-  ps.def("refusal", [](int64_t smem, int group, bool zeros, int blocks, int warps, bool norm) {
-           return qgemv::persist_refusal(qgemv::persist_plan_from(0, 0, 0, smem), group, zeros, blocks, warps, norm);
+  ps.def("refusal", [](int64_t smem, int group, bool zeros, int blocks, int warps, bool norm, bool decode) {
+           return qgemv::persist_refusal(qgemv::persist_plan_from(0, 0, 0, smem), group, zeros, blocks, warps, norm,
+                                         decode);
          },
          "Why a grid of a plan (its shared memory a block) cannot run on the current device, or ''.",
          pybind11::arg("smem"), pybind11::arg("group"), pybind11::arg("zeros"), pybind11::arg("blocks"),
-         pybind11::arg("warps"), pybind11::arg("norm") = false);
+         pybind11::arg("warps"), pybind11::arg("norm") = false, pybind11::arg("decode") = false);
   ps.def("launch", &qgemv::persist_launch_py,
          "One launch of the chain on the current stream: '' when launched, else why not (never raises).",
          pybind11::arg("ops"), pybind11::arg("schedule"), pybind11::arg("sync"), pybind11::arg("group"),
          pybind11::arg("zeros"), pybind11::arg("blocks"), pybind11::arg("warps"), pybind11::arg("stages"),
          pybind11::arg("classes"), pybind11::arg("sums"), pybind11::arg("x_cap"), pybind11::arg("smem"),
-         pybind11::arg("norms") = 0, pybind11::arg("eps") = 0.0);
+         pybind11::arg("norms") = 0, pybind11::arg("eps") = 0.0, pybind11::arg("attn") = 0, pybind11::arg("pos") = 0);
 }

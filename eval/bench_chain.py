@@ -27,6 +27,11 @@ Their outputs are compared (``rel_err`` in the report: the largest difference
 over the largest output).  Bytes per layer are the packed weights' in both.
 ``--norms`` adds each layer's two RMSNorms (random gains) to both modes: torch
 ops in ``FMT_deps``, the launch's hand-offs in ``FMT_persist``.
+``--attention L`` (with the norms) replaces the stand-in for attention by the
+real one at a context of L tokens (the token at slot L - 1 of an L-slot
+cache): RoPE, the cache write and GQA attention, torch ops in ``FMT_deps``
+(qgemv.persist.attend) and inside the launch in ``FMT_persist``; the bytes
+then count each layer's K and V cache too.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ MODELS = {
     "llama3-70b": (4, [(10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672)]),
     "qwen2.5-7b": (16, [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)]),
 }
+# (heads, kv_heads, head_dim) for --attention
+HEADS = {"llama3-8b": (32, 8, 128), "llama3-70b": (64, 8, 128), "qwen2.5-7b": (28, 4, 128)}
 VARIANTS = ["fp16", "bf16", "int8", "int4", "int4g128", "int4g128a", "tinygemm_g128", "torch_int8",
             "gemlite_int4g128a", "gemlite_int8", "bnb_nf4", "bnb_int8",
             "int4_deps", "int4_persist", "int4g128_deps", "int4g128_persist", "int4g128a_deps", "int4g128a_persist"]
@@ -103,35 +110,54 @@ def dep_layers(fmt: str, layers: int, shapes: list):
     return [(packed(nqkv, h), packed(h, h), packed(n_gu, h), packed(h, inter)) for _ in range(layers)]
 
 
+def attention_for(heads: tuple, layers: int, context: int):
+    """A qgemv.persist.Attention with random caches of ``context`` slots and RoPE tables (theta 500000)."""
+    from qgemv import persist
+
+    h, hk, d = heads
+    inv = 1.0 / (500000.0 ** (torch.arange(0, d, 2, dtype=torch.float32, device="cuda") / d))
+    ang = torch.arange(context, dtype=torch.float32, device="cuda")[:, None] * inv[None, :]
+    ang = torch.cat([ang, ang], -1)
+    kc = torch.randn(layers, hk, context, d, device="cuda").half()
+    return persist.Attention(h, hk, d, ang.cos().half(), ang.sin().half(), kc, torch.randn_like(kc))
+
+
 def dep_rows(fmt: str, layers: int, shapes: list, names: list, ceiling: dict, fp16: dict,
-             norms: bool = False) -> list:
+             norms: bool = False, heads: tuple = None, context: int = 0) -> list:
     """Rows of FMT_deps and FMT_persist (whichever of them names holds), M = 1, one set of weights; norms:
-    with each layer's two RMSNorms (gains 0.5-1.5)."""
+    with each layer's two RMSNorms (gains 0.5-1.5); context: with attention at that context (heads: the
+    model's (heads, kv_heads, head_dim))."""
     from qgemv import persist
 
     lay = dep_layers(fmt, layers, shapes)
     nbytes = sum(w.nbytes for w in lay[0])
     h = shapes[1][1]
     x = torch.randn(1, h, device="cuda", dtype=torch.float16)
+    norms = norms or context > 0
     gains = [tuple((0.5 + torch.rand(h, device="cuda")).half() for _ in range(2)) for _ in lay] if norms else None
-    ref = persist.reference(lay, x, gains)
+    at = attention_for(heads, layers, context) if context else None
+    pos = context - 1
+    if at is not None:
+        nbytes += 2 * context * heads[1] * heads[2] * 2  # the layer's K and V at this context
+    ref = persist.reference(lay, x, gains, attention=at, position=pos)
     rows = []
     for name in names:
         err = 0.0
         if name.endswith("_persist"):
             try:
-                chain = persist.PersistentChain(lay, norms=gains)
+                chain = persist.PersistentChain(lay, norms=gains, attention=at)
             except persist.PersistError as e:
                 print(f"{name}: unavailable ({e})", flush=True)
                 continue
-            y = chain(x)
+            y = chain(x, position=pos) if at is not None else chain(x)
             err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
             us = graph_time(chain.run, replays=20) * 1e3 / layers
             del chain
         else:
-            us = graph_time(lambda: persist.reference(lay, x, gains), replays=20) * 1e3 / layers
+            us = graph_time(lambda: persist.reference(lay, x, gains, attention=at, position=pos),
+                            replays=20) * 1e3 / layers
         gbps = nbytes / us / 1e3
-        label = name + ("+norms" if norms else "")
+        label = name + (f"+attn{context}" if context else "+norms" if norms else "")
         row = dict(variant=label, M=1, us_per_layer=us, bytes_per_layer=nbytes, GBps=gbps,
                    pct_read_ceiling=100 * gbps / ceiling["read_GBps"], x_fp16=fp16.get(1, float("nan")) / us,
                    rel_err=err)
@@ -173,7 +199,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="report prefix (default runs/chain_MODEL)")
     ap.add_argument("--norms", action="store_true",
                     help="FMT_deps / FMT_persist: with each layer's two RMSNorms (torch ops / inside the launch)")
+    ap.add_argument("--attention", type=int, default=0, metavar="L",
+                    help="FMT_deps / FMT_persist: with the norms and each layer's attention at a context of L tokens")
     args = ap.parse_args(argv)
+    if args.attention < 0:
+        ap.error(f"--attention must be a context length >= 1, got {args.attention}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_chain needs a CUDA GPU")
     from qgemv import _C
@@ -197,7 +227,7 @@ def main(argv=None) -> int:
                 print(f"{fmt}_deps / _persist: M = 1 only, skipped", flush=True)
                 continue
             rows += dep_rows(fmt, layers, shapes, [n for n in names if n in (fmt + "_deps", fmt + "_persist")],
-                             ceiling, fp16, args.norms)
+                             ceiling, fp16, args.norms, HEADS[args.model], args.attention)
             torch.cuda.empty_cache()
             continue
         try:

@@ -11,6 +11,9 @@ until it is written, so a block starts on an input as soon as the values it
 reads are there (no kernel boundary, no grid barrier; csrc/persist_chain.cuh,
 form 20; dev/PERSISTENT.md has the design and its measurements).
 
+    chain = qgemv.persist.PersistentChain(layers, norms=gains, attention=qgemv.persist.Attention(...))
+    y = chain(x, position=slot)                        # the whole decoder at one token, its KV cache updated
+
 Each layer is the decode step's linears with their glue and a stand-in for
 attention (o reads the first H outputs of q/k/v):
 
@@ -24,14 +27,21 @@ as the per-op chain rounds it (:func:`reference` is that chain, one qgemv
 kernel a linear).  gate_up holds gate's rows, then up's (a qgemv
 checkpoint's fused gate/up).
 
+With ``attention`` (:class:`Attention`, stage 2) the stand-in is the real
+attention: q/k/v's finishing rotates q and k (RoPE at the token's position,
+a device scalar read by every launch, so one CUDA graph serves every step)
+and writes k and v into the cache at that slot; then the blocks run the
+attention over the cache in (kv head, context split) units and merge the
+splits into o's input (:func:`attend` is its reference).
+
 Supported: int4 per channel, int4 G = 128 with or without zero points (no
 act-order perm), float16 activations, one token, compute capability 9.x,
-K % 128 == 0 and N % 16 == 0 (gate_up: % 32).  Not in the engine yet: no
-RoPE or attention inside the launch (stage 2).
+K % 128 == 0 and N % 16 == 0 (gate_up: % 32).  Not in the engine yet.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -52,6 +62,81 @@ class PersistError(ValueError):
     """A chain the persistent kernel cannot run; the message names the layer, the linear and the rule."""
 
 
+@dataclass
+class Attention:
+    """The layers' attention inside the launch (stage 2 of issue 35): RoPE, the KV-cache write, attention.
+
+    heads / kv_heads / head_dim: the model's (heads a multiple of kv_heads, at most 8 query heads a kv head,
+    head_dim a multiple of 16); cos / sin: float16 [S, head_dim], the model's rotary tables (cos[p, f] ==
+    cos[p, f + head_dim / 2], as transformers' rotary modules make them); k_cache / v_cache: float16
+    [layers, kv_heads, S, head_dim], contiguous: the launch writes each layer's k (rotated) and v at the
+    token's slot and reads slots 0..slot.  scale: the scores' scale (default head_dim ** -0.5); splits: cache
+    splits a kv head (default: one unit a block, blocks // kv_heads).
+    The token's slot is its rotary position (one sequence, no padding).
+    """
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    scale: Optional[float] = None
+    splits: Optional[int] = None
+
+    @property
+    def max_seq(self) -> int:
+        return self.cos.shape[0]
+
+
+def rope_rows(heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """The q/k/v rows' order in the launch (int64 [(heads + 2 kv_heads) head_dim]): permuted row i is natural
+    row rope_rows[i].  Each 16-row panel of a q or k head holds 8 rotation pairs (rows 8j..8j+7 and
+    head_dim/2 + 8j..+7 of the head), so that one panel's finishing rotates them; v keeps its order."""
+    d, half = head_dim, head_dim // 2
+    j = torch.arange(half // 8).repeat_interleave(16)
+    r = torch.arange(16).repeat(half // 8)
+    within = torch.where(r < 8, 8 * j + r, half + 8 * j + r - 8)
+    qk = (torch.arange(heads + kv_heads)[:, None] * d + within[None, :]).reshape(-1)
+    v = (heads + kv_heads) * d + torch.arange(kv_heads * d)
+    return torch.cat([qk, v])
+
+
+def permute_rows(w: PackedWeight, rows: torch.Tensor) -> PackedWeight:
+    """w with its output rows in the order ``rows`` (exact: the codes, scales and zero points move)."""
+    from . import formats
+
+    rows = rows.to(torch.int64)
+    codes = w.codes()[rows.to(w.qweight.device)]
+    pack = formats.pack_int8 if w.config.bits == 8 else formats.pack_int4
+    sel = (lambda t: None if t is None else t[rows.to(t.device)].contiguous())
+    return PackedWeight(pack(codes.contiguous()), sel(w.scales), sel(w.zeros), w.config, w.in_features, w.perm)
+
+
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of t [..., D] (float32) with one position's tables [D], rounded once to float16."""
+    half = t.shape[-1] // 2
+    return (t * cos + torch.cat((-t[..., half:], t[..., :half]), -1) * sin).half()
+
+
+def attend(at: Attention, layer: int, qkv: torch.Tensor, position: int) -> torch.Tensor:
+    """The reference for one layer's attention at ``position``: q/k/v output [1, (H + 2 Hkv) D] float16 ->
+    [1, H D] float16; writes k (rotated) and v into at's caches at the position (float32 math, as the kernel)."""
+    h, hk, d = at.heads, at.kv_heads, at.head_dim
+    f = qkv[0].float()
+    c, s = at.cos[position].float(), at.sin[position].float()
+    q = _rotate(f[:h * d].view(h, d), c, s)
+    k = _rotate(f[h * d:(h + hk) * d].view(hk, d), c, s)
+    at.k_cache[layer, :, position] = k
+    at.v_cache[layer, :, position] = f[(h + hk) * d:].view(hk, d).half()
+    keys = at.k_cache[layer, :, :position + 1].float()  # [Hkv, L, D]
+    vals = at.v_cache[layer, :, :position + 1].float()
+    scale = at.scale if at.scale is not None else d ** -0.5
+    scores = torch.einsum("hgd,hld->hgl", q.float().view(hk, h // hk, d), keys) * scale
+    return torch.einsum("hgl,hld->hgd", scores.softmax(-1), vals).reshape(1, h * d).half()
+
+
 def _module():
     mod = _ext.MODULE
     if mod is None or not hasattr(mod, "persist"):
@@ -67,14 +152,16 @@ def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def reference(layers: Sequence[Layer], x: torch.Tensor, norms: Optional[Sequence[Norms]] = None,
-              eps: float = 1e-5) -> torch.Tensor:
-    """The same chain one qgemv kernel a linear, with the glue in torch: x [1, H] float16 -> [1, H] float16."""
+              eps: float = 1e-5, attention: Optional[Attention] = None, position: int = 0) -> torch.Tensor:
+    """The same chain one qgemv kernel a linear, with the glue in torch: x [1, H] float16 -> [1, H] float16.
+    With ``attention``: each layer's attention at ``position`` (:func:`attend`; it writes the caches) between
+    q/k/v and o, in the weights' natural row order."""
     from .ops import linear
 
     for li, (qkv, o, gate_up, down) in enumerate(layers):
-        h_dim = o.out_features
         q = linear(rms_norm(x, norms[li][0], eps) if norms else x, qkv)
-        h = linear(q[:, :h_dim], o) + x
+        a = attend(attention, li, q, position) if attention is not None else q[:, :o.in_features]
+        h = linear(a, o) + x
         gu = linear(rms_norm(h, norms[li][1], eps) if norms else h, gate_up).float()
         inter = gu.shape[-1] // 2
         a = (torch.nn.functional.silu(gu[..., :inter]) * gu[..., inter:]).half()
@@ -116,12 +203,16 @@ class PersistentChain:
         blocks: the grid (default: one block an SM; more than fit at once is refused, never hung).
         norms: per layer (input, post-attention) RMSNorm gains, float16 [H] on the chain's device, or None (no
             norms), copied at construction (later changes to them are not seen); eps: their epsilon.
+        attention: the layers' attention inside the launch (:class:`Attention`; needs ``norms``): o reads the
+            attention's output [heads x head_dim] instead of the stand-in, q/k/v's rows are re-ordered for the
+            rotation (on the CPU once), and each launch reads the token's slot from :attr:`position`.
     The weights are re-laid for the kernel (G = 128: each 1 KB tile with its scales and zero points, on the
     CPU once); the chain keeps its own activation buffers, so calls on one chain must not overlap.
     """
 
     def __init__(self, layers: Sequence[Layer], *, warps: int = DEFAULT_WARPS, stages: int = DEFAULT_STAGES,
-                 blocks: Optional[int] = None, norms: Optional[Sequence[Norms]] = None, eps: float = 1e-5):
+                 blocks: Optional[int] = None, norms: Optional[Sequence[Norms]] = None, eps: float = 1e-5,
+                 attention: Optional[Attention] = None):
         ps = _module()
         layers = [tuple(layer) for layer in layers]
         if not layers:
@@ -141,14 +232,18 @@ class PersistentChain:
         self.hidden, self.intermediate = o0.out_features, gu0.out_features // 2
         dev = qkv0.qweight.device
         h, i = self.hidden, self.intermediate
+        at = attention
+        o_in = h if at is None else at.heads * at.head_dim
         for li, (qkv, o, gu, down) in enumerate(layers):
-            shapes = {"qkv": (qkv, qkv.out_features, h), "o": (o, h, h), "gate_up": (gu, 2 * i, h),
+            nqkv = qkv.out_features if at is None else (at.heads + 2 * at.kv_heads) * at.head_dim
+            shapes = {"qkv": (qkv, nqkv, h), "o": (o, h, o_in), "gate_up": (gu, 2 * i, h),
                       "down": (down, h, i)}
             for name, (w, n, k) in shapes.items():
-                if (name == "qkv" and (w.out_features < h or w.in_features != h)) or \
-                        (name != "qkv" and (w.out_features, w.in_features) != (n, k)):
+                loose = name == "qkv" and at is None  # the stand-in reads q/k/v's first H outputs
+                if (loose and (w.out_features < h or w.in_features != h)) or \
+                        (not loose and (w.out_features, w.in_features) != (n, k)):
                     raise PersistError(f"layer {li} {name}: shape {w.out_features} x {w.in_features}, expected "
-                                       f"{'>= ' + str(h) if name == 'qkv' else n} x {k}")
+                                       f"{'>= ' + str(h) if loose else n} x {k}")
                 if w.qweight.device != dev:
                     raise PersistError(f"layer {li} {name}: on {w.qweight.device}, the chain is on {dev}")
                 step = 32 if name == "gate_up" else 16
@@ -172,6 +267,10 @@ class PersistentChain:
                                            f"{list(getattr(g, 'shape', []))} on {getattr(g, 'device', '-')}")
             if not (eps > 0.0):
                 raise PersistError(f"eps must be positive, got {eps}")
+        if at is not None:
+            if norms is None:
+                raise PersistError("attention: needs the layers' norms (norms=)")
+            self._check_attention(at, len(layers), dev)
         self.group, self.zeros = fmt
         self.format = qkv0.format
         self.device = dev
@@ -186,6 +285,14 @@ class PersistentChain:
         def buf(n: int) -> torch.Tensor:  # two copies of n fp16 values, all 0xffff (not yet written)
             return torch.full((n,), -1, dtype=torch.int32, device=dev)
 
+        self.attention = at
+        # the token's cache slot (its rotary position), read by every launch: set it before run() (in place
+        # inside a CUDA graph)
+        self.position = torch.zeros(1, dtype=torch.int32, device=dev)
+        attns = []
+        if at is not None:
+            self.splits = at.splits or max(1, blocks // at.kv_heads)
+            rows = rope_rows(at.heads, at.kv_heads, at.head_dim)
         self.input = torch.zeros(1, h, dtype=torch.float16, device=dev)
         self.output = torch.zeros(1, h, dtype=torch.float16, device=dev)
         self._keep = []  # every tensor the op table points at
@@ -200,30 +307,72 @@ class PersistentChain:
             nxt = self.output if last else buf(h)
             self._keep += [q, hh, a, nxt]
             self._acts += [q, hh, a] + ([] if last else [nxt])
+            if at is not None:
+                qkv = permute_rows(qkv.to("cpu"), rows).to(dev)
             ws = [self._weight(w) for w in (qkv, o, gu, down)]
-            # (x, res, y, weight, scales, N, K, out, x_plain, res_plain, y_plain, x's copy stride)
-            ops.append((x.data_ptr(), 0, q.data_ptr(), *ws[0], qkv.out_features, h, 0, x_plain, False, False, h))
-            ops.append((q.data_ptr(), x.data_ptr(), hh.data_ptr(), *ws[1], h, h, 1, False, x_plain, False,
-                        qkv.out_features))  # o reads q/k/v's first H outputs
-            ops.append((hh.data_ptr(), 0, a.data_ptr(), *ws[2], 2 * i, h, 2, False, False, False, h))
-            ops.append((a.data_ptr(), hh.data_ptr(), nxt.data_ptr(), *ws[3], h, i, 1, False, False, last, i))
+            # (x, res, y, weight, scales, N, K, out, x_plain, res_plain, y_plain, x's copy stride, role, attention)
+            role = (1, li) if at is not None else (0, -1)
+            ops.append((x.data_ptr(), 0, q.data_ptr(), *ws[0], qkv.out_features, h, 0, x_plain, False, False, h,
+                        *role))
+            if at is None:  # o reads q/k/v's first H outputs
+                ops.append((q.data_ptr(), x.data_ptr(), hh.data_ptr(), *ws[1], h, h, 1, False, x_plain, False,
+                            qkv.out_features, 0, -1))
+            else:  # o reads the attention's output
+                att = buf(o_in)
+                part = torch.zeros(ps.attn_part(at.heads, at.kv_heads, at.head_dim, self.splits),
+                                   dtype=torch.float32, device=dev)
+                count = torch.zeros(at.kv_heads, dtype=torch.int32, device=dev)
+                self._keep += [att, part, count]
+                self._acts.append(att)
+                ops.append((att.data_ptr(), x.data_ptr(), hh.data_ptr(), *ws[1], h, o_in, 1, False, x_plain, False,
+                            o_in, 2, li))
+                attns.append((at.k_cache[li].data_ptr(), at.v_cache[li].data_ptr(), at.cos.data_ptr(),
+                              at.sin.data_ptr(), part.data_ptr(), count.data_ptr(), at.heads, at.kv_heads,
+                              at.head_dim, at.max_seq, self.splits,
+                              at.scale if at.scale is not None else at.head_dim ** -0.5))
+            ops.append((hh.data_ptr(), 0, a.data_ptr(), *ws[2], 2 * i, h, 2, False, False, False, h, 0, -1))
+            ops.append((a.data_ptr(), hh.data_ptr(), nxt.data_ptr(), *ws[3], h, i, 1, False, False, last, i, 0, -1))
             if norms is not None:
                 g1, g2 = (n.contiguous().clone() for n in norms[li])
                 self._keep += [g1, g2]
                 gains += [g1.data_ptr(), 0, g2.data_ptr(), 0]
             x, x_plain = nxt, False
-        err, table, sched, self.op_class, self.classes, self.sums, self.x_cap, self.smem = ps.plan(
-            ops, self.group, self.zeros, blocks, warps, stages)
+        err, table, sched, self.op_class, self.classes, self.sums, self.x_cap, self.smem, attn = ps.plan(
+            ops, self.group, self.zeros, blocks, warps, stages, attns)
         if err:
             raise PersistError(f"PersistentChain: {err}")
         with torch.cuda.device(dev):  # the weights' GPU, not the current one
-            why = ps.refusal(self.smem, self.group, self.zeros, blocks, warps, self.has_norms)
+            why = ps.refusal(self.smem, self.group, self.zeros, blocks, warps, self.has_norms, at is not None)
         if why:
             raise PersistError(f"PersistentChain: {why}")
         self._table = table.to(dev)
         self._schedule = sched.to(dev)
         self._sync = torch.zeros(len(ops) + 1, dtype=torch.int32, device=dev)
         self._norms = torch.tensor(gains, dtype=torch.int64).to(dev) if gains else None
+        self._attn = attn.to(dev) if at is not None else None
+
+    @staticmethod
+    def _check_attention(at: Attention, layers: int, dev) -> None:
+        if not isinstance(at, Attention):
+            raise PersistError(f"attention: expected a qgemv.persist.Attention, got {type(at).__name__}")
+        hq, hk, d = at.heads, at.kv_heads, at.head_dim
+        if not (hk >= 1 and hq >= hk and hq % hk == 0 and hq // hk <= 8):
+            raise PersistError(f"attention: heads ({hq}) must be a multiple of kv_heads ({hk}), "
+                               f"at most 8 query heads a kv head")
+        if d < 16 or d % 16:
+            raise PersistError(f"attention: head_dim must be a positive multiple of 16, got {d}")
+        s = at.cos.shape[0] if at.cos.dim() == 2 else -1
+        for name, t, shape in (("cos", at.cos, (s, d)), ("sin", at.sin, (s, d)),
+                               ("k_cache", at.k_cache, (layers, hk, s, d)), ("v_cache", at.v_cache, (layers, hk, s, d))):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float16 or tuple(t.shape) != shape or \
+                    t.device != dev or not t.is_contiguous():
+                raise PersistError(f"attention: {name} must be contiguous float16 {list(shape)} on {dev}, got "
+                                   f"{getattr(t, 'dtype', type(t).__name__)} {list(getattr(t, 'shape', []))} on "
+                                   f"{getattr(t, 'device', '-')}")
+        if s < 1:
+            raise PersistError("attention: the rotary tables hold no positions")
+        if at.splits is not None and at.splits < 1:
+            raise PersistError(f"attention: splits must be positive, got {at.splits}")
 
     def _weight(self, w: PackedWeight) -> Tuple[int, int]:
         """(weight pointer, scales pointer) of one linear in the kernel's layout."""
@@ -241,15 +390,25 @@ class PersistentChain:
         """One launch on the current stream: :attr:`input` -> :attr:`output` (capturable in a CUDA graph)."""
         why = _module().launch(self._table, self._schedule, self._sync, self.group, self.zeros, self.blocks,
                                self.warps, self.stages, self.classes, self.sums, self.x_cap, self.smem,
-                               self._norms.data_ptr() if self._norms is not None else 0, self.eps)
+                               self._norms.data_ptr() if self._norms is not None else 0, self.eps,
+                               self._attn.data_ptr() if self._attn is not None else 0,
+                               self.position.data_ptr() if self._attn is not None else 0)
         if why:
             raise PersistError(f"PersistentChain: launch refused: {why}")
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [1, H] float16 on the chain's device -> [1, H] float16 (a new tensor)."""
+    def __call__(self, x: torch.Tensor, position: Optional[int] = None) -> torch.Tensor:
+        """x [1, H] float16 on the chain's device -> [1, H] float16 (a new tensor); position: the token's cache
+        slot (with attention: required, 0 <= position < the cache's length)."""
         if x.dtype != torch.float16 or x.shape != (1, self.hidden) or x.device != self.device:
             raise PersistError(f"PersistentChain: x must be float16 [1, {self.hidden}] on {self.device}, got "
                                f"{x.dtype} {list(x.shape)} on {x.device}")
+        if self.attention is not None:
+            if position is None or not 0 <= int(position) < self.attention.max_seq:
+                raise PersistError(f"PersistentChain: position must be in 0..{self.attention.max_seq - 1} "
+                                   f"(the cache's slots), got {position}")
+            self.position.fill_(int(position))
+        elif position is not None:
+            raise PersistError("PersistentChain: position is for a chain with attention")
         self.input.copy_(x)
         self.run()
         return self.output.clone()

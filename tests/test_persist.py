@@ -34,7 +34,7 @@ def fake_ops(shapes, outs=None):
     """Plan tuples with made-up (never dereferenced) pointers: shapes [(N, K)], outs per op."""
     outs = outs or [0] * len(shapes)
     return [(4096 * (4 * i + 1), 4096 * (4 * i + 2) if o == 1 else 0, 4096 * (4 * i + 3), 4096 * (4 * i + 4),
-             4096 * (4 * i + 5), n, k, o, i == 0, False, i + 1 == len(shapes), 0) for i, ((n, k), o) in
+             4096 * (4 * i + 5), n, k, o, i == 0, False, i + 1 == len(shapes), 0, 0, -1) for i, ((n, k), o) in
             enumerate(zip(shapes, outs))]
 
 
@@ -48,7 +48,8 @@ SMALL = ([(384, 256), (256, 256), (1280, 256), (256, 640)], [0, 1, 2, 1])
 def test_schedule_assigns_every_tile_once(shapes, outs, blocks, warps):
     ps = qgemv._ext.MODULE.persist
     ops = fake_ops(shapes * 2, outs * 2)  # two layers: the second reuses the first's classes
-    err, table, sched, op_class, classes, sums, x_cap, smem = ps.plan(ops, 128, True, blocks, warps, 8)
+    err, table, sched, op_class, classes, sums, x_cap, smem, attn = ps.plan(ops, 128, True, blocks, warps, 8)
+    assert attn.numel() == 0
     assert err == ""
     assert classes == 4 and op_class == [0, 1, 2, 3] * 2
     assert table.numel() == len(ops) * ps.op_bytes()
@@ -98,7 +99,7 @@ def test_plan_names_the_rule():
     assert "warps must be 1..16, got 17" in ps.plan(ok, 0, False, 4, 17, 8)[0]
     many = fake_ops([(256 + 16 * j, 256) for j in range(9)])
     assert "more distinct linear shapes than the schedule holds: 8" in ps.plan(many, 0, False, 4, 4, 8)[0]
-    short = [t[:11] + (200,) for t in fake_ops([(256, 256)])]
+    short = [t[:11] + (200,) + t[12:] for t in fake_ops([(256, 256)])]
     assert "linear 0: ldx must be 0 or at least K, got 200" in ps.plan(short, 0, False, 4, 4, 8)[0]
 
 
@@ -305,3 +306,179 @@ def test_a_grid_that_cannot_be_co_resident_is_refused_not_hung():
     assert r.returncode == 0, r.stderr[-2000:]
     assert "REFUSED" in r.stdout and "co-resident" in r.stdout, r.stdout
     assert "LAUNCH REFUSED" in r.stdout, r.stdout
+
+
+# ---- stage 2: RoPE, the KV-cache write and attention inside the launch ----
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 128), (4, 4, 64), (8, 1, 32)])
+def test_rope_rows_put_each_rotation_pair_in_one_panel(heads, kv_heads, head_dim):
+    rows = persist.rope_rows(heads, kv_heads, head_dim)
+    n = (heads + 2 * kv_heads) * head_dim
+    assert sorted(rows.tolist()) == list(range(n))  # a permutation
+    half = head_dim // 2
+    for start in range(0, (heads + kv_heads) * head_dim, 16):  # q and k panels: row r pairs with r + 8
+        lo, hi = rows[start:start + 8], rows[start + 8:start + 16]
+        assert (hi - lo == half).all() and (lo // head_dim == start // head_dim).all() and (lo % head_dim < half).all()
+    assert rows[(heads + kv_heads) * head_dim:].tolist() == list(range((heads + kv_heads) * head_dim, n))  # v
+    if has_persist:  # the kernel's own copy of the rule
+        assert qgemv._ext.MODULE.persist.rope_rows(heads, kv_heads, head_dim) == rows.tolist()
+
+
+@pytest.mark.parametrize("name", persist.FORMATS)
+def test_permute_rows_is_exact(name):
+    w = packed(name, 96, 256)
+    rows = torch.randperm(96)
+    p = persist.permute_rows(w, rows)
+    assert torch.equal(p.dequantize(), w.dequantize()[rows])
+
+
+def test_reference_attention_is_sdpa_after_rope():
+    torch.manual_seed(3)
+    h, hk, d, s, pos = 8, 2, 64, 40, 29
+    cos, sin = rope_tables(s, d, "cpu")
+    at = persist.Attention(h, hk, d, cos, sin, torch.randn(1, hk, s, d).half(), torch.randn(1, hk, s, d).half())
+    qkv = torch.randn(1, (h + 2 * hk) * d).half()
+    out = persist.attend(at, 0, qkv, pos)
+    f = qkv[0].float()
+    rot = (lambda t: (t * cos[pos].float() + torch.cat((-t[..., d // 2:], t[..., :d // 2]), -1) * sin[pos].float()))
+    q = rot(f[:h * d].view(h, d)).half()
+    assert torch.equal(at.k_cache[0, :, pos], rot(f[h * d:(h + hk) * d].view(hk, d)).half())
+    assert torch.equal(at.v_cache[0, :, pos], f[(h + hk) * d:].view(hk, d).half())
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float()[None, :, None], at.k_cache[:, :, :pos + 1].float(), at.v_cache[:, :, :pos + 1].float(),
+        enable_gqa=True)
+    assert torch.allclose(out.float(), ref.reshape(1, h * d), atol=2e-3, rtol=2e-3)
+
+
+def attn_ops(h, hk, d, inter=640, roles=((1, 0), (2, 0))):
+    hid = h * d
+    ops = fake_ops([((h + 2 * hk) * d, hid), (hid, hid), (2 * inter, hid), (hid, inter)], [0, 1, 2, 1])
+    ops = [t[:8] + (False,) + t[9:12] + (0, -1) for t in ops]  # every buffer inside the launch
+    (r1, a1), (r2, a2) = roles
+    ops[0] = ops[0][:12] + (r1, a1)
+    ops[1] = ops[1][:12] + (r2, a2)
+    return ops
+
+
+def attn_tuple(h, hk, d, s=64, splits=4):
+    return (8192, 8192 * 2, 8192 * 3, 8192 * 4, 8192 * 5, 8192 * 6, h, hk, d, s, splits, d ** -0.5)
+
+
+@needs_ext
+def test_plan_checks_the_attention():
+    ps = qgemv._ext.MODULE.persist
+    ok = ps.plan(attn_ops(8, 2, 64), 0, False, 8, 16, 8, [attn_tuple(8, 2, 64)])
+    assert ok[0] == "" and ok[8].numel() > 0 and ok[6] >= 8 * 64
+    assert "attention 0: heads must be a multiple of kv_heads" in \
+        ps.plan(attn_ops(8, 3, 64), 0, False, 8, 16, 8, [attn_tuple(8, 3, 64)])[0]
+    assert "at most 8 query heads a kv head" in \
+        ps.plan(attn_ops(16, 1, 32), 0, False, 8, 16, 8, [attn_tuple(16, 1, 32)])[0]
+    assert "head_dim must be a positive multiple of 16, got 40" in \
+        ps.plan(attn_ops(16, 4, 40), 0, False, 8, 16, 8, [attn_tuple(16, 4, 40)])[0]
+    assert "must be at most 2 x the block's threads (64), got 256" in \
+        ps.plan(attn_ops(4, 1, 64), 0, False, 8, 1, 8, [attn_tuple(4, 1, 64)])[0]
+    assert "the q/k/v linear must have N = (heads + 2 kv_heads) head_dim = 1024 and a plain output, got N = 768" in \
+        ps.plan(attn_ops(8, 2, 64), 0, False, 8, 16, 8, [attn_tuple(8, 4, 64)])[0]
+    assert "attention 0: needs its q/k/v linear (role 1) and the linear after it (role 2)" in \
+        ps.plan(attn_ops(8, 2, 64, roles=((1, 0), (0, -1))), 0, False, 8, 16, 8, [attn_tuple(8, 2, 64)])[0]
+    assert "linear 1: role must be 1 or 2 with attn in 0..0, got role 2 attn 1" in \
+        ps.plan(attn_ops(8, 2, 64, roles=((1, 0), (2, 1))), 0, False, 8, 16, 8, [attn_tuple(8, 2, 64)])[0]
+    assert "max_seq and splits must be positive" in \
+        ps.plan(attn_ops(8, 2, 64), 0, False, 8, 16, 8, [attn_tuple(8, 2, 64, splits=0)])[0]
+
+
+def rope_tables(s, d, device):
+    """cos / sin [s, d] float16 as transformers' rotary modules make them (the halves repeated)."""
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    ang = torch.arange(s, dtype=torch.float32)[:, None] * inv[None, :]
+    ang = torch.cat([ang, ang], -1)
+    return ang.cos().half().to(device), ang.sin().half().to(device)
+
+
+def decode_setup(name, h, hk, d, inter, nl, s, device="cuda"):
+    hid = h * d
+    layers = [tuple(w.to(device) for w in (packed(name, (h + 2 * hk) * d, hid), packed(name, hid, hid),
+                                            packed(name, 2 * inter, hid), packed(name, hid, inter)))
+              for _ in range(nl)]
+    cos, sin = rope_tables(s, d, device)
+    kc = (torch.randn(nl, hk, s, d, device=device) * 2).half()
+    vc = torch.randn(nl, hk, s, d, device=device).half()
+    return layers, random_norms(nl, hid), persist.Attention(h, hk, d, cos, sin, kc, vc)
+
+
+def assert_close_cache(got, ref, what):
+    step = 2.0 ** (math.floor(math.log2(ref.float().abs().max().item())) - 10)
+    diff = (got.float() - ref.float()).abs().max().item()
+    assert diff <= 2e-2 * ref.float().abs().max().item() + 2 * step, f"{what}: error {diff:.3g}"
+
+
+@needs_sm90
+@pytest.mark.parametrize("name", persist.FORMATS)
+@pytest.mark.parametrize("cfg", [
+    # GQA 4, head_dim 128, the default splits (a few positions a unit)
+    dict(h=8, hk=2, d=128, inter=1536, nl=2, s=192, splits=None, grid={}),
+    # no GQA, an odd grid, 2 splits a kv head: up to 65 positions a unit, three chunks
+    dict(h=4, hk=4, d=64, inter=640, nl=2, s=130, splits=2, grid=dict(blocks=7, warps=5, stages=4)),
+    # GQA 8, one unit a kv head: the whole context in 10 chunks, nothing to merge
+    dict(h=8, hk=1, d=64, inter=1024, nl=3, s=300, splits=1, grid=dict(blocks=61)),
+])
+def test_decode_chain_matches_the_per_op_chain(name, cfg):
+    torch.manual_seed(7)
+    layers, norms, at = decode_setup(name, cfg["h"], cfg["hk"], cfg["d"], cfg["inter"], cfg["nl"], cfg["s"])
+    at.splits = cfg["splits"]
+    chain = persist.PersistentChain(layers, norms=norms, eps=1e-5, attention=at, **cfg["grid"])
+    hid = cfg["h"] * cfg["d"]
+    for pos in (0, 1, 37, cfg["s"] - 2, cfg["s"] - 1):  # a context of 1 (the token only) up to the whole cache
+        x = torch.randn(1, hid, device="cuda").half()
+        ref_at = persist.Attention(at.heads, at.kv_heads, at.head_dim, at.cos, at.sin, at.k_cache.clone(),
+                                   at.v_cache.clone())
+        before = at.k_cache.clone(), at.v_cache.clone()
+        chain.output.fill_(float("nan"))
+        y = chain(x, position=pos)
+        ref = persist.reference(layers, x, norms, 1e-5, attention=ref_at, position=pos)
+        assert_close_chain(y, ref, x, f"position {pos}")
+        for got, want, old, what in ((at.k_cache, ref_at.k_cache, before[0], "k"),
+                                     (at.v_cache, ref_at.v_cache, before[1], "v")):
+            assert_close_cache(got[:, :, pos], want[:, :, pos], f"{what} cache at {pos}")
+            keep = torch.ones(cfg["s"], dtype=torch.bool)
+            keep[pos] = False
+            assert torch.equal(got[:, :, keep], old[:, :, keep]), f"{what} cache: only slot {pos} may change"
+
+
+@needs_sm90
+def test_decode_chain_replays_in_a_cuda_graph_at_moving_positions():
+    torch.manual_seed(8)
+    layers, norms, at = decode_setup("int4g128a", 8, 2, 64, 1024, 2, 96)
+    chain = persist.PersistentChain(layers, norms=norms, attention=at)
+    chain.input.copy_(torch.randn(1, 512, device="cuda").half())
+    chain.run()  # warm-up outside the capture (writes slot 0)
+    g = torch.cuda.CUDAGraph()
+    st = torch.cuda.Stream()
+    with torch.cuda.stream(st):
+        with torch.cuda.graph(g, stream=st):
+            chain.run()
+    x = torch.randn(1, 512, device="cuda").half()
+    for pos in range(10, 14):  # consecutive decode steps: each feeds its output back
+        ref_at = persist.Attention(8, 2, 64, at.cos, at.sin, at.k_cache.clone(), at.v_cache.clone())
+        chain.input.copy_(x)
+        chain.position.fill_(pos)
+        g.replay()
+        torch.cuda.synchronize()
+        ref = persist.reference(layers, x, norms, 1e-5, attention=ref_at, position=pos)
+        assert_close_chain(chain.output, ref, x, f"graph replay at {pos}")
+        x = chain.output.clone()
+
+
+@needs_sm90
+def test_decode_chain_checks_its_attention():
+    layers, norms, at = decode_setup("int4", 4, 2, 64, 640, 1, 32)
+    with pytest.raises(persist.PersistError, match="attention: needs the layers' norms"):
+        persist.PersistentChain(layers, attention=at)
+    bad = persist.Attention(4, 2, 64, at.cos, at.sin, at.k_cache.float(), at.v_cache)
+    with pytest.raises(persist.PersistError, match=r"attention: k_cache must be contiguous float16 \[1, 2, 32, 64\]"):
+        persist.PersistentChain(layers, norms=norms, attention=bad)
+    chain = persist.PersistentChain(layers, norms=norms, attention=at)
+    with pytest.raises(persist.PersistError, match="position must be in 0..31"):
+        chain(torch.zeros(1, 256, device="cuda").half(), position=32)
+    with pytest.raises(persist.PersistError, match="position must be in 0..31"):
+        chain(torch.zeros(1, 256, device="cuda").half())
