@@ -8,7 +8,9 @@ Models (transformers LlamaForCausalLM, random weights, on the GPU):
   llama3-8b : 32 layers, hidden 4096, 32 heads, 8 KV heads (GQA), FFN 14336, vocab 128256.
 Variants: fp16 and bf16 (nn.Linear, cuBLAS), int8, int4 per channel, int4 g128
 with zero points (the GPTQ / AWQ format); every linear but lm_head converted
-by RTN; q/k/v and gate/up fused by the engine in every variant.
+by RTN; q/k/v and gate/up fused by the engine in every variant.  ``int4_mk``
+and ``int4g128a_mk``: the same weights with ``Engine(megakernel=True)``, each
+batch-1 decode step's decoder layers as one persistent launch.
 
 For each (model, variant, batch): B prompts of --prompt random tokens, then
 --gen new tokens greedily (EOS ignored), after one untimed warm-up that
@@ -55,7 +57,9 @@ MODELS = {
 }
 VARIANTS = {"fp16": None, "bf16": None, "int8": (8, None, True), "int4": (4, None, True),
             "int4g128a": (4, 128, False), "int4g128a_act": (4, 128, False), "int4g128a_act_sep": (4, 128, False),
-            "int4g128a_act_first": (4, 128, False)}
+            "int4g128a_act_first": (4, 128, False), "int4_mk": (4, None, True), "int4g128a_mk": (4, 128, False)}
+# *_mk: the same weights with Engine(megakernel=True): each batch-1 decode step as one persistent launch
+# (qgemv.persist, issue 35); other batches run per-op
 # int4g128a_act: int4 g128a with act-order input permutations as an imported GPTQ checkpoint has them after
 # qgemv.importers (one random perm shared by q/k/v, one by o, one by gate/up; down_proj's folded into gate/up's
 # rows); the engine gathers q/k/v's and gate/up's inputs inside its RMSNorm glue, and o_proj's GEMV gathers its
@@ -111,7 +115,7 @@ def run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown
 def _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown) -> list:
     rows = []
     wb = weight_bytes(model)
-    engine = Engine(model, max_seq_len=prompt + gen + 8)
+    engine = Engine(model, max_seq_len=prompt + gen + 8, megakernel=variant.endswith("_mk"))
     if variant == "int4g128a_act_sep":  # the projections gather their own inputs
         for L in engine.layers:
             L.qkv.perm = L.gate_up.perm = None
@@ -126,7 +130,8 @@ def _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdow
         row = dict(model=mname, variant=variant, batch=b, prompt=prompt, gen=gen,
                    prefill_tokens_per_s=out.prefill_tokens_per_s, ms_per_step=ms,
                    decode_tokens_per_s=out.decode_tokens_per_s, weight_MB=wb / 1e6, floor_share=floor_ms / ms,
-                   graphs=out.graphs, compiled_glue=engine.compile_glue)
+                   graphs=out.graphs, compiled_glue=engine.compile_glue,
+                   megakernel=engine.megakernel and b == 1, megakernel_off=engine.megakernel_reason)
         if breakdown and b == 1:
             dev = engine.device
             tok = torch.tensor([[1]], device=dev)

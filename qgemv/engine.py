@@ -228,6 +228,46 @@ def printable_prefix(text: str, stop: Sequence[str]) -> int:
     return len(text)
 
 
+def megakernel_refusal(engine: "Engine") -> str:
+    """Why ``engine``'s batch-1 decode step cannot run as one persistent launch ("" when it can): the model
+    first (checkable anywhere), then the GPU and the build."""
+    from . import _ext, persist
+
+    h, hk, d = engine.heads, engine.kv_heads, engine.head_dim
+    if hk < 1 or h % hk or h // hk > 8:
+        return f"{h} query heads over {hk} kv heads: needs at most 8 query heads a kv head"
+    if d % 16:
+        return f"head_dim {d} is not a multiple of 16"
+    fmt = None
+    for i, L in enumerate(engine.layers):
+        if L.q_norm is not None:
+            return f"layer {i}: the q/k RMSNorms (Qwen3) are not in the launch yet"
+        for name, m in (("q/k/v", L.qkv.fused), ("o_proj", L.o_proj), ("gate/up", L.gate_up.fused),
+                        ("down_proj", L.down_proj)):
+            if not isinstance(m, QuantLinear):
+                return (f"layer {i} {name}: {type(m).__name__ if m is not None else 'not fused'}, "
+                        f"not one qgemv QuantLinear (the launch runs int4 weights)")
+            if m.bias is not None:
+                return f"layer {i} {name}: a bias (Qwen2's q/k/v) is not in the launch yet"
+            if m.perm is not None:
+                return f"layer {i} {name}: act-order weights are not in the launch yet"
+            f = m.packed.format
+            if f not in persist.FORMATS:
+                return f"layer {i} {name}: format {f}; the launch runs {', '.join(persist.FORMATS)}"
+            if fmt is not None and f != fmt:
+                return f"layer {i} {name}: format {f} after {fmt}; the launch runs one format"
+            fmt = f
+    if engine.dtype != torch.float16:
+        return f"needs float16 activations, the model runs {engine.dtype}"
+    if engine.device.type != "cuda":
+        return f"needs a CUDA device, the model is on {engine.device}"
+    if torch.cuda.get_device_capability(engine.device)[0] != 9:
+        return "needs compute capability 9.x (bulk copies, mbarriers)"
+    if _ext.MODULE is None or not hasattr(_ext.MODULE, "persist"):
+        return f"needs the CUDA extension built from this version ({_ext.REASON or 'stale build'})"
+    return ""
+
+
 class Engine:
     """Runs a Llama-family transformers model with a static KV cache (see the module docstring).
 
@@ -240,10 +280,17 @@ class Engine:
     CUDA only; default True).  compile_glue: run the decode step's glue
     (norms, RoPE, cache write, SwiGLU) through torch.compile (on CUDA only;
     default True; eager, with one warning, if compiling fails).
+    megakernel: run each batch-1 decode step's decoder layers as one
+    persistent launch (:class:`qgemv.persist.PersistentChain` with its
+    attention; issue 35, stage 2; default False while it is being measured):
+    float16, int4 weights in one of qgemv.persist.FORMATS without act-order,
+    no biases or q/k norms, compute capability 9.x.  Where the model or the
+    GPU does not allow it, the per-op path runs and ``megakernel_reason``
+    says why (one warning).  Prefill and batches above 1 stay per-op.
     """
 
     def __init__(self, model: nn.Module, tokenizer=None, max_seq_len: Optional[int] = None,
-                 cuda_graphs: bool = True, compile_glue: bool = True):
+                 cuda_graphs: bool = True, compile_glue: bool = True, megakernel: bool = False):
         arch = type(model).__name__
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
@@ -298,6 +345,11 @@ class Engine:
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self.compile_glue = bool(compile_glue) and self.device.type == "cuda"
         self._glue = _compiled_glue() if self.compile_glue else EAGER_GLUE
+        self.megakernel, self.megakernel_reason, self._chain = bool(megakernel), "", None
+        if self.megakernel:
+            why = megakernel_refusal(self)
+            if why:
+                self._megakernel_off(why)
         self._cache = {}  # batch -> (k [L, B, Hkv, S, D], v)
         self._graphs = {}  # batch -> (graph, static inputs, static logits)
         self._pool = None
@@ -314,6 +366,35 @@ class Engine:
                                   torch.zeros(shape, device=self.device, dtype=self.dtype))
         return self._cache[batch]
 
+    def _megakernel_off(self, why: str) -> None:
+        self.megakernel, self.megakernel_reason = False, why
+        warnings.warn(f"qgemv.engine: megakernel off, running the per-op path: {why}")
+
+    def _megachain(self):
+        """The batch-1 decode step's persistent launch (built on first use; None where it is refused)."""
+        if self._chain is None and self.megakernel:
+            from . import persist
+
+            k, v = self._kv(1)
+            try:
+                att = persist.Attention(self.heads, self.kv_heads, self.head_dim, self.cos, self.sin, k[:, 0], v[:, 0],
+                                        scale=self.scale)
+                self._chain = persist.PersistentChain(
+                    [(L.qkv.fused.packed, L.o_proj.packed, L.gate_up.fused.packed, L.down_proj.packed)
+                     for L in self.layers],
+                    norms=[(L.in_norm, L.post_norm) for L in self.layers], eps=self.eps, attention=att)
+            except persist.PersistError as e:
+                self._megakernel_off(str(e))
+        return self._chain
+
+    def _forward_megakernel(self, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """forward() for one token of one sequence through the persistent launch: logits [1, vocab] float32."""
+        chain = self._chain
+        chain.input.copy_(self.embed(ids)[0])
+        chain.position.copy_(slots[-1:])  # the slot is the rotary position (one sequence: no padding)
+        chain.run()
+        return self.lm_head(_rms(chain.output, self.norm, self.eps)).float()
+
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, slots: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         """Logits [B, vocab] (float32) of the last position.
@@ -325,6 +406,8 @@ class Engine:
         step can be captured in a CUDA graph.
         """
         B, T = ids.shape
+        if B == 1 and T == 1 and self.megakernel and self._megachain() is not None:
+            return self._forward_megakernel(ids, slots)
         H, Hkv, D = self.heads, self.kv_heads, self.head_dim
         k_cache, v_cache = self._kv(B)
         pos = (slots[None, :] - pad[:, None]).clamp(min=0)  # [B, T] rotary positions
@@ -551,9 +634,10 @@ def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int = 64, **k
     size) is kept on the model, so later calls reuse it; after changing the
     model's modules or weights, build a new :class:`Engine` (its fused
     projections are copies).  ``max_seq_len`` / ``cuda_graphs`` /
-    ``compile_glue`` go to :class:`Engine`, the rest to :meth:`Engine.generate`.
+    ``compile_glue`` / ``megakernel`` go to :class:`Engine`, the rest to
+    :meth:`Engine.generate`.
     """
-    ekw = {k: kwargs.pop(k) for k in ("max_seq_len", "cuda_graphs", "compile_glue") if k in kwargs}
+    ekw = {k: kwargs.pop(k) for k in ("max_seq_len", "cuda_graphs", "compile_glue", "megakernel") if k in kwargs}
     engine = model.__dict__.get("_qgemv_engine")
     if engine is None or engine.tokenizer is not tokenizer or any(getattr(engine, k) != v for k, v in ekw.items()):
         engine = Engine(model, tokenizer, **ekw)

@@ -62,6 +62,9 @@ def main(argv=None) -> int:
                     help="activations (default: float16 on CUDA, float32 on CPU)")
     ap.add_argument("--max-seq-len", type=int_at_least(2), default=None, help="cache slots (prompt + new tokens; default: the model's positions, at most 4096)")
     ap.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graph)")
+    ap.add_argument("--megakernel", action="store_true",
+                    help="batch-1 decode steps as one persistent launch (int4, compute capability 9.x; "
+                         "otherwise the per-op path with a one-line reason)")
     args = ap.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype or ("float16" if device.startswith("cuda") else "float32"))
@@ -84,7 +87,8 @@ def main(argv=None) -> int:
         ap.error(f"--stop: {e}")
     try:
         model, tok, what = load_for_generation(args.model, device, dtype, args.bits, args.group_size, args.asym)
-        engine = Engine(model, tok, max_seq_len=args.max_seq_len, cuda_graphs=not args.no_graphs)
+        engine = Engine(model, tok, max_seq_len=args.max_seq_len, cuda_graphs=not args.no_graphs,
+                        megakernel=args.megakernel)
     except (FileNotFoundError, ValueError) as e:  # CheckpointError and UnsupportedModelError are ValueErrors
         print(f"qgemv-generate: {e}", file=sys.stderr)
         return 2

@@ -313,3 +313,96 @@ def test_bench_generate_runs_its_engine_rows_on_cpu(tmp_path):
                           baselines={"hf_static_compiled_fp16": {"error": "RuntimeError: x"}}), out)
     md = open(out + ".md").read()
     assert md.count("| tiny |") == 10 and "RuntimeError: x" in md
+
+
+# ---- the persistent decode launch (Engine(megakernel=True), issue 35 stage 2) ----
+
+@pytest.mark.parametrize("case,why", [
+    ("float", "layer 0 q/k/v: Linear, not one qgemv QuantLinear (the launch runs int4 weights)"),
+    ("int8", "layer 0 q/k/v: format int8; the launch runs int4, int4g128, int4g128a"),
+    ("qwen2-bias", "layer 0 q/k/v: a bias (Qwen2's q/k/v) is not in the launch yet"),
+    ("qwen3-qk-norm", "layer 0: the q/k RMSNorms (Qwen3) are not in the launch yet"),
+    ("act-order", "layer 0 q/k/v: act-order weights are not in the launch yet"),
+    ("bf16", "needs float16 activations, the model runs torch.bfloat16"),
+    ("cpu", "needs a CUDA device, the model is on cpu"),
+])
+def test_megakernel_names_why_it_is_off_and_the_per_op_path_runs(case, why):
+    from qgemv.engine import megakernel_refusal
+
+    model = tiny("qwen2-bias" if case == "qwen2-bias" else "qwen3-qk-norm" if case == "qwen3-qk-norm" else "llama")
+    if case != "float":
+        qgemv.quantize_model(model, bits=8 if case == "int8" else 4, group_size=None)
+    if case == "act-order":
+        a = model.model.layers[0].self_attn
+        perm = torch.randperm(64)
+        for lin in (a.q_proj, a.k_proj, a.v_proj):
+            lin.perm = perm
+    if case in ("bf16", "cpu"):  # the weights pass: the activations' dtype, then the device decide
+        model = model.to(torch.bfloat16 if case == "bf16" else torch.float16)
+    prompt = [5, 17, 42, 7]
+    with pytest.warns(UserWarning, match="megakernel off, running the per-op path: " + why.replace("(", r"\(")
+                      .replace(")", r"\)").replace(".", r"\.")):
+        engine = Engine(model, max_seq_len=32, megakernel=True)
+    assert not engine.megakernel and engine.megakernel_reason == why
+    assert megakernel_refusal(engine) == why
+    if case not in ("bf16", "cpu"):  # the per-op path runs: the same tokens as an engine that never asked for it
+        plain = Engine(model, max_seq_len=32)
+        assert engine.generate([prompt], max_new_tokens=5).tokens == plain.generate([prompt], max_new_tokens=5).tokens
+
+
+needs_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                                reason="needs a compute-capability-9 GPU")
+
+
+@needs_sm90
+@pytest.mark.parametrize("fmt", [(4, None, True), (4, 128, True), (4, 128, False)])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 1), (4, 4), (8, 1), (2, 2)])  # GQA 4, 1, 8; head_dim 64, 32, 128
+def test_megakernel_gives_the_per_op_engines_logits(fmt, heads, kv_heads):
+    """Teacher-forced (as test_cuda_kernels_give_the_cpu_reference_logits): the persistent launch's logits
+    against the per-op engine's on the same GPU weights, up to contexts at the cache's end, and the same
+    argmax wherever the per-op top-2 margin is clear of fp16 noise."""
+    model = tiny("llama", seed=1, hidden_size=256, intermediate_size=512, vocab_size=512, initializer_range=0.02,
+                 num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    bits, group, sym = fmt
+    qgemv.quantize_model(model, bits=bits, group_size=group, symmetric=sym)
+    model = model.half().cuda()
+    for plen, n in ((9, 24), (100, 28)):  # the second fills the cache (max_seq_len 128) up to slot 126
+        prompt = [torch.randint(0, 512, (plen,), generator=torch.Generator().manual_seed(plen)).tolist()]
+        per_op = Engine(model, max_seq_len=128)
+        want = per_op.generate(prompt, max_new_tokens=n).tokens
+        ref = forced_logits(per_op, prompt, want)
+        mk = Engine(model, max_seq_len=128, megakernel=True)
+        got = forced_logits(mk, prompt, want)
+        assert mk.megakernel and mk._chain is not None, mk.megakernel_reason
+        err = (got - ref).abs().max().item() / ref.abs().max().item()
+        assert err < 1e-2, f"prompt {plen}: relative logit error {err:.2e}"
+        top = ref.topk(2, -1).values
+        clear = (top[..., 0] - top[..., 1]) > 0.25
+        assert clear.float().mean() > 0.5
+        assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
+        # and the cache it wrote is the per-op engine's, up to the same rounding
+        for a, b in zip(mk._kv(1), per_op._kv(1)):
+            used = slice(0, plen + n - 1)
+            assert (a[..., used, :].float() - b[..., used, :].float()).abs().max() <= \
+                2e-2 * b[..., used, :].float().abs().max() + 1e-3
+
+
+@needs_sm90
+def test_megakernel_engine_leaves_batches_to_the_per_op_path():
+    model = tiny("llama", seed=2, hidden_size=256, intermediate_size=512, vocab_size=512, initializer_range=0.02)
+    qgemv.quantize_model(model, bits=4, group_size=128, symmetric=False)
+    model = model.half().cuda()
+    prompts = [[3, 4, 5, 6], [7, 8]]
+    mk = Engine(model, max_seq_len=32, megakernel=True)
+    plain = Engine(model, max_seq_len=32)
+    assert mk.generate(prompts, max_new_tokens=6).tokens == plain.generate(prompts, max_new_tokens=6).tokens
+    assert mk._chain is None  # never built: no batch-1 step ran
+
+
+def test_cli_megakernel_falls_back_with_its_reason(tiny_llama_dir):
+    r = run_cli(tiny_llama_dir, "--prompt", "the history of", "--max-new-tokens", "4", "--device", "cpu",
+                "--megakernel")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "megakernel off, running the per-op path:" in r.stderr and r.stdout.strip()
