@@ -114,20 +114,16 @@ def permute_rows(w: PackedWeight, rows: torch.Tensor) -> PackedWeight:
     return PackedWeight(pack(codes.contiguous()), sel(w.scales), sel(w.zeros), w.config, w.in_features, w.perm)
 
 
-def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE of t [..., D] (float32) with one position's tables [D], rounded once to float16."""
-    half = t.shape[-1] // 2
-    return (t * cos + torch.cat((-t[..., half:], t[..., :half]), -1) * sin).half()
-
-
 def attend(at: Attention, layer: int, qkv: torch.Tensor, position: int) -> torch.Tensor:
     """The reference for one layer's attention at ``position``: q/k/v output [1, (H + 2 Hkv) D] float16 ->
     [1, H D] float16; writes k (rotated) and v into at's caches at the position (float32 math, as the kernel)."""
+    from .engine import _rope  # the engine's RoPE, here in float32 and rounded once
+
     h, hk, d = at.heads, at.kv_heads, at.head_dim
     f = qkv[0].float()
     c, s = at.cos[position].float(), at.sin[position].float()
-    q = _rotate(f[:h * d].view(h, d), c, s)
-    k = _rotate(f[h * d:(h + hk) * d].view(hk, d), c, s)
+    q = _rope(f[:h * d].view(h, d), c, s).half()
+    k = _rope(f[h * d:(h + hk) * d].view(hk, d), c, s).half()
     at.k_cache[layer, :, position] = k
     at.v_cache[layer, :, position] = f[(h + hk) * d:].view(hk, d).half()
     keys = at.k_cache[layer, :, :position + 1].float()  # [Hkv, L, D]
@@ -147,8 +143,9 @@ def _module():
 def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
     """round(gain * round(x * rsqrt(mean(x^2) + eps))) over the last dim (float32 inside, as transformers'
     LlamaRMSNorm): x [..., H] float16, gain [H] float16 -> [..., H] float16."""
-    xf = x.float()
-    return gain * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    from .engine import _rms
+
+    return _rms(x, gain, eps)
 
 
 def reference(layers: Sequence[Layer], x: torch.Tensor, norms: Optional[Sequence[Norms]] = None,
