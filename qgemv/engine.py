@@ -83,15 +83,16 @@ class _Projection:
         return list(y.split(self.sizes, -1))
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # transformers' LlamaRMSNorm, operation for operation: fp32 statistics,
-    # the normalized value cast back, then the gain.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm, operation for operation: fp32 statistics, the normalized value cast back to
+    x's dtype, then the gain: x [..., H], weight [H] -> [..., H]."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as transformers applies it: x cos + rotate_half(x) sin, x [..., D], cos / sin broadcast to it."""
     d = x.shape[-1] // 2
     return (x * cos) + (torch.cat((-x[..., d:], x[..., :d]), -1) * sin)
 
@@ -103,7 +104,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 def glue_add_rms(x, delta, w, eps: float):
     """Residual add, then the next RMSNorm: (x + delta, rms(x + delta) * w)."""
     x = x + delta
-    return x, _rms(x, w, eps)
+    return x, rms_norm(x, w, eps)
 
 
 def glue_add_rms_gather(x, delta, w, perm, eps: float):
@@ -112,7 +113,7 @@ def glue_add_rms_gather(x, delta, w, perm, eps: float):
     qgemv::add_rms_gather (torch.compile makes two of it: the norm, then the gather); this eager form
     serves a norm weight of another dtype than the activations."""
     x = x + delta
-    return x, _rms(x, w, eps).index_select(-1, perm)
+    return x, rms_norm(x, w, eps).index_select(-1, perm)
 
 
 def glue_attention_in(q, k, v, cos, sin, k_cache, v_cache, slots, q_norm, k_norm, eps: float):
@@ -122,10 +123,10 @@ def glue_attention_in(q, k, v, cos, sin, k_cache, v_cache, slots, q_norm, k_norm
     cos / sin [B, 1, T, D]; k_cache / v_cache [B, Hkv, S, D], written in place.
     """
     if q_norm is not None:
-        q, k = _rms(q, q_norm, eps), _rms(k, k_norm, eps)
-    k_cache.index_copy_(2, slots, _rope(k.transpose(1, 2), cos, sin))
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    k_cache.index_copy_(2, slots, apply_rope(k.transpose(1, 2), cos, sin))
     v_cache.index_copy_(2, slots, v.transpose(1, 2))
-    return _rope(q.transpose(1, 2), cos, sin)
+    return apply_rope(q.transpose(1, 2), cos, sin)
 
 
 def glue_swiglu(gate, up):
@@ -393,7 +394,7 @@ class Engine:
         chain.input.copy_(self.embed(ids)[0])
         chain.position.copy_(slots[-1:])  # the slot is the rotary position (one sequence: no padding)
         chain.run()
-        return self.lm_head(_rms(chain.output, self.norm, self.eps)).float()
+        return self.lm_head(rms_norm(chain.output, self.norm, self.eps)).float()
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, slots: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
@@ -435,7 +436,7 @@ class Engine:
             gate, up = L.gate_up(h, gathered=True)
             delta = L.down_proj(g["swiglu"](gate, up))
         x = x[:, -1] + delta[:, -1]
-        return self.lm_head(_rms(x, self.norm, self.eps)).float()
+        return self.lm_head(rms_norm(x, self.norm, self.eps)).float()
 
     def _norm(self, g: dict, x, delta, w, perm):
         """(x + delta, the next projection's input): the RMSNorm, gathered by the projection's perm if any."""

@@ -36,7 +36,8 @@ splits into o's input (:func:`attend` is its reference).
 
 Supported: int4 per channel, int4 G = 128 with or without zero points (no
 act-order perm), float16 activations, one token, compute capability 9.x,
-K % 128 == 0 and N % 16 == 0 (gate_up: % 32).  Not in the engine yet.
+K % 128 == 0 and N % 16 == 0 (gate_up: % 32).  The engine runs it with
+``Engine(megakernel=True)`` (off by default until its engine tests run on a GPU).
 """
 
 from __future__ import annotations
@@ -117,13 +118,13 @@ def permute_rows(w: PackedWeight, rows: torch.Tensor) -> PackedWeight:
 def attend(at: Attention, layer: int, qkv: torch.Tensor, position: int) -> torch.Tensor:
     """The reference for one layer's attention at ``position``: q/k/v output [1, (H + 2 Hkv) D] float16 ->
     [1, H D] float16; writes k (rotated) and v into at's caches at the position (float32 math, as the kernel)."""
-    from .engine import _rope  # the engine's RoPE, here in float32 and rounded once
+    from .engine import apply_rope  # the engine's RoPE, here in float32 and rounded once
 
     h, hk, d = at.heads, at.kv_heads, at.head_dim
     f = qkv[0].float()
     c, s = at.cos[position].float(), at.sin[position].float()
-    q = _rope(f[:h * d].view(h, d), c, s).half()
-    k = _rope(f[h * d:(h + hk) * d].view(hk, d), c, s).half()
+    q = apply_rope(f[:h * d].view(h, d), c, s).half()
+    k = apply_rope(f[h * d:(h + hk) * d].view(hk, d), c, s).half()
     at.k_cache[layer, :, position] = k
     at.v_cache[layer, :, position] = f[(h + hk) * d:].view(hk, d).half()
     keys = at.k_cache[layer, :, :position + 1].float()  # [Hkv, L, D]
@@ -143,9 +144,9 @@ def _module():
 def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
     """round(gain * round(x * rsqrt(mean(x^2) + eps))) over the last dim (float32 inside, as transformers'
     LlamaRMSNorm): x [..., H] float16, gain [H] float16 -> [..., H] float16."""
-    from .engine import _rms
+    from .engine import rms_norm as engine_rms_norm
 
-    return _rms(x, gain, eps)
+    return engine_rms_norm(x, gain, eps)
 
 
 def reference(layers: Sequence[Layer], x: torch.Tensor, norms: Optional[Sequence[Norms]] = None,
