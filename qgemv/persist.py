@@ -105,14 +105,10 @@ def rope_rows(heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
 
 
 def permute_rows(w: PackedWeight, rows: torch.Tensor) -> PackedWeight:
-    """w with its output rows in the order ``rows`` (exact: the codes, scales and zero points move)."""
-    from . import formats
+    """w with its output rows in the order ``rows`` (exact; :func:`qgemv.shard.gather_rows`)."""
+    from .shard import gather_rows
 
-    rows = rows.to(torch.int64)
-    codes = w.codes()[rows.to(w.qweight.device)]
-    pack = formats.pack_int8 if w.config.bits == 8 else formats.pack_int4
-    sel = (lambda t: None if t is None else t[rows.to(t.device)].contiguous())
-    return PackedWeight(pack(codes.contiguous()), sel(w.scales), sel(w.zeros), w.config, w.in_features, w.perm)
+    return gather_rows(w, rows, "q/k/v")
 
 
 def attend(at: Attention, layer: int, qkv: torch.Tensor, position: int) -> torch.Tensor:

@@ -117,6 +117,17 @@ def take_rows(q, first: int, end: int, name: str = "linear"):
                    w.perm, None if bias is None else bias[first:end], module)
 
 
+def gather_rows(q, rows: torch.Tensor, name: str = "linear"):
+    """Output rows ``rows`` (int64 [n], any order: a permutation re-orders q) of q, the same kind back: exact.
+    The whole input (and perm) stays."""
+    w, bias, module = _split(q)
+    rows = rows.to(torch.int64)
+    if rows.dim() != 1 or rows.numel() == 0 or int(rows.min()) < 0 or int(rows.max()) >= w.out_features:
+        raise ShardError(f"{name}: rows must be a non-empty 1-D index of output rows in [0, {w.out_features})")
+    pick = (lambda t: None if t is None else t[rows.to(t.device)])
+    return _result(w, pick(w.codes()), pick(w.scales), pick(w.zeros), w.perm, pick(bias), module)
+
+
 def shard_column(q, rank: int, world: int, name: str = "linear"):
     """Rank's column-parallel shard of q: output rows column_range(...), the whole input (and perm)."""
     r0, r1 = column_range(q.out_features, rank, world, name)
