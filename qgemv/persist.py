@@ -105,7 +105,7 @@ def rope_rows(heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
 
 
 def permute_rows(w: PackedWeight, rows: torch.Tensor) -> PackedWeight:
-    """w with its output rows in the order ``rows`` (exact; :func:`qgemv.shard.gather_rows`)."""
+    """w with its output rows in the order ``rows``, on w's device (exact, still packed: :func:`qgemv.shard.gather_rows`)."""
     from .shard import gather_rows
 
     return gather_rows(w, rows, "q/k/v")
@@ -302,7 +302,7 @@ class PersistentChain:
             self._keep += [q, hh, a, nxt]
             self._acts += [q, hh, a] + ([] if last else [nxt])
             if at is not None:
-                qkv = permute_rows(qkv.to("cpu"), rows).to(dev)
+                qkv = permute_rows(qkv.to(dev), rows)
             ws = [self._weight(w) for w in (qkv, o, gu, down)]
             # (x, res, y, weight, scales, N, K, out, x_plain, res_plain, y_plain, x's copy stride, role, attention)
             role = (1, li) if at is not None else (0, -1)

@@ -113,8 +113,8 @@ def take_rows(q, first: int, end: int, name: str = "linear"):
     if not (0 <= first < end <= n) or first % formats.PANEL_ROWS or (end % formats.PANEL_ROWS and end != n):
         raise ShardError(f"{name}: output rows [{first}, {end}) of {n} are not whole {formats.PANEL_ROWS}-row panels "
                          f"(a shard of the stored weight starts and ends on a multiple of {formats.PANEL_ROWS})")
-    return _result(w, w.codes()[first:end], w.scales[first:end], None if w.zeros is None else w.zeros[first:end],
-                   w.perm, None if bias is None else bias[first:end], module)
+    rows = torch.arange(first, end, device=w.qweight.device)
+    return _picked(w, formats.take_packed_rows(w.qweight, rows), rows, bias, module)
 
 
 def gather_rows(q, rows: torch.Tensor, name: str = "linear"):
@@ -124,8 +124,17 @@ def gather_rows(q, rows: torch.Tensor, name: str = "linear"):
     rows = rows.to(torch.int64)
     if rows.dim() != 1 or rows.numel() == 0 or int(rows.min()) < 0 or int(rows.max()) >= w.out_features:
         raise ShardError(f"{name}: rows must be a non-empty 1-D index of output rows in [0, {w.out_features})")
-    pick = (lambda t: None if t is None else t[rows.to(t.device)])
-    return _result(w, pick(w.codes()), pick(w.scales), pick(w.zeros), w.perm, pick(bias), module)
+    return _picked(w, formats.take_packed_rows(w.qweight, rows), rows, bias, module)
+
+
+def _picked(w: PackedWeight, qweight: torch.Tensor, rows: torch.Tensor, bias, module: bool):
+    """w's rows ``rows`` whose packed weight is already ``qweight``: scales, zero points and bias follow."""
+    pick = (lambda t: None if t is None else t[rows.to(t.device)].contiguous())
+    out = PackedWeight(qweight, pick(w.scales), pick(w.zeros), w.config, w.in_features,
+                       None if w.perm is None else w.perm.clone())
+    if not module:
+        return out
+    return QuantLinear.from_packed(out, None if bias is None else pick(bias).detach())
 
 
 def shard_column(q, rank: int, world: int, name: str = "linear"):

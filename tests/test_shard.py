@@ -124,6 +124,32 @@ def test_packed_weight_is_the_quant_linear_s_weight(fmt):
         w.take_rows(8, 32)
 
 
+
+@pytest.mark.parametrize("fmt", list(FORMATS) + ["int4g64a"])
+def test_row_gathers_keep_each_row_s_codes(fmt):
+    """gather_rows / take_rows pick packed rows without unpacking: every picked row's codes, scales, zero points
+    and bias are the source row's, for odd N and K (a partial last panel, a partial last 128-k block), rows in
+    any order and repeated, and the result packs as pack_int4 / pack_int8 would pack those codes."""
+    bits, group, sym = FORMATS.get(fmt, (4, 64, False))
+    torch.manual_seed(5)
+    k = {128: 384, 64: 320}.get(group, 352)  # int4g128: whole 128-k blocks; the others a partial last one
+    q = qgemv.QuantLinear.from_linear(torch.nn.Linear(k, 100), bits=bits, group_size=group, symmetric=sym)
+    q.perm = torch.randperm(k)
+    w = q.packed
+    codes = w.codes()
+    rows = torch.randint(0, 100, (37,))
+    for got, pick in ((shard.gather_rows(w, rows), rows), (shard.take_rows(w, 16, 100), torch.arange(16, 100))):
+        assert torch.equal(got.codes(), codes[pick]) and torch.equal(got.scales, w.scales[pick])
+        assert (got.zeros is None) == (w.zeros is None) and (got.zeros is None or torch.equal(got.zeros, w.zeros[pick]))
+        assert torch.equal(got.perm, w.perm) and got.in_features == k
+        pack = formats.pack_int8 if bits == 8 else formats.pack_int4
+        assert torch.equal(got.qweight, pack(codes[pick]))
+    module = shard.gather_rows(q, rows)
+    assert torch.equal(module.bias, q.bias[rows]) and torch.equal(module.qweight, shard.gather_rows(w, rows).qweight)
+    with pytest.raises(ShardError, match=r"rows must be a non-empty 1-D index of output rows in \[0, 100\)"):
+        shard.gather_rows(w, torch.tensor([0, 100]))
+
+
 # -- the GPU: every rank's shard of real layers on qgemv's CUDA ops ------------------------------------
 REAL = {  # (N, K, how a TP layer splits it) of Llama-3-8B and Llama-3-70B
     "8b.qkv": (6144, 4096, "column"), "8b.o": (4096, 4096, "row"), "8b.gate_up": (28672, 4096, "column"),
