@@ -15,14 +15,10 @@
 namespace qgemv {
 namespace {
 
-constexpr int kPersistChunk = 2;  // tiles a ring chunk
-constexpr int kPersistStageTiles = 2;
-
 // kNorm: each op's input through its RMSNorm gain on the way in (ChainShape::norms); kDecode (with kNorm):
 // the layers' rotary embedding, cache write and attention (ChainShape::attn).
 template <int kGroup, bool kZeros, bool kNorm, bool kDecode>
-constexpr auto persist_kernel = chain11_kernel<kGroup, kZeros, kPersistStageTiles, true, true, kFeedSelf, kPersistChunk,
-                                               true, true, kNorm, kDecode>;
+constexpr auto persist_kernel = chain_kernel<kGroup, kZeros, kNorm, kDecode>;
 
 template <bool kNorm, bool kDecode, typename F>
 bool persist_dispatch_n(int group, bool zeros, F&& f) {
@@ -41,11 +37,8 @@ bool persist_dispatch(int group, bool zeros, bool norm, bool decode, F&& f) {
 ChainShape persist_shape(const PersistPlan& plan, int group, bool zeros, int stages, const int32_t* d_schedule,
                          const void* const* d_norms = nullptr, float eps = 0.f, const void* d_attn = nullptr,
                          const int32_t* d_pos = nullptr) {
-  ChainShape sh{kPersistStageTiles, stages, chain_meta_bytes(group, zeros), plan.x_cap, 1, 0};
+  ChainShape sh{stages, chain_meta_bytes(group, zeros), plan.x_cap, 1};
   sh.sums = plan.sums;
-  sh.paired = 2;  // halves
-  sh.chunk = kPersistChunk;
-  sh.chunked = 3;  // form 20
   sh.cursors = reinterpret_cast<const int4*>(d_schedule);
   sh.classes = plan.classes;
   sh.norms = d_norms;
@@ -59,7 +52,7 @@ std::string str(const char* a, long long v) { return std::string(a) + std::to_st
 
 }  // namespace
 
-int persist_op_bytes() { return static_cast<int>(sizeof(Chain5Op)); }
+int persist_op_bytes() { return static_cast<int>(sizeof(ChainOp)); }
 
 long long persist_attn_part(int heads, int kv_heads, int head_dim, int splits) {
   if (kv_heads < 1 || heads < kv_heads) return 0;
@@ -82,8 +75,8 @@ int persist_tile_bytes(int group, bool zeros) { return kChainTileBytes + chain_m
 
 std::vector<uint8_t> persist_fuse(const uint8_t* qweight, const uint16_t* scales, const uint8_t* zeros, int N,
                                   int K) {
-  const std::vector<uint8_t> meta = chain_meta11(scales, zeros, N, K);
-  return chain14_fuse(qweight, meta.data(), static_cast<size_t>(N / kPanelRows) * (K / 128),
+  const std::vector<uint8_t> meta = chain_meta(scales, zeros, N, K);
+  return chain_fuse(qweight, meta.data(), static_cast<size_t>(N / kPanelRows) * (K / 128),
                       chain_meta_bytes(128, zeros != nullptr));
 }
 
@@ -95,11 +88,11 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int group, bool zeros
   if (zeros && group == 0) return pl.error = "zero points need group_size 128", pl;
   if (n < 1) return pl.error = "the chain has no linears", pl;
   if (blocks < 1) return pl.error = str("blocks must be at least 1, got ", blocks), pl;
-  if (warps < 1 || warps > kChain11MaxWarps)
-    return pl.error = "warps must be 1.." + std::to_string(kChain11MaxWarps) + ", got " + std::to_string(warps), pl;
-  if (stages <= kPersistStageTiles || stages % kPersistChunk != 0)
+  if (warps < 1 || warps > kChainMaxWarps)
+    return pl.error = "warps must be 1.." + std::to_string(kChainMaxWarps) + ", got " + std::to_string(warps), pl;
+  if (stages <= kChainChunk || stages % kChainChunk != 0)
     return pl.error = str("stages must be an even number above 2, got ", stages), pl;
-  std::vector<Chain5Op> ops(n);
+  std::vector<ChainOp> ops(n);
   for (int i = 0; i < n; ++i) {
     const PersistOp& a = in[i];
     const std::string at = "linear " + std::to_string(i) + ": ";
@@ -111,8 +104,8 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int group, bool zeros
     if (a.ldx != 0 && a.ldx < a.K) return pl.error = at + str("ldx must be 0 or at least K, got ", a.ldx), pl;
     if (!a.x || !a.y || !a.weight || (group == 0 && !a.scales) || (a.out == 1 && !a.res))
       return pl.error = at + "a null pointer (x, y, weight, scales or residual)", pl;
-    Chain5Op& o = ops[i];
-    o = Chain5Op{};
+    ChainOp& o = ops[i];
+    o = ChainOp{};
     o.p.x = a.x;
     o.p.qweight = a.weight;
     o.p.scales = a.scales;
@@ -192,18 +185,18 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int group, bool zeros
     pl.attn.resize(sizeof(ChainAttn) * na);
     std::memcpy(pl.attn.data(), at.data(), pl.attn.size());
   }
-  pl.classes = chain16_classes(ops.data(), n);
+  pl.classes = chain_classes(ops.data(), n);
   if (pl.classes < 0) return pl.error = str("more distinct linear shapes than the schedule holds: ", kChainMaxClasses), pl;
   for (int i = 0; i < n; ++i) pl.op_class.push_back(ops[i].cls);
-  const std::vector<int4> tab = chain16_schedule(ops.data(), n, pl.classes, blocks, warps);
+  const std::vector<int4> tab = chain_schedule(ops.data(), n, pl.classes, blocks, warps);
   if (tab.empty()) return pl.error = "a linear too large for the schedule's 16-bit fields", pl;
   pl.schedule.resize(tab.size() * 4);
   std::memcpy(pl.schedule.data(), tab.data(), tab.size() * sizeof(int4));
-  pl.sums = chain8_sums(ops.data(), n, blocks, 1);
-  pl.ops.resize(sizeof(Chain5Op) * n);
+  pl.sums = chain_sums(ops.data(), n, blocks, 1);
+  pl.ops.resize(sizeof(ChainOp) * n);
   std::memcpy(pl.ops.data(), ops.data(), pl.ops.size());
   ChainShape sh = persist_shape(pl, group, zeros, stages, nullptr);
-  pl.smem = chain14_smem_bytes(sh, warps);
+  pl.smem = chain_smem_bytes(sh, warps);
   return pl;
 }
 
@@ -265,7 +258,7 @@ cudaError_t persist_launch(const PersistPlan& plan, const void* d_ops, int nops,
     attr[0].val.cooperative = 1;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
-    err = cudaLaunchKernelEx(&cfg, kernel, static_cast<const Chain5Op*>(d_ops), nops, sh, d_sync,
+    err = cudaLaunchKernelEx(&cfg, kernel, static_cast<const ChainOp*>(d_ops), nops, sh, d_sync,
                              static_cast<unsigned long long*>(nullptr));
   });
   return err;

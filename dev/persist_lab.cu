@@ -5,24 +5,15 @@
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc dev/persist_lab.cu \
 //        csrc/gemv_int4.cu csrc/gemv_int8.cu csrc/runtime.cpp -o /tmp/persist_lab
 //   /tmp/persist_lab [--probe-only | --no-probe] [--tma-probe] [--no-ceiling] [--norm] [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers L]
-//                    [--ms 1,4] [--forms 5,6] [--warps 12,16] [--stages 4] [--stage-tiles 2]
-//                    [--formats int4g128a,int4,int8] [--chunks 4,8]
-//   (--forms: the kernel's forms 5-9, 11-14, 16-18 and 20 (csrc/persist_chain.cuh; 6 is form 5 finished by
-//    block slices, 12 form 11 with paired activations, 13 form 12 without block barriers, M = 1, 14 form 12
-//    fed by a warp of bulk copies into shared memory, 16 form 14 taking its ring chunk by chunk, 17 form 16
-//    with every warp filling its own ring, 18 form 17 with fp16 halves instead of paired words, M = 1, 19 form
-//    18 with a leaner consumer loop and 128-bit activation loads, chunks of 2), default 5;
-//    --warps: consumer warps per block; --stages x --stage-tiles: each warp's weight ring, in 1 KB tiles
-//    (form 9: a ring of --stage-tiles one-tile slots, 4 or 8; forms 11-13 (int4 per channel or G = 128):
-//    the register ring, 2 or 4 tiles; --stages is ignored, except by forms 14, 16 and 17: each warp's ring
-//    of shared-memory slots, more than --stage-tiles and a multiple of --chunks, the tiles a chunk holds
-//    (4 unless given; forms 16 and 17: 2, 3 or 4));
-//    --skip 0,1,5,37: timing experiments, ChainShape::skip: 1 no waits (forms 12-17: the polled words
-//    taken as they are), 2 no input preparation (form 9; forms 11-17: no hand-off at all), 4 no tile
-//    math, 8 the weights copied from L2 (forms 14, 16, 17), 32 no flush;
+//                    [--warps 12,16] [--stages 8] [--formats int4g128a,int4g128,int4,int8] [--skip 0,1]
+//   (the persistent launch is the kernel of csrc/persist_chain.cuh (form 20 of dev/PERSISTENT.md; the
+//    other forms are in git), M = 1, int4 per channel and G = 128; int8 runs the per-op chains only;
+//    --warps: warps per block; --stages: each warp's ring of 1 KB tiles, a multiple of 2 above 2;
+//    --skip 0,1,5,37: timing experiments, ChainShape::skip: 1 no waits (the polled halves taken as they
+//    are), 2 no hand-off at all, 4 no tile math, 8 the weights copied from L2, 32 no flush;
 //    --no-ceiling: skip the 2 GB read that measures the ceiling, for runs under compute-sanitizer;
-//    --norm: an RMSNorm before q/k/v and before gate/up, in the reference (a kernel each) and in form 20's
-//    hand-off; the other forms are skipped)
+//    --norm: an RMSNorm before q/k/v and before gate/up, in the reference (a kernel each) and in the
+//    persistent launch's hand-off)
 //
 // Part 1, the probes (a co-resident grid of SMs x 1 blocks of 256 threads):
 //   * grid barrier: every block adds 1 to a counter and spins until it holds
@@ -39,7 +30,7 @@
 // Part 2, the chain: per layer q/k/v (fused) -> o (+ residual; attention's
 // stand-in: o reads q's columns of the q/k/v output) -> gate/up with
 // SiLU * mul -> down (+ residual) -> the next layer, every layer its own
-// weights, random data.  Three forms in CUDA graphs: the persistent launch;
+// weights, random data.  Three chains in CUDA graphs: the persistent launch;
 // qgemv's GEMVs one kernel each with the same glue as small kernels (the
 // reference: the persistent result is checked against it); the GEMVs alone
 // (the lab's earlier chain).  Plus a plain read of the same weight buffers,
@@ -118,8 +109,8 @@ __global__ void handoff_kernel(unsigned* flag, int rounds) {
 }
 
 // An op's input as every block reads it: all blocks at once (a grid barrier
-// between rounds) read n 16-byte words through L2 (ld.relaxed.gpu, as form
-// 12's polls), the same words (stride 0) or each block its own; thread 0
+// between rounds) read n 16-byte words through L2 (ld.relaxed.gpu, as the
+// kernel's polls), the same words (stride 0) or each block its own; thread 0
 // counts each read's cycles (the loads, then a block barrier) into *cycles.
 __global__ void bcast_kernel(const uint4* src, size_t stride, int n, unsigned* ctr, int rounds,
                              unsigned long long* cycles, unsigned* sink) {
@@ -224,9 +215,7 @@ float graph_us(F&& body, cudaStream_t st) {
 // One linear's packed weight on the device.
 struct Lin {
   void *w = nullptr, *s = nullptr, *z = nullptr;
-  uint8_t* meta = nullptr;    // grouped: scales / zeros in the persistent kernel's tile order
-  uint8_t* meta11 = nullptr;  // the same in form 11's order (chain_meta11; G = 128)
-  void* fused = nullptr;      // form 14, G = 128: each 1 KB tile followed by its meta11 bytes (chain14_fuse)
+  void* fused = nullptr;  // G = 128: each 1 KB tile followed by its scales and zero points (chain_fuse)
   int N, K, Kp;
   size_t wbytes, bytes;
 };
@@ -270,21 +259,13 @@ Lin make_lin(const Fmt& f, int N, int K, std::mt19937& rng) {
     CK(cudaMemcpy(L.z, hz.data(), hz.size(), cudaMemcpyHostToDevice));
     L.bytes += hz.size();
   }
-  if (f.group) {
+  if (f.group == 128) {
     const uint16_t* hs16 = reinterpret_cast<const uint16_t*>(hs.data());
-    const uint8_t* hz8 = f.zeros ? hz_keep.data() : nullptr;
-    const auto meta = qgemv::chain_meta(hs16, hz8, N, K, f.group);
-    CK(cudaMalloc(&L.meta, meta.size()));
-    CK(cudaMemcpy(L.meta, meta.data(), meta.size(), cudaMemcpyHostToDevice));
-    if (f.group == 128) {
-      const auto m11 = qgemv::chain_meta11(hs16, hz8, N, K);
-      CK(cudaMalloc(&L.meta11, m11.size()));
-      CK(cudaMemcpy(L.meta11, m11.data(), m11.size(), cudaMemcpyHostToDevice));
-      const auto fu = qgemv::chain14_fuse(hw.data(), m11.data(), static_cast<size_t>(N / 16) * (K / 128),
-                                          qgemv::chain_meta_bytes(128, f.zeros));
-      CK(cudaMalloc(&L.fused, fu.size()));
-      CK(cudaMemcpy(L.fused, fu.data(), fu.size(), cudaMemcpyHostToDevice));
-    }
+    const auto meta = qgemv::chain_meta(hs16, f.zeros ? hz_keep.data() : nullptr, N, K);
+    const auto fu = qgemv::chain_fuse(hw.data(), meta.data(), static_cast<size_t>(N / 16) * (K / 128),
+                                      qgemv::chain_meta_bytes(128, f.zeros));
+    CK(cudaMalloc(&L.fused, fu.size()));
+    CK(cudaMemcpy(L.fused, fu.data(), fu.size(), cudaMemcpyHostToDevice));
   }
   return L;
 }
@@ -315,53 +296,46 @@ __half* dalloc(size_t n) {
 }
 
 struct Variant {
-  int form;                        // 5 or 6 (csrc/persist_chain.cuh; 6: ChainShape::slices)
-  int warps, stages, stage_tiles;  // consumer warps; the ring (form 5: each warp's): stages x stage_tiles tiles of 1 KB
-  int skip;                        // ChainShape::skip (timing experiments)
-  int chunk;                       // form 14: tiles per feed chunk
+  int warps, stages;  // warps a block; each warp's ring of 1 KB tiles
+  int skip;           // ChainShape::skip (timing experiments)
 };
 
-// Form 5: with ops == nullptr only whether it fits.
-template <int kBits, int kGroup, bool kZeros>
-bool launch5_t(const Variant& v, const ChainShape& sh, const qgemv::Chain5Op* ops, int nops, unsigned* sync,
-               int blocks, cudaStream_t st, unsigned long long* wait) {
-  if (v.form == 13) {
-    if constexpr (kBits == 4 && (kGroup == 0 || kGroup == 128)) {
-      if (!ops) return qgemv::chain13_fits<kGroup, kZeros>(sh, v.warps);
-      return qgemv::chain13_launch<kGroup, kZeros>(ops, nops, sh, sync, blocks, v.warps, st, wait) == qgemv::Status::kOk;
-    }
-    return false;
-  }
-  if (v.form == 14 || v.form >= 16) {
-    if constexpr (kBits == 4 && (kGroup == 0 || kGroup == 128)) {
-      if (!ops) return qgemv::chain14_fits<kGroup, kZeros>(sh, v.warps);
-      return qgemv::chain14_launch<kGroup, kZeros>(ops, nops, sh, sync, blocks, v.warps, st, wait) == qgemv::Status::kOk;
-    }
-    return false;
-  }
-  if (v.form == 11 || v.form == 12) {
-    if constexpr (kBits == 4 && (kGroup == 0 || kGroup == 128)) {
-      if (!ops) return qgemv::chain11_fits<kGroup, kZeros>(sh, v.warps);
-      return qgemv::chain11_launch<kGroup, kZeros>(ops, nops, sh, sync, blocks, v.warps, st, wait) == qgemv::Status::kOk;
-    }
-    return false;
-  }
-  if (v.form >= 7) {
-    if (!ops) return qgemv::chain7_fits<__half, kBits, kGroup, kZeros>(sh, v.warps, v.form);
-    return qgemv::chain7_launch<__half, kBits, kGroup, kZeros>(ops, nops, sh, sync, blocks, v.warps, v.form, st, wait) ==
-           qgemv::Status::kOk;
-  }
-  if (!ops) return qgemv::chain5_fits<__half, kBits, kGroup, kZeros>(sh, v.warps, nops);
-  return qgemv::chain5_launch<__half, kBits, kGroup, kZeros>(ops, nops, sh, sync, blocks, v.warps, st, wait) ==
-         qgemv::Status::kOk;
+// The persistent launch's kernel for format f (norm: with the hand-offs' RMSNorms): f(kernel); false for
+// a format it does not run.
+template <typename F>
+bool chain_dispatch(const Fmt& fm, bool norm, F&& f) {
+  if (fm.bits != 4 || (fm.group != 0 && fm.group != 128)) return false;
+  auto pick = [&](auto kn) {
+    constexpr bool kN = decltype(kn)::value;
+    if (fm.group == 0) f(qgemv::chain_kernel<0, false, kN>);
+    else if (fm.zeros) f(qgemv::chain_kernel<128, true, kN>);
+    else f(qgemv::chain_kernel<128, false, kN>);
+  };
+  norm ? pick(std::true_type{}) : pick(std::false_type{});
+  return true;
 }
 
-bool launch5_fmt(const Fmt& f, const Variant& v, const ChainShape& sh, const qgemv::Chain5Op* ops, int nops,
-                 unsigned* sync, int blocks, cudaStream_t st, unsigned long long* wait = nullptr) {
-  if (f.bits == 8) return launch5_t<8, 0, false>(v, sh, ops, nops, sync, blocks, st, wait);
-  if (f.group == 0) return launch5_t<4, 0, false>(v, sh, ops, nops, sync, blocks, st, wait);
-  if (f.zeros) return launch5_t<4, 128, true>(v, sh, ops, nops, sync, blocks, st, wait);
-  return launch5_t<4, 128, false>(v, sh, ops, nops, sync, blocks, st, wait);
+// Whether one block of `warps` warps and sh's shared memory fits an SM (ops == nullptr), else the launch.
+bool launch_chain(const Fmt& fm, const Variant& v, const ChainShape& sh, const qgemv::ChainOp* ops, int nops,
+                  unsigned* sync, int blocks, cudaStream_t st, unsigned long long* wait = nullptr) {
+  const size_t smem = qgemv::chain_smem_bytes(sh, v.warps);
+  bool ok = false;
+  const bool known = chain_dispatch(fm, sh.norms != nullptr, [&](auto kernel) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) !=
+        cudaSuccess) {
+      (void)cudaGetLastError();
+      return;
+    }
+    if (!ops) {
+      int n = 0;
+      ok = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, v.warps * 32, smem) == cudaSuccess && n >= 1;
+      (void)cudaGetLastError();
+      return;
+    }
+    kernel<<<blocks, v.warps * 32, smem, st>>>(ops, nops, sh, sync, wait);
+    ok = cudaGetLastError() == cudaSuccess;
+  });
+  return known && ok;
 }
 
 // ChainShape::stamps of one timed launch ([op][block][5]: cycles on the tiles, finishing, preparing the
@@ -369,7 +343,7 @@ bool launch5_fmt(const Fmt& f, const Variant& v, const ChainShape& sh, const qge
 // blocks' time on the op's tiles (mean, the slowest over the median); their outputs' times (the last
 // over the median: the skew a hand-off waits for); each block's input read after the last producer's
 // outputs (median: propagation and the read); preparing (fastest / median / slowest block).
-static void print_skew(const char* name, int M, const std::vector<qgemv::Chain5Op>& ops, int classes,
+static void print_skew(const char* name, int M, const std::vector<qgemv::ChainOp>& ops, int classes,
                        const std::vector<unsigned long long>& st, int blocks, int clock_khz, int layers) {
   const int nops = static_cast<int>(ops.size());
   const double cyc_us = 1e3 / clock_khz;
@@ -411,8 +385,8 @@ static void print_skew(const char* name, int M, const std::vector<qgemv::Chain5O
       p0 += sp[0], p1 += sp[blocks / 2], p2 += sp[blocks - 1];
       ++n;
     }
-    const qgemv::Chain5Op* o = nullptr;
-    for (const qgemv::Chain5Op& q : ops)
+    const qgemv::ChainOp* o = nullptr;
+    for (const qgemv::ChainOp& q : ops)
       if (!o && q.cls == c) o = &q;
     const double k = 1.0 / layers;
     std::printf("%-10s %3d     %dx%d: tiles %.2f / %.2f; outputs %.2f; input after %.2f; preparing %.2f / %.2f / %.2f\n",
@@ -488,99 +462,62 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
 
       // The chain: per layer q/k/v -> o (reads q; attention's stand-in) -> gate/up (after o + residual) ->
       // down (after SiLU * mul); the next layer's q/k/v reads down + residual, and so does the output
-      // X[layers].  Every op writes its own activation buffer and the next op reads it.
-      std::vector<qgemv::Chain5Op> ops5, ops11, ops12, ops14;
-      // Form 12's activations: 32-bit words (value, epoch), poisoned (epoch 0xffff never matches).
-      std::vector<void*> paired;
-      std::vector<size_t> paired_bytes;
-      auto palloc = [&](size_t n) {
+      // X[layers].  Every op writes its own activation buffer and the next op reads it.  Inside the launch
+      // a buffer of n values holds two fp16 copies (the launch's parity picks one), 0xffff until written;
+      // X[0] (the first input, and layer 0's first residual) and X[layers] (the output) stay plain.
+      std::vector<qgemv::ChainOp> ops;
+      std::vector<void*> halves;
+      std::vector<size_t> halves_bytes;
+      auto halloc = [&](size_t n) {
         void* q;
         CK(cudaMalloc(&q, n * 4));
         CK(cudaMemset(q, 0xff, n * 4));
-        paired.push_back(q);
-        paired_bytes.push_back(n * 4);
+        halves.push_back(q);
+        halves_bytes.push_back(n * 4);
         return q;
       };
-      std::vector<void*> bufs5;
-      void* px_next = nullptr;  // form 12: the next layer's paired input
+      void* px_next = nullptr;  // the next layer's input
       for (int l = 0; l < layers; ++l) {
         const Lin* L = &lins[4 * l];
-        struct {
-          const __half *x, *res;
-          int ldx;
-          __half* y;
-          int ldy;
-          qgemv::ChainOut out;
-        } io[4] = {{X[l], nullptr, m.H, Q[l], m.Nqkv, qgemv::ChainOut::kStore},
-                   {Q[l], X[l], m.Nqkv, Hh[l], m.H, qgemv::ChainOut::kResidual},
-                   {Hh[l], nullptr, m.H, A[l], m.I, qgemv::ChainOut::kSiluMul},
-                   {A[l], Hh[l], m.I, X[l + 1], m.H, qgemv::ChainOut::kResidual}};
-        for (int j = 0; j < 4; ++j) {
-          qgemv::Chain5Op o{};
-          o.p = params(f, L[j], io[j].x, io[j].ldx, io[j].y, io[j].ldy, M);
-          o.meta = L[j].meta;
-          o.res = io[j].res;
-          o.out = static_cast<int>(io[j].out);
-          CK(cudaMalloc(&o.acc, sizeof(float) * M * L[j].N));
-          CK(cudaMemset(o.acc, 0, sizeof(float) * M * L[j].N));
-          CK(cudaMalloc(&o.panel_cnt, 4 * (L[j].N / 16)));
-          CK(cudaMemset(o.panel_cnt, 0, 4 * (L[j].N / 16)));
-          bufs5.push_back(o.acc);
-          bufs5.push_back(o.panel_cnt);
-          ops5.push_back(o);
-          o.meta = L[j].meta11;
-          ops11.push_back(o);
-        }
-        // Form 12: the same chain through paired buffers; X[0] (the first input, and layer 0's first
-        // residual) and X[layers] (the output) stay plain.
         void* px = l == 0 ? static_cast<void*>(X[0]) : px_next;
-        void* pq = palloc(size_t(M) * m.Nqkv);
-        void* ph = palloc(size_t(M) * m.H);
-        void* pa = palloc(size_t(M) * m.I);
+        void* pq = halloc(size_t(M) * m.Nqkv);
+        void* ph = halloc(size_t(M) * m.H);
+        void* pa = halloc(size_t(M) * m.I);
         const bool last = l + 1 == layers;
-        px_next = last ? static_cast<void*>(X[layers]) : palloc(size_t(M) * m.H);
+        px_next = last ? static_cast<void*>(X[layers]) : halloc(size_t(M) * m.H);
         struct {
           const void *x, *res;
           int ldx;
           void* y;
           int ldy, flags;
-        } pio[4] = {{px, nullptr, m.H, pq, m.Nqkv, l == 0 ? qgemv::kChainPlainX : 0},
-                    {pq, px, m.Nqkv, ph, m.H, l == 0 ? qgemv::kChainPlainRes : 0},
-                    {ph, nullptr, m.H, pa, m.I, 0},
-                    {pa, ph, m.I, px_next, m.H, last ? qgemv::kChainPlainY : 0}};
+          qgemv::ChainOut out;
+        } io[4] = {{px, nullptr, m.H, pq, m.Nqkv, l == 0 ? qgemv::kChainPlainX : 0, qgemv::ChainOut::kStore},
+                   {pq, px, m.Nqkv, ph, m.H, l == 0 ? qgemv::kChainPlainRes : 0, qgemv::ChainOut::kResidual},
+                   {ph, nullptr, m.H, pa, m.I, 0, qgemv::ChainOut::kSiluMul},
+                   {pa, ph, m.I, px_next, m.H, last ? qgemv::kChainPlainY : 0, qgemv::ChainOut::kResidual}};
         for (int j = 0; j < 4; ++j) {
-          qgemv::Chain5Op o = ops11[4 * l + j];
-          o.p = params(f, L[j], pio[j].x, pio[j].ldx, pio[j].y, pio[j].ldy, M);
-          o.res = pio[j].res;
-          o.flags = pio[j].flags;
-          ops12.push_back(o);
-          if (L[j].fused) o.p.qweight = L[j].fused;  // form 14: tiles with their meta
-          ops14.push_back(o);
+          qgemv::ChainOp o{};
+          o.p = params(f, L[j], io[j].x, io[j].ldx, io[j].y, io[j].ldy, M);
+          if (L[j].fused) o.p.qweight = L[j].fused;  // G = 128: tiles with their scales and zero points
+          o.res = io[j].res;
+          o.out = static_cast<int>(io[j].out);
+          o.flags = io[j].flags;
+          ops.push_back(o);
         }
       }
-      qgemv::Chain5Op* d_ops5;
-      CK(cudaMalloc(&d_ops5, ops5.size() * sizeof(qgemv::Chain5Op)));
-      CK(cudaMemcpy(d_ops5, ops5.data(), ops5.size() * sizeof(qgemv::Chain5Op), cudaMemcpyHostToDevice));
-      // Op classes (one per shape and output step): forms 16 and 17's schedule, and every form's
-      // per-class hand-off times.
-      const int classes14 = qgemv::chain16_classes(ops14.data(), static_cast<int>(ops14.size()));
-      qgemv::chain16_classes(ops11.data(), static_cast<int>(ops11.size()));
-      qgemv::chain16_classes(ops12.data(), static_cast<int>(ops12.size()));
-      qgemv::Chain5Op *d_ops11, *d_ops12;  // forms 11 and 12: the same ops with its meta order (12: paired)
-      CK(cudaMalloc(&d_ops11, ops11.size() * sizeof(qgemv::Chain5Op)));
-      CK(cudaMemcpy(d_ops11, ops11.data(), ops11.size() * sizeof(qgemv::Chain5Op), cudaMemcpyHostToDevice));
-      CK(cudaMalloc(&d_ops12, ops12.size() * sizeof(qgemv::Chain5Op)));
-      CK(cudaMemcpy(d_ops12, ops12.data(), ops12.size() * sizeof(qgemv::Chain5Op), cudaMemcpyHostToDevice));
-      qgemv::Chain5Op* d_ops14;
-      CK(cudaMalloc(&d_ops14, ops14.size() * sizeof(qgemv::Chain5Op)));
-      CK(cudaMemcpy(d_ops14, ops14.data(), ops14.size() * sizeof(qgemv::Chain5Op), cudaMemcpyHostToDevice));
-      unsigned* d_cnt;
-      CK(cudaMalloc(&d_cnt, 2 * ops5.size() * 4));
-      CK(cudaMemset(d_cnt, 0, 2 * ops5.size() * 4));
-      // --norm: each op's input RMSNorm gain (q/k/v: the layer's first, gate/up: its second), for form 20
+      const int nops = static_cast<int>(ops.size());
+      // Op classes (one per shape and output step): the schedule, and the per-class hand-off times.
+      const int classes = qgemv::chain_classes(ops.data(), nops);
+      qgemv::ChainOp* d_ops;
+      CK(cudaMalloc(&d_ops, ops.size() * sizeof(qgemv::ChainOp)));
+      CK(cudaMemcpy(d_ops, ops.data(), ops.size() * sizeof(qgemv::ChainOp), cudaMemcpyHostToDevice));
+      unsigned* d_cnt;  // [nops + 1]: the last counts the launches (their parity)
+      CK(cudaMalloc(&d_cnt, (nops + 1) * 4));
+      CK(cudaMemset(d_cnt, 0, (nops + 1) * 4));
+      // --norm: each op's input RMSNorm gain (q/k/v: the layer's first, gate/up: its second)
       const void** d_norms = nullptr;
       if (norm) {
-        std::vector<const void*> hn(ops14.size(), nullptr);
+        std::vector<const void*> hn(ops.size(), nullptr);
         for (int l = 0; l < layers; ++l) hn[4 * l] = G1[l], hn[4 * l + 2] = G2[l];
         CK(cudaMalloc(&d_norms, hn.size() * sizeof(void*)));
         CK(cudaMemcpy(d_norms, hn.data(), hn.size() * sizeof(void*), cudaMemcpyHostToDevice));
@@ -666,53 +603,40 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       std::printf("%-10s %3d reference output max |y| %.3g (input 1)\n", f.name, M, refmax);
 
       for (const Variant& v : variants) {
-        if (norm && v.form != 20) {  // --norm: the reference's inputs are normalized; form 20 alone does it too
-          std::printf("%-10s %3d form %d: skipped (--norm: form 20 only)\n", f.name, M, v.form);
-          continue;
-        }
         const int blocks = sms;
-        const int nops = static_cast<int>(ops5.size());
-        // Form 9's ring is --stage-tiles one-tile slots per warp (sh.stages 1).
-        ChainShape sh{v.stage_tiles, v.form >= 9 && v.form < 14 ? 1 : v.stages, qgemv::chain_meta_bytes(f.group, f.zeros),
-                      std::max(m.H, m.I), M, v.skip, v.form == 6 ? 1 : 0,
-                      v.form >= 8 ? qgemv::chain8_sums(ops5.data(), nops, blocks, M) : 0, v.form >= 18 ? 2 : v.form == 12 || v.form >= 14 ? 1 : 0,
-                      v.chunk, v.form == 16 ? 1 : v.form == 20 ? 3 : v.form >= 17 ? 2 : 0};
-        sh.norms = norm ? d_norms : nullptr;  // form 20 with the hand-off's RMSNorms (the others are skipped)
+        ChainShape sh{v.stages, qgemv::chain_meta_bytes(f.group, f.zeros), std::max(m.H, m.I), M, v.skip};
+        sh.sums = qgemv::chain_sums(ops.data(), nops, blocks, M);
+        sh.norms = norm ? d_norms : nullptr;
         sh.norm_eps = kNormEps;
-        int4* d_tab = nullptr;  // forms 16 and 17: the schedule for these blocks and warps
-        if (v.form >= 16 && classes14 > 0) {
-          const std::vector<int4> tab = qgemv::chain16_schedule(ops14.data(), nops, classes14, blocks, v.warps);
-          if (!tab.empty()) {
-            CK(cudaMalloc(&d_tab, tab.size() * sizeof(int4)));
-            CK(cudaMemcpy(d_tab, tab.data(), tab.size() * sizeof(int4), cudaMemcpyHostToDevice));
-            sh.cursors = d_tab, sh.classes = classes14;
-          }
+        int4* d_tab = nullptr;  // the schedule for these blocks and warps
+        const std::vector<int4> tab =
+            classes > 0 ? qgemv::chain_schedule(ops.data(), nops, classes, blocks, v.warps) : std::vector<int4>{};
+        if (!tab.empty()) {
+          CK(cudaMalloc(&d_tab, tab.size() * sizeof(int4)));
+          CK(cudaMemcpy(d_tab, tab.data(), tab.size() * sizeof(int4), cudaMemcpyHostToDevice));
+          sh.cursors = d_tab, sh.classes = classes;
         }
         struct Free {
           void* p;
           ~Free() { cudaFree(p); }
         } free_tab{d_tab};  // at the end of this variant, or at its `continue`
-        const bool fits = launch5_fmt(f, v, sh, nullptr, nops, nullptr, blocks, st);
-        if (M > 8 || !fits) {
-          std::printf("%-10s %3d form %d w%d s%d t%d: does not fit (%zu B of shared memory%s)\n", f.name, M, v.form,
-                      v.warps, v.stages, v.stage_tiles,
-                      v.form >= 14  ? qgemv::chain14_smem_bytes(sh, v.warps)
-                      : v.form == 13 ? qgemv::chain13_smem_bytes(sh)
-                      : v.form >= 11 ? qgemv::chain11_smem_bytes(sh)
-                      : v.form >= 7 ? qgemv::chain7_smem_bytes<__half>(sh, v.warps, v.form >= 8, v.form >= 9)
-                                    : qgemv::chain5_smem_bytes<__half>(sh, v.warps, nops),
-                      M > 8 ? ", M > 8" : "");
+        char form[48];
+        std::string tag;
+        const char* bit_names[] = {" nowait", " noprep", " nomath", " l2feed", "", " noflush"};
+        for (int bit = 0; bit < 6; ++bit)
+          if (v.skip & (1 << bit)) tag += bit_names[bit];
+        std::snprintf(form, sizeof form, "persist w%d s%d%s", v.warps, v.stages, tag.c_str());
+        if (M != 1 || !d_tab || !launch_chain(f, v, sh, nullptr, nops, nullptr, blocks, st)) {
+          std::printf("%-10s %3d %s: does not run (%zu B of shared memory; M = 1, int4 per channel or G = 128)\n",
+                      f.name, M, form, qgemv::chain_smem_bytes(sh, v.warps));
           continue;
         }
         for (int l = 1; l <= layers; ++l) CK(cudaMemset(X[l], 0xff, size_t(M) * m.H * 2));  // poison
-        // the activation buffers as new: form 18 reads a never-written element as the poison 0xffff (not
-        // another form's words), forms 12-17 a word whose epoch 0xffff no launch has
-        for (size_t q = 0; q < paired.size(); ++q) CK(cudaMemset(paired[q], 0xff, paired_bytes[q]));
+        // the activation buffers as new: a never-written element reads as the poison 0xffff
+        for (size_t q = 0; q < halves.size(); ++q) CK(cudaMemset(halves[q], 0xff, halves_bytes[q]));
         unsigned long long* wait = nullptr;
         auto go = [&] {
-          const bool ok =
-              launch5_fmt(f, v, sh, v.form >= 14 ? d_ops14 : v.form >= 12 ? d_ops12 : v.form == 11 ? d_ops11 : d_ops5, nops,
-                          d_cnt, blocks, st, wait);
+          const bool ok = launch_chain(f, v, sh, d_ops, nops, d_cnt, blocks, st, wait);
           if (!ok) {
             std::fprintf(stderr, "persistent launch failed\n");
             std::exit(1);
@@ -747,14 +671,12 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         // per block: 5 counts, its SM, then preparing and finishing per op class
         const int nwc = 6 + 2 * qgemv::kChainMaxClasses;
         CK(cudaMemset(wait_dev, 0, sizeof(unsigned long long) * nwc * blocks));
-        // forms 12-19: each op's and block's stamps too (ChainShape::stamps)
+        // each op's and block's stamps too (ChainShape::stamps)
         const size_t nst = static_cast<size_t>(nops) * blocks * 5;
         unsigned long long* d_st = nullptr;
-        if (v.form >= 12 && v.form != 13) {
-          CK(cudaMalloc(&d_st, nst * 8));
-          CK(cudaMemset(d_st, 0, nst * 8));
-          sh.stamps = d_st;
-        }
+        CK(cudaMalloc(&d_st, nst * 8));
+        CK(cudaMemset(d_st, 0, nst * 8));
+        sh.stamps = d_st;
         wait = wait_dev;
         go();
         wait = nullptr;
@@ -774,35 +696,12 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           isum += wc[3 * blocks + b2], qsum += wc[4 * blocks + b2];
         }
         const double per_us = 1e3 / clock_khz / layers;  // cycles -> us per layer
-        char form[48];
-        std::string tag;
-        const char* bit_names[] = {" nowait", " noprep", " nomath", " l2feed", "", " noflush"};
-        for (int bit = 0; bit < 6; ++bit)
-          if (v.skip & (1 << bit)) tag += bit_names[bit];
-        if (v.form >= 14) tag += " c" + std::to_string(v.chunk);
-        std::snprintf(form, sizeof form, "form%d w%d s%d t%d%s", v.form, v.warps, v.stages, v.stage_tiles, tag.c_str());
         row(form, blocks, us, err);
-        if (v.form == 13)
-          std::printf("%-10s %3d   per layer, warp 0 of a block (mean): %.2f us waiting for input slices (%.1f the most), "
-                      "%.2f for the block's warps to pass op i - 2; %.2f in all\n", f.name, M, wsum / blocks * per_us,
-                      wmax * per_us, bsum / blocks * per_us, qsum / blocks * per_us);
-        else if (v.form >= 11)
-          std::printf("%-10s %3d   per layer, warp 0 of a block (mean): %.2f us %s (%.1f the most), "
-                      "%.2f waiting for the block's warps, %.2f finishing, %.2f preparing the input; %.2f in all\n",
-                      f.name, M, wsum / blocks * per_us, v.form >= 14 ? "waiting for the feed" : "spinning on others",
-                      wmax * per_us, bsum / blocks * per_us, ssum / blocks * per_us, isum / blocks * per_us,
-                      qsum / blocks * per_us);
-        else if (v.form >= 7)
-          std::printf("%-10s %3d   per layer, a block's mean: control warp %.2f us spinning on others (%.1f the most), "
-                      "%.2f flushing; consumer warp 0 %.2f waiting for weights, %.2f for inputs, %.2f for a queue slot\n",
-                      f.name, M, wsum / blocks * per_us, wmax * per_us, bsum / blocks * per_us, ssum / blocks * per_us,
-                      isum / blocks * per_us, qsum / blocks * per_us);
-        else
-          std::printf("%-10s %3d   per layer, a block's mean: %.2f us spinning on others (%.1f the most), %.2f %s, "
-                      "%.2f waiting for weights (%s)\n", f.name, M,
-                      wsum / blocks * per_us, wmax * per_us, bsum / blocks * per_us,
-                      "copying inputs", ssum / blocks * per_us, "warp 0");
-        if (v.form >= 11 && v.form != 13) {
+        std::printf("%-10s %3d   per layer, warp 0 of a block (mean): %.2f us waiting for its ring (%.1f the most), "
+                    "%.2f waiting for the block's warps, %.2f finishing, %.2f preparing the input; %.2f in all\n",
+                    f.name, M, wsum / blocks * per_us, wmax * per_us, bsum / blocks * per_us, ssum / blocks * per_us,
+                    isum / blocks * per_us, qsum / blocks * per_us);
+        {
           // The spread of the blocks' own times (thread 0, start to end): the slowest sets every hand-off.
           std::vector<double> tot(blocks);
           for (int b2 = 0; b2 < blocks; ++b2) tot[b2] = wc[4 * blocks + b2] * per_us;
@@ -812,16 +711,16 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
                       M, srt[0], srt[blocks / 2], srt[blocks * 9 / 10], srt[blocks - 1]);
           // Each op class's hand-off (thread 0, a block's mean): preparing its input, finishing its outputs.
           std::printf("%-10s %3d   per layer and op class, preparing / finishing (us):", f.name, M);
-          for (int c = 0; c < classes14; ++c) {
-            const qgemv::Chain5Op* o = nullptr;
-            for (const qgemv::Chain5Op& q : ops14)
+          for (int c = 0; c < classes; ++c) {
+            const qgemv::ChainOp* o = nullptr;
+            for (const qgemv::ChainOp& q : ops)
               if (!o && q.cls == c) o = &q;
             double pc = 0, fc = 0;
             for (int b2 = 0; b2 < blocks; ++b2) pc += wc[(6 + 2 * c) * blocks + b2], fc += wc[(7 + 2 * c) * blocks + b2];
             std::printf(" %dx%d %.2f / %.2f;", o->p.N, o->p.K, pc / blocks * per_us, fc / blocks * per_us);
           }
           std::printf("\n");
-          if (!hst.empty()) print_skew(f.name, M, ops14, classes14, hst, blocks, clock_khz, layers);
+          if (!hst.empty()) print_skew(f.name, M, ops, classes, hst, blocks, clock_khz, layers);
           if (!hst.empty() && std::getenv("LAB_SMMAP")) {
             // Is a block's speed its SM's or its work's?  Each block's time on each op class's tiles (us a
             // layer) in three timed launches: the one above, the same again, and one with every block running
@@ -845,11 +744,11 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
               }
               smof.emplace_back(blocks);
               for (int b2 = 0; b2 < blocks; ++b2) smof[run][b2] = static_cast<int>(w2[5 * blocks + b2]);
-              for (int c = 0; c < classes14; ++c) {
+              for (int c = 0; c < classes; ++c) {
                 std::vector<double> t(blocks, 0.0);
                 for (int b2 = 0; b2 < blocks; ++b2)
                   for (int o = 0; o < nops; ++o)
-                    if (ops14[o].cls == c) t[b2] += s2[(static_cast<size_t>(o) * blocks + b2) * 5] * per_us;
+                    if (ops[o].cls == c) t[b2] += s2[(static_cast<size_t>(o) * blocks + b2) * 5] * per_us;
                 tim.push_back(t);
               }
             }
@@ -866,15 +765,15 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
             for (int b2 = 0; b2 < blocks; ++b2) same_sms &= smof[0][b2] == smof[1][b2] && smof[0][b2] == smof[2][b2];
             std::printf("%-10s %3d   SM map: a block's SM the same in the three launches: %s\n", f.name, M,
                         same_sms ? "yes" : "no");
-            for (int c = 0; c < classes14; ++c) {
+            for (int c = 0; c < classes; ++c) {
               // by SM: launch 3's time of the block on SM s; by slot: launch 3's time of the block that ran slot s
-              std::vector<double> a = tim[c], b = tim[classes14 + c], bysm(blocks), byslot(blocks);
+              std::vector<double> a = tim[c], b = tim[classes + c], bysm(blocks), byslot(blocks);
               std::vector<int> at_sm(1024, -1);
               for (int b2 = 0; b2 < blocks; ++b2) at_sm[smof[2][b2] & 1023] = b2;
               for (int b2 = 0; b2 < blocks; ++b2) {
                 const int j = at_sm[smof[0][b2] & 1023];
-                bysm[b2] = j >= 0 ? tim[2 * classes14 + c][j] : 0.0;
-                byslot[b2] = tim[2 * classes14 + c][(b2 - rot % blocks + blocks) % blocks];  // it ran slot b2
+                bysm[b2] = j >= 0 ? tim[2 * classes + c][j] : 0.0;
+                byslot[b2] = tim[2 * classes + c][(b2 - rot % blocks + blocks) % blocks];  // it ran slot b2
               }
               std::vector<double> srt = a;
               std::sort(srt.begin(), srt.end());
@@ -883,10 +782,10 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
                           srt[0], srt[blocks / 2], srt[blocks - 1], corr(a, b), corr(a, bysm), corr(a, byslot));
             }
             if (std::getenv("LAB_SMMAP_ALL"))
-              for (int c = 0; c < classes14; ++c) {
+              for (int c = 0; c < classes; ++c) {
                 std::printf("%-10s %3d   SM map, class %d, block:sm:us (launch 1, rotated):", f.name, M, c);
                 for (int b2 = 0; b2 < blocks; ++b2)
-                  std::printf(" %d:%d:%.2f:%.2f", b2, smof[0][b2], tim[c][b2], tim[2 * classes14 + c][b2]);
+                  std::printf(" %d:%d:%.2f:%.2f", b2, smof[0][b2], tim[c][b2], tim[2 * classes + c][b2]);
                 std::printf("\n");
               }
           }
@@ -897,12 +796,8 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           }
         }
       }
-      CK(cudaFree(d_ops5));
-      CK(cudaFree(d_ops11));
-      CK(cudaFree(d_ops12));
-      CK(cudaFree(d_ops14));
-      for (void* q : paired) CK(cudaFree(q));
-      for (void* pb : bufs5) CK(cudaFree(pb));
+      CK(cudaFree(d_ops));
+      for (void* q : halves) CK(cudaFree(q));
       CK(cudaFree(d_cnt));
       if (d_norms) CK(cudaFree(d_norms));
       for (auto* p : X) CK(cudaFree(p));
@@ -914,8 +809,6 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       CK(cudaFree(L.w));
       CK(cudaFree(L.s));
       if (L.z) CK(cudaFree(L.z));
-      if (L.meta) CK(cudaFree(L.meta));
-      if (L.meta11) CK(cudaFree(L.meta11));
       if (L.fused) CK(cudaFree(L.fused));
     }
   }
@@ -950,7 +843,7 @@ void probes(int sms, double ceiling) {
     });
     std::printf("handoff between blocks, %d blocks: %.3f us per producer -> consumer hop\n", G, th / H);
   }
-  // Every block reads an op's input (fp16, or form 12's paired words) at once, against each its own bytes.
+  // Every block reads an op's input at once, against each its own bytes.
   {
     int khz = 0;
     CK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0));
@@ -1115,7 +1008,7 @@ int main(int argc, char** argv) {
   bool probe_only = false, no_probe = false, tma = false, no_ceiling = false, norm = false;
   const Model* model = &kModels[0];
   int layers = 0;
-  std::vector<int> Ms, warps, stages, tiles, skips, forms, chunks;
+  std::vector<int> warps, stages, skips;
   std::vector<Fmt> fmts;
   const Fmt all[] = {{"int4g128a", 4, 128, true}, {"int4g128", 4, 128, false}, {"int4", 4, 0, false},
                      {"int8", 8, 0, false}};
@@ -1143,20 +1036,12 @@ int main(int argc, char** argv) {
       }
     } else if (a == "--layers" && has) {
       layers = std::atoi(argv[++i]);
-    } else if (a == "--ms" && has) {
-      if (!parse(argv[++i], "--ms", Ms)) return 2;
     } else if (a == "--warps" && has) {
       if (!parse(argv[++i], "--warps", warps)) return 2;
     } else if (a == "--stages" && has) {
       if (!parse(argv[++i], "--stages", stages)) return 2;
-    } else if (a == "--forms" && has) {
-      if (!parse(argv[++i], "--forms", forms)) return 2;
     } else if (a == "--skip" && has) {
       if (!parse(argv[++i], "--skip", skips)) return 2;
-    } else if (a == "--chunks" && has) {
-      if (!parse(argv[++i], "--chunks", chunks)) return 2;
-    } else if (a == "--stage-tiles" && has) {
-      if (!parse(argv[++i], "--stage-tiles", tiles)) return 2;
     } else if (a == "--formats" && has) {
       for (char* tok = std::strtok(argv[++i], ","); tok; tok = std::strtok(nullptr, ",")) {
         bool found = false;
@@ -1172,37 +1057,18 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  for (int m : Ms)
-    if (m < 1 || m > 16) {
-      std::fprintf(stderr, "--ms: 1..16\n");
-      return 2;
-    }
   for (int s : stages)
-    if (s < 2) {
-      std::fprintf(stderr, "--stages: at least 2\n");
+    if (s <= qgemv::kChainChunk || s % qgemv::kChainChunk) {
+      std::fprintf(stderr, "--stages: a multiple of %d above %d\n", qgemv::kChainChunk, qgemv::kChainChunk);
       return 2;
     }
   for (int w : warps)
-    if (w < 1 || w > qgemv::kChain9MaxWarps) {  // forms 5-8 take 16 at most (the rest "do not fit")
-      std::fprintf(stderr, "--warps: 1..%d consumer warps\n", qgemv::kChain9MaxWarps);
+    if (w < 1 || w > qgemv::kChainMaxWarps) {
+      std::fprintf(stderr, "--warps: 1..%d\n", qgemv::kChainMaxWarps);
       return 2;
     }
-  for (int f : forms)
-    if (f < 5 || f == 10 || f == 15 || f == 19 || f > 20) {
-      std::fprintf(stderr, "--forms: 5 to 9, 11 to 14, 16 to 18, 20 (form 19 became form 20)\n");
-      return 2;
-    }
-  for (int t : tiles)
-    if (t < 1) {
-      std::fprintf(stderr, "--stage-tiles: at least 1\n");
-      return 2;
-    }
-  if (Ms.empty()) Ms = {1};
-  if (forms.empty()) forms = {5};
-  if (warps.empty()) warps = {12};
-  if (stages.empty()) stages = {4};
-  if (chunks.empty()) chunks = {4};
-  if (tiles.empty()) tiles = {2};
+  if (warps.empty()) warps = {16};
+  if (stages.empty()) stages = {8};
   if (skips.empty()) skips = {0};
 
   if (fmts.empty()) fmts = {all[0], all[2], all[3]};
@@ -1223,16 +1089,12 @@ int main(int argc, char** argv) {
   else std::printf("(probes skipped)\n");
   if (probe_only) return 0;
   std::vector<Variant> variants;
-  for (int fm : forms)
-    for (int w : warps)
-      for (int s : stages)
-        for (int t : tiles)
-          for (int k : skips)
-            for (int c : chunks)
-              if (fm >= 14 || c == chunks[0]) variants.push_back({fm, w, s, t, k, c});
+  for (int w : warps)
+    for (int s : stages)
+      for (int k : skips) variants.push_back({w, s, k});
   int clock_khz = 0;
   CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
-  const int failures = run_chain(*model, layers ? layers : model->layers, fmts, Ms, variants, ceiling,
+  const int failures = run_chain(*model, layers ? layers : model->layers, fmts, {1}, variants, ceiling,
                                  prop.multiProcessorCount, clock_khz, norm);
   std::printf("%s (%d failures)\n", failures ? "FAILED" : "every persistent result matches the per-op chain",
               failures);
