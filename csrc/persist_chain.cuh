@@ -318,7 +318,7 @@ inline std::vector<int4> chain_schedule(const ChainOp* ops, int nops, int classe
   return tab;
 }
 
-// chain11_start from the block's records (tab, in shared memory).
+// A warp's cursor on op o from the block's records (tab, in shared memory).
 __device__ __forceinline__ void chain_start(const ChainOp& o, const int4* tab, int warp, int W, ChainCursor& c) {
   const int4 r = tab[o.cls * (W + 1) + warp];
   c.pos = r.x, c.end = r.y, c.vp = r.z, c.kt = r.w & 0xffff, c.u0 = r.w >> 16;
@@ -602,29 +602,51 @@ __device__ __forceinline__ void chain_consume(const ChainRing& rg, const ChainOp
   }
 }
 
-// The preparation of an op's fp16 input (M = 1): every
-// chunk of 8 halves of this launch's copy copied into xs at once
-// (cp.async, L2 only: no registers hold the data in flight, so a K of 14336,
-// 3.5 chunks a thread, is one L2 round trip, not two), then each thread takes
-// its own chunks back (its copies, seen after its wait), polls again those
-// that still hold the poison, and writes them back as chain_nibble_input
-// makes them, with the 2^-24 sums of each 128.  Thread i: chunks i, i + n, ...
-// in both passes (n = nthreads, a multiple of 32: the 16-lane shuffles).
-// src: the copy to read; nowait: a plain input (written before the launch)
-// or the lab's timing without waits.
+// An op's input as the launch reads it (M = 1): this launch's copy of a
+// buffer written inside it (parity par), or the plain fp16 written before it.
+__device__ __forceinline__ const uint4* chain_input_src(const GemvParams& p, int o_flags, int par) {
+  const bool plain = (o_flags & kChainPlainX) != 0;
+  return reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.x) +
+                                        (plain ? size_t{0} : static_cast<size_t>(par) * p.ldx));
+}
+
+// Every chunk of 8 halves of src copied into xs4 at once (cp.async, L2 only:
+// no registers hold the data in flight, so a K of 14336, 3.5 chunks a thread,
+// is one L2 round trip, not two); thread i copies chunks i, i + n, ... (n =
+// nthreads) and waits for its own copies only.
+__device__ __forceinline__ void chain_copy_input(uint4* xs4, const uint4* src, int chunks, int nthreads) {
+  for (int c = threadIdx.x; c < chunks; c += nthreads) cp_async_16_shared_data(xs4 + c, src + c);
+  cp_async_commit();
+  cp_async_wait<0>();
+}
+
+// Chunk c as this thread copied it, polled again from src (and written back
+// to xs4) while any of its halves is the poison: its producer had not written
+// it yet.  nowait: a plain input, or the lab's timing without waits.
+__device__ __forceinline__ uint4 chain_take_chunk(uint4* xs4, const uint4* src, int c, bool nowait) {
+  uint4 v = xs4[c];
+  if (!nowait && !chain_half_ready(v)) {
+    do v = ld_relaxed_gpu_v4(src + c);
+    while (!chain_half_ready(v));
+    xs4[c] = v;
+  }
+  return v;
+}
+
+// The preparation of an op's fp16 input: chain_copy_input, then each thread
+// takes its own chunks back (chain_take_chunk) and writes them as
+// chain_nibble_input makes them, with the 2^-24 sums of each 128.  Thread i:
+// chunks i, i + n, ... (n = nthreads, a multiple of 32: the 16-lane shuffles).
 __device__ __forceinline__ void chain_async_input(const uint4* src, int chunks, int nthreads, __half* xs, float* xsum,
                                                   bool nowait) {
   const int lane = threadIdx.x & 31;
   uint4* xs4 = reinterpret_cast<uint4*>(xs);
-  for (int c = threadIdx.x; c < chunks; c += nthreads) cp_async_16_shared_data(xs4 + c, src + c);
-  cp_async_commit();
-  cp_async_wait<0>();
+  chain_copy_input(xs4, src, chunks, nthreads);
   for (int cb = threadIdx.x - lane; cb < chunks; cb += nthreads) {  // warp-uniform (the shuffles)
     const int c = cb + lane;
     float sum = 0.f;
     if (c < chunks) {
-      uint4 v = xs4[c];
-      while (!nowait && !chain_half_ready(v)) v = ld_relaxed_gpu_v4(src + c);
+      uint4 v = chain_take_chunk(xs4, src, c, nowait);
       sum = chain_nibble_input(v);
       xs4[c] = v;
     }
@@ -652,19 +674,10 @@ __device__ __noinline__ void chain_norm_input(const GemvParams& p, int o_flags, 
   uint4* xs4 = reinterpret_cast<uint4*>(xs);
   float ss = 0.f;
   // as chain_async_input: every chunk copied at once, the poisoned ones polled again
-  const bool plain = (o_flags & kChainPlainX) != 0;
-  const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.x) +
-                                                    (plain ? size_t{0} : static_cast<size_t>(par) * p.ldx));
-  for (int c = threadIdx.x; c < chunks; c += nthreads) cp_async_16_shared_data(xs4 + c, src + c);
-  cp_async_commit();
-  cp_async_wait<0>();
+  const uint4* src = chain_input_src(p, o_flags, par);
+  chain_copy_input(xs4, src, chunks, nthreads);
   for (int c = threadIdx.x; c < chunks; c += nthreads) {
-    uint4 v = xs4[c];
-    if (!plain && !nowait && !chain_half_ready(v)) {
-      do v = ld_relaxed_gpu_v4(src + c);
-      while (!chain_half_ready(v));
-      xs4[c] = v;
-    }
+    const uint4 v = chain_take_chunk(xs4, src, c, nowait || (o_flags & kChainPlainX));
     const __half2* h = reinterpret_cast<const __half2*>(&v);
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
@@ -1024,24 +1037,16 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
     const long long p0 = timed ? clock64() : 0;
     if (timed) t_warps += p0 - b0;
     const int chunks = p.K / 8;
+    bool normed = false;
     if constexpr (kNorm) {
-      // RMSNorm of the input on the way in (chain_norm_input)
-      if (const void* norm = sh.norms[oi]) {
+      if (const void* norm = sh.norms[oi]) {  // RMSNorm of the input on the way in
         chain_norm_input(p, o_flags, par, norm, sh.norm_eps, chunks, nthreads, csync, xs, xsum, (sh.skip & 1) != 0);
-        csync();
-        if (timed) {
-          const long long v = clock64() - p0;
-          t_prep += v;
-          per_class(cls, 0, v);
-        }
-        if (kStamps && timed && sh.stamps) t_mark[0] = clock64(), stamp(oi, 2, t_mark[0] - t_mark[1]), stamp(oi, 4, gtime());
-        return;
+        normed = true;
       }
     }
-    // the input copied at once
-    const bool plain = (o_flags & kChainPlainX) != 0;
-    const uint16_t* x16 = static_cast<const uint16_t*>(p.x) + (plain ? size_t{0} : static_cast<size_t>(par) * p.ldx);
-    chain_async_input(reinterpret_cast<const uint4*>(x16), chunks, nthreads, xs, xsum, plain || (sh.skip & 1));
+    if (!normed)  // the input copied at once
+      chain_async_input(chain_input_src(p, o_flags, par), chunks, nthreads, xs, xsum,
+                        (o_flags & kChainPlainX) || (sh.skip & 1));
     csync();
     if (timed) {
       const long long v = clock64() - p0;
