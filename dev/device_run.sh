@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|stage2|attn|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -87,6 +87,35 @@ for step in "${@:-all}"; do
       nvcc -gencode=arch=compute_90a,code=sm_90a /tmp/persist_obj/*.o -o /tmp/persist_lab \
         || { cat /tmp/persist_obj/*.log | tail -40; exit 1; }
       timeout 400 /tmp/persist_lab ${PERSIST_ARGS:-} 2>&1 | tee "$OUT/persist.txt" ;;
+    stage2)
+      # issue 35's queue in one call (dev/PERSISTENT.md "Next session's first device calls"): the persistent
+      # kernel's and the engine's megakernel tests, memcheck on the decode chain, bench_chain with and
+      # without norms, the engine with and without the launch; STAGE2_GEN=0 skips bench_generate
+      OMP_NUM_THREADS=2 timeout 300 python3 -m pytest -n 16 -v -rs -p no:cacheprovider tests/test_persist.py \
+        tests/test_engine.py -k "persist or megakernel or Persist" > "$OUT/stage2_tests.log" 2>&1
+      echo "stage2 tests: exit $?, $(grep -c ' PASSED ' "$OUT/stage2_tests.log") passed"
+      grep -E ' (FAILED|ERROR) ' "$OUT/stage2_tests.log" | sort -u | head -20
+      PV=int4_deps,int4_persist,int4g128_deps,int4g128_persist,int4g128a_deps,int4g128a_persist
+      for extra in "" "--norms"; do
+        timeout 150 python3 -m qgemv.eval.bench_chain --model llama3-8b --ms 1 --variants "$PV" $extra \
+          --out "$OUT/stage2_chain${extra:+_norms}" 2>&1 | grep -v -i warn | tail -12
+      done
+      timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_persist.py -k decode > "$OUT/stage2_memcheck.log" 2>&1
+      echo "memcheck (test_persist -k decode): exit $?"; tail -3 "$OUT/stage2_memcheck.log"
+      if [ "${STAGE2_GEN:-1}" != 0 ]; then
+        timeout 420 python3 -m qgemv.eval.bench_generate --models llama2-7b,llama3-8b --batches 1 --no-hf \
+          --variants int4g128a,int4g128a_mk,int4,int4_mk --out "$OUT/stage2_generate" 2>&1 | grep -v -i warn | tail -30
+      fi ;;
+    attn)
+      # attention v2 (dev/attn_v2.patch) on this copy of the tree: rebuild, its tests, dev/attn_probe.py
+      git apply dev/attn_v2.patch 2>/dev/null || patch -p1 < dev/attn_v2.patch || exit 1
+      python3 setup.py build_ext --inplace > "$OUT/build_attn.log" 2>&1 || { tail -40 "$OUT/build_attn.log"; exit 1; }
+      OMP_NUM_THREADS=2 timeout 300 python3 -m pytest -n 16 -v -rs -p no:cacheprovider tests/test_persist.py \
+        tests/test_engine.py -k "persist or megakernel or Persist" > "$OUT/attn_tests.log" 2>&1
+      echo "attn v2 tests: exit $?, $(grep -c ' PASSED ' "$OUT/attn_tests.log") passed"
+      grep -E ' (FAILED|ERROR) ' "$OUT/attn_tests.log" | sort -u | head -20
+      timeout 200 python3 dev/attn_probe.py 2>&1 | grep -v -i warn | tee "$OUT/attn_probe.txt" ;;
     tpbench)
       # issue 36: the tensor-parallel shards of Llama-3-8B / 70B (TP 2 / 4 / 8) against fp16 cuBLAS
       python3 -m qgemv.eval.bench_gemv --tp-shapes --no-extras --ms ${TP_MS:-1,4,16} --out "$OUT/bench_tp" 2>&1 \
