@@ -90,7 +90,8 @@ for step in "${@:-all}"; do
     stage2)
       # issue 35's queue in one call (dev/PERSISTENT.md "Next session's first device calls"): the persistent
       # kernel's and the engine's megakernel tests, memcheck on the decode chain, bench_chain with and
-      # without norms, the engine with and without the launch; STAGE2_GEN=0 skips bench_generate
+      # without norms; STAGE2_GEN=1 adds the engine with and without the launch (bench_generate, up to 7 min:
+      # beyond one call's 10 with the rest)
       OMP_NUM_THREADS=2 timeout 300 python3 -m pytest -n 16 -v -rs -p no:cacheprovider tests/test_persist.py \
         tests/test_engine.py -k "persist or megakernel or Persist" > "$OUT/stage2_tests.log" 2>&1
       echo "stage2 tests: exit $?, $(grep -c ' PASSED ' "$OUT/stage2_tests.log") passed"
@@ -103,7 +104,7 @@ for step in "${@:-all}"; do
       timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
         tests/test_persist.py -k decode > "$OUT/stage2_memcheck.log" 2>&1
       echo "memcheck (test_persist -k decode): exit $?"; tail -3 "$OUT/stage2_memcheck.log"
-      if [ "${STAGE2_GEN:-1}" != 0 ]; then
+      if [ "${STAGE2_GEN:-0}" != 0 ]; then
         timeout 420 python3 -m qgemv.eval.bench_generate --models llama2-7b,llama3-8b --batches 1 --no-hf \
           --variants int4g128a,int4g128a_mk,int4,int4_mk --out "$OUT/stage2_generate" 2>&1 | grep -v -i warn | tail -30
       fi ;;
