@@ -174,6 +174,7 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int group, bool zeros
     c.v_cache = static_cast<__half*>(a.v_cache);
     c.cos = static_cast<const __half*>(a.cos);
     c.sin = static_cast<const __half*>(a.sin);
+    c.bias = static_cast<const __half*>(a.bias);
     c.part = a.part;
     c.count = a.count;
     c.ldq = q.N, c.H = H, c.Hkv = Hk, c.D = D, c.S = a.max_seq, c.splits = a.splits;

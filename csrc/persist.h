@@ -49,6 +49,7 @@ struct PersistAttn {
   void* v_cache = nullptr;
   const void* cos = nullptr;    // fp16 [max_seq][head_dim]: the model's rotary tables
   const void* sin = nullptr;
+  const void* bias = nullptr;   // fp16 [(heads + 2 kv_heads) head_dim] the q/k/v linear's bias (natural order), or none
   float* part = nullptr;        // fp32 [persist_attn_part(...)] scratch
   unsigned* count = nullptr;    // [kv_heads], zeroed once before the first launch
   int heads = 0, kv_heads = 0, head_dim = 0, max_seq = 0, splits = 0;

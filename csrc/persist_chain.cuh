@@ -736,6 +736,7 @@ struct ChainAttn {
   __half* v_cache;
   const __half* cos;          // [S][D] the model's rotary tables (cos[., f] == cos[., f + D / 2])
   const __half* sin;
+  const __half* bias;         // nullptr, or [(H + 2 Hkv) D] the q/k/v linear's bias (Qwen2), natural order
   float* part;                // [Hkv][splits][gq][D + 2]: a split's weighted values, then its max and sum
   unsigned* count;            // [Hkv]: splits done; zero before the first launch, left zero
   int ldq, H, Hkv, D, S, splits;
@@ -767,18 +768,23 @@ __device__ __noinline__ void chain_rope_finish(const ChainAttn& a, int pos, int 
     const bool on = q < count;
     const int u = q / kPanelRows, r = q % kPanelRows, row = (u0 + u) * kPanelRows + r;
     float* sp = sums + static_cast<size_t>(u) * kPanelRows + r;
+    // the row's place in the natural order, and its rotation pair's (q and k rows)
+    const int head = row / D, f = 8 * ((row % D) / kPanelRows) + (r & 7);
+    const bool rot = row < qk_rows;
+    const int nat = rot ? head * D + (r < 8 ? f : half + f) : row, pair = head * D + (r < 8 ? half + f : f);
     float v = 0.f, w = 0.f;
-    if (on) {
+    if (on) {  // round(W x), then round(+ bias) as the per-op linear's bias add
       v = __half2float(__float2half_rn(*sp));
-      if (row < qk_rows) w = __half2float(__float2half_rn(sp[r < 8 ? 8 : -8]));
+      if (a.bias) v = __half2float(__float2half_rn(v + __half2float(a.bias[nat])));
+      if (rot) {
+        w = __half2float(__float2half_rn(sp[r < 8 ? 8 : -8]));
+        if (a.bias) w = __half2float(__float2half_rn(w + __half2float(a.bias[pair])));
+      }
     }
     __syncwarp();
     if (!on) continue;
     *sp = 0.f;
-    int nat = row;  // the row's place in the natural order
-    if (row < qk_rows) {
-      const int head = row / D, f = 8 * ((row % D) / kPanelRows) + (r & 7);
-      nat = head * D + (r < 8 ? f : half + f);
+    if (rot) {
       const float c = __half2float(cs[f]), s = __half2float(sn[f]);
       // x1 = row f, x2 = row f + D / 2: (x1 c - x2 s, x2 c + x1 s); here v is this row's, w its pair's
       v = r < 8 ? v * c - w * s : v * c + w * s;

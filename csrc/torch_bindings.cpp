@@ -408,11 +408,11 @@ void register_cuda_kernels() {
 // (error, op table uint8 [nops * sizeof(op)], schedule int32 [classes, blocks, warps + 1, 4], op classes,
 // classes, sums, x_cap, smem, attention table uint8); ops: (x, res, y, weight, scales, N, K, out, x_plain,
 // res_plain, y_plain, ldx, role, attn); attns: (k_cache, v_cache, cos, sin, part, count, heads, kv_heads,
-// head_dim, max_seq, splits, scale).
+// head_dim, max_seq, splits, scale, bias (0: none)).
 using PersistOpTuple =
     std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, bool, bool, bool, int, int, int>;
 using PersistAttnTuple =
-    std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, int, int, double>;
+    std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, int, int, double, int64_t>;
 
 PersistPlan persist_plan_of(const std::vector<PersistOpTuple>& in, int group, bool zeros, int blocks, int warps,
                             int stages, const std::vector<PersistAttnTuple>& attn_in) {
@@ -442,6 +442,7 @@ PersistPlan persist_plan_of(const std::vector<PersistOpTuple>& in, int group, bo
     a.heads = std::get<6>(t), a.kv_heads = std::get<7>(t), a.head_dim = std::get<8>(t);
     a.max_seq = std::get<9>(t), a.splits = std::get<10>(t);
     a.scale = static_cast<float>(std::get<11>(t));
+    a.bias = reinterpret_cast<const void*>(std::get<12>(t));
     attns.push_back(a);
   }
   return persist_plan(ops, group, zeros, blocks, warps, stages, attns);

@@ -248,8 +248,8 @@ def megakernel_refusal(engine: "Engine") -> str:
             if not isinstance(m, QuantLinear):
                 return (f"layer {i} {name}: {type(m).__name__ if m is not None else 'not fused'}, "
                         f"not one qgemv QuantLinear (the launch runs int4 weights)")
-            if m.bias is not None:
-                return f"layer {i} {name}: a bias (Qwen2's q/k/v) is not in the launch yet"
+            if m.bias is not None and name != "q/k/v":  # q/k/v's (Qwen2's) is added in the launch
+                return f"layer {i} {name}: a bias is not in the launch (only q/k/v's)"
             if m.perm is not None:
                 return f"layer {i} {name}: act-order weights are not in the launch yet"
             f = m.packed.format
@@ -285,7 +285,7 @@ class Engine:
     persistent launch (:class:`qgemv.persist.PersistentChain` with its
     attention; issue 35, stage 2; default False while it is being measured):
     float16, int4 weights in one of qgemv.persist.FORMATS without act-order,
-    no biases or q/k norms, compute capability 9.x.  Where the model or the
+    biases on q/k/v only (Qwen2's), no q/k norms, compute capability 9.x.  Where the model or the
     GPU does not allow it, the per-op path runs and ``megakernel_reason``
     says why (one warning).  Prefill and batches above 1 stay per-op.
     """
@@ -378,8 +378,15 @@ class Engine:
 
             k, v = self._kv(1)
             try:
+                bias = None  # Qwen2's q/k/v biases [layers, N], a zero row for a layer without one
+                if any(L.qkv.fused.bias is not None for L in self.layers):
+                    bias = torch.zeros(len(self.layers), self.layers[0].qkv.fused.out_features,
+                                       dtype=torch.float16, device=self.device)
+                    for row, L in zip(bias, self.layers):
+                        if L.qkv.fused.bias is not None:
+                            row.copy_(L.qkv.fused.bias)
                 att = persist.Attention(self.heads, self.kv_heads, self.head_dim, self.cos, self.sin, k[:, 0], v[:, 0],
-                                        scale=self.scale)
+                                        scale=self.scale, qkv_bias=bias)
                 self._chain = persist.PersistentChain(
                     [(L.qkv.fused.packed, L.o_proj.packed, L.gate_up.fused.packed, L.down_proj.packed)
                      for L in self.layers],

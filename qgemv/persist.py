@@ -72,7 +72,9 @@ class Attention:
     cos[p, f + head_dim / 2], as transformers' rotary modules make them); k_cache / v_cache: float16
     [layers, kv_heads, S, head_dim], contiguous: the launch writes each layer's k (rotated) and v at the
     token's slot and reads slots 0..slot.  scale: the scores' scale (default head_dim ** -0.5); splits: cache
-    splits a kv head (default: one unit a block, blocks // kv_heads).
+    splits a kv head (default: one unit a block, blocks // kv_heads).  qkv_bias: float16 [layers, (heads +
+    2 kv_heads) head_dim], contiguous, or None: each layer's q/k/v bias (Qwen2), in the natural row order,
+    added to q/k/v's rounded output (and rounded) before the rotation, as the per-op linear adds it.
     The token's slot is its rotary position (one sequence, no padding).
     """
 
@@ -85,6 +87,7 @@ class Attention:
     v_cache: torch.Tensor
     scale: Optional[float] = None
     splits: Optional[int] = None
+    qkv_bias: Optional[torch.Tensor] = None
 
     @property
     def max_seq(self) -> int:
@@ -154,6 +157,8 @@ def reference(layers: Sequence[Layer], x: torch.Tensor, norms: Optional[Sequence
 
     for li, (qkv, o, gate_up, down) in enumerate(layers):
         q = linear(rms_norm(x, norms[li][0], eps) if norms else x, qkv)
+        if attention is not None and attention.qkv_bias is not None:
+            q = q + attention.qkv_bias[li]
         a = attend(attention, li, q, position) if attention is not None else q[:, :o.in_features]
         h = linear(a, o) + x
         gu = linear(rms_norm(h, norms[li][1], eps) if norms else h, gate_up).float()
@@ -323,7 +328,8 @@ class PersistentChain:
                 attns.append((at.k_cache[li].data_ptr(), at.v_cache[li].data_ptr(), at.cos.data_ptr(),
                               at.sin.data_ptr(), part.data_ptr(), count.data_ptr(), at.heads, at.kv_heads,
                               at.head_dim, at.max_seq, self.splits,
-                              at.scale if at.scale is not None else at.head_dim ** -0.5))
+                              at.scale if at.scale is not None else at.head_dim ** -0.5,
+                              at.qkv_bias[li].data_ptr() if at.qkv_bias is not None else 0))
             ops.append((hh.data_ptr(), 0, a.data_ptr(), *ws[2], 2 * i, h, 2, False, False, False, h, 0, -1))
             ops.append((a.data_ptr(), hh.data_ptr(), nxt.data_ptr(), *ws[3], h, i, 1, False, False, last, i, 0, -1))
             if norms is not None:
@@ -365,6 +371,12 @@ class PersistentChain:
                                    f"{getattr(t, 'device', '-')}")
         if s < 1:
             raise PersistError("attention: the rotary tables hold no positions")
+        b, n = at.qkv_bias, (hq + 2 * hk) * d
+        if b is not None and (not isinstance(b, torch.Tensor) or b.dtype != torch.float16 or
+                              tuple(b.shape) != (layers, n) or b.device != dev or not b.is_contiguous()):
+            raise PersistError(f"attention: qkv_bias must be None or contiguous float16 [{layers}, {n}] on {dev}, "
+                               f"got {getattr(b, 'dtype', type(b).__name__)} {list(getattr(b, 'shape', []))} on "
+                               f"{getattr(b, 'device', '-')}")
         if at.splits is not None and at.splits < 1:
             raise PersistError(f"attention: splits must be positive, got {at.splits}")
 

@@ -320,7 +320,8 @@ def test_bench_generate_runs_its_engine_rows_on_cpu(tmp_path):
 @pytest.mark.parametrize("case,why", [
     ("float", "layer 0 q/k/v: Linear, not one qgemv QuantLinear (the launch runs int4 weights)"),
     ("int8", "layer 0 q/k/v: format int8; the launch runs int4, int4g128, int4g128a"),
-    ("qwen2-bias", "layer 0 q/k/v: a bias (Qwen2's q/k/v) is not in the launch yet"),
+    ("qwen2-bias", "needs float16 activations, the model runs torch.float32"),  # q/k/v's bias runs in the launch
+    ("o-bias", "layer 0 o_proj: a bias is not in the launch (only q/k/v's)"),
     ("qwen3-qk-norm", "layer 0: the q/k RMSNorms (Qwen3) are not in the launch yet"),
     ("act-order", "layer 0 q/k/v: act-order weights are not in the launch yet"),
     ("bf16", "needs float16 activations, the model runs torch.bfloat16"),
@@ -329,7 +330,8 @@ def test_bench_generate_runs_its_engine_rows_on_cpu(tmp_path):
 def test_megakernel_names_why_it_is_off_and_the_per_op_path_runs(case, why):
     from qgemv.engine import megakernel_refusal
 
-    model = tiny("qwen2-bias" if case == "qwen2-bias" else "qwen3-qk-norm" if case == "qwen3-qk-norm" else "llama")
+    family = "qwen2-bias" if case == "qwen2-bias" else "qwen3-qk-norm" if case == "qwen3-qk-norm" else "llama"
+    model = tiny(family, **(dict(attention_bias=True) if case == "o-bias" else {}))
     if case != "float":
         qgemv.quantize_model(model, bits=8 if case == "int8" else 4, group_size=None)
     if case == "act-order":
@@ -356,15 +358,20 @@ needs_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.ge
 
 @needs_sm90
 @pytest.mark.parametrize("fmt", [(4, None, True), (4, 128, True), (4, 128, False)])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 1), (4, 4), (8, 1), (2, 2)])  # GQA 4, 1, 8; head_dim 64, 32, 128
-def test_megakernel_gives_the_per_op_engines_logits(fmt, heads, kv_heads):
+@pytest.mark.parametrize("family,heads,kv_heads", [("llama", 4, 1), ("llama", 4, 4), ("llama", 8, 1), ("llama", 2, 2),
+                                                   ("qwen2-bias", 4, 2)])  # GQA 4, 1, 8, 2; head_dim 64, 32, 128
+def test_megakernel_gives_the_per_op_engines_logits(fmt, family, heads, kv_heads):
     """Teacher-forced (as test_cuda_kernels_give_the_cpu_reference_logits): the persistent launch's logits
     against the per-op engine's on the same GPU weights, up to contexts at the cache's end, and the same
-    argmax wherever the per-op top-2 margin is clear of fp16 noise."""
-    model = tiny("llama", seed=1, hidden_size=256, intermediate_size=512, vocab_size=512, initializer_range=0.02,
+    argmax wherever the per-op top-2 margin is clear of fp16 noise.  Qwen2: its q/k/v biases in the launch."""
+    model = tiny(family, seed=1, hidden_size=256, intermediate_size=512, vocab_size=512, initializer_range=0.02,
                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128)
     with torch.no_grad():
         model.lm_head.weight.mul_(20)
+        for layer in model.model.layers:  # biases of the size the trained ones have (tiny's init leaves zeros)
+            for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                if lin.bias is not None:
+                    lin.bias.normal_(0, 0.5)
     bits, group, sym = fmt
     qgemv.quantize_model(model, bits=bits, group_size=group, symmetric=sym)
     model = model.half().cuda()

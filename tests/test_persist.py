@@ -361,8 +361,38 @@ def attn_ops(h, hk, d, inter=640, roles=((1, 0), (2, 0))):
 
 
 def attn_tuple(h, hk, d, s=64, splits=4):
-    return (8192, 8192 * 2, 8192 * 3, 8192 * 4, 8192 * 5, 8192 * 6, h, hk, d, s, splits, d ** -0.5)
+    return (8192, 8192 * 2, 8192 * 3, 8192 * 4, 8192 * 5, 8192 * 6, h, hk, d, s, splits, d ** -0.5, 0)
 
+
+def test_reference_adds_the_qkv_bias_before_the_rotation():
+    """persist.reference (the kernel's yardstick) adds Qwen2's q/k/v bias to the rounded q/k/v output, as the
+    per-op linear does, then rotates: the k it writes into the cache is RoPE(round(W x) + b), v is W x + b."""
+    from qgemv.engine import apply_rope
+    from qgemv.ops import linear
+
+    torch.manual_seed(4)
+    h, hk, d, s, pos, inter = 4, 2, 64, 16, 5, 256
+    hid, n = h * d, (h + 2 * hk) * d
+    layers = [(packed("int4", n, hid), packed("int4", hid, hid), packed("int4", 2 * inter, hid),
+               packed("int4", hid, inter))]
+    norms = [tuple((0.5 + torch.rand(hid)).half() for _ in range(2))]
+    cos, sin = rope_tables(s, d, "cpu")
+    bias = (torch.randn(1, n) * 0.5).half()
+
+    def caches():
+        return torch.zeros(1, hk, s, d).half(), torch.zeros(1, hk, s, d).half()
+
+    at = persist.Attention(h, hk, d, cos, sin, *caches(), qkv_bias=bias)
+    plain = persist.Attention(h, hk, d, cos, sin, *caches())
+    x = torch.randn(1, hid).half()
+    persist.reference(layers, x, norms, 1e-5, attention=at, position=pos)
+    persist.reference(layers, x, norms, 1e-5, attention=plain, position=pos)
+    q = linear(persist.rms_norm(x, norms[0][0], 1e-5), layers[0][0]) + bias[0]
+    f = q[0].float()
+    k = apply_rope(f[h * d:(h + hk) * d].view(hk, d), cos[pos].float(), sin[pos].float()).half()
+    assert torch.equal(at.k_cache[0, :, pos], k)
+    assert torch.equal(at.v_cache[0, :, pos], q[0, (h + hk) * d:].view(hk, d))
+    assert not torch.equal(at.v_cache[0, :, pos], plain.v_cache[0, :, pos])
 
 @needs_ext
 def test_plan_checks_the_attention():
@@ -421,17 +451,21 @@ def assert_close_cache(got, ref, what):
     dict(h=4, hk=4, d=64, inter=640, nl=2, s=130, splits=2, grid=dict(blocks=7, warps=5, stages=4)),
     # GQA 8, one unit a kv head: the whole context in 10 chunks, nothing to merge
     dict(h=8, hk=1, d=64, inter=1024, nl=3, s=300, splits=1, grid=dict(blocks=61)),
+    # GQA 2 with Qwen2's q/k/v biases
+    dict(h=4, hk=2, d=64, inter=640, nl=2, s=80, splits=None, grid={}, bias=True),
 ])
 def test_decode_chain_matches_the_per_op_chain(name, cfg):
     torch.manual_seed(7)
     layers, norms, at = decode_setup(name, cfg["h"], cfg["hk"], cfg["d"], cfg["inter"], cfg["nl"], cfg["s"])
     at.splits = cfg["splits"]
+    if cfg.get("bias"):
+        at.qkv_bias = (torch.randn(cfg["nl"], (cfg["h"] + 2 * cfg["hk"]) * cfg["d"], device="cuda") * 0.5).half()
     chain = persist.PersistentChain(layers, norms=norms, eps=1e-5, attention=at, **cfg["grid"])
     hid = cfg["h"] * cfg["d"]
     for pos in (0, 1, 37, cfg["s"] - 2, cfg["s"] - 1):  # a context of 1 (the token only) up to the whole cache
         x = torch.randn(1, hid, device="cuda").half()
         ref_at = persist.Attention(at.heads, at.kv_heads, at.head_dim, at.cos, at.sin, at.k_cache.clone(),
-                                   at.v_cache.clone())
+                                   at.v_cache.clone(), qkv_bias=at.qkv_bias)
         before = at.k_cache.clone(), at.v_cache.clone()
         chain.output.fill_(float("nan"))
         y = chain(x, position=pos)
@@ -476,6 +510,10 @@ def test_decode_chain_checks_its_attention():
         persist.PersistentChain(layers, attention=at)
     bad = persist.Attention(4, 2, 64, at.cos, at.sin, at.k_cache.float(), at.v_cache)
     with pytest.raises(persist.PersistError, match=r"attention: k_cache must be contiguous float16 \[1, 2, 32, 64\]"):
+        persist.PersistentChain(layers, norms=norms, attention=bad)
+    bad = persist.Attention(4, 2, 64, at.cos, at.sin, at.k_cache, at.v_cache,
+                            qkv_bias=torch.zeros(1, 256, device="cuda").half())
+    with pytest.raises(persist.PersistError, match=r"attention: qkv_bias must be None or contiguous float16 \[1, 512\]"):
         persist.PersistentChain(layers, norms=norms, attention=bad)
     chain = persist.PersistentChain(layers, norms=norms, attention=at)
     with pytest.raises(persist.PersistError, match="position must be in 0..31"):
