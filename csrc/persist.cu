@@ -17,21 +17,24 @@ namespace {
 
 // kNorm: each op's input through its RMSNorm gain on the way in (ChainShape::norms); kDecode (with kNorm):
 // the layers' rotary embedding, cache write and attention (ChainShape::attn).
-template <int kGroup, bool kZeros, bool kNorm, bool kDecode>
-constexpr auto persist_kernel = chain_kernel<kGroup, kZeros, kNorm, kDecode>;
+template <int kBits, int kGroup, bool kZeros, bool kNorm, bool kDecode>
+constexpr auto persist_kernel = chain_kernel<kBits, kGroup, kZeros, kNorm, kDecode>;
 
 template <bool kNorm, bool kDecode, typename F>
-bool persist_dispatch_n(int group, bool zeros, F&& f) {
-  if (group == 0 && !zeros) return f(persist_kernel<0, false, kNorm, kDecode>), true;
-  if (group == 128 && !zeros) return f(persist_kernel<128, false, kNorm, kDecode>), true;
-  if (group == 128 && zeros) return f(persist_kernel<128, true, kNorm, kDecode>), true;
+bool persist_dispatch_n(int bits, int group, bool zeros, F&& f) {
+  if (bits == 16) return group == 0 && !zeros && (f(persist_kernel<16, 0, false, kNorm, kDecode>), true);
+  if (bits != 4) return false;
+  if (group == 0 && !zeros) return f(persist_kernel<4, 0, false, kNorm, kDecode>), true;
+  if (group == 128 && !zeros) return f(persist_kernel<4, 128, false, kNorm, kDecode>), true;
+  if (group == 128 && zeros) return f(persist_kernel<4, 128, true, kNorm, kDecode>), true;
   return false;
 }
 // f(kernel) for the format (with the RMSNorms or not, with the attention or not); false when there is none.
 template <typename F>
-bool persist_dispatch(int group, bool zeros, bool norm, bool decode, F&& f) {
-  if (decode) return norm && persist_dispatch_n<true, true>(group, zeros, f);
-  return norm ? persist_dispatch_n<true, false>(group, zeros, f) : persist_dispatch_n<false, false>(group, zeros, f);
+bool persist_dispatch(int bits, int group, bool zeros, bool norm, bool decode, F&& f) {
+  if (decode) return norm && persist_dispatch_n<true, true>(bits, group, zeros, f);
+  return norm ? persist_dispatch_n<true, false>(bits, group, zeros, f)
+              : persist_dispatch_n<false, false>(bits, group, zeros, f);
 }
 
 ChainShape persist_shape(const PersistPlan& plan, int group, bool zeros, int stages, const int32_t* d_schedule,
@@ -80,12 +83,14 @@ std::vector<uint8_t> persist_fuse(const uint8_t* qweight, const uint16_t* scales
                       chain_meta_bytes(128, zeros != nullptr));
 }
 
-PersistPlan persist_plan(const std::vector<PersistOp>& in, int group, bool zeros, int blocks, int warps,
+PersistPlan persist_plan(const std::vector<PersistOp>& in, int bits, int group, bool zeros, int blocks, int warps,
                          int stages, const std::vector<PersistAttn>& attns) {
   PersistPlan pl;
   const int n = static_cast<int>(in.size());
   if (group != 0 && group != 128) return pl.error = str("group_size must be 0 (per channel) or 128, got ", group), pl;
   if (zeros && group == 0) return pl.error = "zero points need group_size 128", pl;
+  if (bits != 4 && bits != 16) return pl.error = str("bits must be 4 (int4) or 16 (fp16 weights), got ", bits), pl;
+  if (bits == 16 && group != 0) return pl.error = "fp16 weights have no groups (group must be 0)", pl;
   if (n < 1) return pl.error = "the chain has no linears", pl;
   if (blocks < 1) return pl.error = str("blocks must be at least 1, got ", blocks), pl;
   if (warps < 1 || warps > kChainMaxWarps)
@@ -102,7 +107,7 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int group, bool zeros
                         ", got " + std::to_string(a.N), pl;
     if (a.out < 0 || a.out > 2) return pl.error = at + str("out must be 0, 1 or 2, got ", a.out), pl;
     if (a.ldx != 0 && a.ldx < a.K) return pl.error = at + str("ldx must be 0 or at least K, got ", a.ldx), pl;
-    if (!a.x || !a.y || !a.weight || (group == 0 && !a.scales) || (a.out == 1 && !a.res))
+    if (!a.x || !a.y || !a.weight || (bits == 4 && group == 0 && !a.scales) || (a.out == 1 && !a.res))
       return pl.error = at + "a null pointer (x, y, weight, scales or residual)", pl;
     ChainOp& o = ops[i];
     o = ChainOp{};
@@ -117,6 +122,7 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int group, bool zeros
     o.p.ldx = a.ldx ? a.ldx : a.K;
     o.p.ldy = a.out == 2 ? a.N / 2 : a.N;
     o.p.group_size = group;
+    o.tpp = a.K / chain_tile_k(bits);
     o.p.act = ActType::kHalf;
     o.res = a.res;
     o.out = a.out;
@@ -201,7 +207,7 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int group, bool zeros
   return pl;
 }
 
-std::string persist_refusal(const PersistPlan& plan, int group, bool zeros, int blocks, int warps, bool norm,
+std::string persist_refusal(const PersistPlan& plan, int bits, int group, bool zeros, int blocks, int warps, bool norm,
                             bool decode) {
   if (!plan.error.empty()) return plan.error;
   int dev = 0, major = 0, sms = 0;
@@ -213,7 +219,7 @@ std::string persist_refusal(const PersistPlan& plan, int group, bool zeros, int 
   }
   if (major != 9) return str("needs compute capability 9.x (bulk copies, mbarriers), this GPU has ", major);
   std::string why;
-  const bool known = persist_dispatch(group, zeros, norm, decode, [&](auto kernel) {
+  const bool known = persist_dispatch(bits, group, zeros, norm, decode, [&](auto kernel) {
     cudaFuncAttributes fa{};
     if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess || fa.binaryVersion < 90) {
       (void)cudaGetLastError();
@@ -240,13 +246,13 @@ std::string persist_refusal(const PersistPlan& plan, int group, bool zeros, int 
 }
 
 cudaError_t persist_launch(const PersistPlan& plan, const void* d_ops, int nops, const int32_t* d_schedule,
-                           unsigned* d_sync, int group, bool zeros, int blocks, int warps, int stages,
+                           unsigned* d_sync, int bits, int group, bool zeros, int blocks, int warps, int stages,
                            cudaStream_t stream, const void* const* d_norms, float eps, const void* d_attn,
                            const int32_t* d_pos) {
   if ((d_attn != nullptr) != (d_pos != nullptr) || (d_attn && !d_norms)) return cudaErrorInvalidValue;
   const ChainShape sh = persist_shape(plan, group, zeros, stages, d_schedule, d_norms, eps, d_attn, d_pos);
   cudaError_t err = cudaErrorInvalidValue;
-  persist_dispatch(group, zeros, d_norms != nullptr, d_attn != nullptr, [&](auto kernel) {
+  persist_dispatch(bits, group, zeros, d_norms != nullptr, d_attn != nullptr, [&](auto kernel) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan.smem));
     if (err != cudaSuccess) return;
     cudaLaunchConfig_t cfg{};

@@ -6,8 +6,10 @@
 //
 // Stage 2 adds each layer's rotary embedding, KV-cache write and attention
 // (PersistAttn).  Supported: int4 per channel and int4 G = 128 with or
-// without zero points, fp16 activations, one token, compute capability 9.x.  K % 128 == 0,
-// N % 16 == 0 (N % 32 == 0 for SiLU * mul).
+// without zero points (bits 4), and fp16 weights (bits 16: each 16-row
+// panel's rows in 64-byte tiles, formats.to_panels' order); fp16
+// activations, one token, compute capability 9.x.  K % 128 == 0, N % 16 == 0
+// (N % 32 == 0 for SiLU * mul).
 #pragma once
 
 #include <cstdint>
@@ -30,8 +32,8 @@ struct PersistOp {
   int ldx = 0;                // x's copy stride: the producing linear's N (0: K)
   const void* res = nullptr;  // out == 1: [N] residual added after rounding
   void* y = nullptr;          // [N] output (out == 2: [N / 2])
-  const void* weight = nullptr;  // per channel: qweight's bytes; G = 128: persist_fuse's tiles
-  const void* scales = nullptr;  // per channel: fp16 [N]; G = 128: unused (in the tiles)
+  const void* weight = nullptr;  // per channel: qweight's bytes; G = 128: persist_fuse's tiles; fp16: panels
+  const void* scales = nullptr;  // int4 per channel: fp16 [N]; G = 128 and fp16 weights: unused
   int N = 0, K = 0;
   int out = 0;  // 0: y = round(W x); 1: y = round(round(W x) + res); 2: SiLU * mul of 16-row panel pairs
   bool x_plain = false, res_plain = false, y_plain = false;
@@ -88,13 +90,13 @@ std::vector<uint8_t> persist_fuse(const uint8_t* qweight, const uint16_t* scales
 
 // The tables for `blocks` blocks of `warps` warps with `stages` ring slots
 // a warp (plan.error names the first rule broken).
-PersistPlan persist_plan(const std::vector<PersistOp>& ops, int group, bool zeros, int blocks, int warps,
+PersistPlan persist_plan(const std::vector<PersistOp>& ops, int bits, int group, bool zeros, int blocks, int warps,
                          int stages, const std::vector<PersistAttn>& attns = {});
 
 // Why the chain's grid cannot run on the current device ("" when it can):
 // compute capability, this build's machine code, and one block an SM (norm:
 // the kernel with the RMSNorms).
-std::string persist_refusal(const PersistPlan& plan, int group, bool zeros, int blocks, int warps,
+std::string persist_refusal(const PersistPlan& plan, int bits, int group, bool zeros, int blocks, int warps,
                             bool norm = false, bool decode = false);
 
 // One launch: d_ops / d_schedule the plan's tables on the device, d_sync
@@ -106,7 +108,7 @@ std::string persist_refusal(const PersistPlan& plan, int group, bool zeros, int 
 // d_pos the token's slot (int32).
 // A cooperative launch: refused, not hung, when the grid cannot be co-resident.
 cudaError_t persist_launch(const PersistPlan& plan, const void* d_ops, int nops, const int32_t* d_schedule,
-                           unsigned* d_sync, int group, bool zeros, int blocks, int warps, int stages,
+                           unsigned* d_sync, int bits, int group, bool zeros, int blocks, int warps, int stages,
                            cudaStream_t stream, const void* const* d_norms = nullptr, float eps = 0.f,
                            const void* d_attn = nullptr, const int32_t* d_pos = nullptr);
 

@@ -106,6 +106,7 @@ struct ChainOp {
   int flags = 0;    // ChainFlags
   int cls = 0;      // the op's class in the schedule (chain_classes)
   int attn = -1;    // kDecode: the layer's ChainAttn for kChainRope / kChainAttnIn
+  int tpp = 0;      // tiles a panel: K / chain_tile_k(bits)
 };
 
 // Activations inside the launch carry their own readiness: a buffer of n
@@ -257,13 +258,21 @@ __host__ __device__ inline size_t chain_head_bytes(const ChainShape& sh) {
          (static_cast<size_t>(sh.M) * (sh.x_cap / 128) * 4 + 15) / 16 * 16;
 }
 
-// The kernel's formats: int4 per channel or G = 128 (one group a tile), fp16 activations.
-template <int kGroup, bool kZeros>
+// The kernel's weight formats (fp16 activations): int4 per channel or G = 128 (one group a tile), with the
+// nibbles as fp16 subnormals; fp16 (kBits 16: the weights straight into the MMAs).  A tile is 16 rows x 64
+// bytes: kTileK = 128 int4 or 32 fp16 inputs; lane t of a quad reads 16 bytes of each of its two rows,
+// and its activations start kLaneK t into the tile's (int4: in each 32-k sub-tile).
+template <int kBits, int kGroup, bool kZeros>
 struct ChainFormat {
-  static_assert(kGroup == 0 || kGroup == 128, "int4 per channel or G = 128");
+  static_assert(kBits == 4 || kBits == 16, "int4 or fp16 weights");
+  static_assert(kGroup == 0 || (kBits == 4 && kGroup == 128), "int4 per channel or G = 128; fp16 has no groups");
   static_assert(kGroup != 0 || !kZeros, "zero points are group-wise");
   static constexpr bool kGrouped = kGroup != 0;
+  static constexpr int kTileK = kBits == 4 ? 128 : 32;
+  static constexpr int kLaneK = 8;
+  static constexpr bool kXsums = kBits == 4;  // the activations' 2^-24 sums of each tile (the zero points' term)
 };
+__host__ __device__ constexpr int chain_tile_k(int bits) { return bits == 4 ? 128 : 32; }
 
 // Each warp's run of an op comes from a schedule built on the host, not from
 // divisions at every op boundary (about 40 instructions a tile in form 17's
@@ -300,7 +309,7 @@ inline std::vector<int4> chain_schedule(const ChainOp* ops, int nops, int classe
     for (int i = 0; i < nops && !o; ++i)
       if (ops[i].cls == c) o = ops + i;
     if (!o) return {};
-    const int tpp = o->p.K / 128, ppu = chain_ppu(*o);
+    const int tpp = o->tpp, ppu = chain_ppu(*o);
     for (int b = 0; b < blocks; ++b) {
       long long u0, u1;
       chain_range(chain_units(*o), b, blocks, u0, u1);
@@ -322,7 +331,7 @@ inline std::vector<int4> chain_schedule(const ChainOp* ops, int nops, int classe
 __device__ __forceinline__ void chain_start(const ChainOp& o, const int4* tab, int warp, int W, ChainCursor& c) {
   const int4 r = tab[o.cls * (W + 1) + warp];
   c.pos = r.x, c.end = r.y, c.vp = r.z, c.kt = r.w & 0xffff, c.u0 = r.w >> 16;
-  c.tpp = o.p.K / 128;
+  c.tpp = o.tpp;
   c.shift = chain_ppu(o) - 1;
   c.half = o.p.N / kPanelRows / 2;
   c.panel = chain_panel(c);
@@ -336,7 +345,7 @@ struct ChainWalk {
   const ChainOp* ops;
   int nops, G, warp, W;
   int i_op = -1, left = 0;
-  long long tile = 0;  // the op's tile (panel * K / 128 + k-tile) of the segment's next tile
+  long long tile = 0;  // the op's tile (panel * tiles a panel + k-tile) of the segment's next tile
   ChainCursor ic{0, 0, 0, 0, 0, 1, 0, 0, 0};
   const int4* tab = nullptr;  // the block's schedule records (chain_start)
 
@@ -375,10 +384,6 @@ __device__ __forceinline__ void chain_row_scales(const ChainOp& o, int panel, in
   sc1 = __half2float(sc[g + 8]);
 }
 
-// One tile (int4 with fp16 activations, subnormal nibbles): xk this lane's activations of the tile, xa / xb the tile's
-// 2^-24 x sums for tokens 2t and 2t + 1.  Grouped (G = 128, one group a
-// tile): folded into acc with the tile's scales and zero points; per
-// channel: c0 / c1 accumulate the segment and xa0 / xa1 its x sums.
 // 16 bytes of shared memory in one 128-bit load (the compiler split the x
 // loads' uint4 dereference into two LDS.64).
 __device__ __forceinline__ uint4 lds128(const void* p) {
@@ -389,45 +394,61 @@ __device__ __forceinline__ uint4 lds128(const void* p) {
   return v;
 }
 
-template <bool kGrouped, bool kZeros, bool kM1, bool kLds128 = false>
+// One tile: w0 / w1 this lane's 16 bytes of rows g and g + 8, xk its
+// activations of the tile.  int4 (fp16 activations, subnormal nibbles): xa /
+// xb the tile's 2^-24 x sums for tokens 2t and 2t + 1; grouped (G = 128, one
+// group a tile): folded into acc with the tile's scales and zero points; per
+// channel: c0 / c1 accumulate the segment and xa0 / xa1 its x sums.  fp16
+// weights: c0 / c1 accumulate the segment's true sums.
+template <int kBits, bool kGrouped, bool kZeros, bool kM1, bool kLds128 = false>
 __device__ __forceinline__ void chain_tile(const uint4& w0, const uint4& w1, uint32_t bs, uint32_t bz,
                                              const __half* xk, float xa, float xb, float (&acc)[4], float (&c0)[4],
                                              float (&c1)[4], float& xa0, float& xa1) {
-  float p0[4] = {0.f, 0.f, 0.f, 0.f}, p1[4] = {0.f, 0.f, 0.f, 0.f};
-  float(&q0)[4] = kGrouped ? p0 : c0;
-  float(&q1)[4] = kGrouped ? p1 : c1;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    if constexpr (kLds128)
-      chain_nibble_mma(word_of(w0, j), word_of(w1, j), lds128(xk + 32 * j), q0, q1);
-    else  // (a reference into shared memory: the compiler loads each half where its MMA needs it)
-      chain_nibble_mma(word_of(w0, j), word_of(w1, j), *reinterpret_cast<const uint4*>(xk + 32 * j), q0, q1);
-  }
-  if constexpr (kGrouped) {
-    const __half2 s2 = *reinterpret_cast<const __half2*>(&bs);
-    const float s0 = __low2float(s2), s1 = __high2float(s2);
-    float z0 = 8.f, z1 = 8.f;
-    if constexpr (kZeros) {
-      z0 = static_cast<float>(bz & 0xffu);
-      z1 = static_cast<float>((bz >> 8) & 0xffu);
-    }
-    const float sz0 = -s0 * z0, sz1 = -s1 * z1;
-    acc[0] = fmaf(sz0, xa, fmaf(p0[0] + p1[0], s0, acc[0]));
-    acc[2] = fmaf(sz1, xa, fmaf(p0[2] + p1[2], s1, acc[2]));
-    if constexpr (!kM1) {
-      acc[1] = fmaf(sz0, xb, fmaf(p0[1] + p1[1], s0, acc[1]));
-      acc[3] = fmaf(sz1, xb, fmaf(p0[3] + p1[3], s1, acc[3]));
-    }
+  if constexpr (kBits == 16) {
+    // fp16 weights: this lane's 8 of rows g and g + 8 (k 8t .. 8t + 7 of the 32) meet its 8 activations,
+    // pairs (0, 1) and (2, 3) in one MMA, (4, 5) and (6, 7) in the other
+    const uint4 xv = lds128(xk);
+    const uint32_t a0[4] = {w0.x, w1.x, w0.y, w1.y}, a1[4] = {w0.z, w1.z, w0.w, w1.w};
+    ActTraits<__half>::mma(c0, a0, xv.x, xv.y);
+    ActTraits<__half>::mma(c1, a1, xv.z, xv.w);
   } else {
-    xa0 += xa;
-    if constexpr (!kM1) xa1 += xb;
+    float p0[4] = {0.f, 0.f, 0.f, 0.f}, p1[4] = {0.f, 0.f, 0.f, 0.f};
+    float(&q0)[4] = kGrouped ? p0 : c0;
+    float(&q1)[4] = kGrouped ? p1 : c1;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (kLds128)
+        chain_nibble_mma(word_of(w0, j), word_of(w1, j), lds128(xk + 32 * j), q0, q1);
+      else  // (a reference into shared memory: the compiler loads each half where its MMA needs it)
+        chain_nibble_mma(word_of(w0, j), word_of(w1, j), *reinterpret_cast<const uint4*>(xk + 32 * j), q0, q1);
+    }
+    if constexpr (kGrouped) {
+      const __half2 s2 = *reinterpret_cast<const __half2*>(&bs);
+      const float s0 = __low2float(s2), s1 = __high2float(s2);
+      float z0 = 8.f, z1 = 8.f;
+      if constexpr (kZeros) {
+        z0 = static_cast<float>(bz & 0xffu);
+        z1 = static_cast<float>((bz >> 8) & 0xffu);
+      }
+      const float sz0 = -s0 * z0, sz1 = -s1 * z1;
+      acc[0] = fmaf(sz0, xa, fmaf(p0[0] + p1[0], s0, acc[0]));
+      acc[2] = fmaf(sz1, xa, fmaf(p0[2] + p1[2], s1, acc[2]));
+      if constexpr (!kM1) {
+        acc[1] = fmaf(sz0, xb, fmaf(p0[1] + p1[1], s0, acc[1]));
+        acc[3] = fmaf(sz1, xb, fmaf(p0[3] + p1[3], s1, acc[3]));
+      }
+    } else {
+      xa0 += xa;
+      if constexpr (!kM1) xa1 += xb;
+    }
   }
 }
 
 // A warp's current panel segment: its sums so far and
 // where the next tile's activations and x sums are.
-template <bool kGrouped, bool kZeros, bool kM1, bool kLds128 = false>
+template <int kBits, bool kGrouped, bool kZeros, bool kM1, bool kLds128 = false>
 struct ChainSeg {
+  static constexpr int kTileK = chain_tile_k(kBits);
   int len = 0, left = 0;  // tiles in the segment; not yet summed
   bool open = false;
   float acc[4] = {}, c0[4] = {}, c1[4] = {}, xa0 = 0.f, xa1 = 0.f, sc0 = 1.f, sc1 = 1.f;
@@ -442,12 +463,13 @@ struct ChainSeg {
     for (int e = 0; e < 4; ++e) acc[e] = c0[e] = c1[e] = 0.f;
     xa0 = xa1 = 0.f;
     xk = xk0, X0 = x0, X1 = x1;
-    if constexpr (!kGrouped) chain_row_scales(o, cur.panel, g, sc0, sc1);
+    if constexpr (!kGrouped && kBits != 16) chain_row_scales(o, cur.panel, g, sc0, sc1);
   }
 
   __device__ __forceinline__ void tile(const uint4& w0, const uint4& w1, uint32_t bs, uint32_t bz) {
-    chain_tile<kGrouped, kZeros, kM1, kLds128>(w0, w1, bs, bz, xk, *X0, kM1 ? 0.f : *X1, acc, c0, c1, xa0, xa1);
-    xk += 128;
+    const float xa = kBits == 16 ? 0.f : *X0, xb = kBits == 16 || kM1 ? 0.f : *X1;
+    chain_tile<kBits, kGrouped, kZeros, kM1, kLds128>(w0, w1, bs, bz, xk, xa, xb, acc, c0, c1, xa0, xa1);
+    xk += kTileK;
     ++X0;
     ++X1;
     --left;
@@ -464,6 +486,7 @@ struct ChainSeg {
 
   // The segment's sum of value e (row g or g + 8 as e >= 2, token 2t + (e & 1)), at its true scale.
   __device__ __forceinline__ float value(int e) const {
+    if constexpr (kBits == 16) return c0[e] + c1[e];
     if constexpr (kGrouped) return acc[e] * 0x1p24f;
     return (c0[e] + c1[e] - 8.f * ((e & 1) ? xa1 : xa0)) * 0x1p24f * (e >= 2 ? sc1 : sc0);
   }
@@ -633,26 +656,43 @@ __device__ __forceinline__ uint4 chain_take_chunk(uint4* xs4, const uint4* src, 
   return v;
 }
 
-// The preparation of an op's fp16 input: chain_copy_input, then each thread
-// takes its own chunks back (chain_take_chunk) and writes them as
-// chain_nibble_input makes them, with the 2^-24 sums of each 128.  Thread i:
-// chunks i, i + n, ... (n = nthreads, a multiple of 32: the 16-lane shuffles).
-__device__ __forceinline__ void chain_async_input(const uint4* src, int chunks, int nthreads, __half* xs, float* xsum,
-                                                  bool nowait) {
-  const int lane = threadIdx.x & 31;
-  uint4* xs4 = reinterpret_cast<uint4*>(xs);
-  chain_copy_input(xs4, src, chunks, nthreads);
-  for (int cb = threadIdx.x - lane; cb < chunks; cb += nthreads) {  // warp-uniform (the shuffles)
-    const int c = cb + lane;
+// A chunk of 8 prepared activations into xs (int4: as chain_nibble_input
+// makes them, with the 2^-24 sums of each 128 from 16 lanes' chunks; fp16
+// weights: as they are, no sums).  Every lane of the warp calls it (the
+// shuffles); `on`: whether c is a chunk.
+template <int kBits>
+__device__ __forceinline__ void chain_put_chunk(uint4* xs4, float* xsum, int c, bool on, uint4 v) {
+  if constexpr (kBits == 16) {
+    if (on) xs4[c] = v;
+  } else {
     float sum = 0.f;
-    if (c < chunks) {
-      uint4 v = chain_take_chunk(xs4, src, c, nowait);
+    if (on) {
       sum = chain_nibble_input(v);
       xs4[c] = v;
     }
 #pragma unroll
     for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (c < chunks && lane % 16 == 0) xsum[c / 16] = sum * 0x1p-24f;
+    if (on && (threadIdx.x & 15) == 0) xsum[c / 16] = sum * 0x1p-24f;
+  }
+}
+
+// The preparation of an op's fp16 input: chain_copy_input, then each thread
+// takes its own chunks back (chain_take_chunk) and puts them
+// (chain_put_chunk).  Thread i: chunks i, i + n, ... (n = nthreads, a
+// multiple of 32: the 16-lane shuffles).
+template <int kBits>
+__device__ __forceinline__ void chain_async_input(const uint4* src, int chunks, int nthreads, __half* xs, float* xsum,
+                                                  bool nowait) {
+  const int lane = threadIdx.x & 31;
+  uint4* xs4 = reinterpret_cast<uint4*>(xs);
+  chain_copy_input(xs4, src, chunks, nthreads);
+  if constexpr (kBits == 16) {  // the chunks stay as copied, unless polled again
+    for (int c = threadIdx.x; c < chunks; c += nthreads) (void)chain_take_chunk(xs4, src, c, nowait);
+    return;
+  }
+  for (int cb = threadIdx.x - lane; cb < chunks; cb += nthreads) {  // warp-uniform (the shuffles)
+    const int c = cb + lane;
+    chain_put_chunk<kBits>(xs4, xsum, c, c < chunks, c < chunks ? chain_take_chunk(xs4, src, c, nowait) : uint4{});
   }
 }
 
@@ -661,11 +701,11 @@ __device__ __forceinline__ void chain_async_input(const uint4* src, int chunks, 
 // for this launch (parity par; or plain fp16) into xs at once, as
 // chain_async_input copies it, with the fp32 sum of its squares; one block barrier; then each
 // value y = round(w * round(s * rsqrt(mean(s^2) + eps))), as transformers'
-// LlamaRMSNorm and qgemv's add_rms_gather round, then the nibble transform
-// and the 2^-24 group sums of the plain preparation.  Thread i handles
-// chunks i, i + n, ... in both passes (n = nthreads, a multiple of 32).
-// Not inlined: once an op boundary, and kept out of the tile loop's registers.
-template <typename Sync>
+// LlamaRMSNorm and qgemv's add_rms_gather round, then put as the plain
+// preparation puts them (chain_put_chunk).  Thread i handles chunks i, i +
+// n, ... in both passes (n = nthreads, a multiple of 32).  Not inlined: once
+// an op boundary, and kept out of the tile loop's registers.
+template <int kBits, typename Sync>
 __device__ __noinline__ void chain_norm_input(const GemvParams& p, int o_flags, int par, const void* norm, float eps,
                                                  int chunks, int nthreads, Sync&& csync, __half* xs, float* xsum,
                                                  bool nowait) {
@@ -695,9 +735,9 @@ __device__ __noinline__ void chain_norm_input(const GemvParams& p, int o_flags, 
   const uint4* gain = static_cast<const uint4*>(norm);
   for (int cb = warp * 32; cb < chunks; cb += nthreads) {  // warp-uniform (the shuffles)
     const int c = cb + lane;
-    float s = 0.f;
+    uint4 v{};
     if (c < chunks) {
-      uint4 v = xs4[c];
+      v = xs4[c];
       const uint4 g = __ldg(gain + c);
       __half2* h = reinterpret_cast<__half2*>(&v);
       const __half2* gh = reinterpret_cast<const __half2*>(&g);
@@ -707,12 +747,8 @@ __device__ __noinline__ void chain_norm_input(const GemvParams& p, int o_flags, 
         h[q] = __floats2half2_rn(__half2float(__float2half_rn(a.x * r)) * w.x,
                                  __half2float(__float2half_rn(a.y * r)) * w.y);
       }
-      s = chain_nibble_input(v);
-      xs4[c] = v;
     }
-#pragma unroll
-    for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (c < chunks && lane % 16 == 0) xsum[c / 16] = s * 0x1p-24f;
+    chain_put_chunk<kBits>(xs4, xsum, c, c < chunks, v);
   }
 }
 
@@ -971,7 +1007,7 @@ __device__ __noinline__ void chain_attention(const ChainAttn& a, int pos, int pa
 // ops[nops]; sync[nops + 1] zero before the first launch (sync[nops] counts
 // the launches: their parity).  wait_cycles: nullptr, or the lab's cycle
 // counts (ChainCycles, then per op class).
-template <int kGroup, bool kZeros, bool kNorm = false, bool kDecode = false>
+template <int kBits, int kGroup, bool kZeros, bool kNorm = false, bool kDecode = false>
 __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
     chain_kernel(const ChainOp* __restrict__ ops, int nops, ChainShape sh, unsigned* sync,
                  unsigned long long* wait_cycles) {
@@ -979,7 +1015,8 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
   __trap();  // bulk copies and mbarrier waits need sm_90: the host launches this on compute capability 9.x only
 #else
   using T = __half;
-  constexpr bool kGrouped = ChainFormat<kGroup, kZeros>::kGrouped;
+  using Fmt = ChainFormat<kBits, kGroup, kZeros>;
+  constexpr bool kGrouped = Fmt::kGrouped;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int W = blockDim.x >> 5, G = gridDim.x, nthreads = W * 32;
   const int g = lane >> 2, t = lane & 3;
@@ -1031,7 +1068,7 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
 
   int i = -1;  // the op being consumed
   ChainCursor cur{0, 0, 0, 0, 0, 1, 0, 0, 0};
-  ChainSeg<kGrouped, kZeros, true, true> seg;
+  ChainSeg<kBits, kGrouped, kZeros, true, true> seg;
   const int tokx = min(g, M - 1), tok0 = min(2 * t, M - 1), tok1 = min(2 * t + 1, M - 1);
 
   // Op o's input: global (written by other blocks in this launch: through L2)
@@ -1046,12 +1083,12 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
     bool normed = false;
     if constexpr (kNorm) {
       if (const void* norm = sh.norms[oi]) {  // RMSNorm of the input on the way in
-        chain_norm_input(p, o_flags, par, norm, sh.norm_eps, chunks, nthreads, csync, xs, xsum, (sh.skip & 1) != 0);
+        chain_norm_input<kBits>(p, o_flags, par, norm, sh.norm_eps, chunks, nthreads, csync, xs, xsum, (sh.skip & 1) != 0);
         normed = true;
       }
     }
     if (!normed)  // the input copied at once
-      chain_async_input(chain_input_src(p, o_flags, par), chunks, nthreads, xs, xsum,
+      chain_async_input<kBits>(chain_input_src(p, o_flags, par), chunks, nthreads, xs, xsum,
                         (o_flags & kChainPlainX) || (sh.skip & 1));
     csync();
     if (timed) {
@@ -1161,7 +1198,7 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
       }
       prep_input(ops[i].p, ops[i].flags, ops[i].cls, i);
     }
-    seg.begin(cur, ops[i], g, xs + static_cast<size_t>(tokx) * sh.x_cap + 8 * t + cur.kt * 128,
+    seg.begin(cur, ops[i], g, xs + static_cast<size_t>(tokx) * sh.x_cap + Fmt::kLaneK * t + cur.kt * Fmt::kTileK,
               xsum + tok0 * xg + cur.kt, xsum + tok1 * xg + cur.kt);
     return true;
   };

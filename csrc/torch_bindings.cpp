@@ -414,7 +414,7 @@ using PersistOpTuple =
 using PersistAttnTuple =
     std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, int, int, double, int64_t>;
 
-PersistPlan persist_plan_of(const std::vector<PersistOpTuple>& in, int group, bool zeros, int blocks, int warps,
+PersistPlan persist_plan_of(const std::vector<PersistOpTuple>& in, int bits, int group, bool zeros, int blocks, int warps,
                             int stages, const std::vector<PersistAttnTuple>& attn_in) {
   std::vector<PersistOp> ops;
   for (const auto& t : in) {
@@ -445,12 +445,12 @@ PersistPlan persist_plan_of(const std::vector<PersistOpTuple>& in, int group, bo
     a.bias = reinterpret_cast<const void*>(std::get<12>(t));
     attns.push_back(a);
   }
-  return persist_plan(ops, group, zeros, blocks, warps, stages, attns);
+  return persist_plan(ops, bits, group, zeros, blocks, warps, stages, attns);
 }
 
 pybind11::tuple persist_plan_py(const std::vector<PersistOpTuple>& in, int group, bool zeros, int blocks, int warps,
-                                int stages, const std::vector<PersistAttnTuple>& attns) {
-  const PersistPlan pl = persist_plan_of(in, group, zeros, blocks, warps, stages, attns);
+                                int stages, const std::vector<PersistAttnTuple>& attns, int bits) {
+  const PersistPlan pl = persist_plan_of(in, bits, group, zeros, blocks, warps, stages, attns);
   at::Tensor ops = at::empty({static_cast<int64_t>(pl.ops.size())}, at::kByte);
   if (!pl.ops.empty()) std::memcpy(ops.data_ptr(), pl.ops.data(), pl.ops.size());
   at::Tensor sched = at::empty({static_cast<int64_t>(pl.schedule.size())}, at::kInt);
@@ -505,7 +505,7 @@ at::Tensor persist_fuse_py(const at::Tensor& qweight, const at::Tensor& scales, 
 // norms: 0, or the device address of nops pointers (each op's RMSNorm gain or 0; qgemv/persist.py keeps them).
 std::string persist_launch_py(const at::Tensor& ops, const at::Tensor& schedule, const at::Tensor& sync, int group,
                               bool zeros, int blocks, int warps, int stages, int classes, int sums, int x_cap,
-                              int64_t smem, int64_t norms, double eps, int64_t attn, int64_t pos) {
+                              int64_t smem, int64_t norms, double eps, int64_t attn, int64_t pos, int bits) {
   if (!ops.is_cuda() || !schedule.is_cuda() || !sync.is_cuda() || ops.device() != sync.device() ||
       schedule.device() != sync.device())
     return "ops, schedule and sync must be CUDA tensors on one device";
@@ -516,7 +516,7 @@ std::string persist_launch_py(const at::Tensor& ops, const at::Tensor& schedule,
   c10::cuda::CUDAGuard guard(ops.device());
   const cudaError_t err = persist_launch(persist_plan_from(classes, sums, x_cap, smem), ops.data_ptr(),
                                          static_cast<int>(nops), schedule.data_ptr<int32_t>(),
-                                         reinterpret_cast<unsigned*>(sync.data_ptr<int32_t>()), group, zeros, blocks,
+                                         reinterpret_cast<unsigned*>(sync.data_ptr<int32_t>()), bits, group, zeros, blocks,
                                          warps, stages, c10::cuda::getCurrentCUDAStream(),
                                          reinterpret_cast<const void* const*>(norms), static_cast<float>(eps),
                                          reinterpret_cast<const void*>(attn), reinterpret_cast<const int32_t*>(pos));
@@ -600,24 +600,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   ps.def("plan", &qgemv::persist_plan_py, "The chain's tables (host only; pointers as integers).",
          pybind11::arg("ops"), pybind11::arg("group"), pybind11::arg("zeros"), pybind11::arg("blocks"),
          pybind11::arg("warps"), pybind11::arg("stages"),
-         pybind11::arg("attns") = std::vector<qgemv::PersistAttnTuple>{});
+         pybind11::arg("attns") = std::vector<qgemv::PersistAttnTuple>{}, pybind11::arg("bits") = 4);
   ps.def("rope_rows", &qgemv::persist_rope_rows,
          "The q/k/v rows' order for the launch: permuted row i is natural row rope_rows[i].",
          pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("head_dim"));
   ps.def("attn_part", &qgemv::persist_attn_part, "Floats of one attention's scratch.", pybind11::arg("heads"),
          pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("splits"));
   ps.def("op_bytes", &qgemv::persist_op_bytes, "Bytes of one op in the plan's op table.");
-  ps.def("refusal", [](int64_t smem, int group, bool zeros, int blocks, int warps, bool norm, bool decode) {
-           return qgemv::persist_refusal(qgemv::persist_plan_from(0, 0, 0, smem), group, zeros, blocks, warps, norm,
-                                         decode);
+  ps.def("refusal", [](int64_t smem, int group, bool zeros, int blocks, int warps, bool norm, bool decode, int bits) {
+           return qgemv::persist_refusal(qgemv::persist_plan_from(0, 0, 0, smem), bits, group, zeros, blocks, warps,
+                                         norm, decode);
          },
          "Why a grid of a plan (its shared memory a block) cannot run on the current device, or ''.",
          pybind11::arg("smem"), pybind11::arg("group"), pybind11::arg("zeros"), pybind11::arg("blocks"),
-         pybind11::arg("warps"), pybind11::arg("norm") = false, pybind11::arg("decode") = false);
+         pybind11::arg("warps"), pybind11::arg("norm") = false, pybind11::arg("decode") = false,
+         pybind11::arg("bits") = 4);
   ps.def("launch", &qgemv::persist_launch_py,
          "One launch of the chain on the current stream: '' when launched, else why not (never raises).",
          pybind11::arg("ops"), pybind11::arg("schedule"), pybind11::arg("sync"), pybind11::arg("group"),
          pybind11::arg("zeros"), pybind11::arg("blocks"), pybind11::arg("warps"), pybind11::arg("stages"),
          pybind11::arg("classes"), pybind11::arg("sums"), pybind11::arg("x_cap"), pybind11::arg("smem"),
-         pybind11::arg("norms") = 0, pybind11::arg("eps") = 0.0, pybind11::arg("attn") = 0, pybind11::arg("pos") = 0);
+         pybind11::arg("norms") = 0, pybind11::arg("eps") = 0.0, pybind11::arg("attn") = 0, pybind11::arg("pos") = 0,
+         pybind11::arg("bits") = 4);
 }

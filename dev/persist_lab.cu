@@ -307,9 +307,9 @@ bool chain_dispatch(const Fmt& fm, bool norm, F&& f) {
   if (fm.bits != 4 || (fm.group != 0 && fm.group != 128)) return false;
   auto pick = [&](auto kn) {
     constexpr bool kN = decltype(kn)::value;
-    if (fm.group == 0) f(qgemv::chain_kernel<0, false, kN>);
-    else if (fm.zeros) f(qgemv::chain_kernel<128, true, kN>);
-    else f(qgemv::chain_kernel<128, false, kN>);
+    if (fm.group == 0) f(qgemv::chain_kernel<4, 0, false, kN>);
+    else if (fm.zeros) f(qgemv::chain_kernel<4, 128, true, kN>);
+    else f(qgemv::chain_kernel<4, 128, false, kN>);
   };
   norm ? pick(std::true_type{}) : pick(std::false_type{});
   return true;
@@ -502,6 +502,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           o.res = io[j].res;
           o.out = static_cast<int>(io[j].out);
           o.flags = io[j].flags;
+          o.tpp = L[j].K / qgemv::chain_tile_k(4);
           ops.push_back(o);
         }
       }

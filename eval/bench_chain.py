@@ -17,14 +17,15 @@ zero points and int8 (``A16W4_HQQ_INT`` / ``A16W8_INT8``, Triton);
 bitsandbytes NF4 (blocks of 64) and LLM.int8.  Writes <out>.json, <out>.md
 and <out>.png.
 
-The chain with real dependencies (M = 1 only), for int4, int4g128 and
-int4g128a: ``FMT_deps`` runs each layer as the decode step chains it (q/k/v,
-o reading q's first H outputs plus the residual, gate/up with SiLU * mul, down
-plus the residual; qgemv.persist.reference: one qgemv kernel a linear, the
-glue in torch), and ``FMT_persist`` runs the same layers, the same weights, as
+The chain with real dependencies (M = 1 only), for int4, int4g128,
+int4g128a and fp16 (the baseline: float16 weights): ``FMT_deps`` runs each
+layer as the decode step chains it (q/k/v, o reading q's first H outputs plus
+the residual, gate/up with SiLU * mul, down plus the residual;
+qgemv.persist.reference: one qgemv kernel a linear, cuBLAS for fp16, the glue
+in torch), and ``FMT_persist`` runs the same layers, the same weights, as
 one persistent launch (qgemv.persist.PersistentChain, compute capability 9.x).
 Their outputs are compared (``rel_err`` in the report: the largest difference
-over the largest output).  Bytes per layer are the packed weights' in both.
+over the largest output).  Bytes per layer are the packed (or float16) weights' in both.
 ``--norms`` adds each layer's two RMSNorms (random gains) to both modes: torch
 ops in ``FMT_deps``, the launch's hand-offs in ``FMT_persist``.
 ``--attention L`` (with the norms) replaces the stand-in for attention by the
@@ -55,7 +56,8 @@ MODELS = {
 HEADS = {"llama3-8b": (32, 8, 128), "llama3-70b": (64, 8, 128), "qwen2.5-7b": (28, 4, 128)}
 VARIANTS = ["fp16", "bf16", "int8", "int4", "int4g128", "int4g128a", "tinygemm_g128", "torch_int8",
             "gemlite_int4g128a", "gemlite_int8", "bnb_nf4", "bnb_int8",
-            "int4_deps", "int4_persist", "int4g128_deps", "int4g128_persist", "int4g128a_deps", "int4g128a_persist"]
+            "int4_deps", "int4_persist", "int4g128_deps", "int4g128_persist", "int4g128a_deps", "int4g128a_persist",
+            "fp16_deps", "fp16_persist"]
 QGEMV = ("int8", "int4", "int4g128", "int4g128a")
 
 
@@ -92,17 +94,20 @@ def peer_variant(name: str, n: int, k: int):
 
 
 def dep_layers(fmt: str, layers: int, shapes: list):
-    """Random weights of a dependent chain: [(qkv, o, gate_up, down) PackedWeight] on the GPU (gate_up: gate's
-    rows, then up's); each linear maps activations of size 1 to about 0.3 (the chain stays finite in fp16)."""
+    """Random weights of a dependent chain: [(qkv, o, gate_up, down) PackedWeight, or float16 tensors for "fp16"]
+    on the GPU (gate_up: gate's rows, then up's); each linear maps activations of size 1 to about 0.3 (the chain
+    stays finite in fp16)."""
     from qgemv import formats
     from qgemv.weight import PackedWeight
 
     from .bench_gemv import QCFG
 
-    cfg = QCFG[fmt]
+    cfg = QCFG.get(fmt)
 
     def packed(n, k):
         w = torch.randn(n, k, device="cuda") * (0.3 / k ** 0.5)
+        if fmt == "fp16":
+            return w.half()
         qw, s, z = formats.quantize(w, cfg)
         return PackedWeight(qw, s, z, cfg, k)
 
@@ -130,7 +135,7 @@ def dep_rows(fmt: str, layers: int, shapes: list, names: list, ceiling: dict, fp
     from qgemv import persist
 
     lay = dep_layers(fmt, layers, shapes)
-    nbytes = sum(w.nbytes for w in lay[0])
+    nbytes = sum(w.nbytes for w in lay[0])  # PackedWeight.nbytes, or a tensor's
     h = shapes[1][1]
     x = torch.randn(1, h, device="cuda", dtype=torch.float16)
     norms = norms or context > 0

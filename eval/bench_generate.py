@@ -8,9 +8,10 @@ Models (transformers LlamaForCausalLM, random weights, on the GPU):
   llama3-8b : 32 layers, hidden 4096, 32 heads, 8 KV heads (GQA), FFN 14336, vocab 128256.
 Variants: fp16 and bf16 (nn.Linear, cuBLAS), int8, int4 per channel, int4 g128
 with zero points (the GPTQ / AWQ format); every linear but lm_head converted
-by RTN; q/k/v and gate/up fused by the engine in every variant.  ``int4_mk``
-and ``int4g128a_mk``: the same weights with ``Engine(megakernel=True)``, each
-batch-1 decode step's decoder layers as one persistent launch.
+by RTN; q/k/v and gate/up fused by the engine in every variant.  ``int4_mk``,
+``int4g128a_mk`` and ``fp16_mk``: the same weights with
+``Engine(megakernel=True)``, each batch-1 decode step's decoder layers as one
+persistent launch.
 
 For each (model, variant, batch): B prompts of --prompt random tokens, then
 --gen new tokens greedily (EOS ignored), after one untimed warm-up that
@@ -57,7 +58,8 @@ MODELS = {
 }
 VARIANTS = {"fp16": None, "bf16": None, "int8": (8, None, True), "int4": (4, None, True),
             "int4g128a": (4, 128, False), "int4g128a_act": (4, 128, False), "int4g128a_act_sep": (4, 128, False),
-            "int4g128a_act_first": (4, 128, False), "int4_mk": (4, None, True), "int4g128a_mk": (4, 128, False)}
+            "int4g128a_act_first": (4, 128, False), "int4_mk": (4, None, True), "int4g128a_mk": (4, 128, False),
+            "fp16_mk": None}
 # *_mk: the same weights with Engine(megakernel=True): each batch-1 decode step as one persistent launch
 # (qgemv.persist, issue 35); other batches run per-op
 # int4g128a_act: int4 g128a with act-order input permutations as an imported GPTQ checkpoint has them after

@@ -245,14 +245,18 @@ def megakernel_refusal(engine: "Engine") -> str:
             return f"layer {i}: the q/k RMSNorms (Qwen3) are not in the launch yet"
         for name, m in (("q/k/v", L.qkv.fused), ("o_proj", L.o_proj), ("gate/up", L.gate_up.fused),
                         ("down_proj", L.down_proj)):
-            if not isinstance(m, QuantLinear):
-                return (f"layer {i} {name}: {type(m).__name__ if m is not None else 'not fused'}, "
-                        f"not one qgemv QuantLinear (the launch runs int4 weights)")
+            plain = type(m) is nn.Linear and m.weight.dtype == torch.float16  # fp16 weights: the baseline's chain
+            if not isinstance(m, QuantLinear) and not plain:
+                what = type(m).__name__ if m is not None else "not fused"
+                if isinstance(m, nn.Linear):
+                    what += f" of {m.weight.dtype}"
+                return (f"layer {i} {name}: {what}, not one qgemv QuantLinear or float16 nn.Linear (the launch "
+                        f"runs int4 or float16 weights)")
             if m.bias is not None and name != "q/k/v":  # q/k/v's (Qwen2's) is added in the launch
                 return f"layer {i} {name}: a bias is not in the launch (only q/k/v's)"
-            if m.perm is not None:
+            if not plain and m.perm is not None:
                 return f"layer {i} {name}: act-order weights are not in the launch yet"
-            f = m.packed.format
+            f = "fp16" if plain else m.packed.format
             if f not in persist.FORMATS:
                 return f"layer {i} {name}: format {f}; the launch runs {', '.join(persist.FORMATS)}"
             if fmt is not None and f != fmt:
@@ -284,8 +288,9 @@ class Engine:
     megakernel: run each batch-1 decode step's decoder layers as one
     persistent launch (:class:`qgemv.persist.PersistentChain` with its
     attention; issue 35, stage 2; default False while it is being measured):
-    float16, int4 weights in one of qgemv.persist.FORMATS without act-order,
-    biases on q/k/v only (Qwen2's), no q/k norms, compute capability 9.x.  Where the model or the
+    float16 activations, int4 weights in one of qgemv.persist.FORMATS without
+    act-order or float16 weights (nn.Linear), biases on q/k/v only (Qwen2's),
+    no q/k norms, compute capability 9.x.  Where the model or the
     GPU does not allow it, the per-op path runs and ``megakernel_reason``
     says why (one warning).  Prefill and batches above 1 stay per-op.
     """
@@ -387,8 +392,11 @@ class Engine:
                             row.copy_(L.qkv.fused.bias)
                 att = persist.Attention(self.heads, self.kv_heads, self.head_dim, self.cos, self.sin, k[:, 0], v[:, 0],
                                         scale=self.scale, qkv_bias=bias)
+                def weight(m):  # a QuantLinear's packed weight, or an fp16 nn.Linear's weight tensor
+                    return m.packed if isinstance(m, QuantLinear) else m.weight.detach()
+
                 self._chain = persist.PersistentChain(
-                    [(L.qkv.fused.packed, L.o_proj.packed, L.gate_up.fused.packed, L.down_proj.packed)
+                    [tuple(weight(m) for m in (L.qkv.fused, L.o_proj, L.gate_up.fused, L.down_proj))
                      for L in self.layers],
                     norms=[(L.in_norm, L.post_norm) for L in self.layers], eps=self.eps, attention=att)
             except persist.PersistError as e:

@@ -35,7 +35,9 @@ attention over the cache in (kv head, context split) units and merge the
 splits into o's input (:func:`attend` is its reference).
 
 Supported: int4 per channel, int4 G = 128 with or without zero points (no
-act-order perm), float16 activations, one token, compute capability 9.x,
+act-order perm), and float16 weights (a float16 [N, K] tensor in place of a
+PackedWeight: the baseline's chain, re-laid in 16-row panels of 64-byte
+tiles); float16 activations, one token, compute capability 9.x,
 K % 128 == 0 and N % 16 == 0 (gate_up: % 32).  The engine runs it with
 ``Engine(megakernel=True)`` (off by default until its engine tests run on a GPU).
 """
@@ -43,19 +45,20 @@ K % 128 == 0 and N % 16 == 0 (gate_up: % 32).  The engine runs it with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import _ext
 from .weight import PackedWeight
 
-FORMATS = ("int4", "int4g128", "int4g128a")
+FORMATS = ("int4", "int4g128", "int4g128a", "fp16")  # "fp16": a float16 [N, K] tensor, not a PackedWeight
 # The lab's best settings on the H200 (dev/PERSISTENT.md): 16 warps a block, 8 ring slots of 1 KB tiles a warp.
 DEFAULT_WARPS = 16
 DEFAULT_STAGES = 8
 
-Layer = Tuple[PackedWeight, PackedWeight, PackedWeight, PackedWeight]
+Weight = Union[PackedWeight, torch.Tensor]  # a tensor: float16 [N, K] weights
+Layer = Tuple[Weight, Weight, Weight, Weight]
 Norms = Tuple[torch.Tensor, torch.Tensor]  # a layer's (input, post-attention) RMSNorm gains, float16 [H]
 
 
@@ -107,11 +110,30 @@ def rope_rows(heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
     return torch.cat([qk, v])
 
 
-def permute_rows(w: PackedWeight, rows: torch.Tensor) -> PackedWeight:
-    """w with its output rows in the order ``rows``, on w's device (exact, still packed: :func:`qgemv.shard.gather_rows`)."""
+def permute_rows(w: Weight, rows: torch.Tensor) -> Weight:
+    """w with its output rows in the order ``rows``, on w's device (exact; packed: :func:`qgemv.shard.gather_rows`,
+    still packed)."""
     from .shard import gather_rows
 
+    if isinstance(w, torch.Tensor):
+        return w[rows.to(w.device)]
     return gather_rows(w, rows, "q/k/v")
+
+
+def _shape(w: Weight) -> Tuple[int, int]:
+    """(N, K) of a weight."""
+    return (w.shape[0], w.shape[1]) if isinstance(w, torch.Tensor) else (w.out_features, w.in_features)
+
+
+def _format_name(w: Weight) -> str:
+    return "fp16" if isinstance(w, torch.Tensor) else w.format
+
+
+def _linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    """x @ w^T: qgemv's kernel for a PackedWeight, torch's for float16 weights."""
+    from .ops import linear
+
+    return torch.nn.functional.linear(x, w) if isinstance(w, torch.Tensor) else linear(x, w)
 
 
 def attend(at: Attention, layer: int, qkv: torch.Tensor, position: int) -> torch.Tensor:
@@ -153,18 +175,16 @@ def reference(layers: Sequence[Layer], x: torch.Tensor, norms: Optional[Sequence
     """The same chain one qgemv kernel a linear, with the glue in torch: x [1, H] float16 -> [1, H] float16.
     With ``attention``: each layer's attention at ``position`` (:func:`attend`; it writes the caches) between
     q/k/v and o, in the weights' natural row order."""
-    from .ops import linear
-
     for li, (qkv, o, gate_up, down) in enumerate(layers):
-        q = linear(rms_norm(x, norms[li][0], eps) if norms else x, qkv)
+        q = _linear(rms_norm(x, norms[li][0], eps) if norms else x, qkv)
         if attention is not None and attention.qkv_bias is not None:
             q = q + attention.qkv_bias[li]
-        a = attend(attention, li, q, position) if attention is not None else q[:, :o.in_features]
-        h = linear(a, o) + x
-        gu = linear(rms_norm(h, norms[li][1], eps) if norms else h, gate_up).float()
+        a = attend(attention, li, q, position) if attention is not None else q[:, :_shape(o)[1]]
+        h = _linear(a, o) + x
+        gu = _linear(rms_norm(h, norms[li][1], eps) if norms else h, gate_up).float()
         inter = gu.shape[-1] // 2
         a = (torch.nn.functional.silu(gu[..., :inter]) * gu[..., inter:]).half()
-        x = linear(a, down) + h
+        x = _linear(a, down) + h
     return x
 
 
@@ -184,20 +204,29 @@ def fuse_tiles(w: PackedWeight) -> torch.Tensor:
     return _module().fuse(w.qweight.contiguous().cpu(), w.scales.contiguous().cpu(), zeros, n, k)
 
 
-def _format_of(w: PackedWeight, where: str) -> Tuple[int, bool]:
+def _format_of(w: Weight, where: str) -> Tuple[int, int, bool]:
+    """(bits, group, zeros) of one weight: 4 and its group (0 per channel, 128) for int4; 16, 0 for float16."""
+    if isinstance(w, torch.Tensor):
+        if w.dtype != torch.float16 or w.dim() != 2:
+            raise PersistError(f"{where}: a tensor weight must be float16 [N, K] (fp16 weights), got {w.dtype} "
+                               f"{list(w.shape)}")
+        return 16, 0, False
+    if not isinstance(w, PackedWeight):
+        raise PersistError(f"{where}: expected a PackedWeight or a float16 tensor, got {type(w).__name__}")
     if w.format not in FORMATS:
         raise PersistError(f"{where}: format {w.format} is not supported (supported: {', '.join(FORMATS)})")
     if w.perm is not None:
         raise PersistError(f"{where}: act-order weights (perm) are not supported")
-    return (128 if w.config.group_size else 0), w.zeros is not None
+    return 4, (128 if w.config.group_size else 0), w.zeros is not None
 
 
 class PersistentChain:
     """Every linear of ``layers`` in one persistent launch (module docstring: the chain it computes).
 
     Args:
-        layers: per layer (qkv [Nqkv, H], o [H, H], gate_up [2 I, H], down [H, I]) as PackedWeight on one CUDA
-            device, all in one of :data:`FORMATS`; Nqkv >= H; gate_up: gate's rows, then up's.
+        layers: per layer (qkv [Nqkv, H], o [H, H], gate_up [2 I, H], down [H, I]) on one CUDA device, all in
+            one of :data:`FORMATS`: PackedWeight (int4), or float16 tensors ("fp16"); Nqkv >= H; gate_up: gate's
+            rows, then up's.
         warps: warps a block (1-16); stages: ring slots a warp (an even number above 2).
         blocks: the grid (default: one block an SM; more than fit at once is refused, never hung).
         norms: per layer (input, post-attention) RMSNorm gains, float16 [H] on the chain's device, or None (no
@@ -226,28 +255,29 @@ class PersistentChain:
                     fmt = f
                 elif f != fmt:
                     raise PersistError(f"layer {li} {name}: every weight must share one format, "
-                                       f"got {w.format} after {layers[0][0].format}")
+                                       f"got {_format_name(w)} after {_format_name(layers[0][0])}")
         qkv0, o0, gu0, down0 = layers[0]
-        self.hidden, self.intermediate = o0.out_features, gu0.out_features // 2
-        dev = qkv0.qweight.device
+        self.hidden, self.intermediate = _shape(o0)[0], _shape(gu0)[0] // 2
+        dev = qkv0.device if isinstance(qkv0, torch.Tensor) else qkv0.qweight.device
         h, i = self.hidden, self.intermediate
         at = attention
         o_in = h if at is None else at.heads * at.head_dim
         for li, (qkv, o, gu, down) in enumerate(layers):
-            nqkv = qkv.out_features if at is None else (at.heads + 2 * at.kv_heads) * at.head_dim
+            nqkv = _shape(qkv)[0] if at is None else (at.heads + 2 * at.kv_heads) * at.head_dim
             shapes = {"qkv": (qkv, nqkv, h), "o": (o, h, o_in), "gate_up": (gu, 2 * i, h),
                       "down": (down, h, i)}
             for name, (w, n, k) in shapes.items():
+                wn, wk = _shape(w)
                 loose = name == "qkv" and at is None  # the stand-in reads q/k/v's first H outputs
-                if (loose and (w.out_features < h or w.in_features != h)) or \
-                        (not loose and (w.out_features, w.in_features) != (n, k)):
-                    raise PersistError(f"layer {li} {name}: shape {w.out_features} x {w.in_features}, expected "
+                if (loose and (wn < h or wk != h)) or (not loose and (wn, wk) != (n, k)):
+                    raise PersistError(f"layer {li} {name}: shape {wn} x {wk}, expected "
                                        f"{'>= ' + str(h) if loose else n} x {k}")
-                if w.qweight.device != dev:
-                    raise PersistError(f"layer {li} {name}: on {w.qweight.device}, the chain is on {dev}")
+                wdev = w.device if isinstance(w, torch.Tensor) else w.qweight.device
+                if wdev != dev:
+                    raise PersistError(f"layer {li} {name}: on {wdev}, the chain is on {dev}")
                 step = 32 if name == "gate_up" else 16
-                if w.out_features % step or w.in_features % 128:
-                    raise PersistError(f"layer {li} {name}: {w.out_features} x {w.in_features}: N must be a "
+                if wn % step or wk % 128:
+                    raise PersistError(f"layer {li} {name}: {wn} x {wk}: N must be a "
                                        f"multiple of {step} and K of 128")
         if dev.type != "cuda":
             raise PersistError(f"PersistentChain: the weights must be on a CUDA device, got {dev}")
@@ -270,8 +300,8 @@ class PersistentChain:
             if norms is None:
                 raise PersistError("attention: needs the layers' norms (norms=)")
             self._check_attention(at, len(layers), dev)
-        self.group, self.zeros = fmt
-        self.format = qkv0.format
+        self.bits, self.group, self.zeros = fmt
+        self.format = _format_name(qkv0)
         self.device = dev
         self.layers = len(layers)
         self.warps, self.stages = warps, stages
@@ -302,7 +332,8 @@ class PersistentChain:
         x, x_plain = self.input, True
         for li, (qkv, o, gu, down) in enumerate(layers):
             last = li + 1 == len(layers)
-            q, hh, a = buf(qkv.out_features), buf(h), buf(i)
+            nq = _shape(qkv)[0]
+            q, hh, a = buf(nq), buf(h), buf(i)
             nxt = self.output if last else buf(h)
             self._keep += [q, hh, a, nxt]
             self._acts += [q, hh, a] + ([] if last else [nxt])
@@ -311,11 +342,11 @@ class PersistentChain:
             ws = [self._weight(w) for w in (qkv, o, gu, down)]
             # (x, res, y, weight, scales, N, K, out, x_plain, res_plain, y_plain, x's copy stride, role, attention)
             role = (1, li) if at is not None else (0, -1)
-            ops.append((x.data_ptr(), 0, q.data_ptr(), *ws[0], qkv.out_features, h, 0, x_plain, False, False, h,
+            ops.append((x.data_ptr(), 0, q.data_ptr(), *ws[0], nq, h, 0, x_plain, False, False, h,
                         *role))
             if at is None:  # o reads q/k/v's first H outputs
                 ops.append((q.data_ptr(), x.data_ptr(), hh.data_ptr(), *ws[1], h, h, 1, False, x_plain, False,
-                            qkv.out_features, 0, -1))
+                            nq, 0, -1))
             else:  # o reads the attention's output
                 att = buf(o_in)
                 part = torch.zeros(ps.attn_part(at.heads, at.kv_heads, at.head_dim, self.splits),
@@ -338,11 +369,12 @@ class PersistentChain:
                 gains += [g1.data_ptr(), 0, g2.data_ptr(), 0]
             x, x_plain = nxt, False
         err, table, sched, self.op_class, self.classes, self.sums, self.x_cap, self.smem, attn = ps.plan(
-            ops, self.group, self.zeros, blocks, warps, stages, attns)
+            ops, self.group, self.zeros, blocks, warps, stages, attns, self.bits)
         if err:
             raise PersistError(f"PersistentChain: {err}")
         with torch.cuda.device(dev):  # the weights' GPU, not the current one
-            why = ps.refusal(self.smem, self.group, self.zeros, blocks, warps, self.has_norms, at is not None)
+            why = ps.refusal(self.smem, self.group, self.zeros, blocks, warps, self.has_norms, at is not None,
+                             self.bits)
         if why:
             raise PersistError(f"PersistentChain: {why}")
         self._table = table.to(dev)
@@ -380,8 +412,15 @@ class PersistentChain:
         if at.splits is not None and at.splits < 1:
             raise PersistError(f"attention: splits must be positive, got {at.splits}")
 
-    def _weight(self, w: PackedWeight) -> Tuple[int, int]:
+    def _weight(self, w: Weight) -> Tuple[int, int]:
         """(weight pointer, scales pointer) of one linear in the kernel's layout."""
+        if self.bits == 16:  # 16-row panels of 64-byte tiles, as qgemv packs int8 rows
+            from .formats import to_panels
+
+            panels = to_panels(w.detach().contiguous().view(torch.int16))
+            self._keep.append(panels)
+            self.weight_bytes += panels.numel() * 2
+            return panels.data_ptr(), 0
         if self.group == 0:
             qw, s = w.qweight.contiguous(), w.scales.contiguous()
             self._keep += [qw, s]
@@ -398,7 +437,7 @@ class PersistentChain:
                                self.warps, self.stages, self.classes, self.sums, self.x_cap, self.smem,
                                self._norms.data_ptr() if self._norms is not None else 0, self.eps,
                                self._attn.data_ptr() if self._attn is not None else 0,
-                               self.position.data_ptr() if self._attn is not None else 0)
+                               self.position.data_ptr() if self._attn is not None else 0, self.bits)
         if why:
             raise PersistError(f"PersistentChain: launch refused: {why}")
 

@@ -318,8 +318,9 @@ def test_bench_generate_runs_its_engine_rows_on_cpu(tmp_path):
 # ---- the persistent decode launch (Engine(megakernel=True), issue 35 stage 2) ----
 
 @pytest.mark.parametrize("case,why", [
-    ("float", "layer 0 q/k/v: Linear, not one qgemv QuantLinear (the launch runs int4 weights)"),
-    ("int8", "layer 0 q/k/v: format int8; the launch runs int4, int4g128, int4g128a"),
+    ("float", "layer 0 q/k/v: Linear of torch.float32, not one qgemv QuantLinear or float16 nn.Linear (the launch "
+              "runs int4 or float16 weights)"),
+    ("int8", "layer 0 q/k/v: format int8; the launch runs int4, int4g128, int4g128a, fp16"),
     ("qwen2-bias", "needs float16 activations, the model runs torch.float32"),  # q/k/v's bias runs in the launch
     ("o-bias", "layer 0 o_proj: a bias is not in the launch (only q/k/v's)"),
     ("qwen3-qk-norm", "layer 0: the q/k RMSNorms (Qwen3) are not in the launch yet"),
@@ -357,7 +358,7 @@ needs_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.ge
 
 
 @needs_sm90
-@pytest.mark.parametrize("fmt", [(4, None, True), (4, 128, True), (4, 128, False)])
+@pytest.mark.parametrize("fmt", [(4, None, True), (4, 128, True), (4, 128, False), None])  # None: fp16 weights
 @pytest.mark.parametrize("family,heads,kv_heads", [("llama", 4, 1), ("llama", 4, 4), ("llama", 8, 1), ("llama", 2, 2),
                                                    ("qwen2-bias", 4, 2)])  # GQA 4, 1, 8, 2; head_dim 64, 32, 128
 def test_megakernel_gives_the_per_op_engines_logits(fmt, family, heads, kv_heads):
@@ -372,8 +373,9 @@ def test_megakernel_gives_the_per_op_engines_logits(fmt, family, heads, kv_heads
             for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 if lin.bias is not None:
                     lin.bias.normal_(0, 0.5)
-    bits, group, sym = fmt
-    qgemv.quantize_model(model, bits=bits, group_size=group, symmetric=sym)
+    if fmt is not None:
+        bits, group, sym = fmt
+        qgemv.quantize_model(model, bits=bits, group_size=group, symmetric=sym)
     model = model.half().cuda()
     for plen, n in ((9, 24), (100, 28)):  # the second fills the cache (max_seq_len 128) up to slot 126
         prompt = [torch.randint(0, 512, (plen,), generator=torch.Generator().manual_seed(plen)).tolist()]

@@ -45,10 +45,13 @@ SMALL = ([(384, 256), (256, 256), (1280, 256), (256, 640)], [0, 1, 2, 1])
 @needs_ext
 @pytest.mark.parametrize("shapes,outs", [LLAMA_LIKE, SMALL])
 @pytest.mark.parametrize("blocks,warps", [(132, 16), (7, 5), (1, 1), (13, 16)])
-def test_schedule_assigns_every_tile_once(shapes, outs, blocks, warps):
+@pytest.mark.parametrize("bits", [4, 16])  # a tile: 128 int4 inputs of 16 rows, or 32 fp16
+def test_schedule_assigns_every_tile_once(shapes, outs, blocks, warps, bits):
     ps = qgemv._ext.MODULE.persist
     ops = fake_ops(shapes * 2, outs * 2)  # two layers: the second reuses the first's classes
-    err, table, sched, op_class, classes, sums, x_cap, smem, attn = ps.plan(ops, 128, True, blocks, warps, 8)
+    group, zeros = (128, True) if bits == 4 else (0, False)
+    err, table, sched, op_class, classes, sums, x_cap, smem, attn = ps.plan(ops, group, zeros, blocks, warps, 8,
+                                                                            bits=bits)
     assert attn.numel() == 0
     assert err == ""
     assert classes == 4 and op_class == [0, 1, 2, 3] * 2
@@ -58,7 +61,7 @@ def test_schedule_assigns_every_tile_once(shapes, outs, blocks, warps):
     most = 0
     for c, ((n, k), out) in enumerate(zip(shapes, outs)):
         ppu = 2 if out == 2 else 1  # SiLU * mul: a unit is a gate panel and its up panel
-        units, tpp = n // 16 // ppu, k // 128
+        units, tpp = n // 16 // ppu, k // (128 if bits == 4 else 32)
         seen = torch.zeros(n // 16, tpp, dtype=torch.int32)
         u_next = 0
         for b in range(blocks):
@@ -95,6 +98,8 @@ def test_plan_names_the_rule():
     ok = fake_ops([(256, 256)])
     assert "group_size must be 0 (per channel) or 128, got 64" in ps.plan(ok, 64, False, 4, 4, 8)[0]
     assert "zero points need group_size 128" in ps.plan(ok, 0, True, 4, 4, 8)[0]
+    assert "bits must be 4 (int4) or 16 (fp16 weights), got 8" in ps.plan(ok, 0, False, 4, 4, 8, bits=8)[0]
+    assert "fp16 weights have no groups (group must be 0)" in ps.plan(ok, 128, False, 4, 4, 8, bits=16)[0]
     assert "stages must be an even number above 2, got 5" in ps.plan(ok, 0, False, 4, 4, 5)[0]
     assert "warps must be 1..16, got 17" in ps.plan(ok, 0, False, 4, 17, 8)[0]
     many = fake_ops([(256 + 16 * j, 256) for j in range(9)])
@@ -156,7 +161,10 @@ def test_fuse_checks_its_tensors():
 
 
 def packed(name, n, k, gain=0.3):
+    """A weight [n, k] in format ``name`` (persist.FORMATS): a PackedWeight, or for "fp16" a float16 tensor."""
     w = torch.randn(n, k) * (gain / k ** 0.5)
+    if name == "fp16":
+        return w.half()
     cfg = FORMATS[name]
     qw, s, z = formats.quantize(w, cfg)
     return PackedWeight(qw, s, z, cfg, k)
@@ -190,6 +198,15 @@ def test_chain_refuses_what_it_cannot_run():
     mixed = make_layers("int4", 1, 256, 384, 640)
     mixed[0] = (mixed[0][0], packed("int4g128", 256, 256)) + mixed[0][2:]
     with pytest.raises(persist.PersistError, match="layer 0 o: every weight must share one format"):
+        persist.PersistentChain(mixed)
+    with pytest.raises(persist.PersistError, match="must be on a CUDA device"):  # fp16 weights pass the format
+        persist.PersistentChain(make_layers("fp16", 1, 256, 384, 640))
+    fp32 = make_layers("fp16", 1, 256, 384, 640)
+    fp32[0] = (fp32[0][0].float(),) + fp32[0][1:]
+    with pytest.raises(persist.PersistError, match=r"layer 0 qkv: a tensor weight must be float16 \[N, K\]"):
+        persist.PersistentChain(fp32)
+    mixed[0] = (packed("fp16", 384, 256),) + mixed[0][1:]
+    with pytest.raises(persist.PersistError, match="layer 0 o: every weight must share one format, got int4g128 after fp16"):
         persist.PersistentChain(mixed)
     bad = make_layers("int4", 1, 256, 384, 640)
     bad[0] = bad[0][:3] + (packed("int4", 256, 512),)
@@ -329,7 +346,10 @@ def test_permute_rows_is_exact(name):
     w = packed(name, 96, 256)
     rows = torch.randperm(96)
     p = persist.permute_rows(w, rows)
-    assert torch.equal(p.dequantize(), w.dequantize()[rows])
+    if name == "fp16":
+        assert torch.equal(p, w[rows])
+    else:
+        assert torch.equal(p.dequantize(), w.dequantize()[rows])
 
 
 def test_reference_attention_is_sdpa_after_rope():
