@@ -23,6 +23,7 @@ constexpr auto persist_kernel = chain_kernel<kBits, kGroup, kZeros, kNorm, kDeco
 template <bool kNorm, bool kDecode, typename F>
 bool persist_dispatch_n(int bits, int group, bool zeros, F&& f) {
   if (bits == 16) return group == 0 && !zeros && (f(persist_kernel<16, 0, false, kNorm, kDecode>), true);
+  if (bits == 8) return group == 0 && !zeros && (f(persist_kernel<8, 0, false, kNorm, kDecode>), true);
   if (bits != 4) return false;
   if (group == 0 && !zeros) return f(persist_kernel<4, 0, false, kNorm, kDecode>), true;
   if (group == 128 && !zeros) return f(persist_kernel<4, 128, false, kNorm, kDecode>), true;
@@ -89,8 +90,9 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int bits, int group, 
   const int n = static_cast<int>(in.size());
   if (group != 0 && group != 128) return pl.error = str("group_size must be 0 (per channel) or 128, got ", group), pl;
   if (zeros && group == 0) return pl.error = "zero points need group_size 128", pl;
-  if (bits != 4 && bits != 16) return pl.error = str("bits must be 4 (int4) or 16 (fp16 weights), got ", bits), pl;
-  if (bits == 16 && group != 0) return pl.error = "fp16 weights have no groups (group must be 0)", pl;
+  if (bits != 4 && bits != 8 && bits != 16)
+    return pl.error = str("bits must be 4 (int4), 8 (int8) or 16 (fp16 weights), got ", bits), pl;
+  if (bits != 4 && group != 0) return pl.error = "int8 and fp16 weights are per channel (group must be 0)", pl;
   if (n < 1) return pl.error = "the chain has no linears", pl;
   if (blocks < 1) return pl.error = str("blocks must be at least 1, got ", blocks), pl;
   if (warps < 1 || warps > kChainMaxWarps)
@@ -107,7 +109,7 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int bits, int group, 
                         ", got " + std::to_string(a.N), pl;
     if (a.out < 0 || a.out > 2) return pl.error = at + str("out must be 0, 1 or 2, got ", a.out), pl;
     if (a.ldx != 0 && a.ldx < a.K) return pl.error = at + str("ldx must be 0 or at least K, got ", a.ldx), pl;
-    if (!a.x || !a.y || !a.weight || (bits == 4 && group == 0 && !a.scales) || (a.out == 1 && !a.res))
+    if (!a.x || !a.y || !a.weight || (bits != 16 && group == 0 && !a.scales) || (a.out == 1 && !a.res))
       return pl.error = at + "a null pointer (x, y, weight, scales or residual)", pl;
     ChainOp& o = ops[i];
     o = ChainOp{};

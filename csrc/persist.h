@@ -6,8 +6,9 @@
 //
 // Stage 2 adds each layer's rotary embedding, KV-cache write and attention
 // (PersistAttn).  Supported: int4 per channel and int4 G = 128 with or
-// without zero points (bits 4), and fp16 weights (bits 16: each 16-row
-// panel's rows in 64-byte tiles, formats.to_panels' order); fp16
+// without zero points (bits 4), int8 per channel (bits 8: qgemv's packed
+// int8, its panels' own 64-byte tiles) and fp16 weights (bits 16: each
+// 16-row panel's rows in 64-byte tiles, formats.to_panels' order); fp16
 // activations, one token, compute capability 9.x.  K % 128 == 0, N % 16 == 0
 // (N % 32 == 0 for SiLU * mul).
 #pragma once
@@ -32,8 +33,8 @@ struct PersistOp {
   int ldx = 0;                // x's copy stride: the producing linear's N (0: K)
   const void* res = nullptr;  // out == 1: [N] residual added after rounding
   void* y = nullptr;          // [N] output (out == 2: [N / 2])
-  const void* weight = nullptr;  // per channel: qweight's bytes; G = 128: persist_fuse's tiles; fp16: panels
-  const void* scales = nullptr;  // int4 per channel: fp16 [N]; G = 128 and fp16 weights: unused
+  const void* weight = nullptr;  // per channel (int4, int8): qweight's bytes; G = 128: persist_fuse's tiles; fp16: panels
+  const void* scales = nullptr;  // int4 / int8 per channel: fp16 [N]; G = 128 and fp16 weights: unused
   int N = 0, K = 0;
   int out = 0;  // 0: y = round(W x); 1: y = round(round(W x) + res); 2: SiLU * mul of 16-row panel pairs
   bool x_plain = false, res_plain = false, y_plain = false;

@@ -251,28 +251,28 @@ __device__ __forceinline__ void red_release_add_gpu(unsigned* p, unsigned v) {
 }
 
 // Shared memory: the block's sums (sh.sums fp32), the input (M x x_cap fp16,
-// high-nibble positions / 16), its group sums (M x x_cap / 128 fp32, 2^-24
-// sum x).
+// as chain_put_chunk prepares it), its sums of each tile (2^-24 sum x; room
+// for M x x_cap / 64 fp32: int8's 64-input tiles).
 __host__ __device__ inline size_t chain_head_bytes(const ChainShape& sh) {
   return (static_cast<size_t>(sh.sums) * 4 + 15) / 16 * 16 + static_cast<size_t>(sh.M) * sh.x_cap * 2 +
-         (static_cast<size_t>(sh.M) * (sh.x_cap / 128) * 4 + 15) / 16 * 16;
+         (static_cast<size_t>(sh.M) * (sh.x_cap / 64) * 4 + 15) / 16 * 16;
 }
 
 // The kernel's weight formats (fp16 activations): int4 per channel or G = 128 (one group a tile), with the
-// nibbles as fp16 subnormals; fp16 (kBits 16: the weights straight into the MMAs).  A tile is 16 rows x 64
-// bytes: kTileK = 128 int4 or 32 fp16 inputs; lane t of a quad reads 16 bytes of each of its two rows,
-// and its activations start kLaneK t into the tile's (int4: in each 32-k sub-tile).
+// nibbles as fp16 subnormals; int8 per channel (kBits 8: each byte + 128 as an fp16 subnormal); fp16
+// (kBits 16: the weights straight into the MMAs).  A tile is 16 rows x 64 bytes: kTileK = 128 int4, 64
+// int8 or 32 fp16 inputs; lane t of a quad reads 16 bytes of each of its two rows, and its activations
+// start kLaneK t into the tile's (int4: in each 32-k sub-tile).
 template <int kBits, int kGroup, bool kZeros>
 struct ChainFormat {
-  static_assert(kBits == 4 || kBits == 16, "int4 or fp16 weights");
-  static_assert(kGroup == 0 || (kBits == 4 && kGroup == 128), "int4 per channel or G = 128; fp16 has no groups");
+  static_assert(kBits == 4 || kBits == 8 || kBits == 16, "int4, int8 or fp16 weights");
+  static_assert(kGroup == 0 || (kBits == 4 && kGroup == 128), "int4 per channel or G = 128; int8 and fp16 per channel");
   static_assert(kGroup != 0 || !kZeros, "zero points are group-wise");
   static constexpr bool kGrouped = kGroup != 0;
-  static constexpr int kTileK = kBits == 4 ? 128 : 32;
-  static constexpr int kLaneK = 8;
-  static constexpr bool kXsums = kBits == 4;  // the activations' 2^-24 sums of each tile (the zero points' term)
+  static constexpr int kTileK = kBits == 4 ? 128 : kBits == 8 ? 64 : 32;
+  static constexpr int kLaneK = kBits == 8 ? 16 : 8;
 };
-__host__ __device__ constexpr int chain_tile_k(int bits) { return bits == 4 ? 128 : 32; }
+__host__ __device__ constexpr int chain_tile_k(int bits) { return bits == 4 ? 128 : bits == 8 ? 64 : 32; }
 
 // Each warp's run of an op comes from a schedule built on the host, not from
 // divisions at every op boundary (about 40 instructions a tile in form 17's
@@ -395,7 +395,8 @@ __device__ __forceinline__ uint4 lds128(const void* p) {
 }
 
 // One tile: w0 / w1 this lane's 16 bytes of rows g and g + 8, xk its
-// activations of the tile.  int4 (fp16 activations, subnormal nibbles): xa /
+// activations of the tile.  int8: c0 / c1 accumulate the segment's 2^-24
+// sums of (b + 128) x, xa0 / xa1 its x sums.  int4 (subnormal nibbles): xa /
 // xb the tile's 2^-24 x sums for tokens 2t and 2t + 1; grouped (G = 128, one
 // group a tile): folded into acc with the tile's scales and zero points; per
 // channel: c0 / c1 accumulate the segment and xa0 / xa1 its x sums.  fp16
@@ -411,6 +412,21 @@ __device__ __forceinline__ void chain_tile(const uint4& w0, const uint4& w1, uin
     const uint32_t a0[4] = {w0.x, w1.x, w0.y, w1.y}, a1[4] = {w0.z, w1.z, w0.w, w1.w};
     ActTraits<__half>::mma(c0, a0, xv.x, xv.y);
     ActTraits<__half>::mma(c1, a1, xv.z, xv.w);
+  } else if constexpr (kBits == 8) {
+    // int8 (per channel): this lane's 16 of rows g and g + 8 (k 16t .. 16t + 15 of the 64), a word of 4 at
+    // a time; each byte + 128 (u, 1..255) as the fp16 subnormal u 2^-24, bytes 0 and 2 of a word in one
+    // register, 1 and 3 in the other, against the activations chain_put_chunk<8> stored as (x0, x2, x1, x3)
+    const uint4 xv0 = lds128(xk), xv1 = lds128(xk + 8);
+    const uint32_t xw[8] = {xv0.x, xv0.y, xv0.z, xv0.w, xv1.x, xv1.y, xv1.z, xv1.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t u0 = word_of(w0, j) ^ 0x80808080u, u1 = word_of(w1, j) ^ 0x80808080u;
+      const uint32_t a[4] = {__byte_perm(u0, 0u, 0x4240), __byte_perm(u1, 0u, 0x4240), __byte_perm(u0, 0u, 0x4341),
+                             __byte_perm(u1, 0u, 0x4341)};
+      ActTraits<__half>::mma((j & 1) ? c1 : c0, a, xw[2 * j], xw[2 * j + 1]);
+    }
+    xa0 += xa;
+    if constexpr (!kM1) xa1 += xb;
   } else {
     float p0[4] = {0.f, 0.f, 0.f, 0.f}, p1[4] = {0.f, 0.f, 0.f, 0.f};
     float(&q0)[4] = kGrouped ? p0 : c0;
@@ -488,7 +504,8 @@ struct ChainSeg {
   __device__ __forceinline__ float value(int e) const {
     if constexpr (kBits == 16) return c0[e] + c1[e];
     if constexpr (kGrouped) return acc[e] * 0x1p24f;
-    return (c0[e] + c1[e] - 8.f * ((e & 1) ? xa1 : xa0)) * 0x1p24f * (e >= 2 ? sc1 : sc0);
+    constexpr float kZero = kBits == 8 ? 128.f : 8.f;  // the codes' offset: int8 b + 128, int4 per channel q - 8
+    return (c0[e] + c1[e] - kZero * ((e & 1) ? xa1 : xa0)) * 0x1p24f * (e >= 2 ? sc1 : sc0);
   }
 };
 
@@ -657,13 +674,29 @@ __device__ __forceinline__ uint4 chain_take_chunk(uint4* xs4, const uint4* src, 
 }
 
 // A chunk of 8 prepared activations into xs (int4: as chain_nibble_input
-// makes them, with the 2^-24 sums of each 128 from 16 lanes' chunks; fp16
+// makes them, with the 2^-24 sums of each 128 from 16 lanes' chunks; int8:
+// each 4 as (x0, x2, x1, x3), the sums of each 64 from 8 lanes'; fp16
 // weights: as they are, no sums).  Every lane of the warp calls it (the
 // shuffles); `on`: whether c is a chunk.
 template <int kBits>
 __device__ __forceinline__ void chain_put_chunk(uint4* xs4, float* xsum, int c, bool on, uint4 v) {
   if constexpr (kBits == 16) {
     if (on) xs4[c] = v;
+  } else if constexpr (kBits == 8) {
+    float sum = 0.f;
+    if (on) {
+      const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 f = __half22float2(h[e]);
+        sum += f.x + f.y;
+      }
+      xs4[c] = make_uint4(__byte_perm(v.x, v.y, 0x5410), __byte_perm(v.x, v.y, 0x7632), __byte_perm(v.z, v.w, 0x5410),
+                          __byte_perm(v.z, v.w, 0x7632));
+    }
+#pragma unroll
+    for (int o = 4; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (on && (threadIdx.x & 7) == 0) xsum[c / 8] = sum * 0x1p-24f;
   } else {
     float sum = 0.f;
     if (on) {
@@ -1020,12 +1053,12 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int W = blockDim.x >> 5, G = gridDim.x, nthreads = W * 32;
   const int g = lane >> 2, t = lane & 3;
-  const int M = sh.M, xg = sh.x_cap / 128;
+  const int M = sh.M, xg = sh.x_cap / 64;
 
   extern __shared__ __align__(128) unsigned char chain_smem[];
   float* sums = reinterpret_cast<float*>(chain_smem);
   T* xs = reinterpret_cast<T*>(chain_smem + (static_cast<size_t>(sh.sums) * 4 + 15) / 16 * 16);
-  float* xsum = reinterpret_cast<float*>(xs + static_cast<size_t>(M) * sh.x_cap);  // [M][x_cap / 128]
+  float* xsum = reinterpret_cast<float*>(xs + static_cast<size_t>(M) * sh.x_cap);  // [M][x_cap / 64]
   for (int q = threadIdx.x; q < sh.sums; q += nthreads) sums[q] = 0.f;
   const ChainRing rg(chain_smem, sh, W);
   for (int q = threadIdx.x; q < W * rg.C; q += blockDim.x) mbar_init(rg.full + q, 1);

@@ -96,7 +96,7 @@ for step in "${@:-all}"; do
         tests/test_engine.py -k "persist or megakernel or Persist" > "$OUT/stage2_tests.log" 2>&1
       echo "stage2 tests: exit $?, $(grep -c ' PASSED ' "$OUT/stage2_tests.log") passed"
       grep -E ' (FAILED|ERROR) ' "$OUT/stage2_tests.log" | sort -u | head -20
-      PV=int4_deps,int4_persist,int4g128_deps,int4g128_persist,int4g128a_deps,int4g128a_persist,fp16_deps,fp16_persist
+      PV=int4_deps,int4_persist,int4g128_deps,int4g128_persist,int4g128a_deps,int4g128a_persist,int8_deps,int8_persist,fp16_deps,fp16_persist
       for extra in "" "--norms"; do
         timeout 150 python3 -m qgemv.eval.bench_chain --model llama3-8b --ms 1 --variants "$PV" $extra \
           --out "$OUT/stage2_chain${extra:+_norms}" 2>&1 | grep -v -i warn | tail -12
@@ -106,7 +106,7 @@ for step in "${@:-all}"; do
       echo "memcheck (test_persist -k decode): exit $?"; tail -3 "$OUT/stage2_memcheck.log"
       if [ "${STAGE2_GEN:-0}" != 0 ]; then
         timeout 420 python3 -m qgemv.eval.bench_generate --models llama2-7b,llama3-8b --batches 1 --no-hf \
-          --variants int4g128a,int4g128a_mk,int4,int4_mk,fp16,fp16_mk --out "$OUT/stage2_generate" 2>&1 | grep -v -i warn | tail -30
+          --variants int4g128a,int4g128a_mk,int4,int4_mk,int8,int8_mk,fp16,fp16_mk --out "$OUT/stage2_generate" 2>&1 | grep -v -i warn | tail -30
       fi ;;
     attn)
       # attention v2 (dev/attn_v2.patch) on this copy of the tree: rebuild, its tests, dev/attn_probe.py

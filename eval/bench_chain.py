@@ -18,7 +18,7 @@ bitsandbytes NF4 (blocks of 64) and LLM.int8.  Writes <out>.json, <out>.md
 and <out>.png.
 
 The chain with real dependencies (M = 1 only), for int4, int4g128,
-int4g128a and fp16 (the baseline: float16 weights): ``FMT_deps`` runs each
+int4g128a, int8 and fp16 (the baseline: float16 weights): ``FMT_deps`` runs each
 layer as the decode step chains it (q/k/v, o reading q's first H outputs plus
 the residual, gate/up with SiLU * mul, down plus the residual;
 qgemv.persist.reference: one qgemv kernel a linear, cuBLAS for fp16, the glue
@@ -57,7 +57,7 @@ HEADS = {"llama3-8b": (32, 8, 128), "llama3-70b": (64, 8, 128), "qwen2.5-7b": (2
 VARIANTS = ["fp16", "bf16", "int8", "int4", "int4g128", "int4g128a", "tinygemm_g128", "torch_int8",
             "gemlite_int4g128a", "gemlite_int8", "bnb_nf4", "bnb_int8",
             "int4_deps", "int4_persist", "int4g128_deps", "int4g128_persist", "int4g128a_deps", "int4g128a_persist",
-            "fp16_deps", "fp16_persist"]
+            "int8_deps", "int8_persist", "fp16_deps", "fp16_persist"]
 QGEMV = ("int8", "int4", "int4g128", "int4g128a")
 
 

@@ -9,7 +9,7 @@ Models (transformers LlamaForCausalLM, random weights, on the GPU):
 Variants: fp16 and bf16 (nn.Linear, cuBLAS), int8, int4 per channel, int4 g128
 with zero points (the GPTQ / AWQ format); every linear but lm_head converted
 by RTN; q/k/v and gate/up fused by the engine in every variant.  ``int4_mk``,
-``int4g128a_mk`` and ``fp16_mk``: the same weights with
+``int4g128a_mk``, ``int8_mk`` and ``fp16_mk``: the same weights with
 ``Engine(megakernel=True)``, each batch-1 decode step's decoder layers as one
 persistent launch.
 
@@ -59,7 +59,7 @@ MODELS = {
 VARIANTS = {"fp16": None, "bf16": None, "int8": (8, None, True), "int4": (4, None, True),
             "int4g128a": (4, 128, False), "int4g128a_act": (4, 128, False), "int4g128a_act_sep": (4, 128, False),
             "int4g128a_act_first": (4, 128, False), "int4_mk": (4, None, True), "int4g128a_mk": (4, 128, False),
-            "fp16_mk": None}
+            "int8_mk": (8, None, True), "fp16_mk": None}
 # *_mk: the same weights with Engine(megakernel=True): each batch-1 decode step as one persistent launch
 # (qgemv.persist, issue 35); other batches run per-op
 # int4g128a_act: int4 g128a with act-order input permutations as an imported GPTQ checkpoint has them after

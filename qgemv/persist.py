@@ -34,8 +34,8 @@ and writes k and v into the cache at that slot; then the blocks run the
 attention over the cache in (kv head, context split) units and merge the
 splits into o's input (:func:`attend` is its reference).
 
-Supported: int4 per channel, int4 G = 128 with or without zero points (no
-act-order perm), and float16 weights (a float16 [N, K] tensor in place of a
+Supported: int4 per channel, int4 G = 128 with or without zero points, int8
+(no act-order perm), and float16 weights (a float16 [N, K] tensor in place of a
 PackedWeight: the baseline's chain, re-laid in 16-row panels of 64-byte
 tiles); float16 activations, one token, compute capability 9.x,
 K % 128 == 0 and N % 16 == 0 (gate_up: % 32).  The engine runs it with
@@ -52,7 +52,7 @@ import torch
 from . import _ext
 from .weight import PackedWeight
 
-FORMATS = ("int4", "int4g128", "int4g128a", "fp16")  # "fp16": a float16 [N, K] tensor, not a PackedWeight
+FORMATS = ("int4", "int4g128", "int4g128a", "int8", "fp16")  # "fp16": a float16 [N, K] tensor, not a PackedWeight
 # The lab's best settings on the H200 (dev/PERSISTENT.md): 16 warps a block, 8 ring slots of 1 KB tiles a warp.
 DEFAULT_WARPS = 16
 DEFAULT_STAGES = 8
@@ -205,7 +205,8 @@ def fuse_tiles(w: PackedWeight) -> torch.Tensor:
 
 
 def _format_of(w: Weight, where: str) -> Tuple[int, int, bool]:
-    """(bits, group, zeros) of one weight: 4 and its group (0 per channel, 128) for int4; 16, 0 for float16."""
+    """(bits, group, zeros) of one weight: 4 and its group (0 per channel, 128) for int4; 8, 0 for int8; 16, 0
+    for float16."""
     if isinstance(w, torch.Tensor):
         if w.dtype != torch.float16 or w.dim() != 2:
             raise PersistError(f"{where}: a tensor weight must be float16 [N, K] (fp16 weights), got {w.dtype} "
@@ -217,7 +218,7 @@ def _format_of(w: Weight, where: str) -> Tuple[int, int, bool]:
         raise PersistError(f"{where}: format {w.format} is not supported (supported: {', '.join(FORMATS)})")
     if w.perm is not None:
         raise PersistError(f"{where}: act-order weights (perm) are not supported")
-    return 4, (128 if w.config.group_size else 0), w.zeros is not None
+    return w.config.bits, (128 if w.config.group_size else 0), w.zeros is not None
 
 
 class PersistentChain:
@@ -422,9 +423,9 @@ class PersistentChain:
             self.weight_bytes += panels.numel() * 2
             return panels.data_ptr(), 0
         if self.group == 0:
-            qw, s = w.qweight.contiguous(), w.scales.contiguous()
+            qw, s = w.qweight.contiguous(), w.scales.contiguous()  # int4 / int8 per channel: the packed panels
             self._keep += [qw, s]
-            self.weight_bytes += qw.numel() * 4 + s.numel() * 2
+            self.weight_bytes += qw.numel() * qw.element_size() + s.numel() * 2
             return qw.data_ptr(), s.data_ptr()
         fused = fuse_tiles(w).to(self.device)
         self._keep.append(fused)

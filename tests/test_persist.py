@@ -45,7 +45,7 @@ SMALL = ([(384, 256), (256, 256), (1280, 256), (256, 640)], [0, 1, 2, 1])
 @needs_ext
 @pytest.mark.parametrize("shapes,outs", [LLAMA_LIKE, SMALL])
 @pytest.mark.parametrize("blocks,warps", [(132, 16), (7, 5), (1, 1), (13, 16)])
-@pytest.mark.parametrize("bits", [4, 16])  # a tile: 128 int4 inputs of 16 rows, or 32 fp16
+@pytest.mark.parametrize("bits", [4, 8, 16])  # a tile: 128 int4 inputs of 16 rows, 64 int8 or 32 fp16
 def test_schedule_assigns_every_tile_once(shapes, outs, blocks, warps, bits):
     ps = qgemv._ext.MODULE.persist
     ops = fake_ops(shapes * 2, outs * 2)  # two layers: the second reuses the first's classes
@@ -61,7 +61,7 @@ def test_schedule_assigns_every_tile_once(shapes, outs, blocks, warps, bits):
     most = 0
     for c, ((n, k), out) in enumerate(zip(shapes, outs)):
         ppu = 2 if out == 2 else 1  # SiLU * mul: a unit is a gate panel and its up panel
-        units, tpp = n // 16 // ppu, k // (128 if bits == 4 else 32)
+        units, tpp = n // 16 // ppu, k // {4: 128, 8: 64, 16: 32}[bits]
         seen = torch.zeros(n // 16, tpp, dtype=torch.int32)
         u_next = 0
         for b in range(blocks):
@@ -98,8 +98,8 @@ def test_plan_names_the_rule():
     ok = fake_ops([(256, 256)])
     assert "group_size must be 0 (per channel) or 128, got 64" in ps.plan(ok, 64, False, 4, 4, 8)[0]
     assert "zero points need group_size 128" in ps.plan(ok, 0, True, 4, 4, 8)[0]
-    assert "bits must be 4 (int4) or 16 (fp16 weights), got 8" in ps.plan(ok, 0, False, 4, 4, 8, bits=8)[0]
-    assert "fp16 weights have no groups (group must be 0)" in ps.plan(ok, 128, False, 4, 4, 8, bits=16)[0]
+    assert "bits must be 4 (int4), 8 (int8) or 16 (fp16 weights), got 2" in ps.plan(ok, 0, False, 4, 4, 8, bits=2)[0]
+    assert "int8 and fp16 weights are per channel (group must be 0)" in ps.plan(ok, 128, False, 4, 4, 8, bits=16)[0]
     assert "stages must be an even number above 2, got 5" in ps.plan(ok, 0, False, 4, 4, 5)[0]
     assert "warps must be 1..16, got 17" in ps.plan(ok, 0, False, 4, 17, 8)[0]
     many = fake_ops([(256 + 16 * j, 256) for j in range(9)])
@@ -193,8 +193,8 @@ def test_chain_refuses_what_it_cannot_run():
         return
     with pytest.raises(persist.PersistError, match="must be on a CUDA device"):
         persist.PersistentChain(make_layers("int4", 1, 256, 384, 640))
-    with pytest.raises(persist.PersistError, match="layer 0 qkv: format int8 is not supported"):
-        persist.PersistentChain(make_layers("int8", 1, 256, 384, 640))
+    with pytest.raises(persist.PersistError, match="layer 0 qkv: format int4g64 is not supported"):
+        persist.PersistentChain(make_layers("int4g64", 1, 256, 384, 640))
     mixed = make_layers("int4", 1, 256, 384, 640)
     mixed[0] = (mixed[0][0], packed("int4g128", 256, 256)) + mixed[0][2:]
     with pytest.raises(persist.PersistError, match="layer 0 o: every weight must share one format"):
