@@ -28,6 +28,10 @@ bool persist_dispatch_n(int bits, int group, bool zeros, F&& f) {
   if (group == 0 && !zeros) return f(persist_kernel<4, 0, false, kNorm, kDecode>), true;
   if (group == 128 && !zeros) return f(persist_kernel<4, 128, false, kNorm, kDecode>), true;
   if (group == 128 && zeros) return f(persist_kernel<4, 128, true, kNorm, kDecode>), true;
+  if (group == 64 && !zeros) return f(persist_kernel<4, 64, false, kNorm, kDecode>), true;
+  if (group == 64 && zeros) return f(persist_kernel<4, 64, true, kNorm, kDecode>), true;
+  if (group == 32 && !zeros) return f(persist_kernel<4, 32, false, kNorm, kDecode>), true;
+  if (group == 32 && zeros) return f(persist_kernel<4, 32, true, kNorm, kDecode>), true;
   return false;
 }
 // f(kernel) for the format (with the RMSNorms or not, with the attention or not); false when there is none.
@@ -78,18 +82,19 @@ std::vector<int32_t> persist_rope_rows(int heads, int kv_heads, int head_dim) {
 int persist_tile_bytes(int group, bool zeros) { return kChainTileBytes + chain_meta_bytes(group, zeros); }
 
 std::vector<uint8_t> persist_fuse(const uint8_t* qweight, const uint16_t* scales, const uint8_t* zeros, int N,
-                                  int K) {
-  const std::vector<uint8_t> meta = chain_meta(scales, zeros, N, K);
+                                  int K, int group) {
+  const std::vector<uint8_t> meta = chain_meta(scales, zeros, N, K, group);
   return chain_fuse(qweight, meta.data(), static_cast<size_t>(N / kPanelRows) * (K / 128),
-                      chain_meta_bytes(128, zeros != nullptr));
+                      chain_meta_bytes(group, zeros != nullptr));
 }
 
 PersistPlan persist_plan(const std::vector<PersistOp>& in, int bits, int group, bool zeros, int blocks, int warps,
                          int stages, const std::vector<PersistAttn>& attns) {
   PersistPlan pl;
   const int n = static_cast<int>(in.size());
-  if (group != 0 && group != 128) return pl.error = str("group_size must be 0 (per channel) or 128, got ", group), pl;
-  if (zeros && group == 0) return pl.error = "zero points need group_size 128", pl;
+  if (group != 0 && group != 32 && group != 64 && group != 128)
+    return pl.error = str("group_size must be 0 (per channel), 32, 64 or 128, got ", group), pl;
+  if (zeros && group == 0) return pl.error = "zero points need a group_size", pl;
   if (bits != 4 && bits != 8 && bits != 16)
     return pl.error = str("bits must be 4 (int4), 8 (int8) or 16 (fp16 weights), got ", bits), pl;
   if (bits != 4 && group != 0) return pl.error = "int8 and fp16 weights are per channel (group must be 0)", pl;

@@ -5,8 +5,8 @@
 // the RMSNorms of the ops' inputs inside the hand-offs when asked.
 //
 // Stage 2 adds each layer's rotary embedding, KV-cache write and attention
-// (PersistAttn).  Supported: int4 per channel and int4 G = 128 with or
-// without zero points (bits 4), int8 per channel (bits 8: qgemv's packed
+// (PersistAttn).  Supported: int4 per channel and int4 G = 32, 64, 128 with
+// or without zero points (bits 4), int8 per channel (bits 8: qgemv's packed
 // int8, its panels' own 64-byte tiles) and fp16 weights (bits 16: each
 // 16-row panel's rows in 64-byte tiles, formats.to_panels' order); fp16
 // activations, one token, compute capability 9.x.  K % 128 == 0, N % 16 == 0
@@ -33,8 +33,8 @@ struct PersistOp {
   int ldx = 0;                // x's copy stride: the producing linear's N (0: K)
   const void* res = nullptr;  // out == 1: [N] residual added after rounding
   void* y = nullptr;          // [N] output (out == 2: [N / 2])
-  const void* weight = nullptr;  // per channel (int4, int8): qweight's bytes; G = 128: persist_fuse's tiles; fp16: panels
-  const void* scales = nullptr;  // int4 / int8 per channel: fp16 [N]; G = 128 and fp16 weights: unused
+  const void* weight = nullptr;  // per channel (int4, int8): qweight's bytes; grouped: persist_fuse's tiles; fp16: panels
+  const void* scales = nullptr;  // int4 / int8 per channel: fp16 [N]; grouped and fp16 weights: unused
   int N = 0, K = 0;
   int out = 0;  // 0: y = round(W x); 1: y = round(round(W x) + res); 2: SiLU * mul of 16-row panel pairs
   bool x_plain = false, res_plain = false, y_plain = false;
@@ -80,14 +80,15 @@ struct PersistPlan {
 // Bytes of one op in PersistPlan::ops.
 int persist_op_bytes();
 
-// Bytes of one fused G = 128 tile: 1 KB of codes, then its scales (and zero points).
+// Bytes of one fused grouped tile: 1 KB of codes, then its scales (and zero points).
 int persist_tile_bytes(int group, bool zeros);
 
-// G = 128 weights for the chain: each 1 KB tile of the packed qweight (its
-// panel order) followed by the tile's scales and zero points.  Host arrays
-// in (qweight's bytes, scales fp16 [N, K / 128], zeros uint8 or nullptr).
+// Grouped int4 weights (G = 32, 64 or 128) for the chain: each 1 KB tile of
+// the packed qweight (its panel order) followed by the tile's scales and zero
+// points.  Host arrays in (qweight's bytes, scales fp16 [N, K / G], zeros
+// uint8 or nullptr).
 std::vector<uint8_t> persist_fuse(const uint8_t* qweight, const uint16_t* scales, const uint8_t* zeros, int N,
-                                  int K);
+                                  int K, int group = 128);
 
 // The tables for `blocks` blocks of `warps` warps with `stages` ring slots
 // a warp (plan.error names the first rule broken).

@@ -192,22 +192,25 @@ __device__ __forceinline__ void mbar_wait_timed(uint64_t* bar, uint32_t parity, 
 
 constexpr int kChainMaxWarps = 16;
 
-// G = 128's scales and zero points, per tile: for each g in 0..7 the scales
-// of rows g and g + 8 (2 x fp16: one 32-bit load per lane), then for each g
-// their zero points (2 x uint8: one 16-bit load).  48 bytes a tile with
-// zero points, 32 without: chain_meta_bytes(128, zeros).  Host arrays in.
-inline std::vector<uint8_t> chain_meta(const uint16_t* scales, const uint8_t* zeros, int N, int K) {
-  const int tiles = K / 128, mb = chain_meta_bytes(128, zeros != nullptr);
+// Grouped int4's scales and zero points, per tile (G = 32, 64 or 128: gpt =
+// 128 / G groups a tile): for each g in 0..7 and group i, the scales of rows
+// g and g + 8 (2 x fp16; a lane's gpt of them in one 4 / 8 / 16-byte load),
+// then for each g and i their zero points (2 x uint8).  chain_meta_bytes(G,
+// zeros) a tile (G = 128: 48 with zero points, 32 without).  Host arrays in:
+// scales fp16 [N, K / G], zeros uint8 [N, K / G] or nullptr.
+inline std::vector<uint8_t> chain_meta(const uint16_t* scales, const uint8_t* zeros, int N, int K, int group) {
+  const int tiles = K / 128, gpt = 128 / group, ng = K / group, mb = chain_meta_bytes(group, zeros != nullptr);
   std::vector<uint8_t> meta(static_cast<size_t>(N / kPanelRows) * tiles * mb, 0);
   for (int pn = 0; pn < N / kPanelRows; ++pn)
     for (int kt = 0; kt < tiles; ++kt) {
       uint8_t* m = meta.data() + (static_cast<size_t>(pn) * tiles + kt) * mb;
       for (int g = 0; g < 8; ++g)
-        for (int h = 0; h < 2; ++h) {
-          const size_t src = static_cast<size_t>(pn * kPanelRows + g + 8 * h) * tiles + kt;
-          std::memcpy(m + 4 * g + 2 * h, scales + src, 2);
-          if (zeros) m[32 + 2 * g + h] = zeros[src];
-        }
+        for (int i = 0; i < gpt; ++i)
+          for (int h = 0; h < 2; ++h) {
+            const size_t src = static_cast<size_t>(pn * kPanelRows + g + 8 * h) * ng + kt * gpt + i;
+            std::memcpy(m + 4 * (g * gpt + i) + 2 * h, scales + src, 2);
+            if (zeros) m[32 * gpt + 2 * (g * gpt + i) + h] = zeros[src];
+          }
     }
   return meta;
 }
@@ -251,11 +254,11 @@ __device__ __forceinline__ void red_release_add_gpu(unsigned* p, unsigned v) {
 }
 
 // Shared memory: the block's sums (sh.sums fp32), the input (M x x_cap fp16,
-// as chain_put_chunk prepares it), its sums of each tile (2^-24 sum x; room
-// for M x x_cap / 64 fp32: int8's 64-input tiles).
+// as chain_put_chunk prepares it), its 2^-24 x sums (room for M x x_cap / 32
+// fp32: G = 32's groups).
 __host__ __device__ inline size_t chain_head_bytes(const ChainShape& sh) {
   return (static_cast<size_t>(sh.sums) * 4 + 15) / 16 * 16 + static_cast<size_t>(sh.M) * sh.x_cap * 2 +
-         (static_cast<size_t>(sh.M) * (sh.x_cap / 64) * 4 + 15) / 16 * 16;
+         (static_cast<size_t>(sh.M) * (sh.x_cap / 32) * 4 + 15) / 16 * 16;
 }
 
 // The kernel's weight formats (fp16 activations): int4 per channel or G = 128 (one group a tile), with the
@@ -266,11 +269,16 @@ __host__ __device__ inline size_t chain_head_bytes(const ChainShape& sh) {
 template <int kBits, int kGroup, bool kZeros>
 struct ChainFormat {
   static_assert(kBits == 4 || kBits == 8 || kBits == 16, "int4, int8 or fp16 weights");
-  static_assert(kGroup == 0 || (kBits == 4 && kGroup == 128), "int4 per channel or G = 128; int8 and fp16 per channel");
+  static_assert(kGroup == 0 || (kBits == 4 && (kGroup == 32 || kGroup == 64 || kGroup == 128)),
+                "int4 per channel or G = 32, 64, 128; int8 and fp16 per channel");
   static_assert(kGroup != 0 || !kZeros, "zero points are group-wise");
   static constexpr bool kGrouped = kGroup != 0;
+  static constexpr int kGpt = kGroup ? 128 / kGroup : 0;  // groups a tile (0: per channel)
   static constexpr int kTileK = kBits == 4 ? 128 : kBits == 8 ? 64 : 32;
   static constexpr int kLaneK = kBits == 8 ? 16 : 8;
+  // inputs a 2^-24 x sum covers (the zero points' term): a group, a tile (int4 per channel, int8), none (fp16)
+  static constexpr int kSumK = kBits == 16 ? 0 : kBits == 8 ? 64 : kGroup ? kGroup : 128;
+  static constexpr int kSumsTile = kGroup ? 128 / kGroup : 1;  // x sums a tile
 };
 __host__ __device__ constexpr int chain_tile_k(int bits) { return bits == 4 ? 128 : bits == 8 ? 64 : 32; }
 
@@ -397,14 +405,25 @@ __device__ __forceinline__ uint4 lds128(const void* p) {
 // One tile: w0 / w1 this lane's 16 bytes of rows g and g + 8, xk its
 // activations of the tile.  int8: c0 / c1 accumulate the segment's 2^-24
 // sums of (b + 128) x, xa0 / xa1 its x sums.  int4 (subnormal nibbles): xa /
-// xb the tile's 2^-24 x sums for tokens 2t and 2t + 1; grouped (G = 128, one
-// group a tile): folded into acc with the tile's scales and zero points; per
-// channel: c0 / c1 accumulate the segment and xa0 / xa1 its x sums.  fp16
+// the 2^-24 x sums of each group (X0: token 2t's; xb token 2t + 1's, G = 128
+// only); grouped (kGpt groups a tile): each group folded into acc with its
+// scales and zero points (mt); per channel: c0 / c1 accumulate the segment
+// and xa0 / xa1 its x sums.  fp16
 // weights: c0 / c1 accumulate the segment's true sums.
-template <int kBits, bool kGrouped, bool kZeros, bool kM1, bool kLds128 = false>
-__device__ __forceinline__ void chain_tile(const uint4& w0, const uint4& w1, uint32_t bs, uint32_t bz,
-                                             const __half* xk, float xa, float xb, float (&acc)[4], float (&c0)[4],
-                                             float (&c1)[4], float& xa0, float& xa1) {
+// One tile's scales and zero points as a lane holds them (chain_meta): s[i]
+// the scales of rows g and g + 8 of group i; the zero points' byte pairs,
+// two groups a word.
+template <int kGpt>
+struct ChainTileMeta {
+  uint32_t s[kGpt > 0 ? kGpt : 1] = {};
+  uint32_t z[kGpt > 1 ? kGpt / 2 : 1] = {};
+};
+
+template <int kBits, int kGpt, bool kZeros, bool kM1, bool kLds128 = false>
+__device__ __forceinline__ void chain_tile(const uint4& w0, const uint4& w1, const ChainTileMeta<kGpt>& mt,
+                                             const __half* xk, const float* X0, float xb, float (&acc)[4],
+                                             float (&c0)[4], float (&c1)[4], float& xa0, float& xa1) {
+  static_assert(kM1 || kGpt <= 1, "two tokens' group sums: G = 128 only");
   if constexpr (kBits == 16) {
     // fp16 weights: this lane's 8 of rows g and g + 8 (k 8t .. 8t + 7 of the 32) meet its 8 activations,
     // pairs (0, 1) and (2, 3) in one MMA, (4, 5) and (6, 7) in the other
@@ -425,36 +444,43 @@ __device__ __forceinline__ void chain_tile(const uint4& w0, const uint4& w1, uin
                              __byte_perm(u1, 0u, 0x4341)};
       ActTraits<__half>::mma((j & 1) ? c1 : c0, a, xw[2 * j], xw[2 * j + 1]);
     }
-    xa0 += xa;
+    xa0 += X0[0];
     if constexpr (!kM1) xa1 += xb;
   } else {
-    float p0[4] = {0.f, 0.f, 0.f, 0.f}, p1[4] = {0.f, 0.f, 0.f, 0.f};
-    float(&q0)[4] = kGrouped ? p0 : c0;
-    float(&q1)[4] = kGrouped ? p1 : c1;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    // the 32-k sub-tile j's MMAs (its activations: chain_nibble_input's)
+    auto sub = [&](int j, float(&q0)[4], float(&q1)[4]) {
       if constexpr (kLds128)
         chain_nibble_mma(word_of(w0, j), word_of(w1, j), lds128(xk + 32 * j), q0, q1);
       else  // (a reference into shared memory: the compiler loads each half where its MMA needs it)
         chain_nibble_mma(word_of(w0, j), word_of(w1, j), *reinterpret_cast<const uint4*>(xk + 32 * j), q0, q1);
-    }
-    if constexpr (kGrouped) {
-      const __half2 s2 = *reinterpret_cast<const __half2*>(&bs);
-      const float s0 = __low2float(s2), s1 = __high2float(s2);
-      float z0 = 8.f, z1 = 8.f;
-      if constexpr (kZeros) {
-        z0 = static_cast<float>(bz & 0xffu);
-        z1 = static_cast<float>((bz >> 8) & 0xffu);
-      }
-      const float sz0 = -s0 * z0, sz1 = -s1 * z1;
-      acc[0] = fmaf(sz0, xa, fmaf(p0[0] + p1[0], s0, acc[0]));
-      acc[2] = fmaf(sz1, xa, fmaf(p0[2] + p1[2], s1, acc[2]));
-      if constexpr (!kM1) {
-        acc[1] = fmaf(sz0, xb, fmaf(p0[1] + p1[1], s0, acc[1]));
-        acc[3] = fmaf(sz1, xb, fmaf(p0[3] + p1[3], s1, acc[3]));
+    };
+    if constexpr (kGpt > 0) {
+      constexpr int kSub = 4 / kGpt;  // sub-tiles a group
+#pragma unroll
+      for (int i = 0; i < kGpt; ++i) {
+        float p0[4] = {0.f, 0.f, 0.f, 0.f}, p1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < kSub; ++j) sub(i * kSub + j, p0, p1);
+        const __half2 s2 = *reinterpret_cast<const __half2*>(&mt.s[i]);
+        const float s0 = __low2float(s2), s1 = __high2float(s2);
+        float z0 = 8.f, z1 = 8.f;
+        if constexpr (kZeros) {
+          const uint32_t zw = kGpt == 1 ? mt.z[0] : mt.z[i / 2] >> (16 * (i & 1));
+          z0 = static_cast<float>(zw & 0xffu);
+          z1 = static_cast<float>((zw >> 8) & 0xffu);
+        }
+        const float sz0 = -s0 * z0, sz1 = -s1 * z1, xa = X0[i];
+        acc[0] = fmaf(sz0, xa, fmaf(p0[0] + p1[0], s0, acc[0]));
+        acc[2] = fmaf(sz1, xa, fmaf(p0[2] + p1[2], s1, acc[2]));
+        if constexpr (!kM1) {
+          acc[1] = fmaf(sz0, xb, fmaf(p0[1] + p1[1], s0, acc[1]));
+          acc[3] = fmaf(sz1, xb, fmaf(p0[3] + p1[3], s1, acc[3]));
+        }
       }
     } else {
-      xa0 += xa;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) sub(j, c0, c1);
+      xa0 += X0[0];
       if constexpr (!kM1) xa1 += xb;
     }
   }
@@ -462,9 +488,10 @@ __device__ __forceinline__ void chain_tile(const uint4& w0, const uint4& w1, uin
 
 // A warp's current panel segment: its sums so far and
 // where the next tile's activations and x sums are.
-template <int kBits, bool kGrouped, bool kZeros, bool kM1, bool kLds128 = false>
+template <int kBits, int kGpt, bool kZeros, bool kM1, bool kLds128 = false>
 struct ChainSeg {
   static constexpr int kTileK = chain_tile_k(kBits);
+  static constexpr bool kGrouped = kGpt > 0;
   int len = 0, left = 0;  // tiles in the segment; not yet summed
   bool open = false;
   float acc[4] = {}, c0[4] = {}, c1[4] = {}, xa0 = 0.f, xa1 = 0.f, sc0 = 1.f, sc1 = 1.f;
@@ -482,12 +509,12 @@ struct ChainSeg {
     if constexpr (!kGrouped && kBits != 16) chain_row_scales(o, cur.panel, g, sc0, sc1);
   }
 
-  __device__ __forceinline__ void tile(const uint4& w0, const uint4& w1, uint32_t bs, uint32_t bz) {
-    const float xa = kBits == 16 ? 0.f : *X0, xb = kBits == 16 || kM1 ? 0.f : *X1;
-    chain_tile<kBits, kGrouped, kZeros, kM1, kLds128>(w0, w1, bs, bz, xk, xa, xb, acc, c0, c1, xa0, xa1);
+  __device__ __forceinline__ void tile(const uint4& w0, const uint4& w1, const ChainTileMeta<kGpt>& mt) {
+    const float xb = kBits == 16 || kM1 ? 0.f : *X1;
+    chain_tile<kBits, kGpt, kZeros, kM1, kLds128>(w0, w1, mt, xk, X0, xb, acc, c0, c1, xa0, xa1);
     xk += kTileK;
-    ++X0;
-    ++X1;
+    X0 += kGpt > 1 ? kGpt : 1;  // the next tile's x sums
+    X1 += kGpt > 1 ? kGpt : 1;
     --left;
   }
 
@@ -552,7 +579,7 @@ struct ChainRing {
 // summed in one unrolled pass (slot offsets are immediates, no per-tile
 // checks), a segment's short last chunk tile by tile; the shared-memory loads
 // come straight before the math (the other warps hide their latency).
-template <int kChunk, int kTs, bool kGrouped, bool kZeros>
+template <int kChunk, int kTs, int kGpt, bool kZeros>
 struct ChainChunks {
   const unsigned char* w;  // this lane's weight words in the warp's first slot
   const unsigned char* m;  // the first slot's meta
@@ -575,12 +602,31 @@ struct ChainChunks {
     auto tile = [&](int at) {
       const uint4 w0 = *reinterpret_cast<const uint4*>(w + at);
       const uint4 w1 = *reinterpret_cast<const uint4*>(w + at + 8 * kTileBytes);
-      uint32_t bs = 0, bz = 0;
-      if constexpr (kGrouped) {
-        bs = *reinterpret_cast<const unsigned*>(m + at + 4 * g);
-        if constexpr (kZeros) bz = *reinterpret_cast<const unsigned short*>(m + at + 32 + 2 * g);
+      ChainTileMeta<kGpt> mt;
+      if constexpr (kGpt > 0) {  // this lane's scales (rows g, g + 8 of each group), then zero points
+        const unsigned char* ms = m + at + 4 * kGpt * g;
+        if constexpr (kGpt == 1) {
+          mt.s[0] = *reinterpret_cast<const unsigned*>(ms);
+        } else if constexpr (kGpt == 2) {
+          const uint2 v = *reinterpret_cast<const uint2*>(ms);
+          mt.s[0] = v.x, mt.s[1] = v.y;
+        } else {
+          const uint4 v = *reinterpret_cast<const uint4*>(ms);
+          mt.s[0] = v.x, mt.s[1] = v.y, mt.s[2] = v.z, mt.s[3] = v.w;
+        }
+        if constexpr (kZeros) {
+          const unsigned char* mz = m + at + 32 * kGpt + 2 * kGpt * g;
+          if constexpr (kGpt == 1) {
+            mt.z[0] = *reinterpret_cast<const unsigned short*>(mz);
+          } else if constexpr (kGpt == 2) {
+            mt.z[0] = *reinterpret_cast<const unsigned*>(mz);
+          } else {
+            const uint2 v = *reinterpret_cast<const uint2*>(mz);
+            mt.z[0] = v.x, mt.z[1] = v.y;
+          }
+        }
       }
-      seg.tile(w0, w1, bs, bz);
+      seg.tile(w0, w1, mt);
     };
     const int at = q * kChunk * kTs;
     if (seg.left >= kChunk) {
@@ -600,11 +646,11 @@ struct ChainChunks {
 // summing order: no count of chunks ahead, no search for a free one).  skip &
 // 8 (the lab): the block's own 64 tiles of op 0 over and over (L2 hits;
 // results wrong).  waited: the cycles spent waiting for a chunk (when timed).
-template <int kChunk, int kTs, bool kGrouped, bool kZeros, typename Seg, typename B>
+template <int kChunk, int kTs, int kGpt, bool kZeros, typename Seg, typename B>
 __device__ __forceinline__ void chain_consume(const ChainRing& rg, const ChainOp* ops, int nops, int W, int skip,
                                                 Seg& seg, B&& boundary, bool timed, long long& waited) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const ChainChunks<kChunk, kTs, kGrouped, kZeros> ring(rg, warp, lane);
+  const ChainChunks<kChunk, kTs, kGpt, kZeros> ring(rg, warp, lane);
   unsigned char* slots = rg.w + static_cast<size_t>(warp) * rg.R * kTs;
   ChainWalk wk(ops, nops, warp, W);
   wk.tab = rg.tab;
@@ -674,12 +720,13 @@ __device__ __forceinline__ uint4 chain_take_chunk(uint4* xs4, const uint4* src, 
 }
 
 // A chunk of 8 prepared activations into xs (int4: as chain_nibble_input
-// makes them, with the 2^-24 sums of each 128 from 16 lanes' chunks; int8:
-// each 4 as (x0, x2, x1, x3), the sums of each 64 from 8 lanes'; fp16
-// weights: as they are, no sums).  Every lane of the warp calls it (the
+// makes them; int8: each 4 as (x0, x2, x1, x3); fp16 weights: as they are),
+// with the 2^-24 sums of each kSumK from kSumK / 8 lanes' chunks (none for
+// fp16).  Every lane of the warp calls it (the
 // shuffles); `on`: whether c is a chunk.
-template <int kBits>
+template <int kBits, int kSumK>
 __device__ __forceinline__ void chain_put_chunk(uint4* xs4, float* xsum, int c, bool on, uint4 v) {
+  constexpr int kLanes = kSumK / 8;  // chunks a sum covers
   if constexpr (kBits == 16) {
     if (on) xs4[c] = v;
   } else if constexpr (kBits == 8) {
@@ -695,8 +742,8 @@ __device__ __forceinline__ void chain_put_chunk(uint4* xs4, float* xsum, int c, 
                           __byte_perm(v.z, v.w, 0x7632));
     }
 #pragma unroll
-    for (int o = 4; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (on && (threadIdx.x & 7) == 0) xsum[c / 8] = sum * 0x1p-24f;
+    for (int o = kLanes / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (on && (threadIdx.x & (kLanes - 1)) == 0) xsum[c / kLanes] = sum * 0x1p-24f;
   } else {
     float sum = 0.f;
     if (on) {
@@ -704,8 +751,8 @@ __device__ __forceinline__ void chain_put_chunk(uint4* xs4, float* xsum, int c, 
       xs4[c] = v;
     }
 #pragma unroll
-    for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (on && (threadIdx.x & 15) == 0) xsum[c / 16] = sum * 0x1p-24f;
+    for (int o = kLanes / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (on && (threadIdx.x & (kLanes - 1)) == 0) xsum[c / kLanes] = sum * 0x1p-24f;
   }
 }
 
@@ -713,7 +760,7 @@ __device__ __forceinline__ void chain_put_chunk(uint4* xs4, float* xsum, int c, 
 // takes its own chunks back (chain_take_chunk) and puts them
 // (chain_put_chunk).  Thread i: chunks i, i + n, ... (n = nthreads, a
 // multiple of 32: the 16-lane shuffles).
-template <int kBits>
+template <int kBits, int kSumK>
 __device__ __forceinline__ void chain_async_input(const uint4* src, int chunks, int nthreads, __half* xs, float* xsum,
                                                   bool nowait) {
   const int lane = threadIdx.x & 31;
@@ -725,7 +772,7 @@ __device__ __forceinline__ void chain_async_input(const uint4* src, int chunks, 
   }
   for (int cb = threadIdx.x - lane; cb < chunks; cb += nthreads) {  // warp-uniform (the shuffles)
     const int c = cb + lane;
-    chain_put_chunk<kBits>(xs4, xsum, c, c < chunks, c < chunks ? chain_take_chunk(xs4, src, c, nowait) : uint4{});
+    chain_put_chunk<kBits, kSumK>(xs4, xsum, c, c < chunks, c < chunks ? chain_take_chunk(xs4, src, c, nowait) : uint4{});
   }
 }
 
@@ -738,7 +785,7 @@ __device__ __forceinline__ void chain_async_input(const uint4* src, int chunks, 
 // preparation puts them (chain_put_chunk).  Thread i handles chunks i, i +
 // n, ... in both passes (n = nthreads, a multiple of 32).  Not inlined: once
 // an op boundary, and kept out of the tile loop's registers.
-template <int kBits, typename Sync>
+template <int kBits, int kSumK, typename Sync>
 __device__ __noinline__ void chain_norm_input(const GemvParams& p, int o_flags, int par, const void* norm, float eps,
                                                  int chunks, int nthreads, Sync&& csync, __half* xs, float* xsum,
                                                  bool nowait) {
@@ -781,7 +828,7 @@ __device__ __noinline__ void chain_norm_input(const GemvParams& p, int o_flags, 
                                  __half2float(__float2half_rn(a.y * r)) * w.y);
       }
     }
-    chain_put_chunk<kBits>(xs4, xsum, c, c < chunks, v);
+    chain_put_chunk<kBits, kSumK>(xs4, xsum, c, c < chunks, v);
   }
 }
 
@@ -1049,16 +1096,15 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
 #else
   using T = __half;
   using Fmt = ChainFormat<kBits, kGroup, kZeros>;
-  constexpr bool kGrouped = Fmt::kGrouped;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int W = blockDim.x >> 5, G = gridDim.x, nthreads = W * 32;
   const int g = lane >> 2, t = lane & 3;
-  const int M = sh.M, xg = sh.x_cap / 64;
+  const int M = sh.M, xg = sh.x_cap / 32;
 
   extern __shared__ __align__(128) unsigned char chain_smem[];
   float* sums = reinterpret_cast<float*>(chain_smem);
   T* xs = reinterpret_cast<T*>(chain_smem + (static_cast<size_t>(sh.sums) * 4 + 15) / 16 * 16);
-  float* xsum = reinterpret_cast<float*>(xs + static_cast<size_t>(M) * sh.x_cap);  // [M][x_cap / 64]
+  float* xsum = reinterpret_cast<float*>(xs + static_cast<size_t>(M) * sh.x_cap);  // [M][x_cap / 32]
   for (int q = threadIdx.x; q < sh.sums; q += nthreads) sums[q] = 0.f;
   const ChainRing rg(chain_smem, sh, W);
   for (int q = threadIdx.x; q < W * rg.C; q += blockDim.x) mbar_init(rg.full + q, 1);
@@ -1101,7 +1147,7 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
 
   int i = -1;  // the op being consumed
   ChainCursor cur{0, 0, 0, 0, 0, 1, 0, 0, 0};
-  ChainSeg<kBits, kGrouped, kZeros, true, true> seg;
+  ChainSeg<kBits, Fmt::kGpt, kZeros, true, true> seg;
   const int tokx = min(g, M - 1), tok0 = min(2 * t, M - 1), tok1 = min(2 * t + 1, M - 1);
 
   // Op o's input: global (written by other blocks in this launch: through L2)
@@ -1116,12 +1162,12 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
     bool normed = false;
     if constexpr (kNorm) {
       if (const void* norm = sh.norms[oi]) {  // RMSNorm of the input on the way in
-        chain_norm_input<kBits>(p, o_flags, par, norm, sh.norm_eps, chunks, nthreads, csync, xs, xsum, (sh.skip & 1) != 0);
+        chain_norm_input<kBits, Fmt::kSumK>(p, o_flags, par, norm, sh.norm_eps, chunks, nthreads, csync, xs, xsum, (sh.skip & 1) != 0);
         normed = true;
       }
     }
     if (!normed)  // the input copied at once
-      chain_async_input<kBits>(chain_input_src(p, o_flags, par), chunks, nthreads, xs, xsum,
+      chain_async_input<kBits, Fmt::kSumK>(chain_input_src(p, o_flags, par), chunks, nthreads, xs, xsum,
                         (o_flags & kChainPlainX) || (sh.skip & 1));
     csync();
     if (timed) {
@@ -1232,12 +1278,12 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
       prep_input(ops[i].p, ops[i].flags, ops[i].cls, i);
     }
     seg.begin(cur, ops[i], g, xs + static_cast<size_t>(tokx) * sh.x_cap + Fmt::kLaneK * t + cur.kt * Fmt::kTileK,
-              xsum + tok0 * xg + cur.kt, xsum + tok1 * xg + cur.kt);
+              xsum + tok0 * xg + cur.kt * Fmt::kSumsTile, xsum + tok1 * xg + cur.kt * Fmt::kSumsTile);
     return true;
   };
 
   constexpr int kTs = kChainTileBytes + chain_meta_bytes(kGroup, kZeros);
-  chain_consume<kChainChunk, kTs, kGrouped, kZeros>(rg, ops, nops, W, sh.skip, seg, boundary, timed, t_spin);
+  chain_consume<kChainChunk, kTs, Fmt::kGpt, kZeros>(rg, ops, nops, W, sh.skip, seg, boundary, timed, t_spin);
   if (timed) {
     chain_add_cycles(wait_cycles, ChainCycles{{t_spin, t_warps, t_finish, t_prep, clock64() - t_begin}});
     for (int k = 0; k < 2 * kChainMaxClasses; ++k)  // after the SM id: [(6 + k) blocks + b]

@@ -474,11 +474,12 @@ PersistPlan persist_plan_from(int classes, int sums, int x_cap, int64_t smem) {
 #define PS_CHECK(cond, op, ...) \
   if (!(cond)) throw pybind11::value_error(c10::str("qgemv.persist.", op, ": ", __VA_ARGS__))
 
-// zeros: uint8 [N, K / 128], or an empty tensor (no zero points).
+// zeros: uint8 [N, K / G], or an empty tensor (no zero points); group: G (32, 64 or 128).
 at::Tensor persist_fuse_py(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& zeros, int64_t N,
-                           int64_t K) {
+                           int64_t K, int64_t group) {
   const char* op = "fuse";
   const bool has_zeros = zeros.numel() > 0;
+  PS_CHECK(group == 32 || group == 64 || group == 128, op, "group must be 32, 64 or 128, got ", group);
   PS_CHECK(qweight.device().is_cpu() && scales.device().is_cpu() && zeros.device().is_cpu(), op,
            "tensors must be on the CPU");
   PS_CHECK(N >= 16 && N % 16 == 0 && K >= 128 && K % 128 == 0, op, "N must be a multiple of 16 and K of 128, got ",
@@ -486,15 +487,15 @@ at::Tensor persist_fuse_py(const at::Tensor& qweight, const at::Tensor& scales, 
   PS_CHECK(qweight.is_contiguous() && qweight.dtype() == at::kInt && qweight.numel() == N * K / 8, op,
            "qweight must be contiguous int32 with N * K / 8 = ", N * K / 8, " words, got ", qweight.dtype(), " ",
            qweight.sizes());
-  PS_CHECK(scales.is_contiguous() && scales.dtype() == at::kHalf && scales.numel() == N * (K / 128), op,
-           "scales must be contiguous float16 [N, K / 128], got ", scales.dtype(), " ", scales.sizes());
+  PS_CHECK(scales.is_contiguous() && scales.dtype() == at::kHalf && scales.numel() == N * (K / group), op,
+           "scales must be contiguous float16 [N, K / ", group, "], got ", scales.dtype(), " ", scales.sizes());
   if (has_zeros)
-    PS_CHECK(zeros.is_contiguous() && zeros.dtype() == at::kByte && zeros.numel() == N * (K / 128), op,
-             "zeros must be contiguous uint8 [N, K / 128], got ", zeros.dtype(), " ", zeros.sizes());
+    PS_CHECK(zeros.is_contiguous() && zeros.dtype() == at::kByte && zeros.numel() == N * (K / group), op,
+             "zeros must be contiguous uint8 [N, K / ", group, "], got ", zeros.dtype(), " ", zeros.sizes());
   const std::vector<uint8_t> out = persist_fuse(static_cast<const uint8_t*>(qweight.data_ptr()),
                                                 static_cast<const uint16_t*>(scales.data_ptr()),
                                                 has_zeros ? static_cast<const uint8_t*>(zeros.data_ptr()) : nullptr,
-                                                static_cast<int>(N), static_cast<int>(K));
+                                                static_cast<int>(N), static_cast<int>(K), static_cast<int>(group));
   at::Tensor t = at::empty({static_cast<int64_t>(out.size())}, at::kByte);
   std::memcpy(t.data_ptr(), out.data(), out.size());
   return t;
@@ -594,9 +595,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   auto ps = m.def_submodule("persist", "The persistent chain of linears (csrc/persist.h); qgemv.persist is the API.");
   ps.def("tile_bytes", &qgemv::persist_tile_bytes, "Bytes of one fused tile for (group, zeros).");
-  ps.def("fuse", &qgemv::persist_fuse_py, "G = 128 weights in the chain's tiles (CPU tensors in, uint8 out).",
+  ps.def("fuse", &qgemv::persist_fuse_py, "Grouped int4 weights in the chain's tiles (CPU tensors in, uint8 out).",
          pybind11::arg("qweight"), pybind11::arg("scales"), pybind11::arg("zeros"), pybind11::arg("N"),
-         pybind11::arg("K"));
+         pybind11::arg("K"), pybind11::arg("group") = 128);
   ps.def("plan", &qgemv::persist_plan_py, "The chain's tables (host only; pointers as integers).",
          pybind11::arg("ops"), pybind11::arg("group"), pybind11::arg("zeros"), pybind11::arg("blocks"),
          pybind11::arg("warps"), pybind11::arg("stages"),

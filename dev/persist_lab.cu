@@ -261,7 +261,7 @@ Lin make_lin(const Fmt& f, int N, int K, std::mt19937& rng) {
   }
   if (f.group == 128) {
     const uint16_t* hs16 = reinterpret_cast<const uint16_t*>(hs.data());
-    const auto meta = qgemv::chain_meta(hs16, f.zeros ? hz_keep.data() : nullptr, N, K);
+    const auto meta = qgemv::chain_meta(hs16, f.zeros ? hz_keep.data() : nullptr, N, K, 128);
     const auto fu = qgemv::chain_fuse(hw.data(), meta.data(), static_cast<size_t>(N / 16) * (K / 128),
                                       qgemv::chain_meta_bytes(128, f.zeros));
     CK(cudaMalloc(&L.fused, fu.size()));

@@ -34,7 +34,7 @@ and writes k and v into the cache at that slot; then the blocks run the
 attention over the cache in (kv head, context split) units and merge the
 splits into o's input (:func:`attend` is its reference).
 
-Supported: int4 per channel, int4 G = 128 with or without zero points, int8
+Supported: int4 per channel, int4 G = 32, 64, 128 with or without zero points, int8
 (no act-order perm), and float16 weights (a float16 [N, K] tensor in place of a
 PackedWeight: the baseline's chain, re-laid in 16-row panels of 64-byte
 tiles); float16 activations, one token, compute capability 9.x,
@@ -52,7 +52,8 @@ import torch
 from . import _ext
 from .weight import PackedWeight
 
-FORMATS = ("int4", "int4g128", "int4g128a", "int8", "fp16")  # "fp16": a float16 [N, K] tensor, not a PackedWeight
+FORMATS = ("int4", "int4g128", "int4g128a", "int4g64", "int4g64a", "int4g32", "int4g32a", "int8",
+           "fp16")  # "fp16": a float16 [N, K] tensor, not a PackedWeight
 # The lab's best settings on the H200 (dev/PERSISTENT.md): 16 warps a block, 8 ring slots of 1 KB tiles a warp.
 DEFAULT_WARPS = 16
 DEFAULT_STAGES = 8
@@ -189,24 +190,26 @@ def reference(layers: Sequence[Layer], x: torch.Tensor, norms: Optional[Sequence
 
 
 def fuse_tiles(w: PackedWeight) -> torch.Tensor:
-    """A G = 128 weight in the kernel's layout: each 1 KB tile of the packed codes (N / 16 panels x K / 128
-    tiles, the panels' own order) followed by its 16 rows' scales (and zero points): uint8 on the CPU."""
+    """A grouped int4 weight (G = 32, 64 or 128) in the kernel's layout: each 1 KB tile of the packed codes (N /
+    16 panels x K / 128 tiles, the panels' own order) followed by its 16 rows' scales (and zero points) of the
+    tile's 128 / G groups: uint8 on the CPU."""
     n, k = w.out_features, w.in_features
-    if w.format not in ("int4g128", "int4g128a"):
-        raise PersistError(f"fuse_tiles: format {w.format}, expected int4g128 or int4g128a")
+    g = w.config.group_size
+    if w.config.bits != 4 or g not in (32, 64, 128):
+        raise PersistError(f"fuse_tiles: format {w.format}, expected grouped int4 (G = 32, 64 or 128)")
     if n % 16 or k % 128:
         raise PersistError(f"fuse_tiles: N must be a multiple of 16 and K of 128, got {n} x {k}")
-    if w.qweight.numel() != n * k // 8 or w.scales.numel() != n * (k // 128):
+    if w.qweight.numel() != n * k // 8 or w.scales.numel() != n * (k // g):
         raise PersistError(f"fuse_tiles: qweight / scales hold {w.qweight.numel()} / {w.scales.numel()} values, "
-                           f"expected {n * k // 8} / {n * (k // 128)}")
+                           f"expected {n * k // 8} / {n * (k // g)}")
     zeros = torch.empty(0, dtype=torch.uint8) if w.zeros is None else w.zeros.contiguous().cpu()
     # checked above, so the extension's own checks (which would raise out of C++) never fire
-    return _module().fuse(w.qweight.contiguous().cpu(), w.scales.contiguous().cpu(), zeros, n, k)
+    return _module().fuse(w.qweight.contiguous().cpu(), w.scales.contiguous().cpu(), zeros, n, k, g)
 
 
 def _format_of(w: Weight, where: str) -> Tuple[int, int, bool]:
-    """(bits, group, zeros) of one weight: 4 and its group (0 per channel, 128) for int4; 8, 0 for int8; 16, 0
-    for float16."""
+    """(bits, group, zeros) of one weight: 4 and its group (0 per channel, 32, 64, 128) for int4; 8, 0 for int8;
+    16, 0 for float16."""
     if isinstance(w, torch.Tensor):
         if w.dtype != torch.float16 or w.dim() != 2:
             raise PersistError(f"{where}: a tensor weight must be float16 [N, K] (fp16 weights), got {w.dtype} "
@@ -218,7 +221,7 @@ def _format_of(w: Weight, where: str) -> Tuple[int, int, bool]:
         raise PersistError(f"{where}: format {w.format} is not supported (supported: {', '.join(FORMATS)})")
     if w.perm is not None:
         raise PersistError(f"{where}: act-order weights (perm) are not supported")
-    return w.config.bits, (128 if w.config.group_size else 0), w.zeros is not None
+    return w.config.bits, w.config.group_size or 0, w.zeros is not None
 
 
 class PersistentChain:

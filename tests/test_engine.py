@@ -320,7 +320,6 @@ def test_bench_generate_runs_its_engine_rows_on_cpu(tmp_path):
 @pytest.mark.parametrize("case,why", [
     ("float", "layer 0 q/k/v: Linear of torch.float32, not one qgemv QuantLinear or float16 nn.Linear (the launch "
               "runs int4, int8 or float16 weights)"),
-    ("int4g64", "layer 0 q/k/v: format int4g64; the launch runs int4, int4g128, int4g128a, int8, fp16"),
     ("qwen2-bias", "needs float16 activations, the model runs torch.float32"),  # q/k/v's bias runs in the launch
     ("o-bias", "layer 0 o_proj: a bias is not in the launch (only q/k/v's)"),
     ("qwen3-qk-norm", "layer 0: the q/k RMSNorms (Qwen3) are not in the launch yet"),
@@ -334,7 +333,7 @@ def test_megakernel_names_why_it_is_off_and_the_per_op_path_runs(case, why):
     family = "qwen2-bias" if case == "qwen2-bias" else "qwen3-qk-norm" if case == "qwen3-qk-norm" else "llama"
     model = tiny(family, **(dict(attention_bias=True) if case == "o-bias" else {}))
     if case != "float":
-        qgemv.quantize_model(model, bits=4, group_size=64 if case == "int4g64" else None)
+        qgemv.quantize_model(model, bits=4, group_size=None)
     if case == "act-order":
         a = model.model.layers[0].self_attn
         perm = torch.randperm(64)
@@ -358,7 +357,8 @@ needs_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.ge
 
 
 @needs_sm90
-@pytest.mark.parametrize("fmt", [(4, None, True), (4, 128, True), (4, 128, False), (8, None, True), None])  # None: fp16
+@pytest.mark.parametrize("fmt", [(4, None, True), (4, 128, True), (4, 128, False), (4, 64, True), (4, 32, False),
+                                 (8, None, True), None])  # None: fp16 weights
 @pytest.mark.parametrize("family,heads,kv_heads", [("llama", 4, 1), ("llama", 4, 4), ("llama", 8, 1), ("llama", 2, 2),
                                                    ("qwen2-bias", 4, 2)])  # GQA 4, 1, 8, 2; head_dim 64, 32, 128
 def test_megakernel_gives_the_per_op_engines_logits(fmt, family, heads, kv_heads):

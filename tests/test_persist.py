@@ -96,8 +96,8 @@ def test_plan_names_the_rule():
     assert "linear 1: N must be a positive multiple of 32 (SiLU * mul), got 272" in \
         ps.plan(bad_silu, 0, False, 4, 4, 8)[0]
     ok = fake_ops([(256, 256)])
-    assert "group_size must be 0 (per channel) or 128, got 64" in ps.plan(ok, 64, False, 4, 4, 8)[0]
-    assert "zero points need group_size 128" in ps.plan(ok, 0, True, 4, 4, 8)[0]
+    assert "group_size must be 0 (per channel), 32, 64 or 128, got 48" in ps.plan(ok, 48, False, 4, 4, 8)[0]
+    assert "zero points need a group_size" in ps.plan(ok, 0, True, 4, 4, 8)[0]
     assert "bits must be 4 (int4), 8 (int8) or 16 (fp16 weights), got 2" in ps.plan(ok, 0, False, 4, 4, 8, bits=2)[0]
     assert "int8 and fp16 weights are per channel (group must be 0)" in ps.plan(ok, 128, False, 4, 4, 8, bits=16)[0]
     assert "stages must be an even number above 2, got 5" in ps.plan(ok, 0, False, 4, 4, 5)[0]
@@ -110,14 +110,17 @@ def test_plan_names_the_rule():
 
 @needs_ext
 @pytest.mark.parametrize("zeros", [False, True])
-def test_fused_tiles_hold_codes_then_scales(zeros):
+@pytest.mark.parametrize("group", [128, 64, 32])
+def test_fused_tiles_hold_codes_then_scales(zeros, group):
+    """Each 1 KB tile, then for each g in 0..7 and group i of the tile the scales of rows g and g + 8, then their
+    zero points in the same order (csrc/persist_chain.cuh, chain_meta)."""
     ps = qgemv._ext.MODULE.persist
-    n, k = 48, 384
+    n, k, gpt = 48, 384, 128 // group
     w = torch.randn(n, k)
-    qw, s, z = formats.quantize_int4(w, 128, symmetric=not zeros)
-    fused = ps.fuse(qw, s, z if zeros else torch.empty(0, dtype=torch.uint8), n, k)
-    ts = ps.tile_bytes(128, zeros)
-    assert ts == 1024 + (48 if zeros else 32)
+    qw, s, z = formats.quantize_int4(w, group, symmetric=not zeros)
+    fused = ps.fuse(qw, s, z if zeros else torch.empty(0, dtype=torch.uint8), n, k, group)
+    ts = ps.tile_bytes(group, zeros)
+    assert ts == 1024 + -(-16 * gpt * (3 if zeros else 2) // 16) * 16
     tiles = n // 16 * (k // 128)
     assert fused.numel() == tiles * ts
     raw = qw.contiguous().view(torch.uint8).reshape(tiles, 1024)  # the packed panels are the tile stream
@@ -128,12 +131,13 @@ def test_fused_tiles_hold_codes_then_scales(zeros):
         for kt in range(k // 128):
             meta = f[pn * (k // 128) + kt, 1024:]
             for g in range(8):
-                for h in range(2):
-                    row = pn * 16 + g + 8 * h
-                    got = meta[4 * g + 2 * h: 4 * g + 2 * h + 2].view(torch.int16).item()
-                    assert got == s16[row, kt].item()
-                    if zeros:
-                        assert meta[32 + 2 * g + h].item() == z[row, kt].item()
+                for i in range(gpt):
+                    for h in range(2):
+                        row, col, at = pn * 16 + g + 8 * h, kt * gpt + i, g * gpt + i
+                        got = meta[4 * at + 2 * h: 4 * at + 2 * h + 2].view(torch.int16).item()
+                        assert got == s16[row, col].item()
+                        if zeros:
+                            assert meta[32 * gpt + 2 * at + h].item() == z[row, col].item()
 
 
 @needs_ext
@@ -141,7 +145,7 @@ def test_fuse_tiles_checks_in_python():
     w = PackedWeight(*formats.quantize_int4(torch.randn(32, 256), 128), FORMATS["int4g128"], 256)
     assert torch.equal(persist.fuse_tiles(w), qgemv._ext.MODULE.persist.fuse(
         w.qweight, w.scales, torch.empty(0, dtype=torch.uint8), 32, 256))
-    with pytest.raises(persist.PersistError, match="fuse_tiles: format int4, expected int4g128"):
+    with pytest.raises(persist.PersistError, match=r"fuse_tiles: format int4, expected grouped int4 \(G = 32, 64"):
         persist.fuse_tiles(PackedWeight(*formats.quantize_int4(torch.randn(32, 256)), FORMATS["int4"], 256))
 
 
@@ -193,8 +197,10 @@ def test_chain_refuses_what_it_cannot_run():
         return
     with pytest.raises(persist.PersistError, match="must be on a CUDA device"):
         persist.PersistentChain(make_layers("int4", 1, 256, 384, 640))
-    with pytest.raises(persist.PersistError, match="layer 0 qkv: format int4g64 is not supported"):
-        persist.PersistentChain(make_layers("int4g64", 1, 256, 384, 640))
+    perm = make_layers("int4", 1, 256, 384, 640)
+    perm[0][0].perm = torch.randperm(256)
+    with pytest.raises(persist.PersistError, match=r"layer 0 qkv: act-order weights \(perm\) are not supported"):
+        persist.PersistentChain(perm)
     mixed = make_layers("int4", 1, 256, 384, 640)
     mixed[0] = (mixed[0][0], packed("int4g128", 256, 256)) + mixed[0][2:]
     with pytest.raises(persist.PersistError, match="layer 0 o: every weight must share one format"):
