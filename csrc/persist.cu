@@ -47,6 +47,7 @@ ChainShape persist_shape(const PersistPlan& plan, int group, bool zeros, int sta
                          const int32_t* d_pos = nullptr) {
   ChainShape sh{stages, chain_meta_bytes(group, zeros), plan.x_cap, 1};
   sh.sums = plan.sums;
+  sh.stage = plan.stage;
   sh.cursors = reinterpret_cast<const int4*>(d_schedule);
   sh.classes = plan.classes;
   sh.norms = d_norms;
@@ -134,6 +135,8 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int bits, int group, 
     o.res = a.res;
     o.out = a.out;
     o.flags = (a.x_plain ? kChainPlainX : 0) | (a.res_plain ? kChainPlainRes : 0) | (a.y_plain ? kChainPlainY : 0);
+    o.perm = static_cast<const uint16_t*>(a.perm);
+    if (a.perm) pl.stage = 1;
     pl.x_cap = std::max(pl.x_cap, a.K);
   }
   // stage 2: each attention's two linears, its shapes, and its table entry

@@ -41,6 +41,8 @@ struct PersistOp {
   // stage 2 (the decode step): 1, the q/k/v linear of attention `attn` (its q and k rows permuted so that
   // each 16-row panel holds 8 rotation pairs, persist_rope_rows); 2, the linear after it (x: its output)
   int role = 0, attn = -1;
+  // act-order: int16 [K] (16-byte aligned, values < 32768): stored input k multiplies input perm[k]; or none
+  const void* perm = nullptr;
 };
 
 // One layer's attention inside the launch (stage 2; M = 1, fp16).  The
@@ -74,6 +76,7 @@ struct PersistPlan {
   std::vector<int32_t> op_class; // [nops]
   std::vector<uint8_t> attn;     // stage 2: the attention table (device layout), empty without
   int classes = 0, sums = 0, x_cap = 0;
+  int stage = 0;                 // 1: some op has an input perm (a second input buffer in shared memory)
   size_t smem = 0;               // dynamic shared memory a block
 };
 

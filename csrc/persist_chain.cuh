@@ -42,6 +42,7 @@ struct ChainShape {
   int skip = 0;     // 0; lab timing experiments only (results wrong): 1 no waits (the polled halves taken as
                     //    they are), 2 no hand-off at all, 4 no tile math, 8 weights from L2, 32 no flush
   int sums = 0;     // fp32 values of the block's sum buffer (chain_sums)
+  int stage = 0;    // 1: shared memory holds a second input buffer (x_cap fp16), for the ops with an input perm
   const int4* cursors = nullptr;  // chain_schedule's records (device memory)
   int classes = 0;                // op classes in `cursors` (chain_classes)
   // each op's input RMSNorm gain (device array of nops fp16 [K] pointers, nullptr for none) and its
@@ -107,6 +108,7 @@ struct ChainOp {
   int cls = 0;      // the op's class in the schedule (chain_classes)
   int attn = -1;    // kDecode: the layer's ChainAttn for kChainRope / kChainAttnIn
   int tpp = 0;      // tiles a panel: K / chain_tile_k(bits)
+  const uint16_t* perm = nullptr;  // act-order: the stored input k reads input perm[k] ([K]; 16-byte aligned)
 };
 
 // Activations inside the launch carry their own readiness: a buffer of n
@@ -255,10 +257,14 @@ __device__ __forceinline__ void red_release_add_gpu(unsigned* p, unsigned v) {
 
 // Shared memory: the block's sums (sh.sums fp32), the input (M x x_cap fp16,
 // as chain_put_chunk prepares it), its 2^-24 x sums (room for M x x_cap / 32
-// fp32: G = 32's groups).
+// fp32: G = 32's groups), then with sh.stage the natural-order copy of an
+// act-order op's input (M x x_cap fp16) that the input is gathered from.
+__host__ __device__ inline size_t chain_xsum_bytes(const ChainShape& sh) {
+  return (static_cast<size_t>(sh.M) * (sh.x_cap / 32) * 4 + 15) / 16 * 16;
+}
 __host__ __device__ inline size_t chain_head_bytes(const ChainShape& sh) {
   return (static_cast<size_t>(sh.sums) * 4 + 15) / 16 * 16 + static_cast<size_t>(sh.M) * sh.x_cap * 2 +
-         (static_cast<size_t>(sh.M) * (sh.x_cap / 32) * 4 + 15) / 16 * 16;
+         chain_xsum_bytes(sh) + (sh.stage ? static_cast<size_t>(sh.M) * sh.x_cap * 2 : 0);
 }
 
 // The kernel's weight formats (fp16 activations): int4 per channel or G = 128 (one group a tile), with the
@@ -719,6 +725,19 @@ __device__ __forceinline__ uint4 chain_take_chunk(uint4* xs4, const uint4* src, 
   return v;
 }
 
+// Chunk c (inputs 8c .. 8c + 7 in the stored order) of an act-order op's
+// input, gathered from its natural-order copy xnat: input perm[k] for each k.
+__device__ __forceinline__ uint4 chain_gather_chunk(const __half* xnat, const uint16_t* perm, int c) {
+  const uint4 pi = __ldg(reinterpret_cast<const uint4*>(perm) + c);
+  const uint16_t* ip = reinterpret_cast<const uint16_t*>(&pi);
+  const uint16_t* xn = reinterpret_cast<const uint16_t*>(xnat);
+  uint4 v;
+  uint16_t* hv = reinterpret_cast<uint16_t*>(&v);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) hv[e] = xn[ip[e]];
+  return v;
+}
+
 // A chunk of 8 prepared activations into xs (int4: as chain_nibble_input
 // makes them; int8: each 4 as (x0, x2, x1, x3); fp16 weights: as they are),
 // with the 2^-24 sums of each kSumK from kSumK / 8 lanes' chunks (none for
@@ -759,12 +778,25 @@ __device__ __forceinline__ void chain_put_chunk(uint4* xs4, float* xsum, int c, 
 // The preparation of an op's fp16 input: chain_copy_input, then each thread
 // takes its own chunks back (chain_take_chunk) and puts them
 // (chain_put_chunk).  Thread i: chunks i, i + n, ... (n = nthreads, a
-// multiple of 32: the 16-lane shuffles).
-template <int kBits, int kSumK>
+// multiple of 32: the 16-lane shuffles).  An act-order op (perm): the input
+// is copied into xnat, every chunk taken, one block barrier (csync), then
+// each chunk gathered (chain_gather_chunk) and put.
+template <int kBits, int kSumK, typename Sync>
 __device__ __forceinline__ void chain_async_input(const uint4* src, int chunks, int nthreads, __half* xs, float* xsum,
-                                                  bool nowait) {
+                                                  bool nowait, const uint16_t* perm, __half* xnat, Sync&& csync) {
   const int lane = threadIdx.x & 31;
   uint4* xs4 = reinterpret_cast<uint4*>(xs);
+  if (perm) {
+    uint4* xn4 = reinterpret_cast<uint4*>(xnat);
+    chain_copy_input(xn4, src, chunks, nthreads);
+    for (int c = threadIdx.x; c < chunks; c += nthreads) (void)chain_take_chunk(xn4, src, c, nowait);
+    csync();  // every chunk of the natural order is in
+    for (int cb = threadIdx.x - lane; cb < chunks; cb += nthreads) {  // warp-uniform (the shuffles)
+      const int c = cb + lane;
+      chain_put_chunk<kBits, kSumK>(xs4, xsum, c, c < chunks, c < chunks ? chain_gather_chunk(xnat, perm, c) : uint4{});
+    }
+    return;
+  }
   chain_copy_input(xs4, src, chunks, nthreads);
   if constexpr (kBits == 16) {  // the chunks stay as copied, unless polled again
     for (int c = threadIdx.x; c < chunks; c += nthreads) (void)chain_take_chunk(xs4, src, c, nowait);
@@ -788,16 +820,17 @@ __device__ __forceinline__ void chain_async_input(const uint4* src, int chunks, 
 template <int kBits, int kSumK, typename Sync>
 __device__ __noinline__ void chain_norm_input(const GemvParams& p, int o_flags, int par, const void* norm, float eps,
                                                  int chunks, int nthreads, Sync&& csync, __half* xs, float* xsum,
-                                                 bool nowait) {
+                                                 bool nowait, const uint16_t* perm, __half* xnat) {
   __shared__ float partial[kChainMaxWarps];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   uint4* xs4 = reinterpret_cast<uint4*>(xs);
+  uint4* in4 = perm ? reinterpret_cast<uint4*>(xnat) : xs4;  // where the natural order is copied
   float ss = 0.f;
   // as chain_async_input: every chunk copied at once, the poisoned ones polled again
   const uint4* src = chain_input_src(p, o_flags, par);
-  chain_copy_input(xs4, src, chunks, nthreads);
+  chain_copy_input(in4, src, chunks, nthreads);
   for (int c = threadIdx.x; c < chunks; c += nthreads) {
-    const uint4 v = chain_take_chunk(xs4, src, c, nowait || (o_flags & kChainPlainX));
+    const uint4 v = chain_take_chunk(in4, src, c, nowait || (o_flags & kChainPlainX));
     const __half2* h = reinterpret_cast<const __half2*>(&v);
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
@@ -817,7 +850,7 @@ __device__ __noinline__ void chain_norm_input(const GemvParams& p, int o_flags, 
     const int c = cb + lane;
     uint4 v{};
     if (c < chunks) {
-      v = xs4[c];
+      v = perm ? chain_gather_chunk(xnat, perm, c) : xs4[c];  // (an act-order op's gain comes in its stored order)
       const uint4 g = __ldg(gain + c);
       __half2* h = reinterpret_cast<__half2*>(&v);
       const __half2* gh = reinterpret_cast<const __half2*>(&g);
@@ -1105,6 +1138,7 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
   float* sums = reinterpret_cast<float*>(chain_smem);
   T* xs = reinterpret_cast<T*>(chain_smem + (static_cast<size_t>(sh.sums) * 4 + 15) / 16 * 16);
   float* xsum = reinterpret_cast<float*>(xs + static_cast<size_t>(M) * sh.x_cap);  // [M][x_cap / 32]
+  __half* xnat = reinterpret_cast<__half*>(reinterpret_cast<unsigned char*>(xsum) + chain_xsum_bytes(sh));  // sh.stage
   for (int q = threadIdx.x; q < sh.sums; q += nthreads) sums[q] = 0.f;
   const ChainRing rg(chain_smem, sh, W);
   for (int q = threadIdx.x; q < W * rg.C; q += blockDim.x) mbar_init(rg.full + q, 1);
@@ -1152,7 +1186,7 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
 
   // Op o's input: global (written by other blocks in this launch: through L2)
   // -> xs, the high-nibble positions / 16, and 2^-24 x the sums of each 128.
-  auto prep_input = [&](const GemvParams& p, int o_flags, int cls, [[maybe_unused]] int oi) {
+  auto prep_input = [&](const GemvParams& p, int o_flags, int cls, int oi) {
     if (sh.skip & 2) return;  // lab: no hand-off at all (results wrong)
     const long long b0 = timed ? clock64() : 0;
     csync();  // thread 0's spin is over; every warp is past the last op's reads of xs
@@ -1162,13 +1196,14 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
     bool normed = false;
     if constexpr (kNorm) {
       if (const void* norm = sh.norms[oi]) {  // RMSNorm of the input on the way in
-        chain_norm_input<kBits, Fmt::kSumK>(p, o_flags, par, norm, sh.norm_eps, chunks, nthreads, csync, xs, xsum, (sh.skip & 1) != 0);
+        chain_norm_input<kBits, Fmt::kSumK>(p, o_flags, par, norm, sh.norm_eps, chunks, nthreads, csync, xs, xsum,
+                                            (sh.skip & 1) != 0, ops[oi].perm, xnat);
         normed = true;
       }
     }
     if (!normed)  // the input copied at once
       chain_async_input<kBits, Fmt::kSumK>(chain_input_src(p, o_flags, par), chunks, nthreads, xs, xsum,
-                        (o_flags & kChainPlainX) || (sh.skip & 1));
+                                           (o_flags & kChainPlainX) || (sh.skip & 1), ops[oi].perm, xnat, csync);
     csync();
     if (timed) {
       const long long v = clock64() - p0;

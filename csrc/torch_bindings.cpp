@@ -406,11 +406,11 @@ void register_cuda_kernels() {
 // Low-level: pointers travel as integers (the Python class owns the tensors).
 
 // (error, op table uint8 [nops * sizeof(op)], schedule int32 [classes, blocks, warps + 1, 4], op classes,
-// classes, sums, x_cap, smem, attention table uint8); ops: (x, res, y, weight, scales, N, K, out, x_plain,
-// res_plain, y_plain, ldx, role, attn); attns: (k_cache, v_cache, cos, sin, part, count, heads, kv_heads,
+// classes, sums, x_cap, stage, smem, attention table uint8); ops: (x, res, y, weight, scales, N, K, out,
+// x_plain, res_plain, y_plain, ldx, role, attn, perm (0: none)); attns: (k_cache, v_cache, cos, sin, part, count, heads, kv_heads,
 // head_dim, max_seq, splits, scale, bias (0: none)).
 using PersistOpTuple =
-    std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, bool, bool, bool, int, int, int>;
+    std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, bool, bool, bool, int, int, int, int64_t>;
 using PersistAttnTuple =
     std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, int, int, double, int64_t>;
 
@@ -428,6 +428,7 @@ PersistPlan persist_plan_of(const std::vector<PersistOpTuple>& in, int bits, int
     o.x_plain = std::get<8>(t), o.res_plain = std::get<9>(t), o.y_plain = std::get<10>(t);
     o.ldx = std::get<11>(t);
     o.role = std::get<12>(t), o.attn = std::get<13>(t);
+    o.perm = reinterpret_cast<const void*>(std::get<14>(t));
     ops.push_back(o);
   }
   std::vector<PersistAttn> attns;
@@ -458,13 +459,13 @@ pybind11::tuple persist_plan_py(const std::vector<PersistOpTuple>& in, int group
   if (pl.error.empty()) sched = sched.view({pl.classes, blocks, warps + 1, 4});
   at::Tensor attn = at::empty({static_cast<int64_t>(pl.attn.size())}, at::kByte);
   if (!pl.attn.empty()) std::memcpy(attn.data_ptr(), pl.attn.data(), pl.attn.size());
-  return pybind11::make_tuple(pl.error, ops, sched, pl.op_class, pl.classes, pl.sums, pl.x_cap,
+  return pybind11::make_tuple(pl.error, ops, sched, pl.op_class, pl.classes, pl.sums, pl.x_cap, pl.stage,
                               static_cast<int64_t>(pl.smem), attn);
 }
 
-PersistPlan persist_plan_from(int classes, int sums, int x_cap, int64_t smem) {
+PersistPlan persist_plan_from(int classes, int sums, int x_cap, int64_t smem, int stage = 0) {
   PersistPlan pl;
-  pl.classes = classes, pl.sums = sums, pl.x_cap = x_cap, pl.smem = static_cast<size_t>(smem);
+  pl.classes = classes, pl.sums = sums, pl.x_cap = x_cap, pl.smem = static_cast<size_t>(smem), pl.stage = stage;
   return pl;
 }
 
@@ -506,7 +507,8 @@ at::Tensor persist_fuse_py(const at::Tensor& qweight, const at::Tensor& scales, 
 // norms: 0, or the device address of nops pointers (each op's RMSNorm gain or 0; qgemv/persist.py keeps them).
 std::string persist_launch_py(const at::Tensor& ops, const at::Tensor& schedule, const at::Tensor& sync, int group,
                               bool zeros, int blocks, int warps, int stages, int classes, int sums, int x_cap,
-                              int64_t smem, int64_t norms, double eps, int64_t attn, int64_t pos, int bits) {
+                              int64_t smem, int64_t norms, double eps, int64_t attn, int64_t pos, int bits,
+                              int stage) {
   if (!ops.is_cuda() || !schedule.is_cuda() || !sync.is_cuda() || ops.device() != sync.device() ||
       schedule.device() != sync.device())
     return "ops, schedule and sync must be CUDA tensors on one device";
@@ -515,7 +517,7 @@ std::string persist_launch_py(const at::Tensor& ops, const at::Tensor& schedule,
   const int64_t nops = ops.numel() / static_cast<int64_t>(persist_op_bytes());
   if (nops < 1 || sync.numel() != nops + 1) return c10::str("sync must hold nops + 1 = ", nops + 1, " counters");
   c10::cuda::CUDAGuard guard(ops.device());
-  const cudaError_t err = persist_launch(persist_plan_from(classes, sums, x_cap, smem), ops.data_ptr(),
+  const cudaError_t err = persist_launch(persist_plan_from(classes, sums, x_cap, smem, stage), ops.data_ptr(),
                                          static_cast<int>(nops), schedule.data_ptr<int32_t>(),
                                          reinterpret_cast<unsigned*>(sync.data_ptr<int32_t>()), bits, group, zeros, blocks,
                                          warps, stages, c10::cuda::getCurrentCUDAStream(),
@@ -622,5 +624,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          pybind11::arg("zeros"), pybind11::arg("blocks"), pybind11::arg("warps"), pybind11::arg("stages"),
          pybind11::arg("classes"), pybind11::arg("sums"), pybind11::arg("x_cap"), pybind11::arg("smem"),
          pybind11::arg("norms") = 0, pybind11::arg("eps") = 0.0, pybind11::arg("attn") = 0, pybind11::arg("pos") = 0,
-         pybind11::arg("bits") = 4);
+         pybind11::arg("bits") = 4, pybind11::arg("stage") = 0);
 }

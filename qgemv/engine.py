@@ -254,8 +254,6 @@ def megakernel_refusal(engine: "Engine") -> str:
                         f"runs int4, int8 or float16 weights)")
             if m.bias is not None and name != "q/k/v":  # q/k/v's (Qwen2's) is added in the launch
                 return f"layer {i} {name}: a bias is not in the launch (only q/k/v's)"
-            if not plain and m.perm is not None:
-                return f"layer {i} {name}: act-order weights are not in the launch yet"
             f = "fp16" if plain else m.packed.format
             if f not in persist.FORMATS:
                 return f"layer {i} {name}: format {f}; the launch runs {', '.join(persist.FORMATS)}"
@@ -289,7 +287,7 @@ class Engine:
     persistent launch (:class:`qgemv.persist.PersistentChain` with its
     attention; issue 35, stage 2; default False while it is being measured):
     float16 activations, int4 / int8 weights in one of qgemv.persist.FORMATS
-    without act-order or float16 weights (nn.Linear), biases on q/k/v only (Qwen2's),
+    (act-order too) or float16 weights (nn.Linear), biases on q/k/v only (Qwen2's),
     no q/k norms, compute capability 9.x.  Where the model or the
     GPU does not allow it, the per-op path runs and ``megakernel_reason``
     says why (one warning).  Prefill and batches above 1 stay per-op.

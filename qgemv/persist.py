@@ -35,7 +35,7 @@ attention over the cache in (kv head, context split) units and merge the
 splits into o's input (:func:`attend` is its reference).
 
 Supported: int4 per channel, int4 G = 32, 64, 128 with or without zero points, int8
-(no act-order perm), and float16 weights (a float16 [N, K] tensor in place of a
+(with act-order perms too: each such op gathers its input inside the launch, K <= 32767), and float16 weights (a float16 [N, K] tensor in place of a
 PackedWeight: the baseline's chain, re-laid in 16-row panels of 64-byte
 tiles); float16 activations, one token, compute capability 9.x,
 K % 128 == 0 and N % 16 == 0 (gate_up: % 32).  The engine runs it with
@@ -134,7 +134,9 @@ def _linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     """x @ w^T: qgemv's kernel for a PackedWeight, torch's for float16 weights."""
     from .ops import linear
 
-    return torch.nn.functional.linear(x, w) if isinstance(w, torch.Tensor) else linear(x, w)
+    if isinstance(w, torch.Tensor):
+        return torch.nn.functional.linear(x, w)
+    return linear(x, w, None if w.perm is None else w.perm.to(device=x.device, dtype=torch.int32))
 
 
 def attend(at: Attention, layer: int, qkv: torch.Tensor, position: int) -> torch.Tensor:
@@ -219,8 +221,9 @@ def _format_of(w: Weight, where: str) -> Tuple[int, int, bool]:
         raise PersistError(f"{where}: expected a PackedWeight or a float16 tensor, got {type(w).__name__}")
     if w.format not in FORMATS:
         raise PersistError(f"{where}: format {w.format} is not supported (supported: {', '.join(FORMATS)})")
-    if w.perm is not None:
-        raise PersistError(f"{where}: act-order weights (perm) are not supported")
+    if w.perm is not None and w.in_features > 32767:
+        raise PersistError(f"{where}: act-order weights need K <= 32767 (the launch reads the perm as int16), "
+                           f"got {w.in_features}")
     return w.config.bits, w.config.group_size or 0, w.zeros is not None
 
 
@@ -344,13 +347,16 @@ class PersistentChain:
             if at is not None:
                 qkv = permute_rows(qkv.to(dev), rows)
             ws = [self._weight(w) for w in (qkv, o, gu, down)]
-            # (x, res, y, weight, scales, N, K, out, x_plain, res_plain, y_plain, x's copy stride, role, attention)
+            pm = [self._perm(w) for w in (qkv, o, gu, down)]  # act-order: int16 [K] on the device, or None
+            pp = [0 if p is None else p.data_ptr() for p in pm]
+            # (x, res, y, weight, scales, N, K, out, x_plain, res_plain, y_plain, x's copy stride, role, attention,
+            # input perm)
             role = (1, li) if at is not None else (0, -1)
             ops.append((x.data_ptr(), 0, q.data_ptr(), *ws[0], nq, h, 0, x_plain, False, False, h,
-                        *role))
+                        *role, pp[0]))
             if at is None:  # o reads q/k/v's first H outputs
                 ops.append((q.data_ptr(), x.data_ptr(), hh.data_ptr(), *ws[1], h, h, 1, False, x_plain, False,
-                            nq, 0, -1))
+                            nq, 0, -1, pp[1]))
             else:  # o reads the attention's output
                 att = buf(o_in)
                 part = torch.zeros(ps.attn_part(at.heads, at.kv_heads, at.head_dim, self.splits),
@@ -359,20 +365,22 @@ class PersistentChain:
                 self._keep += [att, part, count]
                 self._acts.append(att)
                 ops.append((att.data_ptr(), x.data_ptr(), hh.data_ptr(), *ws[1], h, o_in, 1, False, x_plain, False,
-                            o_in, 2, li))
+                            o_in, 2, li, pp[1]))
                 attns.append((at.k_cache[li].data_ptr(), at.v_cache[li].data_ptr(), at.cos.data_ptr(),
                               at.sin.data_ptr(), part.data_ptr(), count.data_ptr(), at.heads, at.kv_heads,
                               at.head_dim, at.max_seq, self.splits,
                               at.scale if at.scale is not None else at.head_dim ** -0.5,
                               at.qkv_bias[li].data_ptr() if at.qkv_bias is not None else 0))
-            ops.append((hh.data_ptr(), 0, a.data_ptr(), *ws[2], 2 * i, h, 2, False, False, False, h, 0, -1))
-            ops.append((a.data_ptr(), hh.data_ptr(), nxt.data_ptr(), *ws[3], h, i, 1, False, False, last, i, 0, -1))
-            if norms is not None:
-                g1, g2 = (n.contiguous().clone() for n in norms[li])
+            ops.append((hh.data_ptr(), 0, a.data_ptr(), *ws[2], 2 * i, h, 2, False, False, False, h, 0, -1, pp[2]))
+            ops.append((a.data_ptr(), hh.data_ptr(), nxt.data_ptr(), *ws[3], h, i, 1, False, False, last, i, 0, -1,
+                        pp[3]))
+            if norms is not None:  # an act-order op reads its gain in its inputs' stored order
+                g1, g2 = (n.contiguous().clone() if p is None else n[p.long()].contiguous()
+                          for n, p in zip(norms[li], (pm[0], pm[2])))
                 self._keep += [g1, g2]
                 gains += [g1.data_ptr(), 0, g2.data_ptr(), 0]
             x, x_plain = nxt, False
-        err, table, sched, self.op_class, self.classes, self.sums, self.x_cap, self.smem, attn = ps.plan(
+        err, table, sched, self.op_class, self.classes, self.sums, self.x_cap, self.stage, self.smem, attn = ps.plan(
             ops, self.group, self.zeros, blocks, warps, stages, attns, self.bits)
         if err:
             raise PersistError(f"PersistentChain: {err}")
@@ -416,6 +424,14 @@ class PersistentChain:
         if at.splits is not None and at.splits < 1:
             raise PersistError(f"attention: splits must be positive, got {at.splits}")
 
+    def _perm(self, w: Weight) -> Optional[torch.Tensor]:
+        """An act-order weight's input perm as the kernel reads it (int16 [K] on the chain's device), or None."""
+        if isinstance(w, torch.Tensor) or w.perm is None:
+            return None
+        p = w.perm.to(device=self.device, dtype=torch.int16).contiguous()
+        self._keep.append(p)
+        return p
+
     def _weight(self, w: Weight) -> Tuple[int, int]:
         """(weight pointer, scales pointer) of one linear in the kernel's layout."""
         if self.bits == 16:  # 16-row panels of 64-byte tiles, as qgemv packs int8 rows
@@ -441,7 +457,7 @@ class PersistentChain:
                                self.warps, self.stages, self.classes, self.sums, self.x_cap, self.smem,
                                self._norms.data_ptr() if self._norms is not None else 0, self.eps,
                                self._attn.data_ptr() if self._attn is not None else 0,
-                               self.position.data_ptr() if self._attn is not None else 0, self.bits)
+                               self.position.data_ptr() if self._attn is not None else 0, self.bits, self.stage)
         if why:
             raise PersistError(f"PersistentChain: launch refused: {why}")
 

@@ -323,7 +323,7 @@ def test_bench_generate_runs_its_engine_rows_on_cpu(tmp_path):
     ("qwen2-bias", "needs float16 activations, the model runs torch.float32"),  # q/k/v's bias runs in the launch
     ("o-bias", "layer 0 o_proj: a bias is not in the launch (only q/k/v's)"),
     ("qwen3-qk-norm", "layer 0: the q/k RMSNorms (Qwen3) are not in the launch yet"),
-    ("act-order", "layer 0 q/k/v: act-order weights are not in the launch yet"),
+    ("act-order", "needs float16 activations, the model runs torch.float32"),  # act-order runs in the launch
     ("bf16", "needs float16 activations, the model runs torch.bfloat16"),
     ("cpu", "needs a CUDA device, the model is on cpu"),
 ])
@@ -356,27 +356,10 @@ needs_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.ge
                                 reason="needs a compute-capability-9 GPU")
 
 
-@needs_sm90
-@pytest.mark.parametrize("fmt", [(4, None, True), (4, 128, True), (4, 128, False), (4, 64, True), (4, 32, False),
-                                 (8, None, True), None])  # None: fp16 weights
-@pytest.mark.parametrize("family,heads,kv_heads", [("llama", 4, 1), ("llama", 4, 4), ("llama", 8, 1), ("llama", 2, 2),
-                                                   ("qwen2-bias", 4, 2)])  # GQA 4, 1, 8, 2; head_dim 64, 32, 128
-def test_megakernel_gives_the_per_op_engines_logits(fmt, family, heads, kv_heads):
+def check_megakernel_logits(model):
     """Teacher-forced (as test_cuda_kernels_give_the_cpu_reference_logits): the persistent launch's logits
     against the per-op engine's on the same GPU weights, up to contexts at the cache's end, and the same
-    argmax wherever the per-op top-2 margin is clear of fp16 noise.  Qwen2: its q/k/v biases in the launch."""
-    model = tiny(family, seed=1, hidden_size=256, intermediate_size=512, vocab_size=512, initializer_range=0.02,
-                 num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20)
-        for layer in model.model.layers:  # biases of the size the trained ones have (tiny's init leaves zeros)
-            for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                if lin.bias is not None:
-                    lin.bias.normal_(0, 0.5)
-    if fmt is not None:
-        bits, group, sym = fmt
-        qgemv.quantize_model(model, bits=bits, group_size=group, symmetric=sym)
-    model = model.half().cuda()
+    argmax wherever the per-op top-2 margin is clear of fp16 noise."""
     for plen, n in ((9, 24), (100, 28)):  # the second fills the cache (max_seq_len 128) up to slot 126
         prompt = [torch.randint(0, 512, (plen,), generator=torch.Generator().manual_seed(plen)).tolist()]
         per_op = Engine(model, max_seq_len=128)
@@ -396,6 +379,50 @@ def test_megakernel_gives_the_per_op_engines_logits(fmt, family, heads, kv_heads
             used = slice(0, plen + n - 1)
             assert (a[..., used, :].float() - b[..., used, :].float()).abs().max() <= \
                 2e-2 * b[..., used, :].float().abs().max() + 1e-3
+
+
+def megakernel_model(family, heads, kv_heads, fmt, seed=1):
+    """A small model of real structure, its lm_head sharpened (clear argmaxes) and its q/k/v biases (if any)
+    of a trained model's size; fmt: (bits, group, symmetric) for quantize_model, or None (float16)."""
+    model = tiny(family, seed=seed, hidden_size=256, intermediate_size=512, vocab_size=512, initializer_range=0.02,
+                 num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+        for layer in model.model.layers:  # (tiny's init leaves the biases zero)
+            for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                if lin.bias is not None:
+                    lin.bias.normal_(0, 0.5)
+    if fmt is not None:
+        bits, group, sym = fmt
+        qgemv.quantize_model(model, bits=bits, group_size=group, symmetric=sym)
+    return model
+
+
+@needs_sm90
+@pytest.mark.parametrize("fmt", [(4, None, True), (4, 128, True), (4, 128, False), (4, 64, True), (4, 32, False),
+                                 (8, None, True), None])  # None: fp16 weights
+@pytest.mark.parametrize("family,heads,kv_heads", [("llama", 4, 1), ("llama", 4, 4), ("llama", 8, 1), ("llama", 2, 2),
+                                                   ("qwen2-bias", 4, 2)])  # GQA 4, 1, 8, 2; head_dim 64, 32, 128
+def test_megakernel_gives_the_per_op_engines_logits(fmt, family, heads, kv_heads):
+    """Every format the launch runs, GQA 1 / 4 / 8, head_dim 32 / 64 / 128; Qwen2: its q/k/v biases in the
+    launch (check_megakernel_logits)."""
+    check_megakernel_logits(megakernel_model(family, heads, kv_heads, fmt).half().cuda())
+
+
+@needs_sm90
+@pytest.mark.parametrize("fmt", [(4, 128, False), (4, None, True), (8, None, True)])
+def test_megakernel_runs_act_order_weights(fmt):
+    """GPTQ desc_act weights: a random input perm shared by q/k/v, one for o, one shared by gate/up and one for
+    down (the engine gathers them per op; the launch inside each op's input preparation)."""
+    model = megakernel_model("llama", 4, 2, fmt, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        for group in ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj), (m.down_proj,)):
+            perm = torch.randperm(group[0].in_features, generator=gen)
+            for lin in group:
+                lin.perm = perm
+    check_megakernel_logits(model.half().cuda())
 
 
 @needs_sm90

@@ -34,7 +34,7 @@ def fake_ops(shapes, outs=None):
     """Plan tuples with made-up (never dereferenced) pointers: shapes [(N, K)], outs per op."""
     outs = outs or [0] * len(shapes)
     return [(4096 * (4 * i + 1), 4096 * (4 * i + 2) if o == 1 else 0, 4096 * (4 * i + 3), 4096 * (4 * i + 4),
-             4096 * (4 * i + 5), n, k, o, i == 0, False, i + 1 == len(shapes), 0, 0, -1) for i, ((n, k), o) in
+             4096 * (4 * i + 5), n, k, o, i == 0, False, i + 1 == len(shapes), 0, 0, -1, 0) for i, ((n, k), o) in
             enumerate(zip(shapes, outs))]
 
 
@@ -50,7 +50,7 @@ def test_schedule_assigns_every_tile_once(shapes, outs, blocks, warps, bits):
     ps = qgemv._ext.MODULE.persist
     ops = fake_ops(shapes * 2, outs * 2)  # two layers: the second reuses the first's classes
     group, zeros = (128, True) if bits == 4 else (0, False)
-    err, table, sched, op_class, classes, sums, x_cap, smem, attn = ps.plan(ops, group, zeros, blocks, warps, 8,
+    err, table, sched, op_class, classes, sums, x_cap, stage, smem, attn = ps.plan(ops, group, zeros, blocks, warps, 8,
                                                                             bits=bits)
     assert attn.numel() == 0
     assert err == ""
@@ -106,6 +106,11 @@ def test_plan_names_the_rule():
     assert "more distinct linear shapes than the schedule holds: 8" in ps.plan(many, 0, False, 4, 4, 8)[0]
     short = [t[:11] + (200,) + t[12:] for t in fake_ops([(256, 256)])]
     assert "linear 0: ldx must be 0 or at least K, got 200" in ps.plan(short, 0, False, 4, 4, 8)[0]
+    # an act-order op (a perm pointer): a second input buffer of x_cap fp16 in shared memory
+    plain, permuted = fake_ops(*LLAMA_LIKE), [t[:14] + (8192 * 99,) for t in fake_ops(*LLAMA_LIKE)]
+    a, b = ps.plan(plain, 128, True, 132, 16, 8), ps.plan(permuted, 128, True, 132, 16, 8)
+    assert a[0] == b[0] == "" and (a[7], b[7]) == (0, 1)
+    assert 0 <= b[8] - a[8] - 2 * a[6] < 128  # (the ring starts on a 128-byte boundary)
 
 
 @needs_ext
@@ -185,6 +190,15 @@ def assert_close_chain(y, ref, x, what):
     assert diff <= 3e-2 * added + 2 * step, f"{what}: error {diff:.3g}, the layers add {added:.3g}"
 
 
+def act_order(layers, seed=11):
+    """The layers with a random act-order input perm on every weight (one per linear, as GPTQ's desc_act)."""
+    gen = torch.Generator().manual_seed(seed)
+    for layer in layers:
+        for w in layer:
+            w.perm = torch.randperm(w.in_features, generator=gen).to(w.qweight.device)
+    return layers
+
+
 def make_layers(name, layers, h, nqkv, inter, device="cpu"):
     return [tuple(w.to(device) for w in (packed(name, nqkv, h), packed(name, h, h), packed(name, 2 * inter, h),
                                           packed(name, h, inter))) for _ in range(layers)]
@@ -197,10 +211,8 @@ def test_chain_refuses_what_it_cannot_run():
         return
     with pytest.raises(persist.PersistError, match="must be on a CUDA device"):
         persist.PersistentChain(make_layers("int4", 1, 256, 384, 640))
-    perm = make_layers("int4", 1, 256, 384, 640)
-    perm[0][0].perm = torch.randperm(256)
-    with pytest.raises(persist.PersistError, match=r"layer 0 qkv: act-order weights \(perm\) are not supported"):
-        persist.PersistentChain(perm)
+    with pytest.raises(persist.PersistError, match="must be on a CUDA device"):  # act-order weights pass the format
+        persist.PersistentChain(act_order(make_layers("int4g128a", 1, 256, 384, 640)))
     mixed = make_layers("int4", 1, 256, 384, 640)
     mixed[0] = (mixed[0][0], packed("int4g128", 256, 256)) + mixed[0][2:]
     with pytest.raises(persist.PersistError, match="layer 0 o: every weight must share one format"):
@@ -265,6 +277,30 @@ def test_chain_with_rms_norms_matches_the_per_op_chain(name, dims, grid):
         added = (ref.float() - x.float()).abs().max()
         assert ((plain.float() - ref.float()).abs().max() / added).item() > 0.1
 
+
+
+@needs_sm90
+@pytest.mark.parametrize("name", ["int4", "int4g128a", "int4g32", "int8"])
+def test_act_order_chain_matches_the_per_op_chain(name):
+    """Every linear with its own act-order input perm: each op gathers its input inside the launch (after its
+    RMSNorm, whose gain it reads in the stored order), without norms, with them, and with attention."""
+    torch.manual_seed(9)
+    layers = act_order(make_layers(name, 2, 256, 384, 640, "cuda"))
+    norms = random_norms(2, 256)
+    for chain, ns in ((persist.PersistentChain(layers), None), (persist.PersistentChain(layers, norms=norms), norms)):
+        for trial in range(2):
+            x = torch.randn(1, 256, device="cuda", dtype=torch.float16)
+            y = chain(x)
+            assert_close_chain(y, persist.reference(layers, x, ns), x, f"norms {ns is not None}, trial {trial}")
+    layers, norms, at = decode_setup(name, 4, 2, 64, 640, 2, 48)
+    act_order(layers)
+    chain = persist.PersistentChain(layers, norms=norms, attention=at)
+    for pos in (0, 20, 47):
+        x = torch.randn(1, 256, device="cuda").half()
+        ref_at = persist.Attention(4, 2, 64, at.cos, at.sin, at.k_cache.clone(), at.v_cache.clone())
+        y = chain(x, position=pos)
+        assert_close_chain(y, persist.reference(layers, x, norms, 1e-5, attention=ref_at, position=pos), x,
+                           f"attention at {pos}")
 
 @needs_sm90
 def test_chain_checks_its_norms():
@@ -379,10 +415,10 @@ def test_reference_attention_is_sdpa_after_rope():
 def attn_ops(h, hk, d, inter=640, roles=((1, 0), (2, 0))):
     hid = h * d
     ops = fake_ops([((h + 2 * hk) * d, hid), (hid, hid), (2 * inter, hid), (hid, inter)], [0, 1, 2, 1])
-    ops = [t[:8] + (False,) + t[9:12] + (0, -1) for t in ops]  # every buffer inside the launch
+    ops = [t[:8] + (False,) + t[9:12] + (0, -1, 0) for t in ops]  # every buffer inside the launch
     (r1, a1), (r2, a2) = roles
-    ops[0] = ops[0][:12] + (r1, a1)
-    ops[1] = ops[1][:12] + (r2, a2)
+    ops[0] = ops[0][:12] + (r1, a1, 0)
+    ops[1] = ops[1][:12] + (r2, a2, 0)
     return ops
 
 
@@ -420,11 +456,12 @@ def test_reference_adds_the_qkv_bias_before_the_rotation():
     assert torch.equal(at.v_cache[0, :, pos], q[0, (h + hk) * d:].view(hk, d))
     assert not torch.equal(at.v_cache[0, :, pos], plain.v_cache[0, :, pos])
 
+
 @needs_ext
 def test_plan_checks_the_attention():
     ps = qgemv._ext.MODULE.persist
     ok = ps.plan(attn_ops(8, 2, 64), 0, False, 8, 16, 8, [attn_tuple(8, 2, 64)])
-    assert ok[0] == "" and ok[8].numel() > 0 and ok[6] >= 8 * 64
+    assert ok[0] == "" and ok[9].numel() > 0 and ok[6] >= 8 * 64 and ok[7] == 0  # no perm: no second input buffer
     assert "attention 0: heads must be a multiple of kv_heads" in \
         ps.plan(attn_ops(8, 3, 64), 0, False, 8, 16, 8, [attn_tuple(8, 3, 64)])[0]
     assert "at most 8 query heads a kv head" in \
