@@ -63,8 +63,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seq-len", type=int_at_least(2), default=None, help="cache slots (prompt + new tokens; default: the model's positions, at most 4096)")
     ap.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graph)")
     ap.add_argument("--megakernel", action="store_true",
-                    help="batch-1 decode steps as one persistent launch (int4, compute capability 9.x; "
-                         "otherwise the per-op path with a one-line reason)")
+                    help="batch-1 decode steps as one persistent launch (float16 activations; int4, int8 or "
+                         "float16 weights; compute capability 9.x; otherwise the per-op path with a one-line "
+                         "reason)")
     args = ap.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype or ("float16" if device.startswith("cuda") else "float32"))
