@@ -815,10 +815,11 @@ __device__ __forceinline__ void chain_async_input(const uint4* src, int chunks, 
 // value y = round(w * round(s * rsqrt(mean(s^2) + eps))), as transformers'
 // LlamaRMSNorm and qgemv's add_rms_gather round, then put as the plain
 // preparation puts them (chain_put_chunk).  Thread i handles chunks i, i +
-// n, ... in both passes (n = nthreads, a multiple of 32).  Not inlined: once
-// an op boundary, and kept out of the tile loop's registers.
+// n, ... in both passes (n = nthreads, a multiple of 32).  Inlined, as the
+// kernel's other op-boundary code: a call inside the consume loop made the
+// ABI keep the loop's state across it (chain_kernel's note).
 template <int kBits, int kSumK, typename Sync>
-__device__ __noinline__ void chain_norm_input(const GemvParams& p, int o_flags, int par, const void* norm, float eps,
+__device__ __forceinline__ void chain_norm_input(const GemvParams& p, int o_flags, int par, const void* norm, float eps,
                                                  int chunks, int nthreads, Sync&& csync, __half* xs, float* xsum,
                                                  bool nowait, const uint16_t* perm, __half* xnat) {
   __shared__ float partial[kChainMaxWarps];
@@ -905,7 +906,7 @@ __host__ __device__ inline int chain_attn_floats(int gq, int D) {
 // [u0, u0 + count / 16) of this op, complete).  Pairs meet in one warp (rows r
 // and r ^ 8 of a panel are values q and q ^ 8 of an iteration), so the loop is
 // warp-uniform and each warp reads both halves of a pair before zeroing.
-__device__ __noinline__ void chain_rope_finish(const ChainAttn& a, int pos, int par, float* sums, int u0, int count,
+__device__ __forceinline__ void chain_rope_finish(const ChainAttn& a, int pos, int par, float* sums, int u0, int count,
                                                unsigned short* y, int ldy, int nthreads) {
   const int lane = threadIdx.x & 31, D = a.D, half = D / 2;
   const int q_rows = a.H * D, qk_rows = (a.H + a.Hkv) * D;
@@ -972,7 +973,7 @@ __device__ __forceinline__ void chain_poll8(const unsigned short* p, float* out,
 // block waits for q/k/v's outputs).  Thread e owns (query head e / D, dim
 // e % D) and e + nthreads (gq D <= 2 nthreads).
 template <typename Sync>
-__device__ __noinline__ void chain_attention(const ChainAttn& a, int pos, int par, int nthreads, Sync&& csync,
+__device__ __forceinline__ void chain_attention(const ChainAttn& a, int pos, int par, int nthreads, Sync&& csync,
                                              float* sm) {
   __shared__ int last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = nthreads / 32;
@@ -1117,6 +1118,11 @@ __device__ __noinline__ void chain_attention(const ChainAttn& a, int pos, int pa
 // a grid-wide count (prep_input, chain_async_input).  M = 1 (sh.M).  kNorm:
 // the ops' input RMSNorms in the hand-offs (sh.norms); kDecode (with kNorm):
 // each layer's RoPE, KV-cache write and attention (sh.attn, sh.pos).
+// Every op-boundary function is inlined: with the norm, the rotation and the
+// attention as calls (noinline), the calls inside the consume loop made the
+// call ABI keep the loop's state in local memory, 6-10 local loads and stores
+// on each chunk's path in the decode kernels (16-64 byte stack frames, ptxas;
+// 2026-12-05); inlined, every kernel has no stack frame.
 // ops[nops]; sync[nops + 1] zero before the first launch (sync[nops] counts
 // the launches: their parity).  wait_cycles: nullptr, or the lab's cycle
 // counts (ChainCycles, then per op class).
