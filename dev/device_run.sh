@@ -104,6 +104,7 @@ for step in "${@:-all}"; do
       timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
         tests/test_persist.py -k decode > "$OUT/stage2_memcheck.log" 2>&1
       echo "memcheck (test_persist -k decode): exit $?"; tail -3 "$OUT/stage2_memcheck.log"
+      timeout 150 python3 dev/attn_probe.py 2>&1 | grep -v -i warn | tee "$OUT/stage2_attn_probe.txt"
       if [ "${STAGE2_GEN:-0}" != 0 ]; then
         timeout 420 python3 -m qgemv.eval.bench_generate --models llama2-7b,llama3-8b --batches 1 --no-hf \
           --variants int4g128a,int4g128a_mk,int4,int4_mk,int8,int8_mk,fp16,fp16_mk --out "$OUT/stage2_generate" 2>&1 | grep -v -i warn | tail -30
