@@ -1125,7 +1125,8 @@ __device__ __forceinline__ void chain_attention(const ChainAttn& a, int pos, int
 // 2026-12-05); inlined, every kernel has no stack frame.
 // ops[nops]; sync[nops + 1] zero before the first launch (sync[nops] counts
 // the launches: their parity).  wait_cycles: nullptr, or the lab's cycle
-// counts (ChainCycles, then per op class).
+// counts (ChainCycles, then per op class); compiled in the lab's builds only
+// (QGEMV_CHAIN_STAMPS), so the extension's kernels carry no timing code.
 template <int kBits, int kGroup, bool kZeros, bool kNorm = false, bool kDecode = false>
 __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
     chain_kernel(const ChainOp* __restrict__ ops, int nops, ChainShape sh, unsigned* sync,
@@ -1155,7 +1156,7 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
                                (W + 1) + q % (W + 1)];
   __syncthreads();
   auto csync = [&] { asm volatile("bar.sync 1, %0;" ::"r"(nthreads) : "memory"); };
-  const bool timed = wait_cycles && threadIdx.x == 0;
+  const bool timed = kStamps && wait_cycles && threadIdx.x == 0;  // (the lab's builds only)
   // The lab's cycle counts (thread 0 of the block, when timed), in shared memory, not in registers
   // every thread would hold: waiting for the ring, waiting for the block's warps, finishing, preparing.
   // Then, per op class (ChainOp::cls), its preparing and finishing cycles.
