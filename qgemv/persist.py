@@ -241,8 +241,10 @@ class PersistentChain:
         attention: the layers' attention inside the launch (:class:`Attention`; needs ``norms``): o reads the
             attention's output [heads x head_dim] instead of the stand-in, q/k/v's rows are re-ordered for the
             rotation (on the CPU once), and each launch reads the token's slot from :attr:`position`.
-    The weights are re-laid for the kernel (G = 128: each 1 KB tile with its scales and zero points, on the
-    CPU once); the chain keeps its own activation buffers, so calls on one chain must not overlap.
+    The weights are re-laid for the kernel once, into copies the chain keeps on the GPU (grouped int4: each 1
+    KB tile with its scales and zero points, built on the CPU; fp16: 16-row panels; q/k/v with attention: its
+    rows in rotation order); int4 per channel and int8 are read as they lie.  The chain keeps its own
+    activation buffers, so calls on one chain must not overlap.
     """
 
     def __init__(self, layers: Sequence[Layer], *, warps: int = DEFAULT_WARPS, stages: int = DEFAULT_STAGES,
