@@ -106,7 +106,7 @@ std::string persist_refusal(const PersistPlan& plan, int bits, int group, bool z
 
 // One launch: d_ops / d_schedule the plan's tables on the device, d_sync
 // [nops + 1] u32 zeroed once before the first launch (the last counts the
-// launches: the epoch).  d_norms (or nullptr): a device array of nops
+// launches: their parity).  d_norms (or nullptr): a device array of nops
 // pointers, each op's RMSNorm gain (fp16 [K], 16-byte aligned) or nullptr:
 // that op reads round(gain * round(x * rsqrt(mean(x^2) + eps))) instead of x.
 // d_attn (stage 2, with d_norms): the plan's attention table on the device,

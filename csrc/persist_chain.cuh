@@ -79,16 +79,6 @@ __host__ __device__ inline void chain_range(long long tiles, int b, int blocks, 
   end = tiles * (b + 1) / blocks;
 }
 
-__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// Grouped int4's scales [N, K / group] (fp16) and zero points (uint8, or
-// nullptr) in the kernel's tile order: for each 16-row panel, for each
-// 128-k tile, 16 rows x (128 / group) scales, then as many zero points,
-
 enum class ChainOut : int {
   kStore = 0,     // y = round(sums)
   kResidual = 1,  // y = round(round(sums) + res)
@@ -249,10 +239,6 @@ __device__ __forceinline__ uint4 ld_relaxed_gpu_v4(const uint4* p) {
 __device__ __forceinline__ bool chain_half_ready(const uint4& v) {
   return (__vcmpeq2(v.x, 0xffffffffu) | __vcmpeq2(v.y, 0xffffffffu) | __vcmpeq2(v.z, 0xffffffffu) |
           __vcmpeq2(v.w, 0xffffffffu)) == 0u;
-}
-
-__device__ __forceinline__ void red_release_add_gpu(unsigned* p, unsigned v) {
-  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 // Shared memory: the block's sums (sh.sums fp32), the input (M x x_cap fp16,

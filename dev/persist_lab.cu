@@ -58,6 +58,12 @@ namespace {
 using qgemv::ChainShape;
 
 // ---- probes ---------------------------------------------------------------
+__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // Round r's grid barrier: every block adds 1 to *ctr and spins until it holds (r + 1) x blocks.
 __device__ void grid_barrier(unsigned* ctr, int r) {
   __syncthreads();
@@ -65,7 +71,7 @@ __device__ void grid_barrier(unsigned* ctr, int r) {
     __threadfence();
     atomicAdd(ctr, 1u);
     const unsigned need = (r + 1) * gridDim.x;
-    while (qgemv::ld_acquire_gpu(ctr) < need) {
+    while (ld_acquire_gpu(ctr) < need) {
     }
   }
   __syncthreads();
@@ -102,7 +108,7 @@ __global__ void barrier_kernel(unsigned* ctr, int rounds, const uint4* w, size_t
 __global__ void handoff_kernel(unsigned* flag, int rounds) {
   if (threadIdx.x != 0) return;
   for (int r = blockIdx.x; r < rounds; r += gridDim.x) {
-    while (qgemv::ld_acquire_gpu(flag) < static_cast<unsigned>(r)) {
+    while (ld_acquire_gpu(flag) < static_cast<unsigned>(r)) {
     }
     asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flag), "r"(static_cast<unsigned>(r + 1)) : "memory");
   }
