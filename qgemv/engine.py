@@ -379,6 +379,9 @@ class Engine:
         if self._chain is None and self.megakernel:
             from . import persist
 
+            def weight(m):  # a QuantLinear's packed weight, or an fp16 nn.Linear's weight tensor
+                return m.packed if isinstance(m, QuantLinear) else m.weight.detach()
+
             k, v = self._kv(1)
             try:
                 bias = None  # Qwen2's q/k/v biases [layers, N], a zero row for a layer without one
@@ -390,9 +393,6 @@ class Engine:
                             row.copy_(L.qkv.fused.bias)
                 att = persist.Attention(self.heads, self.kv_heads, self.head_dim, self.cos, self.sin, k[:, 0], v[:, 0],
                                         scale=self.scale, qkv_bias=bias)
-                def weight(m):  # a QuantLinear's packed weight, or an fp16 nn.Linear's weight tensor
-                    return m.packed if isinstance(m, QuantLinear) else m.weight.detach()
-
                 self._chain = persist.PersistentChain(
                     [tuple(weight(m) for m in (L.qkv.fused, L.o_proj, L.gate_up.fused, L.down_proj))
                      for L in self.layers],

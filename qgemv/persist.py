@@ -34,10 +34,11 @@ and writes k and v into the cache at that slot; then the blocks run the
 attention over the cache in (kv head, context split) units and merge the
 splits into o's input (:func:`attend` is its reference).
 
-Supported: int4 per channel, int4 G = 32, 64, 128 with or without zero points, int8
-(with act-order perms too: each such op gathers its input inside the launch, K <= 32767), and float16 weights (a float16 [N, K] tensor in place of a
-PackedWeight: the baseline's chain, re-laid in 16-row panels of 64-byte
-tiles); float16 activations, one token, compute capability 9.x,
+Supported: int4 per channel, int4 G = 32, 64, 128 with or without zero
+points, int8 (with act-order perms too: each such op gathers its input
+inside the launch, K <= 32767), and float16 weights (a float16 [N, K] tensor
+in place of a PackedWeight: the baseline's chain, re-laid in 16-row panels
+of 64-byte tiles); float16 activations, one token, compute capability 9.x,
 K % 128 == 0 and N % 16 == 0 (gate_up: % 32).  The engine runs it with
 ``Engine(megakernel=True)`` (off by default until its engine tests run on a GPU).
 """
@@ -232,7 +233,7 @@ class PersistentChain:
 
     Args:
         layers: per layer (qkv [Nqkv, H], o [H, H], gate_up [2 I, H], down [H, I]) on one CUDA device, all in
-            one of :data:`FORMATS`: PackedWeight (int4), or float16 tensors ("fp16"); Nqkv >= H; gate_up: gate's
+            one of :data:`FORMATS`: PackedWeight (int4, int8), or float16 tensors ("fp16"); Nqkv >= H; gate_up: gate's
             rows, then up's.
         warps: warps a block (1-16); stages: ring slots a warp (an even number above 2).
         blocks: the grid (default: one block an SM; more than fit at once is refused, never hung).
