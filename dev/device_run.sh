@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|stage2|attn|qknorm|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|stage2|gen|attn|qknorm|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -121,6 +121,11 @@ for step in "${@:-all}"; do
         timeout 420 python3 -m qgemv.eval.bench_generate --models llama2-7b,llama3-8b --batches 1 --no-hf \
           --variants int4g128a,int4g128a_mk,int4,int4_mk,int8,int8_mk,fp16,fp16_mk --out "$OUT/stage2_generate" 2>&1 | grep -v -i warn | tail -30
       fi ;;
+    gen)
+      # the engine with and without the persistent launch, batch 1 (GEN_MODELS, GEN_VARIANTS override)
+      timeout "${GEN_LIMIT:-420}" python3 -m qgemv.eval.bench_generate --models "${GEN_MODELS:-llama2-7b,llama3-8b}" --batches 1 \
+        --no-hf --no-breakdown --variants "${GEN_VARIANTS:-int4g128a,int4g128a_mk,int4,int4_mk,int8,int8_mk,fp16,fp16_mk}" \
+        --out "$OUT/generate" 2>&1 | grep -v -i warn | tail -30 ;;
     attn)
       # attention v2 (dev/attn_v2.patch, branch stage2-attn-v3) on this copy: rebuild, its tests, dev/attn_probe.py
       patch_step attn dev/attn_v2.patch "persist or megakernel or Persist" || exit 1
