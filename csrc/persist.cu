@@ -195,6 +195,13 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int bits, int group, 
     c.cos = static_cast<const __half*>(a.cos);
     c.sin = static_cast<const __half*>(a.sin);
     c.bias = static_cast<const __half*>(a.bias);
+    if ((a.q_norm != nullptr) != (a.k_norm != nullptr) || (a.q_norm && (!a.qk_ss || !a.qk_count)))
+      return pl.error = where + "q_norm and k_norm come together, with their scratch", pl;
+    c.q_norm = static_cast<const __half*>(a.q_norm);
+    c.k_norm = static_cast<const __half*>(a.k_norm);
+    c.qk_ss = a.qk_ss;
+    c.qk_count = a.qk_count;
+    c.qk_eps = a.qk_eps;
     c.part = a.part;
     c.count = a.count;
     c.ldq = q.N, c.H = H, c.Hkv = Hk, c.D = D, c.S = a.max_seq, c.splits = a.splits;

@@ -55,6 +55,13 @@ struct PersistAttn {
   const void* cos = nullptr;    // fp16 [max_seq][head_dim]: the model's rotary tables
   const void* sin = nullptr;
   const void* bias = nullptr;   // fp16 [(heads + 2 kv_heads) head_dim] the q/k/v linear's bias (natural order), or none
+  // Qwen3: each q / k head's RMSNorm gain (fp16 [head_dim]) and epsilon; ss / count: fp32 and u32
+  // [2 (heads + kv_heads)] scratch, zeroed once before the first launch
+  const void* q_norm = nullptr;
+  const void* k_norm = nullptr;
+  float* qk_ss = nullptr;
+  unsigned* qk_count = nullptr;
+  float qk_eps = 0.f;
   float* part = nullptr;        // fp32 [persist_attn_part(...)] scratch
   unsigned* count = nullptr;    // [kv_heads], zeroed once before the first launch
   int heads = 0, kv_heads = 0, head_dim = 0, max_seq = 0, splits = 0;

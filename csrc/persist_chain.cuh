@@ -914,6 +914,11 @@ struct ChainAttn {
   const __half* cos;          // [S][D] the model's rotary tables (cos[., f] == cos[., f + D / 2])
   const __half* sin;
   const __half* bias;         // nullptr, or [(H + 2 Hkv) D] the q/k/v linear's bias (Qwen2), natural order
+  const __half* q_norm;       // nullptr, or [D] each q head's RMSNorm gain (Qwen3); k_norm the k heads'
+  const __half* k_norm;
+  float* qk_ss;               // with q_norm: [2][H + Hkv] each head's sum of squares (a launch's parity a row)
+  unsigned* qk_count;         // with q_norm: [2][H + Hkv] rows counted into it; zero before the first launch
+  float qk_eps;
   float* part;                // [Hkv][splits][gq][D + 2]: a split's weighted values, then its max and sum
   unsigned* count;            // [Hkv]: splits done; zero before the first launch, left zero
   int ldq, H, Hkv, D, S, splits;
@@ -940,6 +945,29 @@ __device__ __forceinline__ void chain_rope_finish(const ChainAttn& a, int pos, i
   if (pos < 0 || pos >= a.S) __trap();  // the slot outside the cache: stop rather than write outside it
   const __half* cs = a.cos + static_cast<size_t>(pos) * D;
   const __half* sn = a.sin + static_cast<size_t>(pos) * D;
+  const int nh = a.H + a.Hkv;
+  if (a.q_norm) {
+    // Qwen3's per-head RMSNorm of q and k needs each head's sum of squares, and a head's rows may lie in
+    // several blocks: every q / k row adds its square to its head's sum (this launch's row of qk_ss), then
+    // counts itself; the rows are normalized once a head's count reaches D (below).  A thread counts all
+    // its rows before it waits for any, so no wait depends on a row its own block has not counted.  Next
+    // launch's row of the sums and counts (the other parity) is zeroed here, where nothing reads it.
+    for (int q = threadIdx.x; q < count; q += nthreads) {
+      const int u = q / kPanelRows, r = q % kPanelRows, row = (u0 + u) * kPanelRows + r;
+      if (row >= qk_rows) continue;
+      const int head = row / D, f = 8 * ((row % D) / kPanelRows) + (r & 7);
+      float v = __half2float(__float2half_rn(sums[static_cast<size_t>(u) * kPanelRows + r]));
+      if (a.bias) v = __half2float(__float2half_rn(v + __half2float(a.bias[head * D + (r < 8 ? f : half + f)])));
+      atomicAdd(a.qk_ss + par * nh + head, v * v);
+      a.qk_ss[(par ^ 1) * nh + head] = 0.f;
+      a.qk_count[(par ^ 1) * nh + head] = 0u;
+    }
+    __threadfence();  // the squares before the counts
+    for (int q = threadIdx.x; q < count; q += nthreads) {
+      const int row = (u0 + q / kPanelRows) * kPanelRows + q % kPanelRows;
+      if (row < qk_rows) atomicAdd(a.qk_count + par * nh + row / D, 1u);
+    }
+  }
   for (int qb = threadIdx.x - lane; qb < count; qb += nthreads) {
     const int q = qb + lane;
     const bool on = q < count;
@@ -961,6 +989,19 @@ __device__ __forceinline__ void chain_rope_finish(const ChainAttn& a, int pos, i
     __syncwarp();
     if (!on) continue;
     *sp = 0.f;
+    if (rot && a.q_norm) {  // the head's RMSNorm (Qwen3), rounded as transformers' Qwen3RMSNorm
+      const unsigned* cnt = a.qk_count + par * nh + head;
+      unsigned seen;
+      do asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(cnt) : "memory");
+      while (seen < static_cast<unsigned>(D));
+      float ss;
+      asm volatile("ld.relaxed.gpu.global.f32 %0, [%1];" : "=f"(ss) : "l"(a.qk_ss + par * nh + head) : "memory");
+      const float rs = rsqrtf(ss / static_cast<float>(D) + a.qk_eps);
+      const __half* gain = head < a.H ? a.q_norm : a.k_norm;
+      const int dv = nat - head * D, dw = pair - head * D;  // this row's and its pair's dims
+      v = __half2float(__float2half_rn(__half2float(__float2half_rn(v * rs)) * __half2float(gain[dv])));
+      w = __half2float(__float2half_rn(__half2float(__float2half_rn(w * rs)) * __half2float(gain[dw])));
+    }
     if (rot) {
       const float c = __half2float(cs[f]), s = __half2float(sn[f]);
       // x1 = row f, x2 = row f + D / 2: (x1 c - x2 s, x2 c + x1 s); here v is this row's, w its pair's

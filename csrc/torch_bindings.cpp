@@ -408,11 +408,12 @@ void register_cuda_kernels() {
 // (error, op table uint8 [nops * sizeof(op)], schedule int32 [classes, blocks, warps + 1, 4], op classes,
 // classes, sums, x_cap, stage, smem, attention table uint8); ops: (x, res, y, weight, scales, N, K, out,
 // x_plain, res_plain, y_plain, ldx, role, attn, perm (0: none)); attns: (k_cache, v_cache, cos, sin, part, count, heads, kv_heads,
-// head_dim, max_seq, splits, scale, bias (0: none)).
+// head_dim, max_seq, splits, scale, bias (0: none), q_norm, k_norm, qk_ss, qk_count (0: none), qk_eps).
 using PersistOpTuple =
     std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, bool, bool, bool, int, int, int, int64_t>;
 using PersistAttnTuple =
-    std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, int, int, double, int64_t>;
+    std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, int, int, double, int64_t, int64_t,
+               int64_t, int64_t, int64_t, double>;
 
 PersistPlan persist_plan_of(const std::vector<PersistOpTuple>& in, int bits, int group, bool zeros, int blocks, int warps,
                             int stages, const std::vector<PersistAttnTuple>& attn_in, int ahead) {
@@ -444,6 +445,11 @@ PersistPlan persist_plan_of(const std::vector<PersistOpTuple>& in, int bits, int
     a.max_seq = std::get<9>(t), a.splits = std::get<10>(t);
     a.scale = static_cast<float>(std::get<11>(t));
     a.bias = reinterpret_cast<const void*>(std::get<12>(t));
+    a.q_norm = reinterpret_cast<const void*>(std::get<13>(t));
+    a.k_norm = reinterpret_cast<const void*>(std::get<14>(t));
+    a.qk_ss = reinterpret_cast<float*>(std::get<15>(t));
+    a.qk_count = reinterpret_cast<unsigned*>(std::get<16>(t));
+    a.qk_eps = static_cast<float>(std::get<17>(t));
     attns.push_back(a);
   }
   return persist_plan(ops, bits, group, zeros, blocks, warps, stages, attns, ahead);

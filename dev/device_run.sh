@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|stage2|gen|attn|qknorm|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|stage2|gen|attn|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -130,9 +130,6 @@ for step in "${@:-all}"; do
       # attention v2 (dev/attn_v2.patch, branch stage2-attn-v3) on this copy: rebuild, its tests, dev/attn_probe.py
       patch_step attn dev/attn_v2.patch "persist or megakernel or Persist" || exit 1
       timeout 200 python3 dev/attn_probe.py 2>&1 | grep -v -i warn | tee "$OUT/attn_probe.txt" ;;
-    qknorm)
-      # Qwen3's q/k norms in the launch (dev/qk_norm.patch, branch stage2-qk-norm) on this copy: rebuild, test
-      patch_step qk dev/qk_norm.patch "decode or qwen3 or megakernel" || exit 1 ;;
     tpbench)
       # issue 36: the tensor-parallel shards of Llama-3-8B / 70B (TP 2 / 4 / 8) against fp16 cuBLAS
       python3 -m qgemv.eval.bench_gemv --tp-shapes --no-extras --ms ${TP_MS:-1,4,16} --out "$OUT/bench_tp" 2>&1 \

@@ -241,8 +241,6 @@ def megakernel_refusal(engine: "Engine") -> str:
         return f"head_dim {d} is not a multiple of 16"
     fmt = None
     for i, L in enumerate(engine.layers):
-        if L.q_norm is not None:
-            return f"layer {i}: the q/k RMSNorms (Qwen3) are not in the launch yet"
         for name, m in (("q/k/v", L.qkv.fused), ("o_proj", L.o_proj), ("gate/up", L.gate_up.fused),
                         ("down_proj", L.down_proj)):
             plain = type(m) is nn.Linear and m.weight.dtype == torch.float16  # fp16 weights: the baseline's chain
@@ -288,7 +286,7 @@ class Engine:
     attention; issue 35, stage 2; default False while it is being measured):
     float16 activations, int4 / int8 weights in one of qgemv.persist.FORMATS
     (act-order too) or float16 weights (nn.Linear), biases on q/k/v only (Qwen2's),
-    no q/k norms, compute capability 9.x.  Where the model or the
+    q/k norms (Qwen3's), compute capability 9.x.  Where the model or the
     GPU does not allow it, the per-op path runs and ``megakernel_reason``
     says why (one warning).  Prefill and batches above 1 stay per-op.
     """
@@ -391,8 +389,12 @@ class Engine:
                     for row, L in zip(bias, self.layers):
                         if L.qkv.fused.bias is not None:
                             row.copy_(L.qkv.fused.bias)
+                qn = kn = None  # Qwen3's per-head q / k RMSNorm gains [layers, head_dim]
+                if self.layers[0].q_norm is not None:
+                    qn = torch.stack([L.q_norm for L in self.layers]).half().contiguous()
+                    kn = torch.stack([L.k_norm for L in self.layers]).half().contiguous()
                 att = persist.Attention(self.heads, self.kv_heads, self.head_dim, self.cos, self.sin, k[:, 0], v[:, 0],
-                                        scale=self.scale, qkv_bias=bias)
+                                        scale=self.scale, qkv_bias=bias, q_norm=qn, k_norm=kn, qk_eps=self.eps)
                 self._chain = persist.PersistentChain(
                     [tuple(weight(m) for m in (L.qkv.fused, L.o_proj, L.gate_up.fused, L.down_proj))
                      for L in self.layers],

@@ -82,7 +82,9 @@ class Attention:
     token's slot and reads slots 0..slot.  scale: the scores' scale (default head_dim ** -0.5); splits: cache
     splits a kv head (default: one unit a block, blocks // kv_heads).  qkv_bias: float16 [layers, (heads +
     2 kv_heads) head_dim], contiguous, or None: each layer's q/k/v bias (Qwen2), in the natural row order,
-    added to q/k/v's rounded output (and rounded) before the rotation, as the per-op linear adds it.
+    added to q/k/v's rounded output (and rounded) before the rotation, as the per-op linear adds it.  q_norm /
+    k_norm: float16 [layers, head_dim], contiguous, or None (both): each layer's RMSNorm gain of every q / k
+    head (Qwen3), applied before the rotation with epsilon ``qk_eps``.
     The token's slot is its rotary position (one sequence, no padding).
     """
 
@@ -96,6 +98,9 @@ class Attention:
     scale: Optional[float] = None
     splits: Optional[int] = None
     qkv_bias: Optional[torch.Tensor] = None
+    q_norm: Optional[torch.Tensor] = None
+    k_norm: Optional[torch.Tensor] = None
+    qk_eps: float = 1e-6
 
     @property
     def max_seq(self) -> int:
@@ -151,8 +156,12 @@ def attend(at: Attention, layer: int, qkv: torch.Tensor, position: int) -> torch
     h, hk, d = at.heads, at.kv_heads, at.head_dim
     f = qkv[0].float()
     c, s = at.cos[position].float(), at.sin[position].float()
-    q = apply_rope(f[:h * d].view(h, d), c, s).half()
-    k = apply_rope(f[h * d:(h + hk) * d].view(hk, d), c, s).half()
+    qh, kh = f[:h * d].view(h, d), f[h * d:(h + hk) * d].view(hk, d)
+    if at.q_norm is not None:  # Qwen3: each head's RMSNorm, rounded as transformers rounds it
+        qh = rms_norm(qh.half(), at.q_norm[layer], at.qk_eps).float()
+        kh = rms_norm(kh.half(), at.k_norm[layer], at.qk_eps).float()
+    q = apply_rope(qh, c, s).half()
+    k = apply_rope(kh, c, s).half()
     at.k_cache[layer, :, position] = k
     at.v_cache[layer, :, position] = f[(h + hk) * d:].view(hk, d).half()
     keys = at.k_cache[layer, :, :position + 1].float()  # [Hkv, L, D]
@@ -369,7 +378,8 @@ class PersistentChain:
                 part = torch.zeros(ps.attn_part(at.heads, at.kv_heads, at.head_dim, self.splits),
                                    dtype=torch.float32, device=dev)
                 count = torch.zeros(at.kv_heads, dtype=torch.int32, device=dev)
-                self._keep += [att, part, count]
+                qk = torch.zeros(2, 2 * (at.heads + at.kv_heads), dtype=torch.int32, device=dev)  # sums, counts
+                self._keep += [att, part, count, qk]
                 self._acts.append(att)
                 ops.append((att.data_ptr(), x.data_ptr(), hh.data_ptr(), *ws[1], h, o_in, 1, False, x_plain, False,
                             o_in, 2, li, pp[1]))
@@ -377,7 +387,9 @@ class PersistentChain:
                               at.sin.data_ptr(), part.data_ptr(), count.data_ptr(), at.heads, at.kv_heads,
                               at.head_dim, at.max_seq, self.splits,
                               at.scale if at.scale is not None else at.head_dim ** -0.5,
-                              at.qkv_bias[li].data_ptr() if at.qkv_bias is not None else 0))
+                              at.qkv_bias[li].data_ptr() if at.qkv_bias is not None else 0,
+                              *((at.q_norm[li].data_ptr(), at.k_norm[li].data_ptr(), qk[0].data_ptr(),
+                                 qk[1].data_ptr()) if at.q_norm is not None else (0, 0, 0, 0)), float(at.qk_eps)))
             ops.append((hh.data_ptr(), 0, a.data_ptr(), *ws[2], 2 * i, h, 2, False, False, False, h, 0, -1, pp[2]))
             ops.append((a.data_ptr(), hh.data_ptr(), nxt.data_ptr(), *ws[3], h, i, 1, False, False, last, i, 0, -1,
                         pp[3]))
@@ -422,6 +434,13 @@ class PersistentChain:
                                    f"{getattr(t, 'device', '-')}")
         if s < 1:
             raise PersistError("attention: the rotary tables hold no positions")
+        if (at.q_norm is None) != (at.k_norm is None):
+            raise PersistError("attention: q_norm and k_norm come together (Qwen3), or neither")
+        for name, t in (("q_norm", at.q_norm), ("k_norm", at.k_norm)):
+            if t is not None and (not isinstance(t, torch.Tensor) or t.dtype != torch.float16 or
+                                  tuple(t.shape) != (layers, d) or t.device != dev or not t.is_contiguous()):
+                raise PersistError(f"attention: {name} must be contiguous float16 [{layers}, {d}] on {dev}, got "
+                                   f"{getattr(t, 'dtype', type(t).__name__)} {list(getattr(t, 'shape', []))}")
         b, n = at.qkv_bias, (hq + 2 * hk) * d
         if b is not None and (not isinstance(b, torch.Tensor) or b.dtype != torch.float16 or
                               tuple(b.shape) != (layers, n) or b.device != dev or not b.is_contiguous()):

@@ -322,7 +322,7 @@ def test_bench_generate_runs_its_engine_rows_on_cpu(tmp_path):
               "runs int4, int8 or float16 weights)"),
     ("qwen2-bias", "needs float16 activations, the model runs torch.float32"),  # q/k/v's bias runs in the launch
     ("o-bias", "layer 0 o_proj: a bias is not in the launch (only q/k/v's)"),
-    ("qwen3-qk-norm", "layer 0: the q/k RMSNorms (Qwen3) are not in the launch yet"),
+    ("qwen3-qk-norm", "needs float16 activations, the model runs torch.float32"),  # q/k norms run in the launch
     ("act-order", "needs float16 activations, the model runs torch.float32"),  # act-order runs in the launch
     ("bf16", "needs float16 activations, the model runs torch.bfloat16"),
     ("cpu", "needs a CUDA device, the model is on cpu"),
@@ -388,7 +388,10 @@ def megakernel_model(family, heads, kv_heads, fmt, seed=1):
                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128)
     with torch.no_grad():
         model.lm_head.weight.mul_(20)
-        for layer in model.model.layers:  # (tiny's init leaves the biases zero)
+        for layer in model.model.layers:  # (tiny's init leaves the biases zero and the q/k norm gains one)
+            for norm in (getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None)):
+                if norm is not None:
+                    norm.weight.uniform_(0.5, 1.5)
             for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 if lin.bias is not None:
                     lin.bias.normal_(0, 0.5)
@@ -402,7 +405,7 @@ def megakernel_model(family, heads, kv_heads, fmt, seed=1):
 @pytest.mark.parametrize("fmt", [(4, None, True), (4, 128, True), (4, 128, False), (4, 64, True), (4, 32, False),
                                  (8, None, True), None])  # None: fp16 weights
 @pytest.mark.parametrize("family,heads,kv_heads", [("llama", 4, 1), ("llama", 4, 4), ("llama", 8, 1), ("llama", 2, 2),
-                                                   ("qwen2-bias", 4, 2)])  # GQA 4, 1, 8, 2; head_dim 64, 32, 128
+                                                   ("qwen2-bias", 4, 2), ("qwen3-qk-norm", 4, 2)])  # GQA 4, 1, 8, 2
 def test_megakernel_gives_the_per_op_engines_logits(fmt, family, heads, kv_heads):
     """Every format the launch runs, GQA 1 / 4 / 8, head_dim 32 / 64 / 128; Qwen2: its q/k/v biases in the
     launch (check_megakernel_logits)."""

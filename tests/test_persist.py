@@ -427,7 +427,7 @@ def attn_ops(h, hk, d, inter=640, roles=((1, 0), (2, 0))):
 
 
 def attn_tuple(h, hk, d, s=64, splits=4):
-    return (8192, 8192 * 2, 8192 * 3, 8192 * 4, 8192 * 5, 8192 * 6, h, hk, d, s, splits, d ** -0.5, 0)
+    return (8192, 8192 * 2, 8192 * 3, 8192 * 4, 8192 * 5, 8192 * 6, h, hk, d, s, splits, d ** -0.5, 0, 0, 0, 0, 0, 1e-6)
 
 
 def test_reference_adds_the_qkv_bias_before_the_rotation():
@@ -460,6 +460,31 @@ def test_reference_adds_the_qkv_bias_before_the_rotation():
     assert torch.equal(at.v_cache[0, :, pos], q[0, (h + hk) * d:].view(hk, d))
     assert not torch.equal(at.v_cache[0, :, pos], plain.v_cache[0, :, pos])
 
+
+
+def test_reference_norms_each_q_and_k_head_before_the_rotation():
+    """Qwen3: persist.reference (the kernel's yardstick) writes k = RoPE(rms_norm(k_head, k_norm)) into the
+    cache, each head normalized over its head_dim with transformers' rounding; v as it is."""
+    from qgemv.engine import apply_rope
+    from qgemv.ops import linear
+
+    torch.manual_seed(6)
+    h, hk, d, s, pos, inter = 4, 2, 64, 16, 7, 256
+    hid, n = h * d, (h + 2 * hk) * d
+    layers = [(packed("int4", n, hid), packed("int4", hid, hid), packed("int4", 2 * inter, hid),
+               packed("int4", hid, inter))]
+    norms = [tuple((0.5 + torch.rand(hid)).half() for _ in range(2))]
+    cos, sin = rope_tables(s, d, "cpu")
+    qn, kn = ((0.5 + torch.rand(1, d)).half() for _ in range(2))
+    at = persist.Attention(h, hk, d, cos, sin, torch.zeros(1, hk, s, d).half(), torch.zeros(1, hk, s, d).half(),
+                           q_norm=qn, k_norm=kn, qk_eps=1e-5)
+    x = torch.randn(1, hid).half()
+    persist.reference(layers, x, norms, 1e-5, attention=at, position=pos)
+    q = linear(persist.rms_norm(x, norms[0][0], 1e-5), layers[0][0])
+    kh = persist.rms_norm(q[0, h * d:(h + hk) * d].view(hk, d), kn[0], 1e-5)
+    want = apply_rope(kh.float(), cos[pos].float(), sin[pos].float()).half()
+    assert torch.equal(at.k_cache[0, :, pos], want)
+    assert torch.equal(at.v_cache[0, :, pos], q[0, (h + hk) * d:].view(hk, d))
 
 @needs_ext
 def test_plan_checks_the_attention():
@@ -520,6 +545,9 @@ def assert_close_cache(got, ref, what):
     dict(h=8, hk=1, d=64, inter=1024, nl=3, s=300, splits=1, grid=dict(blocks=61)),
     # GQA 2 with Qwen2's q/k/v biases
     dict(h=4, hk=2, d=64, inter=640, nl=2, s=80, splits=None, grid={}, bias=True),
+    # Qwen3's per-head q / k RMSNorms, on the default grid and on 7 blocks (a head's rows in several blocks)
+    dict(h=8, hk=2, d=128, inter=1024, nl=2, s=64, splits=None, grid={}, qk_norm=True),
+    dict(h=4, hk=2, d=64, inter=640, nl=2, s=64, splits=2, grid=dict(blocks=7, warps=5, stages=4), qk_norm=True),
 ])
 def test_decode_chain_matches_the_per_op_chain(name, cfg):
     torch.manual_seed(7)
@@ -527,12 +555,16 @@ def test_decode_chain_matches_the_per_op_chain(name, cfg):
     at.splits = cfg["splits"]
     if cfg.get("bias"):
         at.qkv_bias = (torch.randn(cfg["nl"], (cfg["h"] + 2 * cfg["hk"]) * cfg["d"], device="cuda") * 0.5).half()
+    if cfg.get("qk_norm"):
+        at.q_norm, at.k_norm = ((0.5 + torch.rand(cfg["nl"], cfg["d"], device="cuda")).half() for _ in range(2))
+        at.qk_eps = 1e-5
     chain = persist.PersistentChain(layers, norms=norms, eps=1e-5, attention=at, **cfg["grid"])
     hid = cfg["h"] * cfg["d"]
     for pos in (0, 1, 37, cfg["s"] - 2, cfg["s"] - 1):  # a context of 1 (the token only) up to the whole cache
         x = torch.randn(1, hid, device="cuda").half()
         ref_at = persist.Attention(at.heads, at.kv_heads, at.head_dim, at.cos, at.sin, at.k_cache.clone(),
-                                   at.v_cache.clone(), qkv_bias=at.qkv_bias)
+                                   at.v_cache.clone(), qkv_bias=at.qkv_bias, q_norm=at.q_norm, k_norm=at.k_norm,
+                                   qk_eps=at.qk_eps)
         before = at.k_cache.clone(), at.v_cache.clone()
         chain.output.fill_(float("nan"))
         y = chain(x, position=pos)
