@@ -54,7 +54,6 @@ ChainShape persist_shape(const PersistPlan& plan, int group, bool zeros, int sta
   sh.norm_eps = eps;
   sh.attn = static_cast<const ChainAttn*>(d_attn);
   sh.pos = d_pos;
-  sh.ahead = plan.ahead;
   return sh;
 }
 
@@ -91,7 +90,7 @@ std::vector<uint8_t> persist_fuse(const uint8_t* qweight, const uint16_t* scales
 }
 
 PersistPlan persist_plan(const std::vector<PersistOp>& in, int bits, int group, bool zeros, int blocks, int warps,
-                         int stages, const std::vector<PersistAttn>& attns, int ahead) {
+                         int stages, const std::vector<PersistAttn>& attns) {
   PersistPlan pl;
   const int n = static_cast<int>(in.size());
   if (group != 0 && group != 32 && group != 64 && group != 128)
@@ -106,9 +105,6 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int bits, int group, 
     return pl.error = "warps must be 1.." + std::to_string(kChainMaxWarps) + ", got " + std::to_string(warps), pl;
   if (stages <= kChainChunk || stages % kChainChunk != 0)
     return pl.error = str("stages must be an even number above 2, got ", stages), pl;
-  if (ahead < 0 || ahead > kChainMaxAhead)
-    return pl.error = "ahead must be 0.." + std::to_string(kChainMaxAhead) + ", got " + std::to_string(ahead), pl;
-  pl.ahead = ahead;
   std::vector<ChainOp> ops(n);
   for (int i = 0; i < n; ++i) {
     const PersistOp& a = in[i];

@@ -84,7 +84,6 @@ struct PersistPlan {
   std::vector<uint8_t> attn;     // stage 2: the attention table (device layout), empty without
   int classes = 0, sums = 0, x_cap = 0;
   int stage = 0;                 // 1: some op has an input perm (a second input buffer in shared memory)
-  int ahead = 0;                 // chunks a warp's walk runs ahead of its ring's refills (ChainShape::ahead)
   size_t smem = 0;               // dynamic shared memory a block
 };
 
@@ -102,10 +101,9 @@ std::vector<uint8_t> persist_fuse(const uint8_t* qweight, const uint16_t* scales
                                   int K, int group = 128);
 
 // The tables for `blocks` blocks of `warps` warps with `stages` ring slots
-// a warp, each warp's walk `ahead` chunks ahead of its refills (prefetching
-// them into L2; 0 ... kChainMaxAhead) (plan.error names the first rule broken).
+// a warp (plan.error names the first rule broken).
 PersistPlan persist_plan(const std::vector<PersistOp>& ops, int bits, int group, bool zeros, int blocks, int warps,
-                         int stages, const std::vector<PersistAttn>& attns = {}, int ahead = 0);
+                         int stages, const std::vector<PersistAttn>& attns = {});
 
 // Why the chain's grid cannot run on the current device ("" when it can):
 // compute capability, this build's machine code, and one block an SM (norm:

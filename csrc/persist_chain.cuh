@@ -58,11 +58,7 @@ struct ChainShape {
   // which is also its rotary position (a device scalar, read at every launch)
   const ChainAttn* attn = nullptr;
   const int* pos = nullptr;
-  // chunks a warp's walk runs ahead of its ring's refills (0 ... kChainMaxAhead): each is prefetched into
-  // L2 as the walk passes it, and queued (its address and tiles, in shared memory) for the refill
-  int ahead = 0;
 };
-constexpr int kChainMaxAhead = 32;
 
 constexpr int kChainTileBytes = kPanelRows * kTileBytes;  // 1 KB: one tile of one panel
 constexpr int kChainChunk = 2;  // tiles a ring chunk (dev/PERSISTENT.md: chunks of 2 ran best)
@@ -551,23 +547,21 @@ __host__ __device__ inline size_t chain_ring_offset(const ChainShape& sh) {
 __host__ __device__ inline size_t chain_smem_bytes(const ChainShape& sh, int W) {
   const size_t slots = static_cast<size_t>(W) * sh.stages, chunks = slots / kChainChunk;
   const size_t ring = chain_ring_offset(sh) + slots * (kChainTileBytes + sh.meta_bytes) + chunks * 8;
-  return (ring + 15) / 16 * 16 + static_cast<size_t>(sh.classes) * (W + 1) * 16 + static_cast<size_t>(W) * sh.ahead * 8;
+  return (ring + 15) / 16 * 16 + static_cast<size_t>(sh.classes) * (W + 1) * 16;
 }
 
 struct ChainRing {
-  unsigned char* w;             // [W * R][ts]
-  uint64_t* full;               // [W * R / chunk]: the chunk's bytes are in
-  int4* tab;                    // [sh.classes][W + 1] the block's schedule records
-  unsigned long long* queue;    // [W][A] each warp's walked chunks not yet copied: address | tiles
-  int R, C, K, ts, A;           // slots and chunks a warp, tiles a chunk, bytes a tile (with its meta), ahead
+  unsigned char* w;  // [W * R][ts]
+  uint64_t* full;    // [W * R / chunk]: the chunk's bytes are in
+  int4* tab;         // [sh.classes][W + 1] the block's schedule records
+  int R, C, K, ts;   // slots and chunks a warp, tiles a chunk, bytes a tile (with its meta)
 
   __device__ __forceinline__ ChainRing(unsigned char* smem, const ChainShape& sh, int W)
-      : R(sh.stages), C(sh.stages / kChainChunk), K(kChainChunk), ts(kChainTileBytes + sh.meta_bytes), A(sh.ahead) {
-    const size_t slots = static_cast<size_t>(W) * R, qbytes = static_cast<size_t>(W) * A * 8;
+      : R(sh.stages), C(sh.stages / kChainChunk), K(kChainChunk), ts(kChainTileBytes + sh.meta_bytes) {
+    const size_t slots = static_cast<size_t>(W) * R;
     w = smem + chain_ring_offset(sh);
     full = reinterpret_cast<uint64_t*>(w + slots * ts);
-    tab = reinterpret_cast<int4*>(smem + (chain_smem_bytes(sh, W) - qbytes - static_cast<size_t>(sh.classes) * (W + 1) * 16));
-    queue = reinterpret_cast<unsigned long long*>(smem + (chain_smem_bytes(sh, W) - qbytes));
+    tab = reinterpret_cast<int4*>(smem + (chain_smem_bytes(sh, W) - static_cast<size_t>(sh.classes) * (W + 1) * 16));
   }
 };
 
@@ -662,42 +656,18 @@ __device__ __forceinline__ void chain_consume(const ChainRing& rg, const ChainOp
     if (skip & 8)
       src = static_cast<const char*>(ops[0].p.qweight) + (static_cast<long long>(blockIdx.x) * 64 + wk.tile % 64) * kTs;
   };
-  // the walk's next chunk: min(kChunk, left) tiles at the returned address
-  auto take = [&](int& n) {
-    const char* s = src;
-    n = min(kChunk, wk.left);
-    src += n * kTs;
-    if ((wk.left -= n) == 0) aim();
-    return s;
-  };
-  // chunk q of the ring <- n tiles at s (lane 0 issues the copy)
-  auto fill = [&](int q, const char* s, int n) {
+  // chunk q <- the walk's next min(kChunk, left) tiles
+  auto fill = [&](int q) {
+    const int n = min(kChunk, wk.left);
     if (lane == 0) {
       mbar_expect_tx(ring.full + q, n * kTs);
-      bulk_copy(slots + q * (kChunk * kTs), s, n * kTs, ring.full + q);
+      bulk_copy(slots + q * (kChunk * kTs), src, n * kTs, ring.full + q);
     }
-  };
-  // With A > 0 the walk runs A chunks ahead of the refills: lane 0 prefetches each chunk into L2 as the walk
-  // passes it and queues it (address | tiles: 16-byte aligned addresses, at most 2 tiles) for its refill.
-  // An entry 0 is past the walk's end.  Only lane 0 reads or writes the queue.
-  const int A = rg.A;
-  unsigned long long* queue = rg.queue + warp * A;
-  int qi = 0;  // the queue's oldest entry
-  auto walk_ahead = [&](int i) {
-    int n = 0;
-    const char* s = wk.left > 0 ? take(n) : nullptr;
-    if (lane == 0) {
-      if (n) bulk_prefetch_l2(s, n * kTs);
-      queue[i] = reinterpret_cast<unsigned long long>(s) | static_cast<unsigned>(n);
-    }
+    src += n * kTs;
+    if ((wk.left -= n) == 0) aim();
   };
   aim();
-  for (int q = 0; q < rg.C && wk.left > 0; ++q) {
-    int n;
-    const char* s = take(n);
-    fill(q, s, n);
-  }
-  for (int i = 0; i < A; ++i) walk_ahead(i);
+  for (int q = 0; q < rg.C && wk.left > 0; ++q) fill(q);
   for (;;) {
     if (seg.left == 0 && !boundary()) return;
     ring.wait(c, phase, timed, waited);
@@ -705,18 +675,7 @@ __device__ __forceinline__ void chain_consume(const ChainRing& rg, const ChainOp
     // Every lane's reads of the chunk are done (their values are in the sums) before lane 0 has the copy
     // engine overwrite it: the CTA's own ordering (no proxy fence: it compiled to MEMBAR.ALL.CTA, once a chunk).
     __syncwarp();
-    if (A > 0) {  // the queue's oldest chunk into the ring, the walk's next into the queue
-      if (lane == 0) {
-        const unsigned long long e = queue[qi];
-        if (e) fill(c, reinterpret_cast<const char*>(e & ~15ull), static_cast<int>(e & 15));
-      }
-      walk_ahead(qi);
-      if (++qi == A) qi = 0;
-    } else if (wk.left > 0) {
-      int n;
-      const char* s = take(n);
-      fill(c, s, n);
-    }
+    if (wk.left > 0) fill(c);
     if (++c == rg.C) c = 0, phase ^= 1u;
   }
 }

@@ -416,7 +416,7 @@ using PersistAttnTuple =
                int64_t, int64_t, int64_t, double>;
 
 PersistPlan persist_plan_of(const std::vector<PersistOpTuple>& in, int bits, int group, bool zeros, int blocks, int warps,
-                            int stages, const std::vector<PersistAttnTuple>& attn_in, int ahead) {
+                            int stages, const std::vector<PersistAttnTuple>& attn_in) {
   std::vector<PersistOp> ops;
   for (const auto& t : in) {
     PersistOp o;
@@ -452,12 +452,12 @@ PersistPlan persist_plan_of(const std::vector<PersistOpTuple>& in, int bits, int
     a.qk_eps = static_cast<float>(std::get<17>(t));
     attns.push_back(a);
   }
-  return persist_plan(ops, bits, group, zeros, blocks, warps, stages, attns, ahead);
+  return persist_plan(ops, bits, group, zeros, blocks, warps, stages, attns);
 }
 
 pybind11::tuple persist_plan_py(const std::vector<PersistOpTuple>& in, int group, bool zeros, int blocks, int warps,
-                                int stages, const std::vector<PersistAttnTuple>& attns, int bits, int ahead) {
-  const PersistPlan pl = persist_plan_of(in, bits, group, zeros, blocks, warps, stages, attns, ahead);
+                                int stages, const std::vector<PersistAttnTuple>& attns, int bits) {
+  const PersistPlan pl = persist_plan_of(in, bits, group, zeros, blocks, warps, stages, attns);
   at::Tensor ops = at::empty({static_cast<int64_t>(pl.ops.size())}, at::kByte);
   if (!pl.ops.empty()) std::memcpy(ops.data_ptr(), pl.ops.data(), pl.ops.size());
   at::Tensor sched = at::empty({static_cast<int64_t>(pl.schedule.size())}, at::kInt);
@@ -469,10 +469,9 @@ pybind11::tuple persist_plan_py(const std::vector<PersistOpTuple>& in, int group
                               static_cast<int64_t>(pl.smem), attn);
 }
 
-PersistPlan persist_plan_from(int classes, int sums, int x_cap, int64_t smem, int stage = 0, int ahead = 0) {
+PersistPlan persist_plan_from(int classes, int sums, int x_cap, int64_t smem, int stage = 0) {
   PersistPlan pl;
   pl.classes = classes, pl.sums = sums, pl.x_cap = x_cap, pl.smem = static_cast<size_t>(smem), pl.stage = stage;
-  pl.ahead = ahead;
   return pl;
 }
 
@@ -515,7 +514,7 @@ at::Tensor persist_fuse_py(const at::Tensor& qweight, const at::Tensor& scales, 
 std::string persist_launch_py(const at::Tensor& ops, const at::Tensor& schedule, const at::Tensor& sync, int group,
                               bool zeros, int blocks, int warps, int stages, int classes, int sums, int x_cap,
                               int64_t smem, int64_t norms, double eps, int64_t attn, int64_t pos, int bits,
-                              int stage, int ahead) {
+                              int stage) {
   if (!ops.is_cuda() || !schedule.is_cuda() || !sync.is_cuda() || ops.device() != sync.device() ||
       schedule.device() != sync.device())
     return "ops, schedule and sync must be CUDA tensors on one device";
@@ -524,7 +523,7 @@ std::string persist_launch_py(const at::Tensor& ops, const at::Tensor& schedule,
   const int64_t nops = ops.numel() / static_cast<int64_t>(persist_op_bytes());
   if (nops < 1 || sync.numel() != nops + 1) return c10::str("sync must hold nops + 1 = ", nops + 1, " counters");
   c10::cuda::CUDAGuard guard(ops.device());
-  const cudaError_t err = persist_launch(persist_plan_from(classes, sums, x_cap, smem, stage, ahead), ops.data_ptr(),
+  const cudaError_t err = persist_launch(persist_plan_from(classes, sums, x_cap, smem, stage), ops.data_ptr(),
                                          static_cast<int>(nops), schedule.data_ptr<int32_t>(),
                                          reinterpret_cast<unsigned*>(sync.data_ptr<int32_t>()), bits, group, zeros, blocks,
                                          warps, stages, c10::cuda::getCurrentCUDAStream(),
@@ -610,8 +609,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   ps.def("plan", &qgemv::persist_plan_py, "The chain's tables (host only; pointers as integers).",
          pybind11::arg("ops"), pybind11::arg("group"), pybind11::arg("zeros"), pybind11::arg("blocks"),
          pybind11::arg("warps"), pybind11::arg("stages"),
-         pybind11::arg("attns") = std::vector<qgemv::PersistAttnTuple>{}, pybind11::arg("bits") = 4,
-         pybind11::arg("ahead") = 0);
+         pybind11::arg("attns") = std::vector<qgemv::PersistAttnTuple>{}, pybind11::arg("bits") = 4);
   ps.def("rope_rows", &qgemv::persist_rope_rows,
          "The q/k/v rows' order for the launch: permuted row i is natural row rope_rows[i].",
          pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("head_dim"));
@@ -632,5 +630,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          pybind11::arg("zeros"), pybind11::arg("blocks"), pybind11::arg("warps"), pybind11::arg("stages"),
          pybind11::arg("classes"), pybind11::arg("sums"), pybind11::arg("x_cap"), pybind11::arg("smem"),
          pybind11::arg("norms") = 0, pybind11::arg("eps") = 0.0, pybind11::arg("attn") = 0, pybind11::arg("pos") = 0,
-         pybind11::arg("bits") = 4, pybind11::arg("stage") = 0, pybind11::arg("ahead") = 0);
+         pybind11::arg("bits") = 4, pybind11::arg("stage") = 0);
 }

@@ -5,12 +5,10 @@
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc dev/persist_lab.cu \
 //        csrc/gemv_int4.cu csrc/gemv_int8.cu csrc/runtime.cpp -o /tmp/persist_lab
 //   /tmp/persist_lab [--probe-only | --no-probe] [--tma-probe] [--no-ceiling] [--norm] [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers L]
-//                    [--warps 12,16] [--stages 8] [--formats int4g128a,int4g128,int4,int8] [--skip 0,1] [--ahead 0,4]
+//                    [--warps 12,16] [--stages 8] [--formats int4g128a,int4g128,int4,int8] [--skip 0,1]
 //   (the persistent launch is the kernel of csrc/persist_chain.cuh (form 20 of dev/PERSISTENT.md; the
 //    other forms are in git), M = 1, int4 per channel and G = 128; int8 runs the per-op chains only;
 //    --warps: warps per block; --stages: each warp's ring of 1 KB tiles, a multiple of 2 above 2;
-//    --ahead 0,4,8: ChainShape::ahead, chunks a warp's walk runs ahead of its ring's refills, each prefetched
-//    into L2 as the walk passes it;
 //    --skip 0,1,5,37: timing experiments, ChainShape::skip: 1 no waits (the polled halves taken as they
 //    are), 2 no hand-off at all, 4 no tile math, 8 the weights copied from L2, 32 no flush;
 //    --no-ceiling: skip the 2 GB read that measures the ceiling, for runs under compute-sanitizer;
@@ -306,7 +304,6 @@ __half* dalloc(size_t n) {
 struct Variant {
   int warps, stages;  // warps a block; each warp's ring of 1 KB tiles
   int skip;           // ChainShape::skip (timing experiments)
-  int ahead;          // ChainShape::ahead: chunks a warp's walk runs ahead of its refills (L2 prefetch)
 };
 
 // The persistent launch's kernel for format f (norm: with the hand-offs' RMSNorms): f(kernel); false for
@@ -615,7 +612,6 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       for (const Variant& v : variants) {
         const int blocks = sms;
         ChainShape sh{v.stages, qgemv::chain_meta_bytes(f.group, f.zeros), std::max(m.H, m.I), M, v.skip};
-        sh.ahead = v.ahead;
         sh.sums = qgemv::chain_sums(ops.data(), nops, blocks, M);
         sh.norms = norm ? d_norms : nullptr;
         sh.norm_eps = kNormEps;
@@ -636,7 +632,6 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         const char* bit_names[] = {" nowait", " noprep", " nomath", " l2feed", "", " noflush"};
         for (int bit = 0; bit < 6; ++bit)
           if (v.skip & (1 << bit)) tag += bit_names[bit];
-        if (v.ahead) tag += " a" + std::to_string(v.ahead);
         std::snprintf(form, sizeof form, "persist w%d s%d%s", v.warps, v.stages, tag.c_str());
         if (M != 1 || !d_tab || !launch_chain(f, v, sh, nullptr, nops, nullptr, blocks, st)) {
           std::printf("%-10s %3d %s: does not run (%zu B of shared memory; M = 1, int4 per channel or G = 128)\n",
@@ -1020,7 +1015,7 @@ int main(int argc, char** argv) {
   bool probe_only = false, no_probe = false, tma = false, no_ceiling = false, norm = false;
   const Model* model = &kModels[0];
   int layers = 0;
-  std::vector<int> warps, stages, skips, aheads;
+  std::vector<int> warps, stages, skips;
   std::vector<Fmt> fmts;
   const Fmt all[] = {{"int4g128a", 4, 128, true}, {"int4g128", 4, 128, false}, {"int4", 4, 0, false},
                      {"int8", 8, 0, false}};
@@ -1054,8 +1049,6 @@ int main(int argc, char** argv) {
       if (!parse(argv[++i], "--stages", stages)) return 2;
     } else if (a == "--skip" && has) {
       if (!parse(argv[++i], "--skip", skips)) return 2;
-    } else if (a == "--ahead" && has) {
-      if (!parse(argv[++i], "--ahead", aheads)) return 2;
     } else if (a == "--formats" && has) {
       for (char* tok = std::strtok(argv[++i], ","); tok; tok = std::strtok(nullptr, ",")) {
         bool found = false;
@@ -1084,12 +1077,6 @@ int main(int argc, char** argv) {
   if (warps.empty()) warps = {16};
   if (stages.empty()) stages = {8};
   if (skips.empty()) skips = {0};
-  if (aheads.empty()) aheads = {0};
-  for (int a : aheads)
-    if (a < 0 || a > qgemv::kChainMaxAhead) {
-      std::fprintf(stderr, "--ahead: 0..%d\n", qgemv::kChainMaxAhead);
-      return 2;
-    }
 
   if (fmts.empty()) fmts = {all[0], all[2], all[3]};
   cudaDeviceProp prop;
@@ -1111,8 +1098,7 @@ int main(int argc, char** argv) {
   std::vector<Variant> variants;
   for (int w : warps)
     for (int s : stages)
-      for (int k : skips)
-        for (int a : aheads) variants.push_back({w, s, k, a});
+      for (int k : skips) variants.push_back({w, s, k});
   int clock_khz = 0;
   CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
   const int failures = run_chain(*model, layers ? layers : model->layers, fmts, {1}, variants, ceiling,

@@ -128,11 +128,10 @@ def attention_for(heads: tuple, layers: int, context: int):
 
 
 def dep_rows(fmt: str, layers: int, shapes: list, names: list, ceiling: dict, fp16: dict,
-             norms: bool = False, heads: tuple = None, context: int = 0, aheads: tuple = (None,)) -> list:
+             norms: bool = False, heads: tuple = None, context: int = 0) -> list:
     """Rows of FMT_deps and FMT_persist (whichever of them names holds), M = 1, one set of weights; norms:
     with each layer's two RMSNorms (gains 0.5-1.5); context: with attention at that context (heads: the
-    model's (heads, kv_heads, head_dim)); aheads: FMT_persist once for each PersistentChain ahead= (None: its
-    default), labelled +aN."""
+    model's (heads, kv_heads, head_dim))."""
     from qgemv import persist
 
     lay = dep_layers(fmt, layers, shapes)
@@ -147,13 +146,11 @@ def dep_rows(fmt: str, layers: int, shapes: list, names: list, ceiling: dict, fp
         nbytes += 2 * context * heads[1] * heads[2] * 2  # the layer's K and V at this context
     ref = persist.reference(lay, x, gains, attention=at, position=pos)
     rows = []
-    runs = [(n, a) for n in names for a in (aheads if n.endswith("_persist") else (None,))]
-    for name, ahead in runs:
+    for name in names:
         err = 0.0
         if name.endswith("_persist"):
             try:
-                kw = {} if ahead is None else {"ahead": ahead}
-                chain = persist.PersistentChain(lay, norms=gains, attention=at, **kw)
+                chain = persist.PersistentChain(lay, norms=gains, attention=at)
             except persist.PersistError as e:
                 print(f"{name}: unavailable ({e})", flush=True)
                 continue
@@ -165,8 +162,7 @@ def dep_rows(fmt: str, layers: int, shapes: list, names: list, ceiling: dict, fp
             us = graph_time(lambda: persist.reference(lay, x, gains, attention=at, position=pos),
                             replays=20) * 1e3 / layers
         gbps = nbytes / us / 1e3
-        label = name + ("" if ahead is None else f"+a{ahead}") + (f"+attn{context}" if context else
-                                                                  "+norms" if norms else "")
+        label = name + (f"+attn{context}" if context else "+norms" if norms else "")
         row = dict(variant=label, M=1, us_per_layer=us, bytes_per_layer=nbytes, GBps=gbps,
                    pct_read_ceiling=100 * gbps / ceiling["read_GBps"], x_fp16=fp16.get(1, float("nan")) / us,
                    rel_err=err)
@@ -210,14 +206,7 @@ def main(argv=None) -> int:
                     help="FMT_deps / FMT_persist: with each layer's two RMSNorms (torch ops / inside the launch)")
     ap.add_argument("--attention", type=int, default=0, metavar="L",
                     help="FMT_deps / FMT_persist: with the norms and each layer's attention at a context of L tokens")
-    ap.add_argument("--ahead", default=None, metavar="A,B",
-                    help="FMT_persist once for each of these ring chunks walked ahead (PersistentChain ahead=; "
-                         "default: its default once)")
     args = ap.parse_args(argv)
-    try:
-        aheads = (None,) if args.ahead is None else tuple(int(v) for v in args.ahead.split(","))
-    except ValueError:
-        ap.error(f"--ahead must be comma-separated integers, got {args.ahead!r}")
     if args.attention < 0:
         ap.error(f"--attention must be a context length >= 1, got {args.attention}")
     if not torch.cuda.is_available():
@@ -243,7 +232,7 @@ def main(argv=None) -> int:
                 print(f"{fmt}_deps / _persist: M = 1 only, skipped", flush=True)
                 continue
             rows += dep_rows(fmt, layers, shapes, [n for n in names if n in (fmt + "_deps", fmt + "_persist")],
-                             ceiling, fp16, args.norms, HEADS[args.model], args.attention, aheads)
+                             ceiling, fp16, args.norms, HEADS[args.model], args.attention)
             torch.cuda.empty_cache()
             continue
         try:

@@ -58,9 +58,6 @@ FORMATS = ("int4", "int4g128", "int4g128a", "int4g64", "int4g64a", "int4g32", "i
 # The lab's best settings on the H200 (dev/PERSISTENT.md): 16 warps a block, 8 ring slots of 1 KB tiles a warp.
 DEFAULT_WARPS = 16
 DEFAULT_STAGES = 8
-# Ring chunks (2 tiles) a warp's walk runs ahead of its refills, each prefetched into L2 as it passes: 0 until
-# measured on the H200 (dev/PERSISTENT.md, "Prefetching ahead into L2").
-DEFAULT_AHEAD = 0
 
 Weight = Union[PackedWeight, torch.Tensor]  # a tensor: float16 [N, K] weights
 Layer = Tuple[Weight, Weight, Weight, Weight]
@@ -247,8 +244,7 @@ class PersistentChain:
         layers: per layer (qkv [Nqkv, H], o [H, H], gate_up [2 I, H], down [H, I]) on one CUDA device, all in
             one of :data:`FORMATS`: PackedWeight (int4, int8), or float16 tensors ("fp16"); Nqkv >= H; gate_up: gate's
             rows, then up's.
-        warps: warps a block (1-16); stages: ring slots a warp (an even number above 2); ahead: ring chunks
-            (2 tiles each) a warp's walk runs ahead of its refills, each prefetched into L2 as it passes (0-32).
+        warps: warps a block (1-16); stages: ring slots a warp (an even number above 2).
         blocks: the grid (default: one block an SM; more than fit at once is refused, never hung).
         norms: per layer (input, post-attention) RMSNorm gains, float16 [H] on the chain's device, or None (no
             norms), copied at construction (later changes to them are not seen); eps: their epsilon.
@@ -262,7 +258,7 @@ class PersistentChain:
     """
 
     def __init__(self, layers: Sequence[Layer], *, warps: int = DEFAULT_WARPS, stages: int = DEFAULT_STAGES,
-                 ahead: int = DEFAULT_AHEAD, blocks: Optional[int] = None, norms: Optional[Sequence[Norms]] = None, eps: float = 1e-5,
+                 blocks: Optional[int] = None, norms: Optional[Sequence[Norms]] = None, eps: float = 1e-5,
                  attention: Optional[Attention] = None):
         ps = _module()
         layers = [tuple(layer) for layer in layers]
@@ -327,7 +323,7 @@ class PersistentChain:
         self.format = _format_name(qkv0)
         self.device = dev
         self.layers = len(layers)
-        self.warps, self.stages, self.ahead = warps, stages, ahead
+        self.warps, self.stages = warps, stages
         self.eps = float(eps)
         self.has_norms = norms is not None
         if blocks is None:
@@ -400,7 +396,7 @@ class PersistentChain:
                 gains += [g1.data_ptr(), 0, g2.data_ptr(), 0]
             x, x_plain = nxt, False
         err, table, sched, self.op_class, self.classes, self.sums, self.x_cap, self.stage, self.smem, attn = ps.plan(
-            ops, self.group, self.zeros, blocks, warps, stages, attns, self.bits, ahead)
+            ops, self.group, self.zeros, blocks, warps, stages, attns, self.bits)
         if err:
             raise PersistError(f"PersistentChain: {err}")
         with torch.cuda.device(dev):  # the weights' GPU, not the current one
@@ -483,8 +479,7 @@ class PersistentChain:
                                self.warps, self.stages, self.classes, self.sums, self.x_cap, self.smem,
                                self._norms.data_ptr() if self._norms is not None else 0, self.eps,
                                self._attn.data_ptr() if self._attn is not None else 0,
-                               self.position.data_ptr() if self._attn is not None else 0, self.bits, self.stage,
-                               self.ahead)
+                               self.position.data_ptr() if self._attn is not None else 0, self.bits, self.stage)
         if why:
             raise PersistError(f"PersistentChain: launch refused: {why}")
 

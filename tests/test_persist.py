@@ -102,10 +102,6 @@ def test_plan_names_the_rule():
     assert "int8 and fp16 weights are per channel (group must be 0)" in ps.plan(ok, 128, False, 4, 4, 8, bits=16)[0]
     assert "stages must be an even number above 2, got 5" in ps.plan(ok, 0, False, 4, 4, 5)[0]
     assert "warps must be 1..16, got 17" in ps.plan(ok, 0, False, 4, 17, 8)[0]
-    assert "ahead must be 0..32, got 33" in ps.plan(ok, 0, False, 4, 4, 8, ahead=33)[0]
-    assert "ahead must be 0..32, got -1" in ps.plan(ok, 0, False, 4, 4, 8, ahead=-1)[0]
-    # each warp's queue of chunks walked ahead: 8 bytes an entry in shared memory
-    assert ps.plan(ok, 0, False, 4, 5, 8, ahead=6)[8] == ps.plan(ok, 0, False, 4, 5, 8)[8] + 5 * 6 * 8
     many = fake_ops([(256 + 16 * j, 256) for j in range(9)])
     assert "more distinct linear shapes than the schedule holds: 8" in ps.plan(many, 0, False, 4, 4, 8)[0]
     short = [t[:11] + (200,) + t[12:] for t in fake_ops([(256, 256)])]
