@@ -109,7 +109,13 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int bits, int group, 
   for (int i = 0; i < n; ++i) {
     const PersistOp& a = in[i];
     const std::string at = "linear " + std::to_string(i) + ": ";
-    if (a.K < 128 || a.K % 128 != 0) return pl.error = at + str("K must be a positive multiple of 128, got ", a.K), pl;
+    const int tk = chain_tile_k(bits), kp = a.Kp ? a.Kp : a.K;
+    if (a.K < 8 || a.K % 8 != 0) return pl.error = at + str("K must be a positive multiple of 8, got ", a.K), pl;
+    if (kp % tk != 0 || kp < a.K || kp - a.K >= tk)
+      return pl.error = at + "Kp (the weight's K padded to whole tiles) must be K rounded up to a multiple of " +
+                        std::to_string(tk) + ", got K " + std::to_string(a.K) + ", Kp " + std::to_string(kp), pl;
+    if (group != 0 && a.K % group != 0)
+      return pl.error = at + str("K must be a multiple of the group size, got ", a.K), pl;
     if (a.N < 16 || a.N % (a.out == 2 ? 32 : 16) != 0)
       return pl.error = at + "N must be a positive multiple of " + (a.out == 2 ? "32 (SiLU * mul)" : "16") +
                         ", got " + std::to_string(a.N), pl;
@@ -126,18 +132,18 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int bits, int group, 
     o.p.M = 1;
     o.p.N = a.N;
     o.p.K = a.K;
-    o.p.Kp = a.K;
+    o.p.Kp = kp;
     o.p.ldx = a.ldx ? a.ldx : a.K;
     o.p.ldy = a.out == 2 ? a.N / 2 : a.N;
     o.p.group_size = group;
-    o.tpp = a.K / chain_tile_k(bits);
+    o.tpp = kp / tk;
     o.p.act = ActType::kHalf;
     o.res = a.res;
     o.out = a.out;
     o.flags = (a.x_plain ? kChainPlainX : 0) | (a.res_plain ? kChainPlainRes : 0) | (a.y_plain ? kChainPlainY : 0);
     o.perm = static_cast<const uint16_t*>(a.perm);
     if (a.perm) pl.stage = 1;
-    pl.x_cap = std::max(pl.x_cap, a.K);
+    pl.x_cap = std::max(pl.x_cap, kp);
   }
   // stage 2: each attention's two linears, its shapes, and its table entry
   const int na = static_cast<int>(attns.size());

@@ -36,6 +36,8 @@ struct PersistOp {
   const void* weight = nullptr;  // per channel (int4, int8): qweight's bytes; grouped: persist_fuse's tiles; fp16: panels
   const void* scales = nullptr;  // int4 / int8 per channel: fp16 [N]; grouped and fp16 weights: unused
   int N = 0, K = 0;
+  int Kp = 0;   // the weight's K, padded to whole tiles (a multiple of 128 int4 / 64 int8 / 32 fp16 inputs; 0: K):
+                // inputs K .. Kp - 1 read as zeros
   int out = 0;  // 0: y = round(W x); 1: y = round(round(W x) + res); 2: SiLU * mul of 16-row panel pairs
   bool x_plain = false, res_plain = false, y_plain = false;
   // stage 2 (the decode step): 1, the q/k/v linear of attention `attn` (its q and k rows permuted so that

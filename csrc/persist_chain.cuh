@@ -291,7 +291,9 @@ inline int chain_classes(ChainOp* ops, int nops) {
   for (int i = 0; i < nops; ++i) {
     ops[i].cls = -1;
     for (int j = 0; j < i && ops[i].cls < 0; ++j)
-      if (ops[j].p.N == ops[i].p.N && ops[j].p.K == ops[i].p.K && ops[j].out == ops[i].out) ops[i].cls = ops[j].cls;
+      if (ops[j].p.N == ops[i].p.N && ops[j].p.K == ops[i].p.K && ops[j].p.Kp == ops[i].p.Kp &&
+          ops[j].out == ops[i].out)
+        ops[i].cls = ops[j].cls;
     if (ops[i].cls < 0) {
       if (n == kChainMaxClasses) return -1;
       ops[i].cls = n++;
@@ -1238,6 +1240,13 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
     if (!normed)  // the input copied at once
       chain_async_input<kBits, Fmt::kSumK>(chain_input_src(p, o_flags, par), chunks, nthreads, xs, xsum,
                                            (o_flags & kChainPlainX) || (sh.skip & 1), ops[oi].perm, xnat, csync);
+    if (p.Kp > p.K) {  // a weight padded to whole tiles: zero inputs past K, and the x sums of whole padded groups
+      uint4* xs4 = reinterpret_cast<uint4*>(xs);
+      for (int c = chunks + threadIdx.x; c < p.Kp / 8; c += nthreads) xs4[c] = make_uint4(0u, 0u, 0u, 0u);
+      if constexpr (Fmt::kSumK > 0)
+        for (int q = (p.K + Fmt::kSumK - 1) / Fmt::kSumK + threadIdx.x; q < p.Kp / Fmt::kSumK; q += nthreads)
+          xsum[q] = 0.f;
+    }
     csync();
     if (timed) {
       const long long v = clock64() - p0;

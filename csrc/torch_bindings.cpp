@@ -407,10 +407,10 @@ void register_cuda_kernels() {
 
 // (error, op table uint8 [nops * sizeof(op)], schedule int32 [classes, blocks, warps + 1, 4], op classes,
 // classes, sums, x_cap, stage, smem, attention table uint8); ops: (x, res, y, weight, scales, N, K, out,
-// x_plain, res_plain, y_plain, ldx, role, attn, perm (0: none)); attns: (k_cache, v_cache, cos, sin, part, count, heads, kv_heads,
+// x_plain, res_plain, y_plain, ldx, role, attn, perm (0: none), Kp (0: K)); attns: (k_cache, v_cache, cos, sin, part, count, heads, kv_heads,
 // head_dim, max_seq, splits, scale, bias (0: none), q_norm, k_norm, qk_ss, qk_count (0: none), qk_eps).
 using PersistOpTuple =
-    std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, bool, bool, bool, int, int, int, int64_t>;
+    std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, bool, bool, bool, int, int, int, int64_t, int>;
 using PersistAttnTuple =
     std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, int, int, double, int64_t, int64_t,
                int64_t, int64_t, int64_t, double>;
@@ -430,6 +430,7 @@ PersistPlan persist_plan_of(const std::vector<PersistOpTuple>& in, int bits, int
     o.ldx = std::get<11>(t);
     o.role = std::get<12>(t), o.attn = std::get<13>(t);
     o.perm = reinterpret_cast<const void*>(std::get<14>(t));
+    o.Kp = std::get<15>(t);
     ops.push_back(o);
   }
   std::vector<PersistAttn> attns;

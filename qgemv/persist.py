@@ -39,8 +39,11 @@ points, int8 (with act-order perms too: each such op gathers its input
 inside the launch, K <= 32767), and float16 weights (a float16 [N, K] tensor
 in place of a PackedWeight: the baseline's chain, re-laid in 16-row panels
 of 64-byte tiles); float16 activations, one token, compute capability 9.x,
-K % 128 == 0 and N % 16 == 0 (gate_up: % 32).  The engine runs it with
-``Engine(megakernel=True)`` (off by default until its engine tests run on a GPU).
+K % 8 == 0 and N % 16 == 0 (gate_up: % 32).  A K that is not a multiple of
+the kernel's tile (128 int4, 64 int8, 32 fp16 inputs) is padded with zero
+weights once, in the chain's copy (:func:`pad_inputs`); the launch reads the
+padded inputs as zeros.  The engine runs it with ``Engine(megakernel=True)``
+(off by default until its tokens per second are measured).
 """
 
 from __future__ import annotations
@@ -201,6 +204,40 @@ def reference(layers: Sequence[Layer], x: torch.Tensor, norms: Optional[Sequence
     return x
 
 
+TILE_K = {4: 128, 8: 64, 16: 32}  # inputs a kernel tile covers, by weight bits
+
+
+def pad_inputs(w: Weight, k: int) -> Weight:
+    """w [N, K] with its inputs padded to k >= K by exact zero weights (the launch's tiles cover whole multiples
+    of :data:`TILE_K`; it reads inputs K .. k - 1 as zeros): int4 per channel the code 8, grouped int4 the code 0
+    with scale 0 (and zero point 0) in the padded groups (K a multiple of G, k of 128), int8 the code 0, fp16
+    0.  An act-order perm stays as it is ([K]: the stored inputs it indexes are the first K).  w itself when
+    k == K."""
+    from . import formats
+
+    n, kw = _shape(w)
+    if k == kw:
+        return w
+    if k < kw:
+        raise PersistError(f"pad_inputs: k {k} is below the weight's K {kw}")
+    if isinstance(w, torch.Tensor):
+        return torch.nn.functional.pad(w, (0, k - kw))
+    codes, bits, g = w.codes(), w.config.bits, w.config.group_size
+    if bits == 8:
+        return PackedWeight(formats.pack_int8(torch.nn.functional.pad(codes, (0, k - kw))), w.scales, None, w.config,
+                            k, w.perm)
+    if g and (kw % g or k % g):
+        raise PersistError(f"pad_inputs: K {kw} and k {k} must be multiples of the group size {g}")
+    fill = 0 if g else 8  # per channel: (8 - 8) * s == 0; grouped: the padded groups' scale is 0
+    q = formats.pack_int4(torch.nn.functional.pad(codes, (0, k - kw), value=fill))
+    if not g:
+        return PackedWeight(q, w.scales, None, w.config, k, w.perm)
+    extra = (k - kw) // g
+    scales = torch.nn.functional.pad(w.scales, (0, extra))
+    zeros = None if w.zeros is None else torch.nn.functional.pad(w.zeros, (0, extra))
+    return PackedWeight(q, scales, zeros, w.config, k, w.perm)
+
+
 def fuse_tiles(w: PackedWeight) -> torch.Tensor:
     """A grouped int4 weight (G = 32, 64 or 128) in the kernel's layout: each 1 KB tile of the packed codes (N /
     16 panels x K / 128 tiles, the panels' own order) followed by its 16 rows' scales (and zero points) of the
@@ -295,9 +332,9 @@ class PersistentChain:
                 if wdev != dev:
                     raise PersistError(f"layer {li} {name}: on {wdev}, the chain is on {dev}")
                 step = 32 if name == "gate_up" else 16
-                if wn % step or wk % 128:
+                if wn % step or wk % 8:
                     raise PersistError(f"layer {li} {name}: {wn} x {wk}: N must be a "
-                                       f"multiple of {step} and K of 128")
+                                       f"multiple of {step} and K of 8")
         if dev.type != "cuda":
             raise PersistError(f"PersistentChain: the weights must be on a CUDA device, got {dev}")
         if norms is not None:
@@ -361,14 +398,15 @@ class PersistentChain:
             ws = [self._weight(w) for w in (qkv, o, gu, down)]
             pm = [self._perm(w) for w in (qkv, o, gu, down)]  # act-order: int16 [K] on the device, or None
             pp = [0 if p is None else p.data_ptr() for p in pm]
+            kp = [self._padded_k(w) for w in (qkv, o, gu, down)]  # each weight's K in whole tiles
             # (x, res, y, weight, scales, N, K, out, x_plain, res_plain, y_plain, x's copy stride, role, attention,
-            # input perm)
+            # input perm, padded K)
             role = (1, li) if at is not None else (0, -1)
             ops.append((x.data_ptr(), 0, q.data_ptr(), *ws[0], nq, h, 0, x_plain, False, False, h,
-                        *role, pp[0]))
+                        *role, pp[0], kp[0]))
             if at is None:  # o reads q/k/v's first H outputs
                 ops.append((q.data_ptr(), x.data_ptr(), hh.data_ptr(), *ws[1], h, h, 1, False, x_plain, False,
-                            nq, 0, -1, pp[1]))
+                            nq, 0, -1, pp[1], kp[1]))
             else:  # o reads the attention's output
                 att = buf(o_in)
                 part = torch.zeros(ps.attn_part(at.heads, at.kv_heads, at.head_dim, self.splits),
@@ -378,7 +416,7 @@ class PersistentChain:
                 self._keep += [att, part, count, qk]
                 self._acts.append(att)
                 ops.append((att.data_ptr(), x.data_ptr(), hh.data_ptr(), *ws[1], h, o_in, 1, False, x_plain, False,
-                            o_in, 2, li, pp[1]))
+                            o_in, 2, li, pp[1], kp[1]))
                 attns.append((at.k_cache[li].data_ptr(), at.v_cache[li].data_ptr(), at.cos.data_ptr(),
                               at.sin.data_ptr(), part.data_ptr(), count.data_ptr(), at.heads, at.kv_heads,
                               at.head_dim, at.max_seq, self.splits,
@@ -386,9 +424,10 @@ class PersistentChain:
                               at.qkv_bias[li].data_ptr() if at.qkv_bias is not None else 0,
                               *((at.q_norm[li].data_ptr(), at.k_norm[li].data_ptr(), qk[0].data_ptr(),
                                  qk[1].data_ptr()) if at.q_norm is not None else (0, 0, 0, 0)), float(at.qk_eps)))
-            ops.append((hh.data_ptr(), 0, a.data_ptr(), *ws[2], 2 * i, h, 2, False, False, False, h, 0, -1, pp[2]))
+            ops.append((hh.data_ptr(), 0, a.data_ptr(), *ws[2], 2 * i, h, 2, False, False, False, h, 0, -1, pp[2],
+                        kp[2]))
             ops.append((a.data_ptr(), hh.data_ptr(), nxt.data_ptr(), *ws[3], h, i, 1, False, False, last, i, 0, -1,
-                        pp[3]))
+                        pp[3], kp[3]))
             if norms is not None:  # an act-order op reads its gain in its inputs' stored order
                 g1, g2 = (n.contiguous().clone() if p is None else n[p.long()].contiguous()
                           for n, p in zip(norms[li], (pm[0], pm[2])))
@@ -454,8 +493,15 @@ class PersistentChain:
         self._keep.append(p)
         return p
 
+    def _padded_k(self, w: Weight) -> int:
+        """w's K rounded up to the kernel's whole tiles (128 int4, 64 int8 or 32 fp16 inputs)."""
+        t = TILE_K[self.bits]
+        return -(-_shape(w)[1] // t) * t
+
     def _weight(self, w: Weight) -> Tuple[int, int]:
-        """(weight pointer, scales pointer) of one linear in the kernel's layout."""
+        """(weight pointer, scales pointer) of one linear in the kernel's layout (its K padded to whole tiles
+        where it is not a multiple of the tile's: :func:`pad_inputs`)."""
+        w = pad_inputs(w, self._padded_k(w))
         if self.bits == 16:  # 16-row panels of 64-byte tiles, as qgemv packs int8 rows
             from .formats import to_panels
 

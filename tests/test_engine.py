@@ -381,11 +381,12 @@ def check_megakernel_logits(model):
                 2e-2 * b[..., used, :].float().abs().max() + 1e-3
 
 
-def megakernel_model(family, heads, kv_heads, fmt, seed=1):
+def megakernel_model(family, heads, kv_heads, fmt, seed=1, hidden_size=256, intermediate_size=512):
     """A small model of real structure, its lm_head sharpened (clear argmaxes) and its q/k/v biases (if any)
     of a trained model's size; fmt: (bits, group, symmetric) for quantize_model, or None (float16)."""
-    model = tiny(family, seed=seed, hidden_size=256, intermediate_size=512, vocab_size=512, initializer_range=0.02,
-                 num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128)
+    model = tiny(family, seed=seed, hidden_size=hidden_size, intermediate_size=intermediate_size, vocab_size=512,
+                 initializer_range=0.02, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                 max_position_embeddings=128)
     with torch.no_grad():
         model.lm_head.weight.mul_(20)
         for layer in model.model.layers:  # (tiny's init leaves the biases zero and the q/k norm gains one)
@@ -410,6 +411,15 @@ def test_megakernel_gives_the_per_op_engines_logits(fmt, family, heads, kv_heads
     """Every format the launch runs, GQA 1 / 4 / 8, head_dim 32 / 64 / 128; Qwen2: its q/k/v biases in the
     launch (check_megakernel_logits)."""
     check_megakernel_logits(megakernel_model(family, heads, kv_heads, fmt).half().cuda())
+
+
+@needs_sm90
+@pytest.mark.parametrize("fmt", [(4, None, True), (4, 32, False), (4, 64, True), (8, None, True), None])
+def test_megakernel_pads_odd_hidden_sizes(fmt):
+    """Hidden 320 and intermediate 832, not multiples of 128 (as SmolLM2's 576 and 1536 are not): the launch's
+    copies of the int4 weights padded to whole 128-input tiles, GQA 5, head_dim 64."""
+    model = megakernel_model("llama", 5, 1, fmt, hidden_size=320, intermediate_size=832)
+    check_megakernel_logits(model.half().cuda())
 
 
 @needs_sm90

@@ -30,12 +30,14 @@ needs_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and has_persist a
                                 reason="needs a compute-capability-9 GPU")
 
 
-def fake_ops(shapes, outs=None):
-    """Plan tuples with made-up (never dereferenced) pointers: shapes [(N, K)], outs per op."""
+def fake_ops(shapes, outs=None, kps=None):
+    """Plan tuples with made-up (never dereferenced) pointers: shapes [(N, K)], outs per op, kps: each op's
+    padded K (0: K)."""
     outs = outs or [0] * len(shapes)
+    kps = kps or [0] * len(shapes)
     return [(4096 * (4 * i + 1), 4096 * (4 * i + 2) if o == 1 else 0, 4096 * (4 * i + 3), 4096 * (4 * i + 4),
-             4096 * (4 * i + 5), n, k, o, i == 0, False, i + 1 == len(shapes), 0, 0, -1, 0) for i, ((n, k), o) in
-            enumerate(zip(shapes, outs))]
+             4096 * (4 * i + 5), n, k, o, i == 0, False, i + 1 == len(shapes), 0, 0, -1, 0, kp)
+            for i, ((n, k), o, kp) in enumerate(zip(shapes, outs, kps))]
 
 
 LLAMA_LIKE = ([(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)], [0, 1, 2, 1])
@@ -90,8 +92,19 @@ def test_schedule_assigns_every_tile_once(shapes, outs, blocks, warps, bits):
 @needs_ext
 def test_plan_names_the_rule():
     ps = qgemv._ext.MODULE.persist
-    bad_k = fake_ops([(256, 200)])
-    assert "linear 0: K must be a positive multiple of 128, got 200" in ps.plan(bad_k, 0, False, 4, 4, 8)[0]
+    bad_k = fake_ops([(256, 200)])  # int4 tiles take 128 inputs: K 200 needs a weight padded to 256
+    assert "linear 0: Kp (the weight's K padded to whole tiles) must be K rounded up to a multiple of 128, got K " \
+        "200, Kp 200" in ps.plan(bad_k, 0, False, 4, 4, 8)[0]
+    assert ps.plan(fake_ops([(256, 200)], kps=[256]), 0, False, 4, 4, 8)[0] == ""
+    assert "Kp 384" in ps.plan(fake_ops([(256, 200)], kps=[384]), 0, False, 4, 4, 8)[0]  # one tile too many
+    assert "K must be a positive multiple of 8, got 196" in ps.plan(fake_ops([(256, 196)], kps=[256]), 0, False, 4,
+                                                                    4, 8)[0]
+    assert "K must be a multiple of the group size, got 200" in \
+        ps.plan(fake_ops([(256, 200)], kps=[256]), 64, False, 4, 4, 8)[0]
+    assert ps.plan(fake_ops([(256, 200)], kps=[224]), 0, False, 4, 4, 8, bits=16)[0] == ""  # fp16: 32-input tiles
+    assert ps.plan(fake_ops([(256, 200)], kps=[256]), 0, False, 4, 4, 8, bits=8)[0] == ""  # int8: 64-input tiles
+    assert "multiple of 64, got K 200, Kp 320" in ps.plan(fake_ops([(256, 200)], kps=[320]), 0, False, 4, 4, 8,
+                                                         bits=8)[0]
     bad_silu = fake_ops([(256, 256), (272, 256)], [0, 2])
     assert "linear 1: N must be a positive multiple of 32 (SiLU * mul), got 272" in \
         ps.plan(bad_silu, 0, False, 4, 4, 8)[0]
@@ -107,7 +120,7 @@ def test_plan_names_the_rule():
     short = [t[:11] + (200,) + t[12:] for t in fake_ops([(256, 256)])]
     assert "linear 0: ldx must be 0 or at least K, got 200" in ps.plan(short, 0, False, 4, 4, 8)[0]
     # an act-order op (a perm pointer): a second input buffer of x_cap fp16 in shared memory
-    plain, permuted = fake_ops(*LLAMA_LIKE), [t[:14] + (8192 * 99,) for t in fake_ops(*LLAMA_LIKE)]
+    plain, permuted = fake_ops(*LLAMA_LIKE), [t[:14] + (8192 * 99,) + t[15:] for t in fake_ops(*LLAMA_LIKE)]
     a, b = ps.plan(plain, 128, True, 132, 16, 8), ps.plan(permuted, 128, True, 132, 16, 8)
     assert a[0] == b[0] == "" and (a[7], b[7]) == (0, 1)
     assert 0 <= b[8] - a[8] - 2 * a[6] < 128  # (the ring starts on a 128-byte boundary)
@@ -143,6 +156,25 @@ def test_fused_tiles_hold_codes_then_scales(zeros, group):
                         assert got == s16[row, col].item()
                         if zeros:
                             assert meta[32 * gpt + 2 * at + h].item() == z[row, col].item()
+
+
+@pytest.mark.parametrize("name", ["int4", "int4g32a", "int4g64", "int8", "fp16"])
+def test_pad_inputs_adds_exact_zero_weights(name):
+    torch.manual_seed(4)
+    w = packed(name, 48, 320)
+    k = 384 if name.startswith("int4") else 320 + 64
+    p = persist.pad_inputs(w, k)
+    dq = (lambda v: v.float()) if name == "fp16" else (lambda v: v.dequantize())
+    assert persist._shape(p) == (48, k)
+    assert torch.equal(dq(p)[:, :320], dq(w)) and bool((dq(p)[:, 320:] == 0).all())
+    assert persist.pad_inputs(w, 320) is w
+    if name != "fp16":  # act-order: the perm stays [K], indexing the first K stored inputs
+        perm = torch.randperm(320)
+        wp = PackedWeight(w.qweight, w.scales, w.zeros, w.config, 320, perm)
+        pp = persist.pad_inputs(wp, k)
+        assert torch.equal(pp.perm, perm) and torch.equal(pp.dequantize(), wp.dequantize())
+    with pytest.raises(persist.PersistError, match="pad_inputs: k 256 is below the weight's K 320"):
+        persist.pad_inputs(w, 256)
 
 
 @needs_ext
@@ -235,9 +267,12 @@ def test_chain_refuses_what_it_cannot_run():
 @needs_sm90
 @pytest.mark.parametrize("name", persist.FORMATS)
 @pytest.mark.parametrize("dims,grid", [((256, 384, 640, 3), {}), ((384, 640, 1152, 2), dict(blocks=7, warps=5, stages=4)),
-                                       ((512, 768, 1024, 4), dict(blocks=61, warps=16, stages=8))])
+                                       ((512, 768, 1024, 4), dict(blocks=61, warps=16, stages=8)),
+                                       # K 320 and 832: int4 weights padded to whole 128-input tiles (pad_inputs)
+                                       ((320, 448, 832, 2), dict(blocks=7, warps=5, stages=4))])
 def test_chain_matches_the_per_op_chain(name, dims, grid):
     h, nqkv, inter, nl = dims
+    skip_if_group_cuts(name, h, inter)
     layers = make_layers(name, nl, h, nqkv, inter, "cuda")
     chain = persist.PersistentChain(layers, **grid)
     for trial in range(3):  # several launches: the epoch moves on each time
@@ -251,6 +286,12 @@ def test_chain_matches_the_per_op_chain(name, dims, grid):
         for buf in chain._acts:
             copies = buf.view(torch.int16).view(2, -1)
             assert not (copies[trial % 2] == -1).any() and bool((copies[1 - trial % 2] == -1).all())
+
+
+def skip_if_group_cuts(name, *ks):
+    g = FORMATS[name].group_size if name != "fp16" else None
+    if g and any(k % g for k in ks):
+        pytest.skip(f"{name}: K {ks} is not a multiple of its group size {g} (no such weight)")
 
 
 def random_norms(layers, h):
@@ -415,10 +456,10 @@ def test_reference_attention_is_sdpa_after_rope():
 def attn_ops(h, hk, d, inter=640, roles=((1, 0), (2, 0))):
     hid = h * d
     ops = fake_ops([((h + 2 * hk) * d, hid), (hid, hid), (2 * inter, hid), (hid, inter)], [0, 1, 2, 1])
-    ops = [t[:8] + (False,) + t[9:12] + (0, -1, 0) for t in ops]  # every buffer inside the launch
+    ops = [t[:8] + (False,) + t[9:12] + (0, -1, 0, 0) for t in ops]  # every buffer inside the launch
     (r1, a1), (r2, a2) = roles
-    ops[0] = ops[0][:12] + (r1, a1, 0)
-    ops[1] = ops[1][:12] + (r2, a2, 0)
+    ops[0] = ops[0][:12] + (r1, a1, 0, 0)
+    ops[1] = ops[1][:12] + (r2, a2, 0, 0)
     return ops
 
 
@@ -544,9 +585,12 @@ def assert_close_cache(got, ref, what):
     # Qwen3's per-head q / k RMSNorms, on the default grid and on 7 blocks (a head's rows in several blocks)
     dict(h=8, hk=2, d=128, inter=1024, nl=2, s=64, splits=None, grid={}, qk_norm=True),
     dict(h=4, hk=2, d=64, inter=640, nl=2, s=64, splits=2, grid=dict(blocks=7, warps=5, stages=4), qk_norm=True),
+    # hidden 320 and intermediate 832 (not multiples of 128: int4 padded to whole tiles), GQA 5
+    dict(h=5, hk=1, d=64, inter=832, nl=2, s=64, splits=None, grid={}),
 ])
 def test_decode_chain_matches_the_per_op_chain(name, cfg):
     torch.manual_seed(7)
+    skip_if_group_cuts(name, cfg["h"] * cfg["d"], cfg["inter"])
     layers, norms, at = decode_setup(name, cfg["h"], cfg["hk"], cfg["d"], cfg["inter"], cfg["nl"], cfg["s"])
     at.splits = cfg["splits"]
     if cfg.get("bias"):
