@@ -173,15 +173,18 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int bits, int group, 
     if (Hk < 1 || H < Hk || H % Hk != 0 || H / Hk > 8)
       return pl.error = where + "heads must be a multiple of kv_heads, at most 8 query heads a kv head, got " +
                         std::to_string(H) + " and " + std::to_string(Hk), pl;
-    if (D < 16 || D % 16 != 0) return pl.error = where + str("head_dim must be a positive multiple of 16, got ", D), pl;
-    if ((H / Hk) * D > 2 * warps * kWarpSize)
-      return pl.error = where + "query heads a kv head x head_dim must be at most 2 x the block's threads (" +
-                        std::to_string(2 * warps * kWarpSize) + "), got " + std::to_string((H / Hk) * D), pl;
+    if (D != 32 && D != 64 && D != 128) return pl.error = where + str("head_dim must be 32, 64 or 128, got ", D), pl;
+    if (H / Hk > warps)
+      return pl.error = where + "needs a warp a query head of a kv head: warps must be at least " +
+                        std::to_string(H / Hk) + ", got " + std::to_string(warps), pl;
     if (a.max_seq < 1 || a.splits < 1)
       return pl.error = where + "max_seq and splits must be positive, got " + std::to_string(a.max_seq) + " and " +
                         std::to_string(a.splits), pl;
     if (!a.k_cache || !a.v_cache || !a.cos || !a.sin || !a.part || !a.count)
       return pl.error = where + "a null pointer (caches, rotary tables, scratch or counters)", pl;
+    if (k > 0 && (a.cos != attns[0].cos || a.sin != attns[0].sin || D != attns[0].head_dim ||
+                  a.max_seq != attns[0].max_seq))
+      return pl.error = where + "every layer must share attention 0's rotary tables, head_dim and max_seq", pl;
     const PersistOp& q = in[qi];
     const PersistOp& o = in[oi];
     if (q.N != (H + 2 * Hk) * D || q.out != 0)
@@ -209,7 +212,7 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int bits, int group, 
     c.ldq = q.N, c.H = H, c.Hkv = Hk, c.D = D, c.S = a.max_seq, c.splits = a.splits;
     c.scale = a.scale;
     // the attention's scratch lives in the input buffer (x_cap fp16)
-    pl.x_cap = std::max(pl.x_cap, (2 * chain_attn_floats(H / Hk, D) + 127) / 128 * 128);
+    pl.x_cap = std::max(pl.x_cap, (2 * chain_attn_floats(H / Hk, D, warps) + 127) / 128 * 128);
   }
   if (na > 0) {
     pl.attn.resize(sizeof(ChainAttn) * na);

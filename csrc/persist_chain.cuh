@@ -241,6 +241,17 @@ __device__ __forceinline__ bool chain_half_ready(const uint4& v) {
           __vcmpeq2(v.w, 0xffffffffu)) == 0u;
 }
 
+// One fp16 value into a chain buffer: this launch's copy
+// (parity par, copies ld apart) written for the readers that poll it, the
+// other copy poisoned for the next launch; a value whose bits are the poison
+// (a NaN) is written as another NaN.
+__device__ __forceinline__ void chain_store_half(unsigned short* y, size_t ld, int par, __half v) {
+  unsigned short bits = __half_as_ushort(v);
+  if (bits == 0xffffu) bits = 0x7fffu;
+  asm volatile("st.relaxed.gpu.global.u16 [%0], %1;" ::"l"(y + static_cast<size_t>(par) * ld), "h"(bits) : "memory");
+  y[static_cast<size_t>(par ^ 1) * ld] = 0xffffu;
+}
+
 // Shared memory: the block's sums (sh.sums fp32), the input (M x x_cap fp16,
 // as chain_put_chunk prepares it), its 2^-24 x sums (room for M x x_cap / 32
 // fp32: G = 32's groups), then with sh.stage the natural-order copy of an
@@ -886,13 +897,33 @@ struct ChainAttn {
   float scale;                // the scores' scale (D^-1/2)
 };
 
-// Shared memory the attention needs (floats), inside the input buffer xs: the
-// group's queries, the token's k and v, a chunk's scores, then two buffers of
-// a chunk's K and V rows (fp16, copied at once; the next chunk's copy flies
-// while the block sums this one).
-constexpr int kChainAttnChunk = 32;  // cache positions a chunk
-__host__ __device__ inline int chain_attn_floats(int gq, int D) {
-  return gq * D + 2 * D + gq * kChainAttnChunk + 2 * kChainAttnChunk * D;
+// The launch's slot and its rotary row, read once at the launch's start (every
+// op of every layer uses the same ones): the finishing's rotation then needs
+// no global load on the critical path.
+constexpr int kChainAttnMaxDim = 128;
+static __shared__ int chain_slot;
+static __shared__ float chain_rope_cs[2 * kChainAttnMaxDim];  // cos, then sin, of the slot's row
+
+__device__ __forceinline__ void chain_decode_prologue(const ChainAttn* attn, const int* slot) {
+  const int pos = *slot, D = attn[0].D;
+  if (pos < 0 || pos >= attn[0].S) __trap();  // the slot outside the cache: stop rather than write outside it
+  if (threadIdx.x == 0) chain_slot = pos;
+  for (int f = threadIdx.x; f < D; f += blockDim.x) {
+    chain_rope_cs[f] = __half2float(attn[0].cos[static_cast<size_t>(pos) * D + f]);
+    chain_rope_cs[kChainAttnMaxDim + f] = __half2float(attn[0].sin[static_cast<size_t>(pos) * D + f]);
+  }
+}  // (the kernel's next block barrier publishes them)
+
+// Attention's shared memory (floats, inside the input buffer xs): the
+// group's queries and the token's k and v; then either two buffers of a
+// chunk's K and V rows (fp16, cp.async) or, for the block's merge, each warp's
+// (max, sum) and values.
+constexpr int kChainAttnChunk = 32;   // cache positions a chunk
+constexpr int kChainAttnPerWarp = 8;  // positions a warp before the context is split across blocks
+__host__ __device__ inline int chain_attn_floats(int gq, int D, int W) {
+  const int rows = 2 * 2 * kChainAttnChunk * D / 2;  // fp16 K and V, two buffers
+  const int merge = W * D + 2 * W;
+  return gq * D + 2 * D + (rows > merge ? rows : merge);
 }
 
 // The q/k/v op's finishing with the rotation (M = 1; sums: the block's panels
@@ -903,9 +934,8 @@ __device__ __forceinline__ void chain_rope_finish(const ChainAttn& a, int pos, i
                                                unsigned short* y, int ldy, int nthreads) {
   const int lane = threadIdx.x & 31, D = a.D, half = D / 2;
   const int q_rows = a.H * D, qk_rows = (a.H + a.Hkv) * D;
-  if (pos < 0 || pos >= a.S) __trap();  // the slot outside the cache: stop rather than write outside it
-  const __half* cs = a.cos + static_cast<size_t>(pos) * D;
-  const __half* sn = a.sin + static_cast<size_t>(pos) * D;
+  const float* cs = chain_rope_cs;  // the slot's row (chain_decode_prologue)
+  const float* sn = chain_rope_cs + kChainAttnMaxDim;
   const int nh = a.H + a.Hkv;
   if (a.q_norm) {
     // Qwen3's per-head RMSNorm of q and k needs each head's sum of squares, and a head's rows may lie in
@@ -964,16 +994,12 @@ __device__ __forceinline__ void chain_rope_finish(const ChainAttn& a, int pos, i
       w = __half2float(__float2half_rn(__half2float(__float2half_rn(w * rs)) * __half2float(gain[dw])));
     }
     if (rot) {
-      const float c = __half2float(cs[f]), s = __half2float(sn[f]);
+      const float c = cs[f], s = sn[f];
       // x1 = row f, x2 = row f + D / 2: (x1 c - x2 s, x2 c + x1 s); here v is this row's, w its pair's
       v = r < 8 ? v * c - w * s : v * c + w * s;
     }
     const __half hv = __float2half_rn(v);
-    unsigned short bits = __half_as_ushort(hv);
-    if (bits == 0xffffu) bits = 0x7fffu;  // a NaN, never the poison
-    unsigned short* yp = y + nat;
-    asm volatile("st.relaxed.gpu.global.u16 [%0], %1;" ::"l"(yp + static_cast<size_t>(par) * ldy), "h"(bits) : "memory");
-    yp[static_cast<size_t>(par ^ 1) * ldy] = 0xffffu;
+    chain_store_half(y + nat, ldy, par, hv);
     if (nat >= q_rows) {  // k or v of kv head kh: the cache at the token's slot
       const bool is_k = nat < qk_rows;
       const int off = nat - (is_k ? q_rows : qk_rows), kh = off / D;
@@ -996,145 +1022,174 @@ __device__ __forceinline__ void chain_poll8(const unsigned short* p, float* out,
 }
 
 // The block's units of one layer's attention (every consumer thread; csync
-// the block barrier; sm: chain_attn_floats floats of shared memory).  Each
-// chunk's K and V rows are copied into shared memory at once (cp.async: one
-// round trip a chunk, and the split's first chunk is on its way while the
-// block waits for q/k/v's outputs).  Thread e owns (query head e / D, dim
-// e % D) and e + nthreads (gq D <= 2 nthreads).
-template <typename Sync>
-__device__ __forceinline__ void chain_attention(const ChainAttn& a, int pos, int par, int nthreads, Sync&& csync,
-                                             float* sm) {
+// the block barrier; sm: chain_attn_floats floats of shared memory).  The
+// context is split across blocks only when it is long: splits = min(a.splits,
+// ceil(L / (W kChainAttnPerWarp))), one unit a block (one split: no merge
+// across blocks).  A unit's K and V rows come through shared memory in chunks
+// (cp.async, two buffers: the next chunk's copy flies while this one is
+// summed; the first is issued before the wait for q/k/v).  Warp w takes query
+// head w % gq and every (W / gq)-th position of each chunk from slice w / gq,
+// with its own online softmax (lanes over the dims, kDpl = D / 32 each; the
+// score all-reduced by shuffles; two positions at a time): few registers (the
+// kernel calls this with the tile loop's state live) and no block barrier
+// inside a chunk.  Then the head's warps merge in shared memory, and a split's
+// result goes to the scratch, where the kv head's last split merges them (as
+// flash-decoding does), or with one split straight into o's input.
+template <int kDpl, typename Sync>
+__device__ __forceinline__ void chain_attention(const ChainAttn& a, int par, int nthreads, Sync&& csync, float* sm) {
   __shared__ int last;
+  constexpr int kD = 32 * kDpl;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = nthreads / 32;
-  const int gq = a.H / a.Hkv, D = a.D, L = pos + 1, units = a.Hkv * a.splits, pairs = gq * D;
-  float* qf = sm;                                          // [gq][D] queries x scale
-  float* kv = qf + pairs;                                  // [2][D] the token's k, v
-  float* sc = kv + 2 * D;                                  // [gq][kChainAttnChunk] a chunk's scores
-  // [2][K, V][kChainAttnChunk][D]: two chunks' rows
-  __half* rows = reinterpret_cast<__half*>(sc + gq * kChainAttnChunk);
+  const int pos = chain_slot, gq = a.H / a.Hkv, L = pos + 1, pairs = gq * kD;
+  const int splits = min(a.splits, (L + W * kChainAttnPerWarp - 1) / (W * kChainAttnPerWarp));
+  const int units = a.Hkv * splits;
+  const int hj = warp % gq, slices = W / gq, slice = warp / gq;  // this warp's query head and position slice
+  const bool busy = slice < slices;
+  float* qf = sm;                // [gq][kD] queries x scale
+  float* kv = qf + pairs;        // [2][kD] the token's k, v
+  float* big = kv + 2 * kD;      // the chunks' rows, or the merge's buffers
+  __half* rows = reinterpret_cast<__half*>(big);  // [2][K, V][kChainAttnChunk][kD]
   const unsigned short* src = a.qkv + static_cast<size_t>(par) * a.ldq;
   for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-    const int h = unit / a.splits, s = unit % a.splits;
-    const int p0 = static_cast<int>(static_cast<long long>(s) * L / a.splits);
-    const int p1 = static_cast<int>(static_cast<long long>(s + 1) * L / a.splits);
-    const __half* kc = a.k_cache + static_cast<size_t>(h) * a.S * D;
-    const __half* vc = a.v_cache + static_cast<size_t>(h) * a.S * D;
-    // the chunk at c0 into buffer b: its K and V rows in flight (row pos, not yet written, is copied and
-    // never read)
+    const int h = unit / splits, s = unit % splits;
+    const int p0 = static_cast<int>(static_cast<long long>(s) * L / splits);
+    const int p1 = static_cast<int>(static_cast<long long>(s + 1) * L / splits);
+    const __half* kc = a.k_cache + static_cast<size_t>(h) * a.S * kD;
+    const __half* vc = a.v_cache + static_cast<size_t>(h) * a.S * kD;
+    // the chunk at c0 into buffer b (row pos, not yet written, is copied and never read)
     auto fetch = [&](int c0, int b) {
-      const int n = min(kChainAttnChunk, p1 - c0), words = n * D / 8;
-      const uint4* k4 = reinterpret_cast<const uint4*>(kc + static_cast<size_t>(c0) * D);
-      const uint4* v4 = reinterpret_cast<const uint4*>(vc + static_cast<size_t>(c0) * D);
-      uint4* ks4 = reinterpret_cast<uint4*>(rows + static_cast<size_t>(2 * b) * kChainAttnChunk * D);
-      uint4* vs4 = ks4 + kChainAttnChunk * D / 8;
+      const int words = min(kChainAttnChunk, p1 - c0) * kD / 8;
+      const uint4* k4 = reinterpret_cast<const uint4*>(kc + static_cast<size_t>(c0) * kD);
+      const uint4* v4 = reinterpret_cast<const uint4*>(vc + static_cast<size_t>(c0) * kD);
+      uint4* ks4 = reinterpret_cast<uint4*>(rows + static_cast<size_t>(2 * b) * kChainAttnChunk * kD);
+      uint4* vs4 = ks4 + kChainAttnChunk * kD / 8;
       for (int c = threadIdx.x; c < 2 * words; c += nthreads)
         cp_async_16_shared_data(c < words ? ks4 + c : vs4 + (c - words), c < words ? k4 + c : v4 + (c - words));
       cp_async_commit();
     };
-    if (p0 < p1) fetch(p0, 0);
+    fetch(p0, 0);  // p0 < p1: every unit has a position (splits <= L)
     for (int c = threadIdx.x; c < pairs / 8; c += nthreads) chain_poll8(src + h * pairs + 8 * c, qf + 8 * c, a.scale);
     if (p1 == L)
-      for (int c = threadIdx.x; c < D / 4; c += nthreads) {
-        const int at = c < D / 8 ? a.H * D + h * D + 8 * c : (a.H + a.Hkv) * D + h * D + 8 * (c - D / 8);
+      for (int c = threadIdx.x; c < kD / 4; c += nthreads) {
+        const int at = c < kD / 8 ? a.H * kD + h * kD + 8 * c : (a.H + a.Hkv) * kD + h * kD + 8 * (c - kD / 8);
         chain_poll8(src + at, kv + 8 * c, 1.f);
       }
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, acc[2] = {0.f, 0.f};
+    csync();  // the queries and the token's k / v
+    float q[kDpl], acc[kDpl], m = -INFINITY, l = 0.f;
+#pragma unroll
+    for (int e = 0; e < kDpl; ++e) q[e] = qf[hj * kD + lane * kDpl + e], acc[e] = 0.f;
+    // position p's (k, v) of this lane's dims: the token's from kv, the others from the chunk's rows
+    auto row = [&](const __half* ks, const __half* vs, int pl, int p, float (&k)[kDpl], float (&v)[kDpl]) {
+      const bool cur = p == pos;
+#pragma unroll
+      for (int e = 0; e < kDpl; ++e) {
+        const int d = lane * kDpl + e;
+        k[e] = cur ? kv[d] : __half2float(ks[pl * kD + d]);
+        v[e] = cur ? kv[kD + d] : __half2float(vs[pl * kD + d]);
+      }
+    };
+    auto take = [&](float sc, const float (&v)[kDpl]) {  // one position into the online softmax
+      const float mx = fmaxf(m, sc), r = __expf(m - mx), e1 = __expf(sc - mx);
+      l = fmaf(l, r, e1);
+#pragma unroll
+      for (int e = 0; e < kDpl; ++e) acc[e] = fmaf(acc[e], r, e1 * v[e]);
+      m = mx;
+    };
     for (int c0 = p0, b = 0; c0 < p1; c0 += kChainAttnChunk, b ^= 1) {
       const int n = min(kChainAttnChunk, p1 - c0);
-      const __half* ks = rows + static_cast<size_t>(2 * b) * kChainAttnChunk * D;
-      const __half* vs = ks + kChainAttnChunk * D;
-      if (c0 + kChainAttnChunk < p1) {  // the next chunk's copy flies while this one is summed
+      if (c0 + kChainAttnChunk < p1) {
         fetch(c0 + kChainAttnChunk, b ^ 1);
         cp_async_wait<1>();
       } else {
         cp_async_wait<0>();
       }
-      csync();  // the chunk's rows, the queries and the token's k / v are in
-      // scores: a warp a position; lanes over the dims, one shuffle reduction a query head
-      for (int pl = warp; pl < n; pl += W) {
-        const int p = c0 + pl;
-        float part[8];
+      csync();  // the chunk's rows are in (and every warp is past the other buffer's last use)
+      const __half* ks = rows + static_cast<size_t>(2 * b) * kChainAttnChunk * kD;
+      const __half* vs = ks + kChainAttnChunk * kD;
+      if (busy)
+        for (int pl = slice; pl < n; pl += 2 * slices) {  // two positions at a time: two shuffle chains
+          const int pl2 = pl + slices;
+          const bool two = pl2 < n;
+          float k0[kDpl], v0[kDpl], k1[kDpl], v1[kDpl];
+          row(ks, vs, pl, c0 + pl, k0, v0);
+          row(ks, vs, two ? pl2 : pl, c0 + (two ? pl2 : pl), k1, v1);
+          float s0 = 0.f, s1 = 0.f;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) part[j] = 0.f;
-        for (int d = lane; d < D; d += 32) {
-          const float k = p == pos ? kv[d] : __half2float(ks[pl * D + d]);
+          for (int e = 0; e < kDpl; ++e) s0 = fmaf(q[e], k0[e], s0), s1 = fmaf(q[e], k1[e], s1);
 #pragma unroll
-          for (int j = 0; j < 8; ++j)
-            if (j < gq) part[j] = fmaf(qf[j * D + d], k, part[j]);
+          for (int o = 16; o > 0; o >>= 1) {
+            s0 += __shfl_xor_sync(0xffffffffu, s0, o);
+            s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+          }
+          take(s0, v0);
+          if (two) take(s1, v1);
         }
+    }
+    // the block's merge: each warp's (max, sum) and values, then (head, dim) threads over the head's warps
+    csync();  // every warp is past the last chunk's rows (the merge's buffers overlay them)
+    float* wm = big;          // [W] maxima
+    float* wl = wm + W;       // [W] sums
+    float* wv = wl + W;       // [W][kD] values
+    if (lane == 0) wm[warp] = m, wl[warp] = l;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          if (j >= gq) break;
-          float v = part[j];
-#pragma unroll
-          for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-          if (lane == 0) sc[j * kChainAttnChunk + pl] = v;
+    for (int e = 0; e < kDpl; ++e) wv[warp * kD + lane * kDpl + e] = acc[e];
+    csync();
+    float* ps = a.part + (static_cast<size_t>(h) * a.splits + s) * gq * (kD + 2);
+    for (int t = threadIdx.x; t < pairs; t += nthreads) {
+      const int j = t / kD, d = t % kD;
+      float mx = -INFINITY;
+      for (int w = j; w < gq * slices; w += gq) mx = fmaxf(mx, wm[w]);
+      float den = 0.f, num = 0.f;
+      if (mx != -INFINITY)
+        for (int w = j; w < gq * slices; w += gq) {
+          const float f = __expf(wm[w] - mx);  // a warp without positions: exp(-inf) = 0
+          den = fmaf(wl[w], f, den);
+          num = fmaf(wv[w * kD + d], f, num);
         }
+      if (splits == 1) {  // the unit is the whole context: o's input at once
+        chain_store_half(a.out + h * pairs + t, static_cast<size_t>(a.H) * kD, par, __float2half_rn(num / den));
+      } else {
+        ps[j * (kD + 2) + d] = num;
+        if (d == 0) ps[j * (kD + 2) + kD] = mx, ps[j * (kD + 2) + kD + 1] = den;
       }
+    }
+    if (splits > 1) {
+      __threadfence();  // the split's values before its count
       csync();
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        const int e = threadIdx.x + k * nthreads;
-        if (e >= pairs) break;
-        const int j = e / D, d = e % D;
-        const float* sj = sc + j * kChainAttnChunk;
-        float mx = m[k];
-        for (int pl = 0; pl < n; ++pl) mx = fmaxf(mx, sj[pl]);
-        const float alpha = __expf(m[k] - mx);
-        float lk = l[k] * alpha, ak = acc[k] * alpha;
-        for (int pl = 0; pl < n; ++pl) {
-          const float pe = __expf(sj[pl] - mx);
-          lk += pe;
-          ak = fmaf(pe, c0 + pl == pos ? kv[D + d] : __half2float(vs[pl * D + d]), ak);
-        }
-        m[k] = mx, l[k] = lk, acc[k] = ak;
-      }
-      csync();  // the chunk's scores and rows are read before the copies two chunks on
-    }
-    float* ps = a.part + (static_cast<size_t>(h) * a.splits + s) * gq * (D + 2);
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      const int e = threadIdx.x + k * nthreads;
-      if (e >= pairs) break;
-      const int j = e / D, d = e % D;
-      ps[j * (D + 2) + d] = acc[k];
-      if (d == 0) ps[j * (D + 2) + D] = m[k], ps[j * (D + 2) + D + 1] = l[k];
-    }
-    __threadfence();  // the split's values before its count
-    csync();
-    if (threadIdx.x == 0) last = atomicAdd(a.count + h, 1u) == static_cast<unsigned>(a.splits - 1);
-    csync();
-    if (last) {  // every split of kv head h is in: merge them into o's input
-      __threadfence();
-      if (threadIdx.x == 0) a.count[h] = 0u;  // for the next launch (nobody else touches it in this one)
-      const float* ph = a.part + static_cast<size_t>(h) * a.splits * gq * (D + 2);
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        const int e = threadIdx.x + k * nthreads;
-        if (e >= pairs) break;
-        const int j = e / D, d = e % D;
-        // one pass, the running max rescaling the sums (unrolled: 8 splits' loads in flight at once)
-        float mx = -INFINITY, den = 0.f, num = 0.f;
+      if (threadIdx.x == 0) last = atomicAdd(a.count + h, 1u) == static_cast<unsigned>(splits - 1);
+      csync();
+      if (last) {  // every split of kv head h is in: merge them into o's input
+        __threadfence();
+        if (threadIdx.x == 0) a.count[h] = 0u;  // for the next launch (nobody else touches it in this one)
+        const float* ph = a.part + static_cast<size_t>(h) * a.splits * gq * (kD + 2);
+        for (int e = threadIdx.x; e < pairs; e += nthreads) {
+          const int j = e / kD, d = e % kD;
+          // one pass, the running max rescaling the sums (unrolled: 8 splits' loads in flight at once)
+          float mx = -INFINITY, den = 0.f, num = 0.f;
 #pragma unroll 8
-        for (int t = 0; t < a.splits; ++t) {
-          const float* pt = ph + (t * gq + j) * (D + 2);
-          const float mt = __ldcg(pt + D), lt = __ldcg(pt + D + 1), at = __ldcg(pt + d);
-          if (mt == -INFINITY) continue;  // an empty split
-          const float m2 = fmaxf(mx, mt), r = __expf(mx - m2), w = __expf(mt - m2);
-          den = fmaf(den, r, lt * w);
-          num = fmaf(num, r, at * w);
-          mx = m2;
+          for (int t = 0; t < splits; ++t) {
+            const float* pt = ph + (t * gq + j) * (kD + 2);
+            const float mt = __ldcg(pt + kD), lt = __ldcg(pt + kD + 1), at = __ldcg(pt + d);
+            const float m2 = fmaxf(mx, mt), r = __expf(mx - m2), w = __expf(mt - m2);
+            den = fmaf(den, r, lt * w);
+            num = fmaf(num, r, at * w);
+            mx = m2;
+          }
+          chain_store_half(a.out + h * pairs + e, static_cast<size_t>(a.H) * kD, par, __float2half_rn(num / den));
         }
-        unsigned short bits = __half_as_ushort(__float2half_rn(num / den));
-        if (bits == 0xffffu) bits = 0x7fffu;
-        unsigned short* op = a.out + h * pairs + e;
-        asm volatile("st.relaxed.gpu.global.u16 [%0], %1;" ::"l"(op + static_cast<size_t>(par) * a.H * D), "h"(bits)
-                     : "memory");
-        op[static_cast<size_t>(par ^ 1) * a.H * D] = 0xffffu;
       }
     }
-    csync();  // the scratch is free for the block's next unit
+    csync();  // the scratch and the merge's buffers are free for the block's next unit
   }
+}
+
+// chain_attention for the layer's head size (32, 64 or 128: the plan refuses others).
+template <typename Sync>
+__device__ __forceinline__ void chain_attention_any(const ChainAttn& a, int par, int nthreads, Sync&& csync,
+                                                 float* sm) {
+  if (a.D == 128) chain_attention<4>(a, par, nthreads, csync, sm);
+  else if (a.D == 64) chain_attention<2>(a, par, nthreads, csync, sm);
+  else chain_attention<1>(a, par, nthreads, csync, sm);
 }
 
 // ---- The kernel (form 20) -------------------------------------------------
@@ -1179,6 +1234,7 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
   const ChainRing rg(chain_smem, sh, W);
   for (int q = threadIdx.x; q < W * rg.C; q += blockDim.x) mbar_init(rg.full + q, 1);
   mbar_init_fence();
+  if constexpr (kDecode) chain_decode_prologue(sh.attn, sh.pos);
   // the block's schedule records
   for (int q = threadIdx.x; q < sh.classes * (W + 1); q += blockDim.x)
     rg.tab[q] = sh.cursors[(static_cast<size_t>(q / (W + 1)) * G + (kStamps ? (blockIdx.x + sh.rotate) % G : blockIdx.x)) *
@@ -1268,7 +1324,7 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
       if (o.flags & kChainRope) {  // stage 2: q/k/v, rotated, into its output and the cache
         const long long f0 = timed ? clock64() : 0;
         csync();
-        chain_rope_finish(sh.attn[o.attn], *sh.pos, par, sums, u0, (u1 - u0) * vals, static_cast<unsigned short*>(p.y),
+        chain_rope_finish(sh.attn[o.attn], chain_slot, par, sums, u0, (u1 - u0) * vals, static_cast<unsigned short*>(p.y),
                           p.ldy, nthreads);
         if (timed) {
           const long long v = clock64() - f0;
@@ -1309,11 +1365,7 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
       const int row = static_cast<int>(u0 + u) * kPanelRows + r;
       if (resid) v += q == threadIdx.x ? res0 : res_at(tok, row);
       if (py) {  // this launch's copy; the other poisoned for the next launch
-        unsigned short bits = __half_as_ushort(__float2half_rn(v));
-        if (bits == 0xffffu) bits = 0x7fffu;  // a NaN, never the poison
-        unsigned short* yp = static_cast<unsigned short*>(p.y) + row;
-        asm volatile("st.relaxed.gpu.global.u16 [%0], %1;" ::"l"(yp + static_cast<size_t>(par) * p.ldy), "h"(bits) : "memory");
-        yp[static_cast<size_t>(par ^ 1) * p.ldy] = 0xffffu;
+        chain_store_half(static_cast<unsigned short*>(p.y) + row, p.ldy, par, __float2half_rn(v));
       } else {
         static_cast<T*>(p.y)[static_cast<size_t>(tok) * p.ldy + row] = from_float<T>(v);
       }
@@ -1349,7 +1401,7 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
         if (ops[i].flags & kChainAttnIn) {  // stage 2: the layer's attention writes this op's input
           const long long a0 = timed ? clock64() : 0;
           csync();  // every warp is past the last op's reads of xs, the attention's scratch
-          chain_attention(sh.attn[ops[i].attn], *sh.pos, par, nthreads, csync, reinterpret_cast<float*>(xs));
+          chain_attention_any(sh.attn[ops[i].attn], par, nthreads, csync, reinterpret_cast<float*>(xs));
           if (timed) t_prep += clock64() - a0;
         }
       }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|stage2|gen|attn|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|stage2|gen|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -16,16 +16,6 @@ if [ -z "${NO_EXT:-}" ]; then  # NO_EXT=1: lab steps only (persist), no extensio
   echo "build: $(( $(date +%s) - start )) s"
   python3 -m qgemv info | tee "$OUT/info.txt"
 fi
-# patch_step NAME PATCH K: a branch's patch applied to this copy of the tree, the extension rebuilt, and the
-# persistent chain's and the engine's tests selected by pytest -k K run (logs in $OUT)
-patch_step() {
-  git apply "$2" 2>/dev/null || patch -p1 < "$2" || return 1
-  python3 setup.py build_ext --inplace > "$OUT/build_$1.log" 2>&1 || { tail -40 "$OUT/build_$1.log"; return 1; }
-  OMP_NUM_THREADS=2 timeout 300 python3 -m pytest -n 16 -v -rs -p no:cacheprovider tests/test_persist.py \
-    tests/test_engine.py -k "$3" > "$OUT/$1_tests.log" 2>&1
-  echo "$1 tests: exit $?, $(grep -c ' PASSED ' "$OUT/$1_tests.log") passed"
-  grep -E ' (FAILED|ERROR) ' "$OUT/$1_tests.log" | sort -u | head -20
-}
 for step in "${@:-all}"; do
   case "$step" in
     tests|all)
@@ -126,10 +116,6 @@ for step in "${@:-all}"; do
       timeout "${GEN_LIMIT:-420}" python3 -m qgemv.eval.bench_generate --models "${GEN_MODELS:-llama2-7b,llama3-8b}" --batches 1 \
         --no-hf --no-breakdown --variants "${GEN_VARIANTS:-int4g128a,int4g128a_mk,int4,int4_mk,int8,int8_mk,fp16,fp16_mk}" \
         --out "$OUT/generate" 2>&1 | grep -v -i warn | tail -30 ;;
-    attn)
-      # attention v2 (dev/attn_v2.patch, branch stage2-attn-v3) on this copy: rebuild, its tests, dev/attn_probe.py
-      patch_step attn dev/attn_v2.patch "persist or megakernel or Persist" || exit 1
-      timeout 200 python3 dev/attn_probe.py 2>&1 | grep -v -i warn | tee "$OUT/attn_probe.txt" ;;
     tpbench)
       # issue 36: the tensor-parallel shards of Llama-3-8B / 70B (TP 2 / 4 / 8) against fp16 cuBLAS
       python3 -m qgemv.eval.bench_gemv --tp-shapes --no-extras --ms ${TP_MS:-1,4,16} --out "$OUT/bench_tp" 2>&1 \

@@ -237,8 +237,8 @@ def megakernel_refusal(engine: "Engine") -> str:
     h, hk, d = engine.heads, engine.kv_heads, engine.head_dim
     if hk < 1 or h % hk or h // hk > 8:
         return f"{h} query heads over {hk} kv heads: needs at most 8 query heads a kv head"
-    if d % 16:
-        return f"head_dim {d} is not a multiple of 16"
+    if d not in (32, 64, 128):
+        return f"head_dim {d}: the launch runs 32, 64 or 128"
     fmt = None
     for i, L in enumerate(engine.layers):
         for name, m in (("q/k/v", L.qkv.fused), ("o_proj", L.o_proj), ("gate/up", L.gate_up.fused),

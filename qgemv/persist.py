@@ -75,14 +75,15 @@ class PersistError(ValueError):
 class Attention:
     """The layers' attention inside the launch (stage 2 of issue 35): RoPE, the KV-cache write, attention.
 
-    heads / kv_heads / head_dim: the model's (heads a multiple of kv_heads, at most 8 query heads a kv head,
-    head_dim a multiple of 16); cos / sin: float16 [S, head_dim], the model's rotary tables (cos[p, f] ==
-    cos[p, f + head_dim / 2], as transformers' rotary modules make them); k_cache / v_cache: float16
-    [layers, kv_heads, S, head_dim], contiguous: the launch writes each layer's k (rotated) and v at the
-    token's slot and reads slots 0..slot.  scale: the scores' scale (default head_dim ** -0.5); splits: cache
-    splits a kv head (default: one unit a block, blocks // kv_heads).  qkv_bias: float16 [layers, (heads +
-    2 kv_heads) head_dim], contiguous, or None: each layer's q/k/v bias (Qwen2), in the natural row order,
-    added to q/k/v's rounded output (and rounded) before the rotation, as the per-op linear adds it.  q_norm /
+    heads / kv_heads / head_dim: the model's (heads a multiple of kv_heads, at most 8 query heads a kv head and
+    no more than the block's warps; head_dim 32, 64 or 128); cos / sin: float16 [S, head_dim], the model's rotary
+    tables (cos[p, f] == cos[p, f + head_dim / 2], as transformers' rotary modules make them); k_cache / v_cache:
+    float16 [layers, kv_heads, S, head_dim], contiguous: the launch writes each layer's k (rotated) and v at the
+    token's slot and reads slots 0..slot.  scale: the scores' scale (default head_dim ** -0.5); splits: the most
+    cache splits a kv head (default blocks // kv_heads: one unit a block); the launch splits a context only past
+    8 positions a warp (one split of L positions: no merge across blocks).  qkv_bias: float16 [layers, (heads +
+    2 kv_heads) head_dim], contiguous, or None: each layer's q/k/v bias (Qwen2), in the natural row order, added
+    to q/k/v's rounded output (and rounded) before the rotation, as the per-op linear adds it.  q_norm /
     k_norm: float16 [layers, head_dim], contiguous, or None (both): each layer's RMSNorm gain of every q / k
     head (Qwen3), applied before the rotation with epsilon ``qk_eps``.
     The token's slot is its rotary position (one sequence, no padding).
@@ -457,8 +458,8 @@ class PersistentChain:
         if not (hk >= 1 and hq >= hk and hq % hk == 0 and hq // hk <= 8):
             raise PersistError(f"attention: heads ({hq}) must be a multiple of kv_heads ({hk}), "
                                f"at most 8 query heads a kv head")
-        if d < 16 or d % 16:
-            raise PersistError(f"attention: head_dim must be a positive multiple of 16, got {d}")
+        if d not in (32, 64, 128):
+            raise PersistError(f"attention: head_dim must be 32, 64 or 128, got {d}")
         s = at.cos.shape[0] if at.cos.dim() == 2 else -1
         for name, t, shape in (("cos", at.cos, (s, d)), ("sin", at.sin, (s, d)),
                                ("k_cache", at.k_cache, (layers, hk, s, d)), ("v_cache", at.v_cache, (layers, hk, s, d))):

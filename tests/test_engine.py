@@ -326,12 +326,16 @@ def test_bench_generate_runs_its_engine_rows_on_cpu(tmp_path):
     ("act-order", "needs float16 activations, the model runs torch.float32"),  # act-order runs in the launch
     ("bf16", "needs float16 activations, the model runs torch.bfloat16"),
     ("cpu", "needs a CUDA device, the model is on cpu"),
+    ("head_dim 16", "head_dim 16: the launch runs 32, 64 or 128"),
 ])
 def test_megakernel_names_why_it_is_off_and_the_per_op_path_runs(case, why):
     from qgemv.engine import megakernel_refusal
 
     family = "qwen2-bias" if case == "qwen2-bias" else "qwen3-qk-norm" if case == "qwen3-qk-norm" else "llama"
-    model = tiny(family, **(dict(attention_bias=True) if case == "o-bias" else {}))
+    extra = {} if case == "head_dim 16" else dict(num_attention_heads=2)  # head_dim 16 or 32
+    if case == "o-bias":
+        extra["attention_bias"] = True
+    model = tiny(family, **extra)
     if case != "float":
         qgemv.quantize_model(model, bits=4, group_size=None)
     if case == "act-order":

@@ -532,10 +532,10 @@ def test_plan_checks_the_attention():
         ps.plan(attn_ops(8, 3, 64), 0, False, 8, 16, 8, [attn_tuple(8, 3, 64)])[0]
     assert "at most 8 query heads a kv head" in \
         ps.plan(attn_ops(16, 1, 32), 0, False, 8, 16, 8, [attn_tuple(16, 1, 32)])[0]
-    assert "head_dim must be a positive multiple of 16, got 40" in \
-        ps.plan(attn_ops(16, 4, 40), 0, False, 8, 16, 8, [attn_tuple(16, 4, 40)])[0]
-    assert "must be at most 2 x the block's threads (64), got 256" in \
-        ps.plan(attn_ops(4, 1, 64), 0, False, 8, 1, 8, [attn_tuple(4, 1, 64)])[0]
+    assert "head_dim must be 32, 64 or 128, got 80" in \
+        ps.plan(attn_ops(8, 2, 80), 0, False, 8, 16, 8, [attn_tuple(8, 2, 80)])[0]
+    assert "needs a warp a query head of a kv head: warps must be at least 4, got 2" in \
+        ps.plan(attn_ops(4, 1, 64), 0, False, 8, 2, 8, [attn_tuple(4, 1, 64)])[0]
     assert "the q/k/v linear must have N = (heads + 2 kv_heads) head_dim = 1024 and a plain output, got N = 768" in \
         ps.plan(attn_ops(8, 2, 64), 0, False, 8, 16, 8, [attn_tuple(8, 4, 64)])[0]
     assert "attention 0: needs its q/k/v linear (role 1) and the linear after it (role 2)" in \
