@@ -43,7 +43,7 @@ K % 8 == 0 and N % 16 == 0 (gate_up: % 32).  A K that is not a multiple of
 the kernel's tile (128 int4, 64 int8, 32 fp16 inputs) is padded with zero
 weights once, in the chain's copy (:func:`pad_inputs`); the launch reads the
 padded inputs as zeros.  The engine runs it with ``Engine(megakernel=True)``
-(off by default until its tokens per second are measured).
+(off by default; dev/PERSISTENT.md has its measurements).
 """
 
 from __future__ import annotations

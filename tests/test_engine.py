@@ -327,12 +327,17 @@ def test_bench_generate_runs_its_engine_rows_on_cpu(tmp_path):
     ("bf16", "needs float16 activations, the model runs torch.bfloat16"),
     ("cpu", "needs a CUDA device, the model is on cpu"),
     ("head_dim 16", "head_dim 16: the launch runs 32, 64 or 128"),
+    ("gqa5", "5 query heads over 1 kv heads: groups of 5 are not yet verified on a GPU (groups of 1, 2, 4 and 8 "
+             "are)"),
+    ("hidden320", "hidden size 320 is not a multiple of 128: not yet verified on a GPU"),
 ])
 def test_megakernel_names_why_it_is_off_and_the_per_op_path_runs(case, why):
     from qgemv.engine import megakernel_refusal
 
     family = "qwen2-bias" if case == "qwen2-bias" else "qwen3-qk-norm" if case == "qwen3-qk-norm" else "llama"
-    extra = {} if case == "head_dim 16" else dict(num_attention_heads=2)  # head_dim 16 or 32
+    extra = dict(hidden_size=128, intermediate_size=256, num_attention_heads=8 if case == "head_dim 16" else 4)
+    if case in ("gqa5", "hidden320"):  # head_dim 64
+        extra = dict(hidden_size=320, num_attention_heads=5, num_key_value_heads=1 if case == "gqa5" else 5)
     if case == "o-bias":
         extra["attention_bias"] = True
     model = tiny(family, **extra)
@@ -340,7 +345,7 @@ def test_megakernel_names_why_it_is_off_and_the_per_op_path_runs(case, why):
         qgemv.quantize_model(model, bits=4, group_size=None)
     if case == "act-order":
         a = model.model.layers[0].self_attn
-        perm = torch.randperm(64)
+        perm = torch.randperm(128)
         for lin in (a.q_proj, a.k_proj, a.v_proj):
             lin.perm = perm
     if case in ("bf16", "cpu"):  # the weights pass: the activations' dtype, then the device decide
@@ -360,17 +365,23 @@ needs_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.ge
                                 reason="needs a compute-capability-9 GPU")
 
 
+def megakernel_pair(model, plen, n):
+    """(per-op engine, megakernel engine, their logits [1, n, vocab]) for a random prompt of plen tokens and
+    the per-op engine's n greedy tokens after it, fed to both (teacher forcing)."""
+    prompt = [torch.randint(0, 512, (plen,), generator=torch.Generator().manual_seed(plen)).tolist()]
+    per_op = Engine(model, max_seq_len=128)
+    want = per_op.generate(prompt, max_new_tokens=n).tokens
+    ref = forced_logits(per_op, prompt, want)
+    mk = Engine(model, max_seq_len=128, megakernel=True)
+    return per_op, mk, ref, forced_logits(mk, prompt, want)
+
+
 def check_megakernel_logits(model):
     """Teacher-forced (as test_cuda_kernels_give_the_cpu_reference_logits): the persistent launch's logits
     against the per-op engine's on the same GPU weights, up to contexts at the cache's end, and the same
     argmax wherever the per-op top-2 margin is clear of fp16 noise."""
     for plen, n in ((9, 24), (100, 28)):  # the second fills the cache (max_seq_len 128) up to slot 126
-        prompt = [torch.randint(0, 512, (plen,), generator=torch.Generator().manual_seed(plen)).tolist()]
-        per_op = Engine(model, max_seq_len=128)
-        want = per_op.generate(prompt, max_new_tokens=n).tokens
-        ref = forced_logits(per_op, prompt, want)
-        mk = Engine(model, max_seq_len=128, megakernel=True)
-        got = forced_logits(mk, prompt, want)
+        per_op, mk, ref, got = megakernel_pair(model, plen, n)
         assert mk.megakernel and mk._chain is not None, mk.megakernel_reason
         err = (got - ref).abs().max().item() / ref.abs().max().item()
         assert err < 1e-2, f"prompt {plen}: relative logit error {err:.2e}"
@@ -418,6 +429,8 @@ def test_megakernel_gives_the_per_op_engines_logits(fmt, family, heads, kv_heads
 
 
 @needs_sm90
+@pytest.mark.xfail(strict=True, reason="a known mismatch (H200, 2026-12-05): the engine refuses these shapes until "
+                                       "it is found (megakernel_refusal); lifting the refusal must make this pass")
 @pytest.mark.parametrize("fmt", [(4, None, True), (4, 32, False), (4, 64, True), (8, None, True), None])
 def test_megakernel_pads_odd_hidden_sizes(fmt):
     """Hidden 320 and intermediate 832, not multiples of 128 (as SmolLM2's 576 and 1536 are not): the launch's
