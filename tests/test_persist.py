@@ -467,19 +467,26 @@ def attn_tuple(h, hk, d, s=64, splits=4):
     return (8192, 8192 * 2, 8192 * 3, 8192 * 4, 8192 * 5, 8192 * 6, h, hk, d, s, splits, d ** -0.5, 0, 0, 0, 0, 0, 1e-6)
 
 
+def reference_layer(seed, h, hk, d, s, inter=256):
+    """One int4 layer for heads h over hk of head_dim d, its two norm gains and rotary tables of s positions (CPU);
+    the generator seeded first."""
+    torch.manual_seed(seed)
+    hid, n = h * d, (h + 2 * hk) * d
+    layers = [(packed("int4", n, hid), packed("int4", hid, hid), packed("int4", 2 * inter, hid),
+               packed("int4", hid, inter))]
+    norms = [tuple((0.5 + torch.rand(hid)).half() for _ in range(2))]
+    return (layers, norms, *rope_tables(s, d, "cpu"))
+
+
 def test_reference_adds_the_qkv_bias_before_the_rotation():
     """persist.reference (the kernel's yardstick) adds Qwen2's q/k/v bias to the rounded q/k/v output, as the
     per-op linear does, then rotates: the k it writes into the cache is RoPE(round(W x) + b), v is W x + b."""
     from qgemv.engine import apply_rope
     from qgemv.ops import linear
 
-    torch.manual_seed(4)
-    h, hk, d, s, pos, inter = 4, 2, 64, 16, 5, 256
+    h, hk, d, s, pos = 4, 2, 64, 16, 5
     hid, n = h * d, (h + 2 * hk) * d
-    layers = [(packed("int4", n, hid), packed("int4", hid, hid), packed("int4", 2 * inter, hid),
-               packed("int4", hid, inter))]
-    norms = [tuple((0.5 + torch.rand(hid)).half() for _ in range(2))]
-    cos, sin = rope_tables(s, d, "cpu")
+    layers, norms, cos, sin = reference_layer(4, h, hk, d, s)
     bias = (torch.randn(1, n) * 0.5).half()
 
     def caches():
@@ -498,20 +505,15 @@ def test_reference_adds_the_qkv_bias_before_the_rotation():
     assert not torch.equal(at.v_cache[0, :, pos], plain.v_cache[0, :, pos])
 
 
-
 def test_reference_norms_each_q_and_k_head_before_the_rotation():
     """Qwen3: persist.reference (the kernel's yardstick) writes k = RoPE(rms_norm(k_head, k_norm)) into the
     cache, each head normalized over its head_dim with transformers' rounding; v as it is."""
     from qgemv.engine import apply_rope
     from qgemv.ops import linear
 
-    torch.manual_seed(6)
-    h, hk, d, s, pos, inter = 4, 2, 64, 16, 7, 256
-    hid, n = h * d, (h + 2 * hk) * d
-    layers = [(packed("int4", n, hid), packed("int4", hid, hid), packed("int4", 2 * inter, hid),
-               packed("int4", hid, inter))]
-    norms = [tuple((0.5 + torch.rand(hid)).half() for _ in range(2))]
-    cos, sin = rope_tables(s, d, "cpu")
+    h, hk, d, s, pos = 4, 2, 64, 16, 7
+    hid = h * d
+    layers, norms, cos, sin = reference_layer(6, h, hk, d, s)
     qn, kn = ((0.5 + torch.rand(1, d)).half() for _ in range(2))
     at = persist.Attention(h, hk, d, cos, sin, torch.zeros(1, hk, s, d).half(), torch.zeros(1, hk, s, d).half(),
                            q_norm=qn, k_norm=kn, qk_eps=1e-5)
@@ -522,6 +524,7 @@ def test_reference_norms_each_q_and_k_head_before_the_rotation():
     want = apply_rope(kh.float(), cos[pos].float(), sin[pos].float()).half()
     assert torch.equal(at.k_cache[0, :, pos], want)
     assert torch.equal(at.v_cache[0, :, pos], q[0, (h + hk) * d:].view(hk, d))
+
 
 @needs_ext
 def test_plan_checks_the_attention():
