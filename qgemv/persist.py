@@ -396,10 +396,10 @@ class PersistentChain:
             self._acts += [q, hh, a] + ([] if last else [nxt])
             if at is not None:
                 qkv = permute_rows(qkv.to(dev), rows)
-            ws = [self._weight(w) for w in (qkv, o, gu, down)]
+            kp = [self._padded_k(w) for w in (qkv, o, gu, down)]  # each weight's K in whole tiles
+            ws = [self._weight(w, k) for w, k in zip((qkv, o, gu, down), kp)]
             pm = [self._perm(w) for w in (qkv, o, gu, down)]  # act-order: int16 [K] on the device, or None
             pp = [0 if p is None else p.data_ptr() for p in pm]
-            kp = [self._padded_k(w) for w in (qkv, o, gu, down)]  # each weight's K in whole tiles
             # (x, res, y, weight, scales, N, K, out, x_plain, res_plain, y_plain, x's copy stride, role, attention,
             # input perm, padded K)
             role = (1, li) if at is not None else (0, -1)
@@ -499,10 +499,10 @@ class PersistentChain:
         t = TILE_K[self.bits]
         return -(-_shape(w)[1] // t) * t
 
-    def _weight(self, w: Weight) -> Tuple[int, int]:
-        """(weight pointer, scales pointer) of one linear in the kernel's layout (its K padded to whole tiles
-        where it is not a multiple of the tile's: :func:`pad_inputs`)."""
-        w = pad_inputs(w, self._padded_k(w))
+    def _weight(self, w: Weight, k: int) -> Tuple[int, int]:
+        """(weight pointer, scales pointer) of one linear in the kernel's layout, its inputs padded to k
+        (:meth:`_padded_k`, :func:`pad_inputs`)."""
+        w = pad_inputs(w, k)
         if self.bits == 16:  # 16-row panels of 64-byte tiles, as qgemv packs int8 rows
             from .formats import to_panels
 
