@@ -97,9 +97,41 @@ struct ChainOp {
   int flags = 0;    // ChainFlags
   int cls = 0;      // the op's class in the schedule (chain_classes)
   int attn = -1;    // kDecode: the layer's ChainAttn for kChainRope / kChainAttnIn
+#ifndef QGEMV_CHAIN_OP112
   int tpp = 0;      // tiles a panel: K / chain_tile_k(bits)
   const uint16_t* perm = nullptr;  // act-order: the stored input k reads input perm[k] ([K]; 16-byte aligned)
+#endif
+#ifdef QGEMV_CHAIN_OP_PAD
+  char lab_pad[QGEMV_CHAIN_OP_PAD];  // lab: the records' size against the walk's time
+#endif
 };
+
+// A record's tiles a panel and act-order permutation.  Lab builds with
+// QGEMV_CHAIN_OP112 keep them in GemvParams fields the chain does not use
+// (warps_per_block, perm), so that a record is 112 bytes as before the int4
+// slowdown of 2026-12-05 (dev/PERSISTENT.md) instead of 128.
+__host__ __device__ inline int chain_op_tpp(const ChainOp& o) {
+#ifdef QGEMV_CHAIN_OP112
+  return o.p.warps_per_block;
+#else
+  return o.tpp;
+#endif
+}
+__host__ __device__ inline const uint16_t* chain_op_perm(const ChainOp& o) {
+#ifdef QGEMV_CHAIN_OP112
+  return reinterpret_cast<const uint16_t*>(o.p.perm);
+#else
+  return o.perm;
+#endif
+}
+inline void chain_op_set(ChainOp& o, int tpp, const uint16_t* perm) {
+#ifdef QGEMV_CHAIN_OP112
+  o.p.warps_per_block = tpp;
+  o.p.perm = reinterpret_cast<const int32_t*>(perm);
+#else
+  o.tpp = tpp, o.perm = perm;
+#endif
+}
 
 // Activations inside the launch carry their own readiness: a buffer of n
 // values holds two copies of n fp16, 0xffff until written; a launch writes
@@ -322,7 +354,7 @@ inline std::vector<int4> chain_schedule(const ChainOp* ops, int nops, int classe
     for (int i = 0; i < nops && !o; ++i)
       if (ops[i].cls == c) o = ops + i;
     if (!o) return {};
-    const int tpp = o->tpp, ppu = chain_ppu(*o);
+    const int tpp = chain_op_tpp(*o), ppu = chain_ppu(*o);
     for (int b = 0; b < blocks; ++b) {
       long long u0, u1;
       chain_range(chain_units(*o), b, blocks, u0, u1);
@@ -344,7 +376,7 @@ inline std::vector<int4> chain_schedule(const ChainOp* ops, int nops, int classe
 __device__ __forceinline__ void chain_start(const ChainOp& o, const int4* tab, int warp, int W, ChainCursor& c) {
   const int4 r = tab[o.cls * (W + 1) + warp];
   c.pos = r.x, c.end = r.y, c.vp = r.z, c.kt = r.w & 0xffff, c.u0 = r.w >> 16;
-  c.tpp = o.tpp;
+  c.tpp = chain_op_tpp(o);
   c.shift = chain_ppu(o) - 1;
   c.half = o.p.N / kPanelRows / 2;
   c.panel = chain_panel(c);
@@ -1097,13 +1129,13 @@ __device__ __forceinline__ void chain_attention(const ChainAttn& a, int par, int
     };
     for (int c0 = p0, b = 0; c0 < p1; c0 += kChainAttnChunk, b ^= 1) {
       const int n = min(kChainAttnChunk, p1 - c0);
-      if (c0 + kChainAttnChunk < p1) {
-        fetch(c0 + kChainAttnChunk, b ^ 1);
-        cp_async_wait<1>();
-      } else {
-        cp_async_wait<0>();
-      }
-      csync();  // the chunk's rows are in (and every warp is past the other buffer's last use)
+      cp_async_wait<0>();  // this thread's copies of the chunk (the only ones in flight)
+      // Every thread's copies of the chunk are in, and every warp is past the other buffer's last use (the
+      // previous chunk's sums): only now may the next chunk's copies go into it.  Issued before this barrier,
+      // a warp with no query head (gq not dividing W) ran ahead and overwrote the rows the others were still
+      // summing once a context had three chunks or more.
+      csync();
+      if (c0 + kChainAttnChunk < p1) fetch(c0 + kChainAttnChunk, b ^ 1);  // flies while this chunk is summed
       const __half* ks = rows + static_cast<size_t>(2 * b) * kChainAttnChunk * kD;
       const __half* vs = ks + kChainAttnChunk * kD;
       if (busy)
@@ -1289,13 +1321,13 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
     if constexpr (kNorm) {
       if (const void* norm = sh.norms[oi]) {  // RMSNorm of the input on the way in
         chain_norm_input<kBits, Fmt::kSumK>(p, o_flags, par, norm, sh.norm_eps, chunks, nthreads, csync, xs, xsum,
-                                            (sh.skip & 1) != 0, ops[oi].perm, xnat);
+                                            (sh.skip & 1) != 0, chain_op_perm(ops[oi]), xnat);
         normed = true;
       }
     }
     if (!normed)  // the input copied at once
       chain_async_input<kBits, Fmt::kSumK>(chain_input_src(p, o_flags, par), chunks, nthreads, xs, xsum,
-                                           (o_flags & kChainPlainX) || (sh.skip & 1), ops[oi].perm, xnat, csync);
+                                           (o_flags & kChainPlainX) || (sh.skip & 1), chain_op_perm(ops[oi]), xnat, csync);
     if (p.Kp > p.K) {  // a weight padded to whole tiles: zero inputs past K, and the x sums of whole padded groups
       uint4* xs4 = reinterpret_cast<uint4*>(xs);
       for (int c = chunks + threadIdx.x; c < p.Kp / 8; c += nthreads) xs4[c] = make_uint4(0u, 0u, 0u, 0u);

@@ -588,8 +588,11 @@ def assert_close_cache(got, ref, what):
     # Qwen3's per-head q / k RMSNorms, on the default grid and on 7 blocks (a head's rows in several blocks)
     dict(h=8, hk=2, d=128, inter=1024, nl=2, s=64, splits=None, grid={}, qk_norm=True),
     dict(h=4, hk=2, d=64, inter=640, nl=2, s=64, splits=2, grid=dict(blocks=7, warps=5, stages=4), qk_norm=True),
-    # hidden 320 and intermediate 832 (not multiples of 128: int4 padded to whole tiles), GQA 5
-    dict(h=5, hk=1, d=64, inter=832, nl=2, s=64, splits=None, grid={}),
+    # hidden 320 and intermediate 832 (not multiples of 128: int4 padded to whole tiles), GQA 5: a warp of the
+    # 16 without a query head, contexts of up to 5 chunks in 2 splits (the chunk race of 2026-12-05)
+    dict(h=5, hk=1, d=64, inter=832, nl=2, s=160, splits=None, grid={}),
+    # GQA 7 (Qwen2.5-7B's group), head_dim 128, one split of up to 4 chunks
+    dict(h=7, hk=1, d=128, inter=1024, nl=2, s=100, splits=1, grid={}),
 ])
 def test_decode_chain_matches_the_per_op_chain(name, cfg):
     torch.manual_seed(7)
