@@ -258,18 +258,6 @@ def megakernel_refusal(engine: "Engine") -> str:
             if fmt is not None and f != fmt:
                 return f"layer {i} {name}: format {f} after {fmt}; the launch runs one format"
             fmt = f
-    # Not yet verified on a GPU: a 5-head model of hidden size 320 (intermediate 832) gave KV caches and logits
-    # off the per-op engine's (H200, 2026-12-05, every weight format, attention v1 and v2), while the launch
-    # alone matched its reference at those shapes (test_persist); until that is found, the engine takes the
-    # launch only where its engine tests pass.
-    gq = h // hk
-    if gq & (gq - 1):
-        return (f"{h} query heads over {hk} kv heads: groups of {gq} are not yet verified on a GPU (groups of 1, "
-                f"2, 4 and 8 are)")
-    first = engine.layers[0]
-    for what, n in (("hidden", first.o_proj.out_features), ("intermediate", first.down_proj.in_features)):
-        if n % 128:
-            return f"{what} size {n} is not a multiple of 128: not yet verified on a GPU"
     if engine.dtype != torch.float16:
         return f"needs float16 activations, the model runs {engine.dtype}"
     if engine.device.type != "cuda":
