@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|stage2|gen|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|stage2|diag|gen|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -87,6 +87,29 @@ for step in "${@:-all}"; do
       nvcc -gencode=arch=compute_90a,code=sm_90a /tmp/persist_obj/*.o -o /tmp/persist_lab \
         || { cat /tmp/persist_obj/*.log | tail -40; exit 1; }
       timeout 400 /tmp/persist_lab ${PERSIST_ARGS:-} 2>&1 | tee "$OUT/persist.txt" ;;
+    oplayout)
+      # the int4 slowdown of 2026-12-05: the lab's chain with 128-byte op records (main), 112 (tpp and perm in
+      # unused GemvParams fields) and 256 (padded), built in parallel, run alternately (two rounds)
+      mkdir -p /tmp/opl
+      for f in csrc/gemv_int4.cu csrc/gemv_int8.cu csrc/runtime.cpp; do
+        nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc -c "$f" -o "/tmp/opl/$(basename "$f").o" &
+      done
+      for v in "b128:" "b112:-DQGEMV_CHAIN_OP112" "b256:-DQGEMV_CHAIN_OP_PAD=128"; do
+        nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc ${v#*:} -c dev/persist_lab.cu \
+          -o "/tmp/opl/lab_${v%%:*}.o" &
+      done
+      wait
+      for v in b128 b112 b256; do
+        nvcc -gencode=arch=compute_90a,code=sm_90a /tmp/opl/lab_$v.o /tmp/opl/gemv_int4.cu.o /tmp/opl/gemv_int8.cu.o \
+          /tmp/opl/runtime.cpp.o -o /tmp/opl/$v || exit 1
+      done
+      for round in 1 2; do
+        for v in b128 b112 b256; do
+          echo "== $v round $round"
+          timeout 90 /tmp/opl/$v --no-probe --model llama3-8b --layers 16 --formats ${OPL_FORMATS:-int4g128a,int4} --warps 16 \
+            --stages 8 2>&1 | grep -E "^(int4|int8)|FAIL|fail|match" | grep -vE "skew|per layer|SM map|blocks |time|reference" | head -8
+        done
+      done 2>&1 | tee "$OUT/oplayout.txt" ;;
     stage2)
       # issue 35's queue in one call (dev/PERSISTENT.md "Next session's first device calls"): the persistent
       # kernel's and the engine's megakernel tests, memcheck on the decode chain, bench_chain with and
@@ -106,11 +129,18 @@ for step in "${@:-all}"; do
       timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
         tests/test_persist.py -k "$MK" > "$OUT/stage2_memcheck.log" 2>&1
       echo "memcheck (test_persist -k '$MK'): exit $?"; tail -3 "$OUT/stage2_memcheck.log"
+      # racecheck: the GQA 5 decode chain (a warp without a query head; contexts of 5 chunks; the race of 2026-12-05)
+      timeout 240 compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_persist.py -k "decode_chain_matches and fp16 and cfg6" > "$OUT/stage2_racecheck.log" 2>&1
+      echo "racecheck (GQA 5 decode chain): exit $?"; tail -3 "$OUT/stage2_racecheck.log"
       timeout 150 python3 dev/attn_probe.py 2>&1 | grep -v -i warn | tee "$OUT/stage2_attn_probe.txt"
       if [ "${STAGE2_GEN:-0}" != 0 ]; then
         timeout 420 python3 -m qgemv.eval.bench_generate --models llama2-7b,llama3-8b --batches 1 --no-hf \
           --variants int4g128a,int4g128a_mk,int4,int4_mk,int8,int8_mk,fp16,fp16_mk --out "$OUT/stage2_generate" 2>&1 | grep -v -i warn | tail -30
       fi ;;
+    diag)
+      # where the engine's persistent launch and its per-op path part, six small shapes (dev/mk_diag.py)
+      timeout 200 python3 dev/mk_diag.py 2>&1 | grep -v -i warn | tee "$OUT/mk_diag.txt" ;;
     gen)
       # the engine with and without the persistent launch, batch 1 (GEN_MODELS, GEN_VARIANTS override)
       timeout "${GEN_LIMIT:-420}" python3 -m qgemv.eval.bench_generate --models "${GEN_MODELS:-llama2-7b,llama3-8b}" --batches 1 \

@@ -508,7 +508,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           o.res = io[j].res;
           o.out = static_cast<int>(io[j].out);
           o.flags = io[j].flags;
-          o.tpp = L[j].K / qgemv::chain_tile_k(4);
+          qgemv::chain_op_set(o, L[j].K / qgemv::chain_tile_k(4), nullptr);
           ops.push_back(o);
         }
       }
