@@ -136,12 +136,11 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int bits, int group, 
     o.p.ldx = a.ldx ? a.ldx : a.K;
     o.p.ldy = a.out == 2 ? a.N / 2 : a.N;
     o.p.group_size = group;
-    o.tpp = kp / tk;
     o.p.act = ActType::kHalf;
     o.res = a.res;
     o.out = a.out;
     o.flags = (a.x_plain ? kChainPlainX : 0) | (a.res_plain ? kChainPlainRes : 0) | (a.y_plain ? kChainPlainY : 0);
-    o.perm = static_cast<const uint16_t*>(a.perm);
+    chain_op_set(o, kp / tk, static_cast<const uint16_t*>(a.perm));
     if (a.perm) pl.stage = 1;
     pl.x_cap = std::max(pl.x_cap, kp);
   }
