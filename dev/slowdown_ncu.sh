@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The int4 slowdown of 2026-12-05 (dev/PERSISTENT.md): ncu on the lab's persistent launch built from an
+# older tree and from this one, int4 g128 + zeros, Llama-3-8B, 16 layers; the warp-state, instruction and
+# source-counter sections (the top stall locations) of one launch each, then the lab's timing of both.
+#   bash dev/slowdown_ncu.sh export [REV]   # here: REV's csrc/ and lab sources into .peers/old (default 564d543)
+#   bash dev/slowdown_ncu.sh device         # on the device (the export travels as untracked files)
+set -o pipefail
+OUT=${OUT:-runs/device}; mkdir -p "$OUT"
+case "$1" in
+  export)
+    rev=${2:-564d543}
+    rm -rf .peers/old && mkdir -p .peers/old
+    git archive "$rev" csrc dev/persist_lab.cu dev/lab_common.cuh | tar -x -C .peers/old
+    echo "$rev" > .peers/old/REV
+    echo "exported $rev into .peers/old (untracked: delete before a commit)" ;;
+  device)
+    [ -d .peers/old/csrc ] || { echo "no .peers/old: run 'bash dev/slowdown_ncu.sh export' first"; exit 2; }
+    mkdir -p /tmp/slow
+    for tree in old:.peers/old new:.; do
+      name=${tree%%:*}; dir=${tree#*:}
+      for f in "$dir"/dev/persist_lab.cu "$dir"/csrc/gemv_int4.cu "$dir"/csrc/gemv_int8.cu "$dir"/csrc/runtime.cpp; do
+        nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I"$dir"/csrc -c "$f" \
+          -o "/tmp/slow/${name}_$(basename "$f").o" > "/tmp/slow/${name}_$(basename "$f").log" 2>&1 &
+      done
+    done
+    wait
+    for name in old new; do
+      nvcc -gencode=arch=compute_90a,code=sm_90a /tmp/slow/${name}_*.o -o /tmp/slow/lab_$name \
+        || { tail -20 /tmp/slow/${name}_*.log; exit 1; }
+    done
+    args="--no-probe --model llama3-8b --layers 16 --formats int4g128a --warps 16 --stages 8"
+    for name in old new; do
+      echo "== $name ($( [ $name = old ] && cat .peers/old/REV || echo this tree )): timing"
+      timeout 90 /tmp/slow/lab_$name $args 2>&1 | grep -E "persist w|per-op GEMVs alone" | head -4
+    done
+    for name in old new; do
+      echo "== $name: ncu, one launch of the persistent kernel"
+      timeout 240 ncu --kernel-name regex:chain_kernel --launch-skip 2 --launch-count 1 \
+        --section WarpStateStats --section SchedulerStats --section InstructionStats --section SourceCounters \
+        --section SpeedOfLight /tmp/slow/lab_$name $args --no-ceiling > "$OUT/ncu_$name.txt" 2>&1
+      grep -E "Duration|Executed Instructions |Issued Instructions |Warp Cycles Per Issued|Issue Slots Busy|No Eligible|Stall|Warp Stall|Branch Instructions |Memory Throughput|^\s+[0-9a-f]{4,}|Location" \
+        "$OUT/ncu_$name.txt" | head -60
+    done ;;
+  *) echo "usage: bash dev/slowdown_ncu.sh export [REV] | device"; exit 2 ;;
+esac
