@@ -926,6 +926,7 @@ struct ChainAttn {
   float* part;                // [Hkv][splits][gq][D + 2]: a split's weighted values, then its max and sum
   unsigned* count;            // [Hkv]: splits done; zero before the first launch, left zero
   int ldq, H, Hkv, D, S, splits;
+  int per_warp;               // positions a warp before a context is split across blocks (1..64)
   float scale;                // the scores' scale (D^-1/2)
 };
 
@@ -951,7 +952,7 @@ __device__ __forceinline__ void chain_decode_prologue(const ChainAttn* attn, con
 // chunk's K and V rows (fp16, cp.async) or, for the block's merge, each warp's
 // (max, sum) and values.
 constexpr int kChainAttnChunk = 32;   // cache positions a chunk
-constexpr int kChainAttnPerWarp = 8;  // positions a warp before the context is split across blocks
+constexpr int kChainAttnPerWarp = 8;  // ChainAttn::per_warp's default
 __host__ __device__ inline int chain_attn_floats(int gq, int D, int W) {
   const int rows = 2 * 2 * kChainAttnChunk * D / 2;  // fp16 K and V, two buffers
   const int merge = W * D + 2 * W;
@@ -1053,10 +1054,26 @@ __device__ __forceinline__ void chain_poll8(const unsigned short* p, float* out,
   }
 }
 
+// kDpl consecutive fp16 of shared memory (kDpl-aligned) as floats, in one load.
+template <int kDpl>
+__device__ __forceinline__ void chain_ld_dims(const __half* p, float (&o)[kDpl]) {
+  if constexpr (kDpl == 4) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+    o[0] = a.x, o[1] = a.y, o[2] = b.x, o[3] = b.y;
+  } else if constexpr (kDpl == 2) {
+    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(p));
+    o[0] = a.x, o[1] = a.y;
+  } else {
+    o[0] = __half2float(*p);
+  }
+}
+
 // The block's units of one layer's attention (every consumer thread; csync
 // the block barrier; sm: chain_attn_floats floats of shared memory).  The
 // context is split across blocks only when it is long: splits = min(a.splits,
-// ceil(L / (W kChainAttnPerWarp))), one unit a block (one split: no merge
+// ceil(L / (W a.per_warp))), one unit a block (one split: no merge
 // across blocks).  A unit's K and V rows come through shared memory in chunks
 // (cp.async, two buffers: the next chunk's copy flies while this one is
 // summed; the first is issued before the wait for q/k/v).  Warp w takes query
@@ -1073,7 +1090,7 @@ __device__ __forceinline__ void chain_attention(const ChainAttn& a, int par, int
   constexpr int kD = 32 * kDpl;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = nthreads / 32;
   const int pos = chain_slot, gq = a.H / a.Hkv, L = pos + 1, pairs = gq * kD;
-  const int splits = min(a.splits, (L + W * kChainAttnPerWarp - 1) / (W * kChainAttnPerWarp));
+  const int splits = min(a.splits, (L + W * a.per_warp - 1) / (W * a.per_warp));
   const int units = a.Hkv * splits;
   const int hj = warp % gq, slices = W / gq, slice = warp / gq;  // this warp's query head and position slice
   const bool busy = slice < slices;
@@ -1112,13 +1129,11 @@ __device__ __forceinline__ void chain_attention(const ChainAttn& a, int par, int
     for (int e = 0; e < kDpl; ++e) q[e] = qf[hj * kD + lane * kDpl + e], acc[e] = 0.f;
     // position p's (k, v) of this lane's dims: the token's from kv, the others from the chunk's rows
     auto row = [&](const __half* ks, const __half* vs, int pl, int p, float (&k)[kDpl], float (&v)[kDpl]) {
-      const bool cur = p == pos;
+      chain_ld_dims<kDpl>(ks + pl * kD + lane * kDpl, k);  // one shared load each (8, 4 or 2 bytes)
+      chain_ld_dims<kDpl>(vs + pl * kD + lane * kDpl, v);
+      if (p == pos)
 #pragma unroll
-      for (int e = 0; e < kDpl; ++e) {
-        const int d = lane * kDpl + e;
-        k[e] = cur ? kv[d] : __half2float(ks[pl * kD + d]);
-        v[e] = cur ? kv[kD + d] : __half2float(vs[pl * kD + d]);
-      }
+        for (int e = 0; e < kDpl; ++e) k[e] = kv[lane * kDpl + e], v[e] = kv[kD + lane * kDpl + e];
     };
     auto take = [&](float sc, const float (&v)[kDpl]) {  // one position into the online softmax
       const float mx = fmaxf(m, sc), r = __expf(m - mx), e1 = __expf(sc - mx);

@@ -1,10 +1,14 @@
 """Where the decode chain's attention time goes (issue 35, stage 2; lab, not installed).
 
-    python dev/attn_probe.py [--layers 16]
+    python dev/attn_probe.py [--layers 16] [--model llama3-8b|llama2-7b] [--cases CTX:SPLITS[:PER_WARP],...]
 
-Llama-3-8B shapes, int4 g128 + zeros: the persistent chain with its norms
-only, then with attention at several contexts and cache splits; µs per layer
-(CUDA graph replays, median), each row the extra over the norms-only chain.
+Llama-3-8B (GQA 4) or Llama-2-7B (32 kv heads) shapes, int4 g128 + zeros: the
+persistent chain with its norms only, then with attention at several
+contexts, cache splits and positions a warp before a context is split
+(PER_WARP, default 8);
+µs per layer (CUDA graph replays, median), each row the extra over the
+norms-only chain.  The launch splits a context only past 8 positions a warp
+(PER_WARP): the effective splits are printed.
 """
 
 import argparse
@@ -15,14 +19,19 @@ from qgemv import persist
 from qgemv.eval.bench_chain import HEADS, MODELS, attention_for, dep_layers
 from qgemv.eval.bench_gemv import graph_time
 
+LLAMA2_7B = [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)]  # q/k/v, o, gate/up, down
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--fmt", default="int4g128a")
-    ap.add_argument("--cases", default="1:16,64:16,768:16,768:8,768:4,4096:16,4096:8")
+    ap.add_argument("--model", default="llama3-8b", choices=("llama3-8b", "llama2-7b"))
+    ap.add_argument("--cases", default="1:16,64:16,64:16:4,64:16:2,256:16,256:16:4,256:16:2,768:16,768:16:4,"
+                                        "768:16:2,4096:16")
     args = ap.parse_args()
-    _, shapes = MODELS["llama3-8b"]
+    shapes = LLAMA2_7B if args.model == "llama2-7b" else MODELS["llama3-8b"][1]
+    heads = (32, 32, 128) if args.model == "llama2-7b" else HEADS["llama3-8b"]
     lay = dep_layers(args.fmt, args.layers, shapes)
     h = shapes[1][1]
     gains = [tuple((0.5 + torch.rand(h, device="cuda")).half() for _ in range(2)) for _ in lay]
@@ -33,14 +42,15 @@ def main() -> None:
     del base
     print(f"norms only: {t0:.1f} us/layer")
     for case in args.cases.split(","):
-        ctx, splits = (int(v) for v in case.split(":"))
-        at = attention_for(HEADS["llama3-8b"], args.layers, ctx)
-        at.splits = splits
+        ctx, splits, per_warp = (int(v) for v in (case + ":8").split(":")[:3])
+        at = attention_for(heads, args.layers, ctx)
+        at.splits, at.per_warp = splits, per_warp
         chain = persist.PersistentChain(lay, norms=gains, attention=at)
         chain(x, position=ctx - 1)
         t = graph_time(chain.run, replays=20) * 1e3 / args.layers
-        print(f"context {ctx:5d}, {splits:2d} splits a kv head ({(ctx + splits - 1) // splits:4d} positions a unit): "
-              f"{t:.1f} us/layer, +{t - t0:.1f}")
+        eff = min(splits, -(-ctx // (chain.warps * per_warp)))  # as the kernel caps them
+        print(f"{args.model} context {ctx:5d}, {eff:2d} splits a kv head ({-(-ctx // eff):4d} positions a unit), "
+              f"{per_warp} a warp: {t:.1f} us/layer, +{t - t0:.1f}", flush=True)
         del chain, at
 
 

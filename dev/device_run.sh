@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|stage2|diag|gen|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|stage2|attn|diag|gen|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -138,6 +138,20 @@ for step in "${@:-all}"; do
         timeout 420 python3 -m qgemv.eval.bench_generate --models llama2-7b,llama3-8b --batches 1 --no-hf \
           --variants int4g128a,int4g128a_mk,int4,int4_mk,int8,int8_mk,fp16,fp16_mk --out "$OUT/stage2_generate" 2>&1 | grep -v -i warn | tail -30
       fi ;;
+    attn)
+      # the launch's attention alone: its decode tests, memcheck on them, the probe for both models
+      OMP_NUM_THREADS=2 timeout 240 python3 -m pytest -n 16 -v -rs -p no:cacheprovider tests/test_persist.py \
+        tests/test_engine.py -k "persist or megakernel or Persist" > "$OUT/attn_tests.log" 2>&1
+      echo "attn tests: exit $?, $(grep -c ' PASSED ' "$OUT/attn_tests.log") passed"
+      grep -E ' (FAILED|ERROR) ' "$OUT/attn_tests.log" | sort -u | head -20
+      grep -E '^E  ' "$OUT/attn_tests.log" | head -20
+      timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_persist.py -k "decode_chain_matches and (int4g128a or fp16 or int4g32a)" > "$OUT/attn_memcheck.log" 2>&1
+      echo "memcheck (decode chains): exit $?"; grep -E "Invalid|FAILED|^E  " "$OUT/attn_memcheck.log" | head -12
+      tail -3 "$OUT/attn_memcheck.log"
+      timeout 150 python3 dev/attn_probe.py 2>&1 | grep -v -i warn | tee "$OUT/attn_probe.txt"
+      timeout 100 python3 dev/attn_probe.py --model llama2-7b --cases 640:4,640:4:4,640:4:2,2048:4,2048:4:4 2>&1 \
+        | grep -v -i warn | tee -a "$OUT/attn_probe.txt" ;;
     diag)
       # where the engine's persistent launch and its per-op path part, six small shapes (dev/mk_diag.py)
       timeout 200 python3 dev/mk_diag.py 2>&1 | grep -v -i warn | tee "$OUT/mk_diag.txt" ;;

@@ -85,7 +85,9 @@ class Attention:
     2 kv_heads) head_dim], contiguous, or None: each layer's q/k/v bias (Qwen2), in the natural row order, added
     to q/k/v's rounded output (and rounded) before the rotation, as the per-op linear adds it.  q_norm /
     k_norm: float16 [layers, head_dim], contiguous, or None (both): each layer's RMSNorm gain of every q / k
-    head (Qwen3), applied before the rotation with epsilon ``qk_eps``.
+    head (Qwen3), applied before the rotation with epsilon ``qk_eps``.  per_warp: cache positions a warp of a
+    unit before the launch splits a context across blocks (1..64, default 8): fewer split shorter contexts sooner,
+    at the cost of the splits' merge.
     The token's slot is its rotary position (one sequence, no padding).
     """
 
@@ -102,6 +104,7 @@ class Attention:
     q_norm: Optional[torch.Tensor] = None
     k_norm: Optional[torch.Tensor] = None
     qk_eps: float = 1e-6
+    per_warp: Optional[int] = None
 
     @property
     def max_seq(self) -> int:
@@ -424,7 +427,8 @@ class PersistentChain:
                               at.scale if at.scale is not None else at.head_dim ** -0.5,
                               at.qkv_bias[li].data_ptr() if at.qkv_bias is not None else 0,
                               *((at.q_norm[li].data_ptr(), at.k_norm[li].data_ptr(), qk[0].data_ptr(),
-                                 qk[1].data_ptr()) if at.q_norm is not None else (0, 0, 0, 0)), float(at.qk_eps)))
+                                 qk[1].data_ptr()) if at.q_norm is not None else (0, 0, 0, 0)), float(at.qk_eps),
+                              int(at.per_warp or 0)))
             ops.append((hh.data_ptr(), 0, a.data_ptr(), *ws[2], 2 * i, h, 2, False, False, False, h, 0, -1, pp[2],
                         kp[2]))
             ops.append((a.data_ptr(), hh.data_ptr(), nxt.data_ptr(), *ws[3], h, i, 1, False, False, last, i, 0, -1,
@@ -485,6 +489,8 @@ class PersistentChain:
                                f"{getattr(b, 'device', '-')}")
         if at.splits is not None and at.splits < 1:
             raise PersistError(f"attention: splits must be positive, got {at.splits}")
+        if at.per_warp is not None and not 1 <= at.per_warp <= 64:
+            raise PersistError(f"attention: per_warp must be None or 1..64, got {at.per_warp}")
 
     def _perm(self, w: Weight) -> Optional[torch.Tensor]:
         """An act-order weight's input perm as the kernel reads it (int16 [K] on the chain's device), or None."""

@@ -463,8 +463,9 @@ def attn_ops(h, hk, d, inter=640, roles=((1, 0), (2, 0))):
     return ops
 
 
-def attn_tuple(h, hk, d, s=64, splits=4):
-    return (8192, 8192 * 2, 8192 * 3, 8192 * 4, 8192 * 5, 8192 * 6, h, hk, d, s, splits, d ** -0.5, 0, 0, 0, 0, 0, 1e-6)
+def attn_tuple(h, hk, d, s=64, splits=4, per_warp=0):
+    return (8192, 8192 * 2, 8192 * 3, 8192 * 4, 8192 * 5, 8192 * 6, h, hk, d, s, splits, d ** -0.5, 0, 0, 0, 0, 0, 1e-6,
+            per_warp)
 
 
 def reference_layer(seed, h, hk, d, s, inter=256):
@@ -547,6 +548,8 @@ def test_plan_checks_the_attention():
         ps.plan(attn_ops(8, 2, 64, roles=((1, 0), (2, 1))), 0, False, 8, 16, 8, [attn_tuple(8, 2, 64)])[0]
     assert "max_seq and splits must be positive" in \
         ps.plan(attn_ops(8, 2, 64), 0, False, 8, 16, 8, [attn_tuple(8, 2, 64, splits=0)])[0]
+    assert "per_warp must be 0 (8) or 1..64, got 65" in \
+        ps.plan(attn_ops(8, 2, 64), 0, False, 8, 16, 8, [attn_tuple(8, 2, 64, per_warp=65)])[0]
 
 
 def rope_tables(s, d, device):
@@ -593,12 +596,16 @@ def assert_close_cache(got, ref, what):
     dict(h=5, hk=1, d=64, inter=832, nl=2, s=160, splits=None, grid={}),
     # GQA 7 (Qwen2.5-7B's group), head_dim 128, one split of up to 4 chunks
     dict(h=7, hk=1, d=128, inter=1024, nl=2, s=100, splits=1, grid={}),
+    # contexts split early (a position a warp: 16 positions a unit), up to 16 splits merged; and 2 a warp on an
+    # odd grid (10 positions a unit, a chunk cut short)
+    dict(h=8, hk=2, d=128, inter=1024, nl=2, s=260, splits=None, grid={}, per_warp=1),
+    dict(h=4, hk=2, d=64, inter=640, nl=2, s=130, splits=8, grid=dict(blocks=7, warps=5, stages=4), per_warp=2),
 ])
 def test_decode_chain_matches_the_per_op_chain(name, cfg):
     torch.manual_seed(7)
     skip_if_group_cuts(name, cfg["h"] * cfg["d"], cfg["inter"])
     layers, norms, at = decode_setup(name, cfg["h"], cfg["hk"], cfg["d"], cfg["inter"], cfg["nl"], cfg["s"])
-    at.splits = cfg["splits"]
+    at.splits, at.per_warp = cfg["splits"], cfg.get("per_warp")
     if cfg.get("bias"):
         at.qkv_bias = (torch.randn(cfg["nl"], (cfg["h"] + 2 * cfg["hk"]) * cfg["d"], device="cuda") * 0.5).half()
     if cfg.get("qk_norm"):
