@@ -211,7 +211,7 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int bits, int group, 
     c.ldq = q.N, c.H = H, c.Hkv = Hk, c.D = D, c.S = a.max_seq, c.splits = a.splits;
     c.scale = a.scale;
     if (a.per_warp < 0 || a.per_warp > 64)
-      return pl.error = where + str("per_warp must be 0 (8) or 1..64, got ", a.per_warp), pl;
+      return pl.error = where + str("per_warp must be 0 (2) or 1..64, got ", a.per_warp), pl;
     c.per_warp = a.per_warp ? a.per_warp : kChainAttnPerWarp;
     // the attention's scratch lives in the input buffer (x_cap fp16)
     pl.x_cap = std::max(pl.x_cap, (2 * chain_attn_floats(H / Hk, D, warps) + 127) / 128 * 128);

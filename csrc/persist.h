@@ -67,7 +67,7 @@ struct PersistAttn {
   float* part = nullptr;        // fp32 [persist_attn_part(...)] scratch
   unsigned* count = nullptr;    // [kv_heads], zeroed once before the first launch
   int heads = 0, kv_heads = 0, head_dim = 0, max_seq = 0, splits = 0;
-  int per_warp = 0;             // positions a warp before a context is split across blocks, 1..64; 0: 8
+  int per_warp = 0;             // positions a warp before a context is split across blocks, 1..64; 0: 2
   float scale = 0.f;
 };
 

@@ -409,7 +409,7 @@ void register_cuda_kernels() {
 // classes, sums, x_cap, stage, smem, attention table uint8); ops: (x, res, y, weight, scales, N, K, out,
 // x_plain, res_plain, y_plain, ldx, role, attn, perm (0: none), Kp (0: K)); attns: (k_cache, v_cache, cos, sin, part, count, heads, kv_heads,
 // head_dim, max_seq, splits, scale, bias (0: none), q_norm, k_norm, qk_ss, qk_count (0: none), qk_eps, per_warp
-// (0: 8)).
+// (0: 2)).
 using PersistOpTuple =
     std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, bool, bool, bool, int, int, int, int64_t, int>;
 using PersistAttnTuple =

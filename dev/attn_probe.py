@@ -5,10 +5,9 @@
 Llama-3-8B (GQA 4) or Llama-2-7B (32 kv heads) shapes, int4 g128 + zeros: the
 persistent chain with its norms only, then with attention at several
 contexts, cache splits and positions a warp before a context is split
-(PER_WARP, default 8);
-µs per layer (CUDA graph replays, median), each row the extra over the
-norms-only chain.  The launch splits a context only past 8 positions a warp
-(PER_WARP): the effective splits are printed.
+(PER_WARP, default 2, the launch's); µs per layer (CUDA graph replays,
+median), each row the extra over the norms-only chain.  The launch splits a
+context only past PER_WARP positions a warp: the effective splits are printed.
 """
 
 import argparse
@@ -27,8 +26,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--fmt", default="int4g128a")
     ap.add_argument("--model", default="llama3-8b", choices=("llama3-8b", "llama2-7b"))
-    ap.add_argument("--cases", default="1:16,64:16,64:16:4,64:16:2,256:16,256:16:4,256:16:2,768:16,768:16:4,"
-                                        "768:16:2,4096:16")
+    ap.add_argument("--cases", default="1:16,64:16:8,64:16,256:16:8,256:16,768:16:8,768:16,4096:16:8,"
+                                        "4096:16")
     args = ap.parse_args()
     shapes = LLAMA2_7B if args.model == "llama2-7b" else MODELS["llama3-8b"][1]
     heads = (32, 32, 128) if args.model == "llama2-7b" else HEADS["llama3-8b"]
@@ -42,7 +41,7 @@ def main() -> None:
     del base
     print(f"norms only: {t0:.1f} us/layer")
     for case in args.cases.split(","):
-        ctx, splits, per_warp = (int(v) for v in (case + ":8").split(":")[:3])
+        ctx, splits, per_warp = (int(v) for v in (case + ":2").split(":")[:3])
         at = attention_for(heads, args.layers, ctx)
         at.splits, at.per_warp = splits, per_warp
         chain = persist.PersistentChain(lay, norms=gains, attention=at)

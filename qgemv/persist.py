@@ -86,7 +86,7 @@ class Attention:
     to q/k/v's rounded output (and rounded) before the rotation, as the per-op linear adds it.  q_norm /
     k_norm: float16 [layers, head_dim], contiguous, or None (both): each layer's RMSNorm gain of every q / k
     head (Qwen3), applied before the rotation with epsilon ``qk_eps``.  per_warp: cache positions a warp of a
-    unit before the launch splits a context across blocks (1..64, default 8): fewer split shorter contexts sooner,
+    unit before the launch splits a context across blocks (1..64, default 2): fewer split shorter contexts sooner,
     at the cost of the splits' merge.
     The token's slot is its rotary position (one sequence, no padding).
     """

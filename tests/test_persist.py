@@ -548,7 +548,7 @@ def test_plan_checks_the_attention():
         ps.plan(attn_ops(8, 2, 64, roles=((1, 0), (2, 1))), 0, False, 8, 16, 8, [attn_tuple(8, 2, 64)])[0]
     assert "max_seq and splits must be positive" in \
         ps.plan(attn_ops(8, 2, 64), 0, False, 8, 16, 8, [attn_tuple(8, 2, 64, splits=0)])[0]
-    assert "per_warp must be 0 (8) or 1..64, got 65" in \
+    assert "per_warp must be 0 (2) or 1..64, got 65" in \
         ps.plan(attn_ops(8, 2, 64), 0, False, 8, 16, 8, [attn_tuple(8, 2, 64, per_warp=65)])[0]
 
 
