@@ -1,6 +1,7 @@
 """Where the decode chain's attention time goes (issue 35, stage 2; lab, not installed).
 
     python dev/attn_probe.py [--layers 16] [--model llama3-8b|llama2-7b] [--cases CTX:SPLITS[:PER_WARP],...]
+                             [--no-base]
 
 Llama-3-8B (GQA 4) or Llama-2-7B (32 kv heads) shapes, int4 g128 + zeros: the
 persistent chain with its norms only, then with attention at several
@@ -26,6 +27,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--fmt", default="int4g128a")
     ap.add_argument("--model", default="llama3-8b", choices=("llama3-8b", "llama2-7b"))
+    ap.add_argument("--no-base", action="store_true", help="skip the norms-only chain (for ncu: the first "
+                    "launches are then the first case's)")
     ap.add_argument("--cases", default="1:16,64:16:8,64:16,256:16:8,256:16,768:16:8,768:16,4096:16:8,"
                                         "4096:16")
     args = ap.parse_args()
@@ -35,11 +38,13 @@ def main() -> None:
     h = shapes[1][1]
     gains = [tuple((0.5 + torch.rand(h, device="cuda")).half() for _ in range(2)) for _ in lay]
     x = torch.randn(1, h, device="cuda", dtype=torch.float16)
-    base = persist.PersistentChain(lay, norms=gains)
-    base(x)
-    t0 = graph_time(base.run, replays=20) * 1e3 / args.layers
-    del base
-    print(f"norms only: {t0:.1f} us/layer")
+    t0 = float("nan")
+    if not args.no_base:
+        base = persist.PersistentChain(lay, norms=gains)
+        base(x)
+        t0 = graph_time(base.run, replays=20) * 1e3 / args.layers
+        del base
+        print(f"norms only: {t0:.1f} us/layer")
     for case in args.cases.split(","):
         ctx, splits, per_warp = (int(v) for v in (case + ":2").split(":")[:3])
         at = attention_for(heads, args.layers, ctx)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|stage2|attn|diag|gen|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|stage2|attn|attnncu|diag|gen|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -152,6 +152,17 @@ for step in "${@:-all}"; do
       timeout 150 python3 dev/attn_probe.py 2>&1 | grep -v -i warn | tee "$OUT/attn_probe.txt"
       timeout 100 python3 dev/attn_probe.py --model llama2-7b --cases 640:4,640:4:4,640:4:2,2048:4,2048:4:4 2>&1 \
         | grep -v -i warn | tee -a "$OUT/attn_probe.txt" ;;
+    attnncu)
+      # ncu on one launch of the chain with attention at a context of 4096 (Llama-3-8B, 256 positions a unit)
+      # beside one at a context of 1: where the ~1.6 us a 32-position chunk goes (warp states, top stall sites)
+      for ctx in 4096 1; do
+        timeout 200 ncu --kernel-name regex:chain --launch-skip 1 --launch-count 1 --section WarpStateStats \
+          --section SchedulerStats --section InstructionStats --section SourceCounters --section SpeedOfLight \
+          python3 dev/attn_probe.py --no-base --cases "$ctx:16:8" > "$OUT/attn_ncu_$ctx.txt" 2>&1
+        echo "== context $ctx: ncu exit $?"
+        grep -E "Duration|Executed Instructions |Warp Cycles Per Issued|Issue Slots Busy|No Eligible|Stall|Location|^\s+[0-9a-f]{4,}" \
+          "$OUT/attn_ncu_$ctx.txt" | head -40
+      done ;;
     diag)
       # where the engine's persistent launch and its per-op path part, six small shapes (dev/mk_diag.py)
       timeout 200 python3 dev/mk_diag.py 2>&1 | grep -v -i warn | tee "$OUT/mk_diag.txt" ;;
