@@ -185,6 +185,21 @@ def _run(w, x):
     return qgemv.ops.linear(x, w, None if w.perm is None else w.perm.to(torch.int32)).float()
 
 
+def assembled(w, x, name, world):
+    """Every rank's shard of w (layer ``name`` of REAL) run on x and put together as TP would: column shards
+    concatenated, row shards (with the gathered input where act-order mixes the ranks' inputs) summed in fp32."""
+    if REAL[name][2] == "column":
+        return torch.cat([_run(w.shard_column(r, world, name), x) for r in range(world)], dim=-1)
+    if shard.row_needs_gather(w, world, name):
+        got = 0
+        for r in range(world):
+            piece, index = shard.shard_row_gathered(w, r, world, name)
+            got = got + _run(piece, x[:, index])
+        return got
+    k = x.shape[-1]
+    return sum(_run(w.shard_row(r, world, name), x[:, r * k // world:(r + 1) * k // world]) for r in range(world))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", list(REAL))
 @pytest.mark.parametrize("fmt,act", [("int8", False), ("int4", False), ("int4g128a", False), ("int4g32", False),
@@ -193,23 +208,12 @@ def _run(w, x):
 def test_cuda_shards_of_llama_3_layers_assemble_to_the_layer(name, fmt, act, world):
     """Simulated TP: each rank's shard on qgemv's CUDA ops; column shards concatenated and row shards summed in
     fp32 equal the unsharded layer (to fp32 accumulation order: the shards' GEMVs split K differently)."""
-    n, k, kind = REAL[name]
-    bits, group, sym = {"int8": (8, None, True), "int4": (4, None, True), "int4g128a": (4, 128, False),
-                        "int4g32": (4, 32, True)}[fmt]
+    n, k, _ = REAL[name]
     torch.manual_seed(0)
-    w = _random_packed(QuantConfig(bits, group, sym), n, k, act, world)
+    w = _random_packed(QuantConfig(*FORMATS[fmt]), n, k, act, world)
     for m in (1, 5, 16):
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         whole = _run(w, x)
-        if kind == "column":
-            got = torch.cat([_run(w.shard_column(r, world, name), x) for r in range(world)], dim=-1)
-        elif shard.row_needs_gather(w, world, name):
-            got = 0
-            for r in range(world):
-                piece, index = shard.shard_row_gathered(w, r, world, name)
-                got = got + _run(piece, x[:, index])
-        else:
-            got = sum(_run(w.shard_row(r, world, name), x[:, r * k // world:(r + 1) * k // world])
-                      for r in range(world))
+        got = assembled(w, x, name, world)
         scale = whole.abs().max().item()
         torch.testing.assert_close(got, whole, rtol=0, atol=4e-3 * scale)
