@@ -955,14 +955,7 @@ constexpr int kChainAttnChunk = 32;   // cache positions a chunk
 // ChainAttn::per_warp's default: 2 a warp (32 positions a unit of 16 warps) against 8 (128), H200 2026-12-05,
 // attention µs a layer (Llama-3-8B): +6.6 / +8.3 against +10.9 / +11.6 at contexts 256 / 768, +6.4 / +5.9 at 64
 constexpr int kChainAttnPerWarp = 2;
-// chain_attention_tc's warps that take position groups: half the block past 4 query heads a kv head (the
-// partials' shared memory grows with both)
-__host__ __device__ inline int chain_attn_tc_warps(int gq, int W) { return gq > 4 && W > 1 ? W / 2 : W; }
 __host__ __device__ inline int chain_attn_floats(int gq, int D, int W) {
-  if (D >= 64) {  // chain_attention_tc: fp16 q and the token's k, v; the warps' maxima and sums; their values
-    const int Wa = chain_attn_tc_warps(gq, W);
-    return gq * D / 2 + D + (2 * Wa * gq + 3) / 4 * 4 + Wa * ((gq + 1) / 2) * (32 * (D / 16) + 8);
-  }
   const int rows = 2 * 2 * kChainAttnChunk * D / 2;  // fp16 K and V, two buffers
   const int merge = W * D + 2 * W;
   return gq * D + 2 * D + (rows > merge ? rows : merge);
@@ -1079,64 +1072,6 @@ __device__ __forceinline__ void chain_ld_dims(const __half* p, float (&o)[kDpl])
   }
 }
 
-// A unit's result from its warps' partials (every consumer thread; csync the
-// block barrier): partial u of query head j at index p = j + gq u (u < parts)
-// of wm (max) and wl (sum), its value of dim d val(p, d); a warp without
-// positions has max -inf and values 0.  One split: o's input at once; else the split's (values, max,
-// sum) go to the scratch and the kv head's last split to arrive merges them
-// (flash-decoding's merge) into o's input.
-template <int kD, typename Sync, typename Val>
-__device__ __forceinline__ void chain_attn_merge(const ChainAttn& a, int par, int nthreads, Sync&& csync, int h, int s,
-                                                 int splits, int parts, const float* wm, const float* wl, Val&& val) {
-  __shared__ int last;
-  const int gq = a.H / a.Hkv, pairs = gq * kD;
-  float* ps = a.part + (static_cast<size_t>(h) * a.splits + s) * gq * (kD + 2);
-  for (int t = threadIdx.x; t < pairs; t += nthreads) {
-    const int j = t / kD, d = t % kD;
-    float mx = -INFINITY;
-    for (int w = j; w < gq * parts; w += gq) mx = fmaxf(mx, wm[w]);
-    float den = 0.f, num = 0.f;
-    if (mx != -INFINITY)
-      for (int w = j; w < gq * parts; w += gq) {
-        const float f = __expf(wm[w] - mx);  // a warp without positions: exp(-inf) = 0
-        den = fmaf(wl[w], f, den);
-        num = fmaf(val(w, d), f, num);
-      }
-    if (splits == 1) {  // the unit is the whole context: o's input at once
-      chain_store_half(a.out + h * pairs + t, static_cast<size_t>(a.H) * kD, par, __float2half_rn(num / den));
-    } else {
-      ps[j * (kD + 2) + d] = num;
-      if (d == 0) ps[j * (kD + 2) + kD] = mx, ps[j * (kD + 2) + kD + 1] = den;
-    }
-  }
-  if (splits > 1) {
-    __threadfence();  // the split's values before its count
-    csync();
-    if (threadIdx.x == 0) last = atomicAdd(a.count + h, 1u) == static_cast<unsigned>(splits - 1);
-    csync();
-    if (last) {  // every split of kv head h is in: merge them into o's input
-      __threadfence();
-      if (threadIdx.x == 0) a.count[h] = 0u;  // for the next launch (nobody else touches it in this one)
-      const float* ph = a.part + static_cast<size_t>(h) * a.splits * gq * (kD + 2);
-      for (int e = threadIdx.x; e < pairs; e += nthreads) {
-        const int j = e / kD, d = e % kD;
-        // one pass, the running max rescaling the sums (unrolled: 8 splits' loads in flight at once)
-        float mx = -INFINITY, den = 0.f, num = 0.f;
-#pragma unroll 8
-        for (int t = 0; t < splits; ++t) {
-          const float* pt = ph + (t * gq + j) * (kD + 2);
-          const float mt = __ldcg(pt + kD), lt = __ldcg(pt + kD + 1), at = __ldcg(pt + d);
-          const float m2 = fmaxf(mx, mt), r = __expf(mx - m2), w = __expf(mt - m2);
-          den = fmaf(den, r, lt * w);
-          num = fmaf(num, r, at * w);
-          mx = m2;
-        }
-        chain_store_half(a.out + h * pairs + e, static_cast<size_t>(a.H) * kD, par, __float2half_rn(num / den));
-      }
-    }
-  }
-}
-
 // The block's units of one layer's attention (every consumer thread; csync
 // the block barrier; sm: chain_attn_floats floats of shared memory).  The
 // context is split across blocks only when it is long: splits = min(a.splits,
@@ -1153,6 +1088,7 @@ __device__ __forceinline__ void chain_attn_merge(const ChainAttn& a, int par, in
 // flash-decoding does), or with one split straight into o's input.
 template <int kDpl, typename Sync>
 __device__ __forceinline__ void chain_attention(const ChainAttn& a, int par, int nthreads, Sync&& csync, float* sm) {
+  __shared__ int last;
   constexpr int kD = 32 * kDpl;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = nthreads / 32;
   const int pos = chain_slot, gq = a.H / a.Hkv, L = pos + 1, pairs = gq * kD;
@@ -1247,159 +1183,52 @@ __device__ __forceinline__ void chain_attention(const ChainAttn& a, int par, int
 #pragma unroll
     for (int e = 0; e < kDpl; ++e) wv[warp * kD + lane * kDpl + e] = acc[e];
     csync();
-    chain_attn_merge<kD>(a, par, nthreads, csync, h, s, splits, slices, wm, wl,
-                         [&](int p, int d) { return wv[p * kD + d]; });
-    csync();  // the scratch and the merge's buffers are free for the block's next unit
-  }
-}
-
-// 8 fp16 of a chain buffer, polled until none is the poison, as they are.
-__device__ __forceinline__ uint4 chain_poll8_raw(const unsigned short* p) {
-  const uint4* src = reinterpret_cast<const uint4*>(p);
-  uint4 v = ld_relaxed_gpu_v4(src);
-  while (!chain_half_ready(v)) v = ld_relaxed_gpu_v4(src);
-  return v;
-}
-
-__device__ __forceinline__ void chain_mma_16816(float (&c)[4], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
-  asm volatile(  // rows 8..15 of A are zero (at most 8 query heads a kv head)
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %5}, {%7, %8}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(0u), "r"(a2), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void chain_mma_1688(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t b0) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(b0));
-}
-
-// n fp16 (a multiple of 8) of the K / V row of position p into r: zeros past
-// the unit's end (no NaN from unwritten rows into the sums), the token's own
-// row from shared memory (its cache row is being written in this launch).
-template <int kN>
-__device__ __forceinline__ void chain_attn_row(uint4 (&r)[kN], const __half* cache, const __half* own, int p, int pos,
-                                               int p1) {
-  const uint4* src = reinterpret_cast<const uint4*>(p == pos ? own : cache);
-#pragma unroll
-  for (int e = 0; e < kN; ++e) r[e] = p < p1 ? (p == pos ? src[e] : __ldg(src + e)) : make_uint4(0u, 0u, 0u, 0u);
-}
-
-// The tensor-core form of chain_attention (head_dim 64 or 128, at most 8
-// query heads a kv head; the units, splits and merge as there).  A warp takes
-// groups of 8 positions (group i of a unit goes to warp i % W) for all the kv
-// head's query heads at once, K and V straight from the cache into
-// registers (no block barrier per group):
-//   S [heads (16 rows, gq used) x 8 positions] = Q K^T: kD / 16 m16n8k16 MMAs.
-//     Lane (g, t) loads K[position g][dims t kD / 4 ..] and reads Q[head g][the
-//     same dims]: the MMA's k index 2t + e (+ 8) of step s is dim t kD / 4 +
-//     4 s + e (+ 2), the same for A and B.
-//   The online softmax on S's rows (head g: the max over a quad of lanes).
-//   O^T [dims x heads] += V^T [dims x 8 positions] P^T: kD / 16 m16n8k8 MMAs
-//     whose B is S's accumulator as it lies (half2 of lane (g, t)'s positions
-//     2t, 2t + 1 of head g).  Row g (g + 8) of m-tile i is dim g kD / 8 + 2i
-//     (+ 1): lane (g, t) loads V[positions 2t, 2t + 1][dims g kD / 8 ..] and
-//     pairs them with PRMTs.
-// O's accumulators stay in shared memory (the warp's partial, one float4 a
-// lane and m-tile, read and written around each MMA): the kernel calls this
-// with the tile loop's state live, and 32 more registers would spill it.
-// P goes to the MMA in fp16 (as FlashAttention does); sums and the softmax in
-// fp32.  Shared memory (sm, chain_attn_floats): the group's queries and the
-// token's k / v in fp16, each warp's max and sum of each head, its values.
-template <int kDpl, typename Sync>
-__device__ __forceinline__ void chain_attention_tc(const ChainAttn& a, int par, int nthreads, Sync&& csync,
-                                                   float* sm) {
-  constexpr int kD = 32 * kDpl, kSteps = kD / 16, kStride = 32 * kSteps + 8;  // floats a (warp, t) of values
-  constexpr int kKw = kD / 32, kVw = kD / 64;  // uint4 a lane of K (kD / 4 fp16), of V a position (kD / 8)
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = nthreads / 32, g = lane >> 2, t = lane & 3;
-  const int pos = chain_slot, gq = a.H / a.Hkv, L = pos + 1, pairs = gq * kD, T = (gq + 1) / 2;
-  const int Wa = chain_attn_tc_warps(gq, W);  // the warps that take groups
-  const int splits = min(a.splits, (L + W * a.per_warp - 1) / (W * a.per_warp));
-  const int units = a.Hkv * splits;
-  __half* qh = reinterpret_cast<__half*>(sm);  // [gq][kD] queries
-  __half* kvh = qh + pairs;                    // [2][kD] the token's k, v
-  float* wm = sm + pairs / 2 + kD;             // [Wa][gq] maxima
-  float* wl = wm + Wa * gq;                    // [Wa][gq] sums
-  float* wv = wm + (2 * Wa * gq + 3) / 4 * 4;  // [Wa][T][kStride]: lane (g, t)'s m-tile i at i * 32 + g * 4
-  // this lane's values (heads 2t, 2t + 1), if it has a query head; the t rows 32 bytes apart (no bank conflict)
-  float4* mine = t < T && warp < Wa ? reinterpret_cast<float4*>(wv + (warp * T + t) * kStride + g * 4) : nullptr;
-  const unsigned short* src = a.qkv + static_cast<size_t>(par) * a.ldq;
-  for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-    const int h = unit / splits, s = unit % splits;
-    const int p0 = static_cast<int>(static_cast<long long>(s) * L / splits);
-    const int p1 = static_cast<int>(static_cast<long long>(s + 1) * L / splits);
-    const __half* kc = a.k_cache + static_cast<size_t>(h) * a.S * kD;
-    const __half* vc = a.v_cache + static_cast<size_t>(h) * a.S * kD;
-    for (int c = threadIdx.x; c < pairs / 8; c += nthreads)
-      reinterpret_cast<uint4*>(qh)[c] = chain_poll8_raw(src + h * pairs + 8 * c);
-    if (p1 == L)
-      for (int c = threadIdx.x; c < kD / 4; c += nthreads) {
-        const int at = c < kD / 8 ? a.H * kD + h * kD + 8 * c : (a.H + a.Hkv) * kD + h * kD + 8 * (c - kD / 8);
-        reinterpret_cast<uint4*>(kvh)[c] = chain_poll8_raw(src + at);
-      }
-    csync();  // the queries and the token's k / v
-    float m = -INFINITY, l = 0.f;  // head g: the max (the same in a quad), this lane's positions' sum
-    const int groups = (p1 - p0 + 7) / 8, parts = min(Wa, groups);  // the warps with positions
-    for (int gi = warp; gi < groups && warp < Wa; gi += Wa) {
-      const int base = p0 + 8 * gi;
-      float sc[4] = {0.f, 0.f, 0.f, 0.f};
-      {
-        uint4 kr[kKw];
-        chain_attn_row<kKw>(kr, kc + static_cast<size_t>(base + g) * kD + t * (kD / 4), kvh + t * (kD / 4),
-                            base + g, pos, p1);
-        const uint32_t* kw = reinterpret_cast<const uint32_t*>(kr);
-        const __half* qg = qh + min(g, gq - 1) * kD + t * (kD / 4);
-#pragma unroll
-        for (int st = 0; st < kSteps; ++st) {
-          uint2 q2 = *reinterpret_cast<const uint2*>(qg + 4 * st);
-          if (g >= gq) q2 = make_uint2(0u, 0u);
-          chain_mma_16816(sc, q2.x, q2.y, kw[2 * st], kw[2 * st + 1]);
+    float* ps = a.part + (static_cast<size_t>(h) * a.splits + s) * gq * (kD + 2);
+    for (int t = threadIdx.x; t < pairs; t += nthreads) {
+      const int j = t / kD, d = t % kD;
+      float mx = -INFINITY;
+      for (int w = j; w < gq * slices; w += gq) mx = fmaxf(mx, wm[w]);
+      float den = 0.f, num = 0.f;
+      if (mx != -INFINITY)
+        for (int w = j; w < gq * slices; w += gq) {
+          const float f = __expf(wm[w] - mx);  // a warp without positions: exp(-inf) = 0
+          den = fmaf(wl[w], f, den);
+          num = fmaf(wv[w * kD + d], f, num);
         }
-      }
-      uint4 va[kVw], vb[kVw];  // issued before the softmax's math
-      chain_attn_row<kVw>(va, vc + static_cast<size_t>(base + 2 * t) * kD + g * (kD / 8), kvh + kD + g * (kD / 8),
-                          base + 2 * t, pos, p1);
-      chain_attn_row<kVw>(vb, vc + static_cast<size_t>(base + 2 * t + 1) * kD + g * (kD / 8),
-                          kvh + kD + g * (kD / 8), base + 2 * t + 1, pos, p1);
-      const float s0 = base + 2 * t < p1 ? sc[0] * a.scale : -INFINITY;
-      const float s1 = base + 2 * t + 1 < p1 ? sc[1] * a.scale : -INFINITY;
-      float mx = fmaxf(s0, s1);
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float mn = fmaxf(m, mx);  // finite: position base is in the unit
-      const float r = __expf(m - mn), e0 = __expf(s0 - mn), e1 = __expf(s1 - mn);
-      l = fmaf(l, r, e0 + e1);
-      m = mn;
-      const bool rescale = __any_sync(0xffffffffu, r != 1.f);  // a new max for some head
-      const float ra = __shfl_sync(0xffffffffu, r, 8 * t), rb = __shfl_sync(0xffffffffu, r, 8 * t + 4);
-      const __half2 pe = __floats2half2_rn(e0, e1);
-      const uint32_t pb = *reinterpret_cast<const uint32_t*>(&pe);
-      const uint32_t* aw = reinterpret_cast<const uint32_t*>(va);
-      const uint32_t* bw = reinterpret_cast<const uint32_t*>(vb);
-#pragma unroll
-      for (int i = 0; i < kSteps; ++i) {
-        float o[4] = {0.f, 0.f, 0.f, 0.f};
-        if (mine && gi != warp) {  // (the warp's first group starts from zeros)
-          const float4 v = mine[i * 8];
-          o[0] = v.x, o[1] = v.y, o[2] = v.z, o[3] = v.w;
-        }
-        if (rescale) o[0] *= ra, o[1] *= rb, o[2] *= ra, o[3] *= rb;
-        chain_mma_1688(o, __byte_perm(aw[i], bw[i], 0x5410), __byte_perm(aw[i], bw[i], 0x7632), pb);
-        if (mine) mine[i * 8] = make_float4(o[0], o[1], o[2], o[3]);
+      if (splits == 1) {  // the unit is the whole context: o's input at once
+        chain_store_half(a.out + h * pairs + t, static_cast<size_t>(a.H) * kD, par, __float2half_rn(num / den));
+      } else {
+        ps[j * (kD + 2) + d] = num;
+        if (d == 0) ps[j * (kD + 2) + kD] = mx, ps[j * (kD + 2) + kD + 1] = den;
       }
     }
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    if (t == 0 && g < gq && warp < parts) wm[warp * gq + g] = m, wl[warp * gq + g] = l;
-    csync();
-    // partial p = j + gq w: head j = 2t' + e of warp w; dim d = g' kD / 8 + 2i + f is (m-tile i, lane g', e + 2f)
-    chain_attn_merge<kD>(a, par, nthreads, csync, h, s, splits, parts, wm, wl, [&](int p, int d) {
-      const int w = p / gq, j = p % gq, r8 = d % (kD / 8);
-      return wv[(w * T + j / 2) * kStride + (r8 / 2) * 32 + (d / (kD / 8)) * 4 + (j & 1) + 2 * (r8 & 1)];
-    });
-    csync();  // the queries and the merge's buffers are free for the block's next unit
+    if (splits > 1) {
+      __threadfence();  // the split's values before its count
+      csync();
+      if (threadIdx.x == 0) last = atomicAdd(a.count + h, 1u) == static_cast<unsigned>(splits - 1);
+      csync();
+      if (last) {  // every split of kv head h is in: merge them into o's input
+        __threadfence();
+        if (threadIdx.x == 0) a.count[h] = 0u;  // for the next launch (nobody else touches it in this one)
+        const float* ph = a.part + static_cast<size_t>(h) * a.splits * gq * (kD + 2);
+        for (int e = threadIdx.x; e < pairs; e += nthreads) {
+          const int j = e / kD, d = e % kD;
+          // one pass, the running max rescaling the sums (unrolled: 8 splits' loads in flight at once)
+          float mx = -INFINITY, den = 0.f, num = 0.f;
+#pragma unroll 8
+          for (int t = 0; t < splits; ++t) {
+            const float* pt = ph + (t * gq + j) * (kD + 2);
+            const float mt = __ldcg(pt + kD), lt = __ldcg(pt + kD + 1), at = __ldcg(pt + d);
+            const float m2 = fmaxf(mx, mt), r = __expf(mx - m2), w = __expf(mt - m2);
+            den = fmaf(den, r, lt * w);
+            num = fmaf(num, r, at * w);
+            mx = m2;
+          }
+          chain_store_half(a.out + h * pairs + e, static_cast<size_t>(a.H) * kD, par, __float2half_rn(num / den));
+        }
+      }
+    }
+    csync();  // the scratch and the merge's buffers are free for the block's next unit
   }
 }
 
@@ -1407,8 +1236,8 @@ __device__ __forceinline__ void chain_attention_tc(const ChainAttn& a, int par, 
 template <typename Sync>
 __device__ __forceinline__ void chain_attention_any(const ChainAttn& a, int par, int nthreads, Sync&& csync,
                                                  float* sm) {
-  if (a.D == 128) chain_attention_tc<4>(a, par, nthreads, csync, sm);
-  else if (a.D == 64) chain_attention_tc<2>(a, par, nthreads, csync, sm);
+  if (a.D == 128) chain_attention<4>(a, par, nthreads, csync, sm);
+  else if (a.D == 64) chain_attention<2>(a, par, nthreads, csync, sm);
   else chain_attention<1>(a, par, nthreads, csync, sm);
 }
 
