@@ -283,16 +283,17 @@ class Engine:
     default True; eager, with one warning, if compiling fails).
     megakernel: run each batch-1 decode step's decoder layers as one
     persistent launch (:class:`qgemv.persist.PersistentChain` with its
-    attention; issue 35, stage 2; default False while it is being measured):
-    float16 activations, int4 / int8 weights in one of qgemv.persist.FORMATS
-    (act-order too) or float16 weights (nn.Linear), biases on q/k/v only (Qwen2's),
-    q/k norms (Qwen3's), compute capability 9.x.  Where the model or the
-    GPU does not allow it, the per-op path runs and ``megakernel_reason``
-    says why (one warning).  Prefill and batches above 1 stay per-op.
+    attention): float16 activations, int4 / int8 weights in one of
+    qgemv.persist.FORMATS (act-order too) or float16 weights (nn.Linear),
+    biases on q/k/v only (Qwen2's), q/k norms (Qwen3's), compute capability
+    9.x.  None (the default): wherever the model and the GPU allow it; True:
+    asked for, so a refusal warns once; False: never.  Where it does not
+    run, the per-op path does and ``megakernel_reason`` says why.  Prefill
+    and batches above 1 stay per-op.
     """
 
     def __init__(self, model: nn.Module, tokenizer=None, max_seq_len: Optional[int] = None,
-                 cuda_graphs: bool = True, compile_glue: bool = True, megakernel: bool = False):
+                 cuda_graphs: bool = True, compile_glue: bool = True, megakernel: Optional[bool] = None):
         arch = type(model).__name__
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
@@ -347,11 +348,16 @@ class Engine:
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self.compile_glue = bool(compile_glue) and self.device.type == "cuda"
         self._glue = _compiled_glue() if self.compile_glue else EAGER_GLUE
-        self.megakernel, self.megakernel_reason, self._chain = bool(megakernel), "", None
+        if megakernel not in (None, True, False):
+            raise TypeError(f"megakernel: expected None, True or False, got {megakernel!r}")
+        self._megakernel_asked = megakernel is True
+        self.megakernel, self.megakernel_reason, self._chain = megakernel is not False, "", None
         if self.megakernel:
             why = megakernel_refusal(self)
             if why:
                 self._megakernel_off(why)
+        else:
+            self.megakernel_reason = "megakernel=False"
         self._cache = {}  # batch -> (k [L, B, Hkv, S, D], v)
         self._graphs = {}  # batch -> (graph, static inputs, static logits)
         self._pool = None
@@ -370,7 +376,8 @@ class Engine:
 
     def _megakernel_off(self, why: str) -> None:
         self.megakernel, self.megakernel_reason = False, why
-        warnings.warn(f"qgemv.engine: megakernel off, running the per-op path: {why}")
+        if self._megakernel_asked:  # the default falls back quietly; the reason stays in megakernel_reason
+            warnings.warn(f"qgemv.engine: megakernel off, running the per-op path: {why}")
 
     def _megachain(self):
         """The batch-1 decode step's persistent launch (built on first use; None where it is refused)."""

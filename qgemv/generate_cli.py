@@ -62,10 +62,10 @@ def main(argv=None) -> int:
                     help="activations (default: float16 on CUDA, float32 on CPU)")
     ap.add_argument("--max-seq-len", type=int_at_least(2), default=None, help="cache slots (prompt + new tokens; default: the model's positions, at most 4096)")
     ap.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graph)")
-    ap.add_argument("--megakernel", action="store_true",
+    ap.add_argument("--megakernel", choices=("auto", "on", "off"), default="auto",
                     help="batch-1 decode steps as one persistent launch (float16 activations; int4, int8 or "
-                         "float16 weights; compute capability 9.x; otherwise the per-op path with a one-line "
-                         "reason)")
+                         "float16 weights; compute capability 9.x). auto (default): wherever allowed; on: a "
+                         "refusal prints its one-line reason; off: never")
     args = ap.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype or ("float16" if device.startswith("cuda") else "float32"))
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     try:
         model, tok, what = load_for_generation(args.model, device, dtype, args.bits, args.group_size, args.asym)
         engine = Engine(model, tok, max_seq_len=args.max_seq_len, cuda_graphs=not args.no_graphs,
-                        megakernel=args.megakernel)
+                        megakernel={"auto": None, "on": True, "off": False}[args.megakernel])
     except (FileNotFoundError, ValueError) as e:  # CheckpointError and UnsupportedModelError are ValueErrors
         print(f"qgemv-generate: {e}", file=sys.stderr)
         return 2

@@ -42,8 +42,9 @@ of 64-byte tiles); float16 activations, one token, compute capability 9.x,
 K % 8 == 0 and N % 16 == 0 (gate_up: % 32).  A K that is not a multiple of
 the kernel's tile (128 int4, 64 int8, 32 fp16 inputs) is padded with zero
 weights once, in the chain's copy (:func:`pad_inputs`); the launch reads the
-padded inputs as zeros.  The engine runs it with ``Engine(megakernel=True)``
-(off by default; dev/PERSISTENT.md has its measurements).
+padded inputs as zeros.  The engine runs it for batch-1 decode steps wherever
+it can (``Engine(megakernel=None)``, the default; dev/PERSISTENT.md has its
+measurements).
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ sampling, fusion, the CLI and its errors; on a GPU, the CUDA kernels (graphs on 
 import copy
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -352,7 +353,7 @@ def test_megakernel_names_why_it_is_off_and_the_per_op_path_runs(case, why):
     assert not engine.megakernel and engine.megakernel_reason == why
     assert megakernel_refusal(engine) == why
     if case not in ("bf16", "cpu"):  # the per-op path runs: the same tokens as an engine that never asked for it
-        plain = Engine(model, max_seq_len=32)
+        plain = Engine(model, max_seq_len=32, megakernel=False)
         assert engine.generate([prompt], max_new_tokens=5).tokens == plain.generate([prompt], max_new_tokens=5).tokens
 
 
@@ -364,7 +365,7 @@ def megakernel_pair(model, plen, n):
     """(per-op engine, megakernel engine, their logits [1, n, vocab]) for a random prompt of plen tokens and
     the per-op engine's n greedy tokens after it, fed to both (teacher forcing)."""
     prompt = [torch.randint(0, 512, (plen,), generator=torch.Generator().manual_seed(plen)).tolist()]
-    per_op = Engine(model, max_seq_len=128)
+    per_op = Engine(model, max_seq_len=128, megakernel=False)
     want = per_op.generate(prompt, max_new_tokens=n).tokens
     ref = forced_logits(per_op, prompt, want)
     mk = Engine(model, max_seq_len=128, megakernel=True)
@@ -493,13 +494,39 @@ def test_megakernel_engine_leaves_batches_to_the_per_op_path():
     model = model.half().cuda()
     prompts = [[3, 4, 5, 6], [7, 8]]
     mk = Engine(model, max_seq_len=32, megakernel=True)
-    plain = Engine(model, max_seq_len=32)
+    plain = Engine(model, max_seq_len=32, megakernel=False)
     assert mk.generate(prompts, max_new_tokens=6).tokens == plain.generate(prompts, max_new_tokens=6).tokens
     assert mk._chain is None  # never built: no batch-1 step ran
 
 
 def test_cli_megakernel_falls_back_with_its_reason(tiny_llama_dir):
     r = run_cli(tiny_llama_dir, "--prompt", "the history of", "--max-new-tokens", "4", "--device", "cpu",
-                "--megakernel")
+                "--megakernel", "on")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "megakernel off, running the per-op path:" in r.stderr and r.stdout.strip()
+    quiet = run_cli(tiny_llama_dir, "--prompt", "the history of", "--max-new-tokens", "4", "--device", "cpu")
+    assert quiet.returncode == 0 and "megakernel" not in quiet.stderr, quiet.stderr[-2000:]
+    assert quiet.stdout == r.stdout
+
+
+def test_megakernel_default_runs_where_allowed_and_falls_back_quietly():
+    """Engine's default (megakernel=None): on where the model and GPU allow it; elsewhere the per-op path with
+    its reason in megakernel_reason and no warning; megakernel=False names itself; anything else is refused."""
+    from qgemv.engine import megakernel_refusal
+
+    model = tiny("llama", hidden_size=128, intermediate_size=256)
+    qgemv.quantize_model(model, bits=4, group_size=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine = Engine(model, max_seq_len=32)
+    why = megakernel_refusal(engine)
+    assert why and engine.megakernel_reason == why and not engine.megakernel  # float32 on the CPU
+    off = Engine(model, max_seq_len=32, megakernel=False)
+    assert not off.megakernel and off.megakernel_reason == "megakernel=False"
+    with pytest.raises(TypeError, match="megakernel: expected None, True or False, got 'yes'"):
+        Engine(model, max_seq_len=32, megakernel="yes")
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
+        gpu = Engine(copy.deepcopy(model).half().cuda(), max_seq_len=32)
+        assert gpu.megakernel and gpu.megakernel_reason == "", gpu.megakernel_reason
+        gpu.generate([[3, 4, 5]], max_new_tokens=3)
+        assert gpu._chain is not None  # the batch-1 steps ran through the launch
