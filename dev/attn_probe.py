@@ -1,7 +1,7 @@
 """Where the decode chain's attention time goes (issue 35, stage 2; lab, not installed).
 
     python dev/attn_probe.py [--layers 16] [--model llama3-8b|llama2-7b] [--cases CTX:SPLITS[:PER_WARP],...]
-                             [--no-base]
+                             [--no-base] [--stages 8[,4,...]]
 
 Llama-3-8B (GQA 4) or Llama-2-7B (32 kv heads) shapes, int4 g128 + zeros: the
 persistent chain with its norms only, then with attention at several
@@ -9,6 +9,9 @@ contexts, cache splits and positions a warp before a context is split
 (PER_WARP, default 2, the launch's); µs per layer (CUDA graph replays,
 median), each row the extra over the norms-only chain.  The launch splits a
 context only past PER_WARP positions a warp: the effective splits are printed.
+--stages: the same for each ring depth (slots a warp): does attention's
+cost a position fall when fewer weight bytes are in flight beside the
+K / V reads (the rings refill during attention)?
 """
 
 import argparse
@@ -29,6 +32,7 @@ def main() -> None:
     ap.add_argument("--model", default="llama3-8b", choices=("llama3-8b", "llama2-7b"))
     ap.add_argument("--no-base", action="store_true", help="skip the norms-only chain (for ncu: the first "
                     "launches are then the first case's)")
+    ap.add_argument("--stages", default=str(persist.DEFAULT_STAGES), help="ring slots a warp, a list")
     ap.add_argument("--cases", default="1:16,64:16:8,64:16,256:16:8,256:16,768:16:8,768:16,4096:16:8,"
                                         "4096:16")
     args = ap.parse_args()
@@ -38,24 +42,25 @@ def main() -> None:
     h = shapes[1][1]
     gains = [tuple((0.5 + torch.rand(h, device="cuda")).half() for _ in range(2)) for _ in lay]
     x = torch.randn(1, h, device="cuda", dtype=torch.float16)
-    t0 = float("nan")
-    if not args.no_base:
-        base = persist.PersistentChain(lay, norms=gains)
-        base(x)
-        t0 = graph_time(base.run, replays=20) * 1e3 / args.layers
-        del base
-        print(f"norms only: {t0:.1f} us/layer")
-    for case in args.cases.split(","):
-        ctx, splits, per_warp = (int(v) for v in (case + ":2").split(":")[:3])
-        at = attention_for(heads, args.layers, ctx)
-        at.splits, at.per_warp = splits, per_warp
-        chain = persist.PersistentChain(lay, norms=gains, attention=at)
-        chain(x, position=ctx - 1)
-        t = graph_time(chain.run, replays=20) * 1e3 / args.layers
-        eff = min(splits, -(-ctx // (chain.warps * per_warp)))  # as the kernel caps them
-        print(f"{args.model} context {ctx:5d}, {eff:2d} splits a kv head ({-(-ctx // eff):4d} positions a unit), "
-              f"{per_warp} a warp: {t:.1f} us/layer, +{t - t0:.1f}", flush=True)
-        del chain, at
+    for stages in (int(v) for v in args.stages.split(",")):
+        t0 = float("nan")
+        if not args.no_base:
+            base = persist.PersistentChain(lay, norms=gains, stages=stages)
+            base(x)
+            t0 = graph_time(base.run, replays=20) * 1e3 / args.layers
+            del base
+            print(f"{stages} stages, norms only: {t0:.1f} us/layer")
+        for case in args.cases.split(","):
+            ctx, splits, per_warp = (int(v) for v in (case + ":2").split(":")[:3])
+            at = attention_for(heads, args.layers, ctx)
+            at.splits, at.per_warp = splits, per_warp
+            chain = persist.PersistentChain(lay, norms=gains, attention=at, stages=stages)
+            chain(x, position=ctx - 1)
+            t = graph_time(chain.run, replays=20) * 1e3 / args.layers
+            eff = min(splits, -(-ctx // (chain.warps * per_warp)))  # as the kernel caps them
+            print(f"{args.model} context {ctx:5d}, {eff:2d} splits a kv head ({-(-ctx // eff):4d} positions a "
+                  f"unit), {per_warp} a warp, {stages} stages: {t:.1f} us/layer, +{t - t0:.1f}", flush=True)
+            del chain, at
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|stage2|attn|attnncu|diag|gen|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|stage2|attn|attnncu|attnstages|diag|gen|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -163,6 +163,13 @@ for step in "${@:-all}"; do
         grep -E "Duration|Executed Instructions |Warp Cycles Per Issued|Issue Slots Busy|No Eligible|Stall|Location|^\s+[0-9a-f]{4,}" \
           "$OUT/attn_ncu_$ctx.txt" | head -40
       done ;;
+    attnstages)
+      # attention's cost a position at ring depths 4 / 6 / 8: if it falls with fewer weight bytes in flight
+      # beside the K / V reads (the rings refill during attention), the two contend for HBM
+      timeout 200 python3 dev/attn_probe.py --stages 4,6,8 --cases 1:16,768:16,4096:16 2>&1 | grep -v -i warn \
+        | tee "$OUT/attn_stages.txt"
+      timeout 120 python3 dev/attn_probe.py --model llama2-7b --stages 4,8 --cases 1:4,640:4,2048:4 2>&1 \
+        | grep -v -i warn | tee -a "$OUT/attn_stages.txt" ;;
     diag)
       # where the engine's persistent launch and its per-op path part, six small shapes (dev/mk_diag.py)
       timeout 200 python3 dev/mk_diag.py 2>&1 | grep -v -i warn | tee "$OUT/mk_diag.txt" ;;
