@@ -269,6 +269,38 @@ def megakernel_refusal(engine: "Engine") -> str:
     return ""
 
 
+def megakernel_copy_bytes(engine: "Engine") -> int:
+    """Bytes of GPU memory the persistent launch adds beside the per-op path's weights: its own copy of every
+    weight it cannot read as the per-op path stores it (q/k/v with its rows permuted for the rotation; grouped
+    int4 re-laid as tiles fused with their scales; float16 re-laid in panels; any K padded to whole tiles).
+    Per-channel int4 / int8 o, gate/up and down are read in place."""
+    from . import persist
+
+    total = 0
+    for L in engine.layers:
+        for name, m in (("q/k/v", L.qkv.fused), ("o_proj", L.o_proj), ("gate/up", L.gate_up.fused),
+                        ("down_proj", L.down_proj)):
+            if isinstance(m, QuantLinear):
+                cfg, size = m.packed.config, m.packed.nbytes
+                copied = name == "q/k/v" or bool(cfg.group_size) or m.in_features % persist.TILE_K[cfg.bits] != 0
+            elif m is not None:
+                size, copied = m.weight.numel() * m.weight.element_size(), True
+            else:
+                size, copied = 0, False
+            total += size if copied else 0
+    return total
+
+
+def megakernel_memory_refusal(engine: "Engine", free: int) -> str:
+    """Why the persistent launch's copy of the weights (:func:`megakernel_copy_bytes`) does not fit ``free``
+    bytes of GPU memory with 512 MiB to spare ("" when it does)."""
+    need = megakernel_copy_bytes(engine)
+    if need + (512 << 20) <= free:
+        return ""
+    return (f"its copy of the weights in the launch's layout ({need / 2**30:.2f} GiB) does not fit the GPU's free "
+            f"memory ({free / 2**30:.2f} GiB, 0.5 GiB kept spare)")
+
+
 class Engine:
     """Runs a Llama-family transformers model with a static KV cache (see the module docstring).
 
@@ -289,7 +321,11 @@ class Engine:
     9.x.  None (the default): wherever the model and the GPU allow it; True:
     asked for, so a refusal warns once; False: never.  Where it does not
     run, the per-op path does and ``megakernel_reason`` says why.  Prefill
-    and batches above 1 stay per-op.
+    and batches above 1 stay per-op.  The launch keeps its own copy of the
+    weights it cannot read in place (:func:`megakernel_copy_bytes`: about
+    the model's size again for grouped int4 and float16 weights), built at
+    the first batch-1 decode step, and falls back where that does not fit
+    the GPU's free memory.
     """
 
     def __init__(self, model: nn.Module, tokenizer=None, max_seq_len: Optional[int] = None,
@@ -388,6 +424,12 @@ class Engine:
                 return m.packed if isinstance(m, QuantLinear) else m.weight.detach()
 
             k, v = self._kv(1)
+            free = torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device) - \
+                torch.cuda.memory_allocated(self.device)  # the driver's free bytes and the allocator's idle ones
+            why = megakernel_memory_refusal(self, free)
+            if why:
+                self._megakernel_off(why)
+                return None
             try:
                 bias = None  # Qwen2's q/k/v biases [layers, N], a zero row for a layer without one
                 if any(L.qkv.fused.bias is not None for L in self.layers):
@@ -408,6 +450,10 @@ class Engine:
                     norms=[(L.in_norm, L.post_norm) for L in self.layers], eps=self.eps, attention=att)
             except persist.PersistError as e:
                 self._megakernel_off(str(e))
+            except torch.OutOfMemoryError as e:  # the estimate missed: what was built is dropped
+                self._chain = None
+                torch.cuda.empty_cache()
+                self._megakernel_off(f"out of GPU memory building it ({str(e).splitlines()[0]})")
         return self._chain
 
     def _forward_megakernel(self, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

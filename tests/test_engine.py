@@ -509,6 +509,29 @@ def test_cli_megakernel_falls_back_with_its_reason(tiny_llama_dir):
     assert quiet.stdout == r.stdout
 
 
+@pytest.mark.parametrize("bits,group", [(4, None), (4, 128), (8, None)])
+def test_megakernel_counts_the_weights_it_copies(bits, group):
+    """The launch's extra GPU memory: q/k/v always (its rows permuted for the rotation), o / gate/up / down when
+    grouped (tiles fused with their scales) or float16; per-channel ones are read in place.  A refusal names
+    the bytes and the free memory."""
+    from qgemv.engine import megakernel_copy_bytes, megakernel_memory_refusal
+
+    model = tiny("llama", hidden_size=128, intermediate_size=256)
+    qgemv.quantize_model(model, bits=bits, group_size=group)
+    engine = Engine(model, max_seq_len=32)
+    sizes = [[m.packed.nbytes for m in (L.qkv.fused, L.o_proj, L.gate_up.fused, L.down_proj)]
+             for L in engine.layers]
+    want = sum(s[0] + (sum(s[1:]) if group else 0) for s in sizes)
+    assert megakernel_copy_bytes(engine) == want > 0
+    assert megakernel_memory_refusal(engine, want + (512 << 20)) == ""
+    why = megakernel_memory_refusal(engine, want + (511 << 20))
+    assert why.startswith("its copy of the weights in the launch's layout (") and "0.5 GiB kept spare" in why
+    floats = Engine(tiny("llama", hidden_size=128, intermediate_size=256).half(), max_seq_len=32)
+    assert megakernel_copy_bytes(floats) == sum(p.numel() * 2 for L in floats.layers for m in
+                                                (L.qkv.fused, L.o_proj, L.gate_up.fused, L.down_proj)
+                                                for p in [m.weight])
+
+
 def test_megakernel_default_runs_where_allowed_and_falls_back_quietly():
     """Engine's default (megakernel=None): on where the model and GPU allow it; elsewhere the per-op path with
     its reason in megakernel_reason and no warning; megakernel=False names itself; anything else is refused."""
