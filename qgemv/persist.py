@@ -246,7 +246,10 @@ def pad_inputs(w: Weight, k: int) -> Weight:
 def fuse_tiles(w: PackedWeight) -> torch.Tensor:
     """A grouped int4 weight (G = 32, 64 or 128) in the kernel's layout: each 1 KB tile of the packed codes (N /
     16 panels x K / 128 tiles, the panels' own order) followed by its 16 rows' scales (and zero points) of the
-    tile's 128 / G groups: uint8 on the CPU."""
+    tile's 128 / G groups: for each row g < 8 and group i of the tile, the scales of rows g and g + 8, then
+    their zero points in the same order (csrc/persist_chain.cuh, chain_meta).  uint8
+    [tiles x tile bytes], built on w's device by torch (the extension's ``fuse``, on the CPU, is the test's
+    reference)."""
     n, k = w.out_features, w.in_features
     g = w.config.group_size
     if w.config.bits != 4 or g not in (32, 64, 128):
@@ -256,9 +259,18 @@ def fuse_tiles(w: PackedWeight) -> torch.Tensor:
     if w.qweight.numel() != n * k // 8 or w.scales.numel() != n * (k // g):
         raise PersistError(f"fuse_tiles: qweight / scales hold {w.qweight.numel()} / {w.scales.numel()} values, "
                            f"expected {n * k // 8} / {n * (k // g)}")
-    zeros = torch.empty(0, dtype=torch.uint8) if w.zeros is None else w.zeros.contiguous().cpu()
-    # checked above, so the extension's own checks (which would raise out of C++) never fire
-    return _module().fuse(w.qweight.contiguous().cpu(), w.scales.contiguous().cpu(), zeros, n, k, g)
+    panels, tiles, gpt = n // 16, k // 128, 128 // g
+
+    def per_tile(t: torch.Tensor) -> torch.Tensor:
+        """[N, K / G] -> [panels x tiles, 8 (g), gpt (i), 2 (rows g, g + 8)]: a tile's values in meta order."""
+        return t.reshape(panels, 2, 8, tiles, gpt).permute(0, 3, 2, 4, 1).reshape(panels * tiles, 8, gpt, 2)
+
+    parts = [w.qweight.contiguous().view(torch.uint8).reshape(panels * tiles, 1024),
+             per_tile(w.scales.contiguous().view(torch.int16)).contiguous().view(torch.uint8).reshape(
+                 panels * tiles, 32 * gpt)]
+    if w.zeros is not None:
+        parts.append(per_tile(w.zeros.contiguous()).reshape(panels * tiles, 16 * gpt))
+    return torch.cat(parts, dim=1).reshape(-1)  # (16 gpt (2 or 3) bytes of meta: whole 16-byte units)
 
 
 def _format_of(w: Weight, where: str) -> Tuple[int, int, bool]:
@@ -522,7 +534,7 @@ class PersistentChain:
             self._keep += [qw, s]
             self.weight_bytes += qw.numel() * qw.element_size() + s.numel() * 2
             return qw.data_ptr(), s.data_ptr()
-        fused = fuse_tiles(w).to(self.device)
+        fused = fuse_tiles(w)  # on the weight's device, the chain's (checked above)
         self._keep.append(fused)
         self.weight_bytes += fused.numel()
         return fused.data_ptr(), 0

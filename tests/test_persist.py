@@ -178,10 +178,21 @@ def test_pad_inputs_adds_exact_zero_weights(name):
 
 
 @needs_ext
+@pytest.mark.parametrize("name", ["int4g128", "int4g128a", "int4g64", "int4g64a", "int4g32", "int4g32a"])
+def test_fuse_tiles_builds_the_extensions_layout_with_torch(name):
+    """fuse_tiles (torch, on the weight's device) against the extension's C++ fuse (the layout the kernel and
+    the lab read), byte for byte; on the GPU too where there is one."""
+    w = packed(name, 48, 384)
+    cfg = FORMATS[name]
+    want = qgemv._ext.MODULE.persist.fuse(w.qweight, w.scales, w.zeros if w.zeros is not None else
+                                          torch.empty(0, dtype=torch.uint8), 48, 384, cfg.group_size)
+    assert torch.equal(persist.fuse_tiles(w), want)
+    if torch.cuda.is_available():
+        got = persist.fuse_tiles(w.to("cuda"))
+        assert got.device.type == "cuda" and torch.equal(got.cpu(), want)
+
+
 def test_fuse_tiles_checks_in_python():
-    w = PackedWeight(*formats.quantize_int4(torch.randn(32, 256), 128), FORMATS["int4g128"], 256)
-    assert torch.equal(persist.fuse_tiles(w), qgemv._ext.MODULE.persist.fuse(
-        w.qweight, w.scales, torch.empty(0, dtype=torch.uint8), 32, 256))
     with pytest.raises(persist.PersistError, match=r"fuse_tiles: format int4, expected grouped int4 \(G = 32, 64"):
         persist.fuse_tiles(PackedWeight(*formats.quantize_int4(torch.randn(32, 256)), FORMATS["int4"], 256))
 
