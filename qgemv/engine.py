@@ -229,6 +229,12 @@ def printable_prefix(text: str, stop: Sequence[str]) -> int:
     return len(text)
 
 
+def _launch_linears(layer) -> tuple:
+    """A decoder layer's four linears as the persistent launch runs them: (name, module) pairs."""
+    return (("q/k/v", layer.qkv.fused), ("o_proj", layer.o_proj), ("gate/up", layer.gate_up.fused),
+            ("down_proj", layer.down_proj))
+
+
 def megakernel_refusal(engine: "Engine") -> str:
     """Why ``engine``'s batch-1 decode step cannot run as one persistent launch ("" when it can): the model
     first (checkable anywhere), then the GPU and the build."""
@@ -241,8 +247,7 @@ def megakernel_refusal(engine: "Engine") -> str:
         return f"head_dim {d}: the launch runs 32, 64 or 128"
     fmt = None
     for i, L in enumerate(engine.layers):
-        for name, m in (("q/k/v", L.qkv.fused), ("o_proj", L.o_proj), ("gate/up", L.gate_up.fused),
-                        ("down_proj", L.down_proj)):
+        for name, m in _launch_linears(L):
             plain = type(m) is nn.Linear and m.weight.dtype == torch.float16  # fp16 weights: the baseline's chain
             if not isinstance(m, QuantLinear) and not plain:
                 what = type(m).__name__ if m is not None else "not fused"
@@ -278,8 +283,7 @@ def megakernel_copy_bytes(engine: "Engine") -> int:
 
     total = 0
     for L in engine.layers:
-        for name, m in (("q/k/v", L.qkv.fused), ("o_proj", L.o_proj), ("gate/up", L.gate_up.fused),
-                        ("down_proj", L.down_proj)):
+        for name, m in _launch_linears(L):
             if isinstance(m, QuantLinear):
                 cfg, size = m.packed.config, m.packed.nbytes
                 copied = name == "q/k/v" or bool(cfg.group_size) or m.in_features % persist.TILE_K[cfg.bits] != 0
