@@ -40,7 +40,8 @@ struct ChainShape {
   int x_cap;        // the largest K (elements per token of the input buffer)
   int M;            // tokens (1)
   int skip = 0;     // 0; lab timing experiments only (results wrong): 1 no waits (the polled halves taken as
-                    //    they are), 2 no hand-off at all, 4 no tile math, 8 weights from L2, 32 no flush
+                    //    they are), 2 no hand-off at all, 4 no tile math, 8 weights from L2, 32 no flush,
+                    //    256 << c no waits for the inputs of op class c only (lab builds)
   int sums = 0;     // fp32 values of the block's sum buffer (chain_sums)
   int stage = 0;    // 1: shared memory holds a second input buffer (x_cap fp16), for the ops with an input perm
   const int4* cursors = nullptr;  // chain_schedule's records (device memory)
@@ -1334,17 +1335,19 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
     const long long p0 = timed ? clock64() : 0;
     if (timed) t_warps += p0 - b0;
     const int chunks = p.K / 8;
+    // lab builds: skip bit 8 + c takes the inputs of op class c without waiting (one hand-off's wait)
+    const bool nowait = (sh.skip & 1) || (kStamps && cls >= 0 && cls < 8 && ((sh.skip >> (8 + cls)) & 1));
     bool normed = false;
     if constexpr (kNorm) {
       if (const void* norm = sh.norms[oi]) {  // RMSNorm of the input on the way in
         chain_norm_input<kBits, Fmt::kSumK>(p, o_flags, par, norm, sh.norm_eps, chunks, nthreads, csync, xs, xsum,
-                                            (sh.skip & 1) != 0, chain_op_perm(ops[oi]), xnat);
+                                            nowait, chain_op_perm(ops[oi]), xnat);
         normed = true;
       }
     }
     if (!normed)  // the input copied at once
       chain_async_input<kBits, Fmt::kSumK>(chain_input_src(p, o_flags, par), chunks, nthreads, xs, xsum,
-                                           (o_flags & kChainPlainX) || (sh.skip & 1), chain_op_perm(ops[oi]), xnat, csync);
+                                           (o_flags & kChainPlainX) || nowait, chain_op_perm(ops[oi]), xnat, csync);
     if (p.Kp > p.K) {  // a weight padded to whole tiles: zero inputs past K, and the x sums of whole padded groups
       uint4* xs4 = reinterpret_cast<uint4*>(xs);
       for (int c = chunks + threadIdx.x; c < p.Kp / 8; c += nthreads) xs4[c] = make_uint4(0u, 0u, 0u, 0u);

@@ -4,6 +4,8 @@
 # source-counter sections (the top stall locations) of one launch each, then the lab's timing of both.
 #   bash dev/slowdown_ncu.sh export [REV]   # here: REV's csrc/ and lab sources into .peers/old (default 564d543)
 #   bash dev/slowdown_ncu.sh device         # on the device (the export travels as untracked files)
+#   bash dev/slowdown_ncu.sh sass           # on the device: both builds' SASS into $OUT (gzip), no runs
+#   bash dev/slowdown_ncu.sh source         # on the device: ncu's per-instruction source page of both (csv, gzip)
 set -o pipefail
 OUT=${OUT:-runs/device}; mkdir -p "$OUT"
 case "$1" in
@@ -13,7 +15,7 @@ case "$1" in
     git archive "$rev" csrc dev/persist_lab.cu dev/lab_common.cuh | tar -x -C .peers/old
     echo "$rev" > .peers/old/REV
     echo "exported $rev into .peers/old (untracked: delete before a commit)" ;;
-  device)
+  device|sass|source)
     [ -d .peers/old/csrc ] || { echo "no .peers/old: run 'bash dev/slowdown_ncu.sh export' first"; exit 2; }
     mkdir -p /tmp/slow
     for tree in old:.peers/old new:.; do
@@ -29,6 +31,21 @@ case "$1" in
         || { tail -20 /tmp/slow/${name}_*.log; exit 1; }
     done
     args="--no-probe --model llama3-8b --layers 16 --formats int4g128a --warps 16 --stages 8"
+    if [ "$1" = source ]; then  # ncu's source page: each SASS instruction's executions and stall samples, both builds
+      for name in old new; do
+        timeout 240 ncu --kernel-name regex:chain_kernel --launch-skip 2 --launch-count 1 --section SourceCounters \
+          --section WarpStateStats --page source --print-source sass --csv /tmp/slow/lab_$name $args --no-ceiling \
+          2> "$OUT/src_$name.err" | gzip > "$OUT/src_$name.csv.gz"
+        echo "$name: exit $?, $(zcat "$OUT/src_$name.csv.gz" | wc -l) lines"; tail -3 "$OUT/src_$name.err"
+      done
+      exit 0
+    fi
+    if [ "$1" = sass ]; then  # both labs' SASS (every kernel), to diff the chain kernels here
+      for name in old new; do
+        cuobjdump -sass /tmp/slow/lab_$name | gzip > "$OUT/sass_$name.txt.gz"
+      done
+      ls -la "$OUT"; exit 0
+    fi
     for name in old new; do
       echo "== $name ($( [ $name = old ] && cat .peers/old/REV || echo this tree )): timing"
       timeout 90 /tmp/slow/lab_$name $args 2>&1 | grep -E "persist w|per-op GEMVs alone" | head -4
@@ -41,5 +58,5 @@ case "$1" in
       grep -E "Duration|Executed Instructions |Issued Instructions |Warp Cycles Per Issued|Issue Slots Busy|No Eligible|Stall|Warp Stall|Branch Instructions |Memory Throughput|^\s+[0-9a-f]{4,}|Location" \
         "$OUT/ncu_$name.txt" | head -60
     done ;;
-  *) echo "usage: bash dev/slowdown_ncu.sh export [REV] | device"; exit 2 ;;
+  *) echo "usage: bash dev/slowdown_ncu.sh export [REV] | device | sass | source"; exit 2 ;;
 esac
