@@ -804,6 +804,67 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
             for (int b2 = 0; b2 < blocks; ++b2) std::printf(" %llu:%.2f", wc[5 * blocks + b2], tot[b2]);
             std::printf("\n");
           }
+          if (!hst.empty() && std::getenv("LAB_BALANCE")) {
+            // The schedule's light slots (fewer units) to the slowest blocks: per op class, each block's
+            // cycles a tile on its own slot (the stamped launch above), blocks from slowest to fastest given
+            // the slots from lightest to heaviest; then the launch timed with the permuted records beside the
+            // plain ones, alternately.  Whether a block's speed is its own (its SM's, as a block stays on its
+            // SM) and so worth a schedule that weights it.
+            const int W = v.warps;
+            std::vector<int4> bal(tab);
+            for (int c = 0; c < classes; ++c) {
+              const qgemv::ChainOp* o = nullptr;
+              int nc = 0;
+              for (const qgemv::ChainOp& q : ops)
+                if (q.cls == c) nc++, o = o ? o : &q;
+              auto tiles_of = [&](int slot) {
+                const int4 r = tab[(static_cast<size_t>(c) * blocks + slot) * (W + 1) + W];
+                return static_cast<double>(r.y - r.x) * qgemv::chain_ppu(*o) * qgemv::chain_op_tpp(*o);
+              };
+              std::vector<double> cpt(blocks);
+              for (int b2 = 0; b2 < blocks; ++b2) {
+                double cyc = 0;
+                for (int q = 0; q < nops; ++q)
+                  if (ops[q].cls == c) cyc += static_cast<double>(hst[(static_cast<size_t>(q) * blocks + b2) * 5]);
+                cpt[b2] = tiles_of(b2) > 0 ? cyc / (tiles_of(b2) * nc) : 0.0;
+              }
+              std::vector<int> slots(blocks), order(blocks);
+              for (int b2 = 0; b2 < blocks; ++b2) slots[b2] = order[b2] = b2;
+              std::stable_sort(slots.begin(), slots.end(), [&](int a, int b) { return tiles_of(a) < tiles_of(b); });
+              std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return cpt[a] > cpt[b]; });
+              for (int k = 0; k < blocks; ++k)
+                for (int w = 0; w <= W; ++w)
+                  bal[(static_cast<size_t>(c) * blocks + order[k]) * (W + 1) + w] =
+                      tab[(static_cast<size_t>(c) * blocks + slots[k]) * (W + 1) + w];
+              std::vector<double> srt = cpt;
+              std::sort(srt.begin(), srt.end());
+              std::printf("%-10s %3d   balance, class %d: cycles a tile min %.0f median %.0f 90th %.0f max %.0f\n",
+                          f.name, M, c, srt[0], srt[blocks / 2], srt[blocks * 9 / 10], srt[blocks - 1]);
+            }
+            auto check = [&]() {
+              std::vector<__half> o2(ref.size());
+              CK(cudaMemcpy(o2.data(), X[layers], o2.size() * 2, cudaMemcpyDeviceToHost));
+              double e = 0;
+              for (size_t q = 0; q < o2.size(); ++q) {
+                const double d = std::fabs(double(__half2float(o2[q])) - __half2float(ref[q]));
+                e = std::max(e, d != d ? 1e30 : d);
+              }
+              return e / refmax;
+            };
+            for (int round = 0; round < 2; ++round)
+              for (int which = 0; which < 2; ++which) {
+                const std::vector<int4>& t2 = which ? bal : tab;
+                CK(cudaMemcpy(d_tab, t2.data(), t2.size() * sizeof(int4), cudaMemcpyHostToDevice));
+                go();
+                CK(cudaStreamSynchronize(st));
+                const double e2 = check();
+                const float u2 = graph_us(go, st) / layers;
+                if (!(v.skip & 47) && v.skip < 256) failures += !(e2 < 2e-2);
+                std::printf("%-10s %3d   balance round %d, %s records: %.2f us a layer, error %.1e\n", f.name, M, round,
+                            which ? "permuted" : "plain", u2, e2);
+              }
+            CK(cudaMemcpy(d_tab, tab.data(), tab.size() * sizeof(int4), cudaMemcpyHostToDevice));
+          }
         }
       }
       CK(cudaFree(d_ops));
