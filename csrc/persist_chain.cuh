@@ -33,6 +33,11 @@ namespace qgemv {
 
 struct ChainAttn;
 
+#ifndef QGEMV_CHAIN_STAMPS
+#define QGEMV_CHAIN_STAMPS 0  // the lab defines it 1 (ChainShape::stamps)
+#endif
+constexpr bool kStamps = QGEMV_CHAIN_STAMPS != 0;
+
 // The launch's geometry (the host's choice; chain_smem_bytes sizes it).
 struct ChainShape {
   int stages;       // a warp's ring: 1 KB tiles (with their meta), a multiple of kChainChunk
@@ -59,15 +64,14 @@ struct ChainShape {
   // which is also its rotary position (a device scalar, read at every launch)
   const ChainAttn* attn = nullptr;
   const int* pos = nullptr;
+#if QGEMV_CHAIN_STAMPS
+  int lazy = 0;  // lab builds: 1, shared memory holds a readiness flag a k-tile (x_cap / 32), for kChainLazyIn
+#endif
 };
 
 constexpr int kChainTileBytes = kPanelRows * kTileBytes;  // 1 KB: one tile of one panel
 constexpr int kChainChunk = 2;  // tiles a ring chunk (dev/PERSISTENT.md: chunks of 2 ran best)
 
-#ifndef QGEMV_CHAIN_STAMPS
-#define QGEMV_CHAIN_STAMPS 0  // the lab defines it 1 (ChainShape::stamps)
-#endif
-constexpr bool kStamps = QGEMV_CHAIN_STAMPS != 0;
 
 // Bytes of one tile's scales and zero points in `meta` (padded to 16).
 __host__ __device__ constexpr int chain_meta_bytes(int group, bool zeros) {
@@ -146,6 +150,7 @@ enum ChainFlags : int {
   kChainPlainY = 4,    // y is plain (nothing in this launch reads it)
   kChainRope = 8,      // kDecode: the q/k/v op; its finishing rotates q and k and writes the cache
   kChainAttnIn = 16,   // kDecode: the op after attention; the blocks run the attention before its input
+  kChainLazyIn = 32,   // lab builds: the input's late k-tiles prepared as the warps reach them (dev/PERSISTENT.md)
 };
 
 // int4 with fp16 activations: 8 activations (k 8c .. 8c + 7)
@@ -288,13 +293,23 @@ __device__ __forceinline__ void chain_store_half(unsigned short* y, size_t ld, i
 // Shared memory: the block's sums (sh.sums fp32), the input (M x x_cap fp16,
 // as chain_put_chunk prepares it), its 2^-24 x sums (room for M x x_cap / 32
 // fp32: G = 32's groups), then with sh.stage the natural-order copy of an
-// act-order op's input (M x x_cap fp16) that the input is gathered from.
+// act-order op's input (M x x_cap fp16) that the input is gathered from, then
+// with sh.lazy a readiness flag for each k-tile of a kChainLazyIn op's input.
 __host__ __device__ inline size_t chain_xsum_bytes(const ChainShape& sh) {
   return (static_cast<size_t>(sh.M) * (sh.x_cap / 32) * 4 + 15) / 16 * 16;
 }
+#if QGEMV_CHAIN_STAMPS
+__host__ __device__ inline size_t chain_lazy_bytes(const ChainShape& sh) {
+  return sh.lazy ? (static_cast<size_t>(sh.x_cap) / 32 * 4 + 15) / 16 * 16 : 0;
+}
+#endif
 __host__ __device__ inline size_t chain_head_bytes(const ChainShape& sh) {
   return (static_cast<size_t>(sh.sums) * 4 + 15) / 16 * 16 + static_cast<size_t>(sh.M) * sh.x_cap * 2 +
-         chain_xsum_bytes(sh) + (sh.stage ? static_cast<size_t>(sh.M) * sh.x_cap * 2 : 0);
+         chain_xsum_bytes(sh) + (sh.stage ? static_cast<size_t>(sh.M) * sh.x_cap * 2 : 0)
+#if QGEMV_CHAIN_STAMPS
+         + chain_lazy_bytes(sh)  // (lab builds only: the extension's kernels keep their code as it was)
+#endif
+      ;
 }
 
 // The kernel's weight formats (fp16 activations): int4 per channel or G = 128 (one group a tile), with the
@@ -531,6 +546,9 @@ struct ChainSeg {
   static constexpr int kTileK = chain_tile_k(kBits);
   static constexpr bool kGrouped = kGpt > 0;
   int len = 0, left = 0;  // tiles in the segment; not yet summed
+#if QGEMV_CHAIN_STAMPS
+  int kt = 0;  // lab builds (kChainLazyIn): the op's k-tile of the next tile
+#endif
   bool open = false;
   float acc[4] = {}, c0[4] = {}, c1[4] = {}, xa0 = 0.f, xa1 = 0.f, sc0 = 1.f, sc1 = 1.f;
   const __half* xk = nullptr;                 // this lane's activations of the next tile
@@ -539,6 +557,9 @@ struct ChainSeg {
   __device__ __forceinline__ void begin(const ChainCursor& cur, const ChainOp& o, int g, const __half* xk0,
                                         const float* x0, const float* x1) {
     len = left = min(cur.tpp - cur.kt, cur.end - cur.pos);
+#if QGEMV_CHAIN_STAMPS
+    kt = cur.kt;
+#endif
     open = true;
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[e] = c0[e] = c1[e] = 0.f;
@@ -553,6 +574,9 @@ struct ChainSeg {
     xk += kTileK;
     X0 += kGpt > 1 ? kGpt : 1;  // the next tile's x sums
     X1 += kGpt > 1 ? kGpt : 1;
+#if QGEMV_CHAIN_STAMPS
+    ++kt;
+#endif
     --left;
   }
 
@@ -683,10 +707,11 @@ struct ChainChunks {
 // at once (the ring is full until the walk ends and holds the walk's chunks in
 // summing order: no count of chunks ahead, no search for a free one).  skip &
 // 8 (the lab): the block's own 64 tiles of op 0 over and over (L2 hits;
-// results wrong).  waited: the cycles spent waiting for a chunk (when timed).
-template <int kChunk, int kTs, int kGpt, bool kZeros, typename Seg, typename B>
+// results wrong).  ready(seg): before each chunk (kChainLazyIn's inputs).
+// waited: the cycles spent waiting for a chunk (when timed).
+template <int kChunk, int kTs, int kGpt, bool kZeros, typename Seg, typename B, typename R>
 __device__ __forceinline__ void chain_consume(const ChainRing& rg, const ChainOp* ops, int nops, int W, int skip,
-                                                Seg& seg, B&& boundary, bool timed, long long& waited) {
+                                                Seg& seg, B&& boundary, R&& ready, bool timed, long long& waited) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const ChainChunks<kChunk, kTs, kGpt, kZeros> ring(rg, warp, lane);
   unsigned char* slots = rg.w + static_cast<size_t>(warp) * rg.R * kTs;
@@ -716,6 +741,9 @@ __device__ __forceinline__ void chain_consume(const ChainRing& rg, const ChainOp
   for (int q = 0; q < rg.C && wk.left > 0; ++q) fill(q);
   for (;;) {
     if (seg.left == 0 && !boundary()) return;
+#if QGEMV_CHAIN_STAMPS
+    ready(seg);  // lab builds, kChainLazyIn: the inputs of the chunk's k-tiles
+#endif
     ring.wait(c, phase, timed, waited);
     ring.sum(c, seg);
     // Every lane's reads of the chunk are done (their values are in the sums) before lane 0 has the copy
@@ -839,6 +867,73 @@ __device__ __forceinline__ void chain_async_input(const uint4* src, int chunks, 
     chain_put_chunk<kBits, kSumK>(xs4, xsum, c, c < chunks, c < chunks ? chain_take_chunk(xs4, src, c, nowait) : uint4{});
   }
 }
+
+#if QGEMV_CHAIN_STAMPS
+// kChainLazyIn (M = 1): k-tile kt of the op's input made ready in xs before
+// a warp sums a tile of it, so that a block starts the op's tiles while
+// other blocks still write its input, and waits only at the k-tiles whose
+// values are late.  flags[kt]: 0 not yet, 1 a warp preparing it, 2 ready
+// (zeroed in the op's hand-off).  The first warp to need the tile claims it
+// and prepares its chunks as chain_async_input would (lane j chunk kt x
+// kTileK / 8 + j, polled until written; chunks from `chunks` on are the
+// padding's zeros); the others wait for the flag.
+template <int kBits, int kTileK, int kSumK>
+__device__ __forceinline__ void chain_lazy_tile(int* flags, int kt, const uint4* src, int chunks, bool nowait,
+                                                uint4* xs4, float* xsum) {
+  volatile int* fl = flags + kt;
+  if (*fl == 2) return;  // (warp-uniform: every lane reads the same flag; a lane that sees 2 early waits below)
+  const int lane = threadIdx.x & 31;
+  int won = 0;
+  if (lane == 0) won = atomicCAS(flags + kt, 0, 1) == 0;
+  won = __shfl_sync(0xffffffffu, won, 0);
+  if (won) {
+    constexpr int kCpt = kTileK / 8;  // chunks a tile: 16, 8 or 4
+    const int c = kt * kCpt + lane;
+    const bool on = lane < kCpt;
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (on && c < chunks) {
+      v = ld_relaxed_gpu_v4(src + c);
+      while (!nowait && !chain_half_ready(v)) v = ld_relaxed_gpu_v4(src + c);
+    }
+    chain_put_chunk<kBits, kSumK>(xs4, xsum, c, on, v);
+    __threadfence_block();  // the tile's values before its flag
+    __syncwarp();
+    if (lane == 0) *fl = 2;
+  } else {
+    while (*fl != 2) {
+    }
+    __threadfence_block();
+  }
+  __syncwarp();
+}
+
+// kChainLazyIn's hand-off (M = 1): every chunk of the input copied at once
+// (chain_copy_input), then each k-tile whose chunks all arrived written is put
+// (chain_put_chunk, the padding's chunks as zeros) and flagged ready (2); a
+// k-tile with a chunk still poisoned is flagged 0 and left to the first warp
+// that needs it (chain_lazy_tile).  Thread i: chunks i, i + n, ... (n =
+// nthreads): a k-tile's kTileK / 8 chunks are consecutive lanes of one warp.
+// kchunks: the chunks of the padded input (Kp / 8).
+template <int kBits, int kTileK, int kSumK>
+__device__ __forceinline__ void chain_lazy_input(const uint4* src, int chunks, int kchunks, int nthreads, __half* xs,
+                                                 float* xsum, bool nowait, int* flags) {
+  constexpr int kCpt = kTileK / 8;
+  const int lane = threadIdx.x & 31;
+  uint4* xs4 = reinterpret_cast<uint4*>(xs);
+  chain_copy_input(xs4, src, chunks, nthreads);
+  for (int cb = threadIdx.x - lane; cb < kchunks; cb += nthreads) {  // warp-uniform (the ballot and shuffles)
+    const int c = cb + lane;
+    const bool real = c < chunks, in = c < kchunks;
+    const uint4 v = real ? xs4[c] : make_uint4(0u, 0u, 0u, 0u);
+    const unsigned ball = __ballot_sync(0xffffffffu, !real || nowait || chain_half_ready(v));
+    const int g0 = lane / kCpt * kCpt;
+    const unsigned gm = ((1u << kCpt) - 1u) << g0;
+    const bool tile_ok = (ball & gm) == gm;
+    chain_put_chunk<kBits, kSumK>(xs4, xsum, c, in && tile_ok, v);
+    if (in && lane == g0) flags[c / kCpt] = tile_ok ? 2 : 0;
+  }
+}
+#endif
 
 // An op's input with its RMSNorm (M = 1, fp16 halves; every thread
 // calls it between the block barriers of the hand-off): the input's copy
@@ -1280,6 +1375,15 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
   T* xs = reinterpret_cast<T*>(chain_smem + (static_cast<size_t>(sh.sums) * 4 + 15) / 16 * 16);
   float* xsum = reinterpret_cast<float*>(xs + static_cast<size_t>(M) * sh.x_cap);  // [M][x_cap / 32]
   __half* xnat = reinterpret_cast<__half*>(reinterpret_cast<unsigned char*>(xsum) + chain_xsum_bytes(sh));  // sh.stage
+#if QGEMV_CHAIN_STAMPS
+  int* lazy_flags = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(xnat) +
+                                           (sh.stage ? static_cast<size_t>(M) * sh.x_cap * 2 : 0));  // sh.lazy
+  // lab builds: the op being consumed has kChainLazyIn; then its input's source and chunks and the lab's
+  // no-wait (in shared memory: out of the tile loop's registers)
+  bool lazy = false;
+  __shared__ const uint4* lazy_src;
+  __shared__ int lazy_chunks, lazy_nowait;
+#endif
   for (int q = threadIdx.x; q < sh.sums; q += nthreads) sums[q] = 0.f;
   const ChainRing rg(chain_smem, sh, W);
   for (int q = threadIdx.x; q < W * rg.C; q += blockDim.x) mbar_init(rg.full + q, 1);
@@ -1337,6 +1441,22 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
     const int chunks = p.K / 8;
     // lab builds: skip bit 8 + c takes the inputs of op class c without waiting (one hand-off's wait)
     const bool nowait = (sh.skip & 1) || (kStamps && cls >= 0 && cls < 8 && ((sh.skip >> (8 + cls)) & 1));
+#if QGEMV_CHAIN_STAMPS
+    lazy = kStamps && (o_flags & kChainLazyIn);  // (lab builds only until it is measured a gain)
+    if (lazy) {  // (M = 1, no norm, no perm: the host's rule) the k-tiles already written; the rest as needed
+      if (threadIdx.x == 0) lazy_src = chain_input_src(p, o_flags, par), lazy_chunks = chunks, lazy_nowait = nowait;
+      chain_lazy_input<kBits, Fmt::kTileK, Fmt::kSumK>(chain_input_src(p, o_flags, par), chunks, p.Kp / 8, nthreads,
+                                                      xs, xsum, nowait, lazy_flags);
+      csync();
+      if (timed) {
+        const long long v = clock64() - p0;
+        t_prep += v;
+        per_class(cls, 0, v);
+      }
+      if (kStamps && timed && sh.stamps) t_mark[0] = clock64(), stamp(oi, 2, t_mark[0] - t_mark[1]), stamp(oi, 4, gtime());
+      return;
+    }
+#endif
     bool normed = false;
     if constexpr (kNorm) {
       if (const void* norm = sh.norms[oi]) {  // RMSNorm of the input on the way in
@@ -1464,8 +1584,21 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
     return true;
   };
 
+#if QGEMV_CHAIN_STAMPS
+  // kChainLazyIn: the inputs of the k-tiles of the chunk the warp sums next
+  auto ready = [&](const auto& sg) {
+    if (!lazy) return;
+    const int n = min(kChainChunk, sg.left);
+    for (int j = 0; j < n; ++j)
+      chain_lazy_tile<kBits, Fmt::kTileK, Fmt::kSumK>(lazy_flags, sg.kt + j, lazy_src, lazy_chunks, lazy_nowait != 0,
+                                                     reinterpret_cast<uint4*>(xs), xsum);
+  };
+#else
+  auto ready = [](const auto&) {};
+#endif
+
   constexpr int kTs = kChainTileBytes + chain_meta_bytes(kGroup, kZeros);
-  chain_consume<kChainChunk, kTs, Fmt::kGpt, kZeros>(rg, ops, nops, W, sh.skip, seg, boundary, timed, t_spin);
+  chain_consume<kChainChunk, kTs, Fmt::kGpt, kZeros>(rg, ops, nops, W, sh.skip, seg, boundary, ready, timed, t_spin);
   if (timed) {
     chain_add_cycles(wait_cycles, ChainCycles{{t_spin, t_warps, t_finish, t_prep, clock64() - t_begin}});
     for (int k = 0; k < 2 * kChainMaxClasses; ++k)  // after the SM id: [(6 + k) blocks + b]
