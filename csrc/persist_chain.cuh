@@ -1447,33 +1447,27 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
       if (threadIdx.x == 0) lazy_src = chain_input_src(p, o_flags, par), lazy_chunks = chunks, lazy_nowait = nowait;
       chain_lazy_input<kBits, Fmt::kTileK, Fmt::kSumK>(chain_input_src(p, o_flags, par), chunks, p.Kp / 8, nthreads,
                                                       xs, xsum, nowait, lazy_flags);
-      csync();
-      if (timed) {
-        const long long v = clock64() - p0;
-        t_prep += v;
-        per_class(cls, 0, v);
-      }
-      if (kStamps && timed && sh.stamps) t_mark[0] = clock64(), stamp(oi, 2, t_mark[0] - t_mark[1]), stamp(oi, 4, gtime());
-      return;
-    }
+    } else
 #endif
-    bool normed = false;
-    if constexpr (kNorm) {
-      if (const void* norm = sh.norms[oi]) {  // RMSNorm of the input on the way in
-        chain_norm_input<kBits, Fmt::kSumK>(p, o_flags, par, norm, sh.norm_eps, chunks, nthreads, csync, xs, xsum,
-                                            nowait, chain_op_perm(ops[oi]), xnat);
-        normed = true;
+    {
+      bool normed = false;
+      if constexpr (kNorm) {
+        if (const void* norm = sh.norms[oi]) {  // RMSNorm of the input on the way in
+          chain_norm_input<kBits, Fmt::kSumK>(p, o_flags, par, norm, sh.norm_eps, chunks, nthreads, csync, xs, xsum,
+                                              nowait, chain_op_perm(ops[oi]), xnat);
+          normed = true;
+        }
       }
-    }
-    if (!normed)  // the input copied at once
-      chain_async_input<kBits, Fmt::kSumK>(chain_input_src(p, o_flags, par), chunks, nthreads, xs, xsum,
-                                           (o_flags & kChainPlainX) || nowait, chain_op_perm(ops[oi]), xnat, csync);
-    if (p.Kp > p.K) {  // a weight padded to whole tiles: zero inputs past K, and the x sums of whole padded groups
-      uint4* xs4 = reinterpret_cast<uint4*>(xs);
-      for (int c = chunks + threadIdx.x; c < p.Kp / 8; c += nthreads) xs4[c] = make_uint4(0u, 0u, 0u, 0u);
-      if constexpr (Fmt::kSumK > 0)
-        for (int q = (p.K + Fmt::kSumK - 1) / Fmt::kSumK + threadIdx.x; q < p.Kp / Fmt::kSumK; q += nthreads)
-          xsum[q] = 0.f;
+      if (!normed)  // the input copied at once
+        chain_async_input<kBits, Fmt::kSumK>(chain_input_src(p, o_flags, par), chunks, nthreads, xs, xsum,
+                                             (o_flags & kChainPlainX) || nowait, chain_op_perm(ops[oi]), xnat, csync);
+      if (p.Kp > p.K) {  // a weight padded to whole tiles: zero inputs past K, and the x sums of whole padded groups
+        uint4* xs4 = reinterpret_cast<uint4*>(xs);
+        for (int c = chunks + threadIdx.x; c < p.Kp / 8; c += nthreads) xs4[c] = make_uint4(0u, 0u, 0u, 0u);
+        if constexpr (Fmt::kSumK > 0)
+          for (int q = (p.K + Fmt::kSumK - 1) / Fmt::kSumK + threadIdx.x; q < p.Kp / Fmt::kSumK; q += nthreads)
+            xsum[q] = 0.f;
+      }
     }
     csync();
     if (timed) {
