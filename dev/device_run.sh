@@ -111,7 +111,7 @@ for step in "${@:-all}"; do
         done
       done 2>&1 | tee "$OUT/oplayout.txt" ;;
     stage2)
-      # issue 35's queue in one call (dev/PERSISTENT.md "Next session's first device calls"): the persistent
+      # issue 35's queue in one call (dev/PERSISTENT.md "Next device calls"): the persistent
       # kernel's and the engine's megakernel tests, memcheck on the decode chain, bench_chain with and
       # without norms; STAGE2_GEN=1 adds the engine with and without the launch (bench_generate, up to 7 min:
       # beyond one call's 10 with the rest)
