@@ -6,6 +6,7 @@
 #   bash dev/slowdown_ncu.sh device         # on the device (the export travels as untracked files)
 #   bash dev/slowdown_ncu.sh sass           # on the device: both builds' SASS into $OUT (gzip), no runs
 #   bash dev/slowdown_ncu.sh source         # on the device: ncu's per-instruction source page of both (csv, gzip)
+#   bash dev/slowdown_ncu.sh time           # on the device: both builds' chains timed alternately (any REV's A/B)
 set -o pipefail
 OUT=${OUT:-runs/device}; mkdir -p "$OUT"
 case "$1" in
@@ -15,7 +16,7 @@ case "$1" in
     git archive "$rev" csrc dev/persist_lab.cu dev/lab_common.cuh | tar -x -C .peers/old
     echo "$rev" > .peers/old/REV
     echo "exported $rev into .peers/old (untracked: delete before a commit)" ;;
-  device|sass|source)
+  device|sass|source|time)
     [ -d .peers/old/csrc ] || { echo "no .peers/old: run 'bash dev/slowdown_ncu.sh export' first"; exit 2; }
     mkdir -p /tmp/slow
     for tree in old:.peers/old new:.; do
@@ -31,6 +32,17 @@ case "$1" in
         || { tail -20 /tmp/slow/${name}_*.log; exit 1; }
     done
     args="--no-probe --model llama3-8b --layers 16 --formats int4g128a --warps 16 --stages 8"
+    if [ "$1" = time ]; then  # the two builds' chains alternately, two rounds (an A/B of any exported REV)
+      for round in 1 2; do
+        for name in old new; do
+          echo "== $name round $round"
+          timeout 120 /tmp/slow/lab_$name --no-probe --model llama3-8b --layers 16 \
+            --formats ${TIME_FORMATS:-int4g128a,int4g128,int4} --warps 16 --stages 8 2>&1 \
+            | grep -E "persist w|FAIL|match" | head -8
+        done
+      done
+      exit 0
+    fi
     if [ "$1" = source ]; then  # ncu's source page: each SASS instruction's executions and stall samples, both builds
       for name in old new; do
         timeout 240 ncu --kernel-name regex:chain_kernel --launch-skip 2 --launch-count 1 --section SourceCounters \
@@ -58,5 +70,5 @@ case "$1" in
       grep -E "Duration|Executed Instructions |Issued Instructions |Warp Cycles Per Issued|Issue Slots Busy|No Eligible|Stall|Warp Stall|Branch Instructions |Memory Throughput|^\s+[0-9a-f]{4,}|Location" \
         "$OUT/ncu_$name.txt" | head -60
     done ;;
-  *) echo "usage: bash dev/slowdown_ncu.sh export [REV] | device | sass | source"; exit 2 ;;
+  *) echo "usage: bash dev/slowdown_ncu.sh export [REV] | device | sass | source | time"; exit 2 ;;
 esac
