@@ -1442,7 +1442,7 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
     // lab builds: skip bit 8 + c takes the inputs of op class c without waiting (one hand-off's wait)
     const bool nowait = (sh.skip & 1) || (kStamps && cls >= 0 && cls < 8 && ((sh.skip >> (8 + cls)) & 1));
 #if QGEMV_CHAIN_STAMPS
-    lazy = kStamps && (o_flags & kChainLazyIn);  // (lab builds only until it is measured a gain)
+    lazy = (o_flags & kChainLazyIn) != 0;  // (lab builds only until it is measured a gain)
     if (lazy) {  // (M = 1, no norm, no perm: the host's rule) the k-tiles already written; the rest as needed
       if (threadIdx.x == 0) lazy_src = chain_input_src(p, o_flags, par), lazy_chunks = chunks, lazy_nowait = nowait;
       chain_lazy_input<kBits, Fmt::kTileK, Fmt::kSumK>(chain_input_src(p, o_flags, par), chunks, p.Kp / 8, nthreads,
