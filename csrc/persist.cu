@@ -1,7 +1,7 @@
 // The persistent chain of linears in the extension (csrc/persist.h): form 20
 // of csrc/persist_chain.cuh (every warp fills its own ring and refills the
-// chunk it has just summed; fp16 activations poisoned until written, each
-// op's input copied into shared memory at once),
+// chunk it has just summed; fp16 or bf16 activations poisoned until written,
+// each op's input copied into shared memory at once),
 // compiled for M = 1 and chunks of 2 tiles (the lab's best,
 // dev/PERSISTENT.md), int4 per channel and G = 128 with or without zero
 // points.
@@ -16,30 +16,37 @@ namespace qgemv {
 namespace {
 
 // kNorm: each op's input through its RMSNorm gain on the way in (ChainShape::norms); kDecode (with kNorm):
-// the layers' rotary embedding, cache write and attention (ChainShape::attn).
-template <int kBits, int kGroup, bool kZeros, bool kNorm, bool kDecode>
-constexpr auto persist_kernel = chain_kernel<kBits, kGroup, kZeros, kNorm, kDecode>;
+// the layers' rotary embedding, cache write and attention (ChainShape::attn); A: the activations' type
+// (__half, or __nv_bfloat16 with bf16 weights for bits 16).
+template <int kBits, int kGroup, bool kZeros, bool kNorm, bool kDecode, typename A>
+constexpr auto persist_kernel = chain_kernel<kBits, kGroup, kZeros, kNorm, kDecode, A>;
 
-template <bool kNorm, bool kDecode, typename F>
+template <bool kNorm, bool kDecode, typename A, typename F>
 bool persist_dispatch_n(int bits, int group, bool zeros, F&& f) {
-  if (bits == 16) return group == 0 && !zeros && (f(persist_kernel<16, 0, false, kNorm, kDecode>), true);
-  if (bits == 8) return group == 0 && !zeros && (f(persist_kernel<8, 0, false, kNorm, kDecode>), true);
+  if (bits == 16) return group == 0 && !zeros && (f(persist_kernel<16, 0, false, kNorm, kDecode, A>), true);
+  if (bits == 8) return group == 0 && !zeros && (f(persist_kernel<8, 0, false, kNorm, kDecode, A>), true);
   if (bits != 4) return false;
-  if (group == 0 && !zeros) return f(persist_kernel<4, 0, false, kNorm, kDecode>), true;
-  if (group == 128 && !zeros) return f(persist_kernel<4, 128, false, kNorm, kDecode>), true;
-  if (group == 128 && zeros) return f(persist_kernel<4, 128, true, kNorm, kDecode>), true;
-  if (group == 64 && !zeros) return f(persist_kernel<4, 64, false, kNorm, kDecode>), true;
-  if (group == 64 && zeros) return f(persist_kernel<4, 64, true, kNorm, kDecode>), true;
-  if (group == 32 && !zeros) return f(persist_kernel<4, 32, false, kNorm, kDecode>), true;
-  if (group == 32 && zeros) return f(persist_kernel<4, 32, true, kNorm, kDecode>), true;
+  if (group == 0 && !zeros) return f(persist_kernel<4, 0, false, kNorm, kDecode, A>), true;
+  if (group == 128 && !zeros) return f(persist_kernel<4, 128, false, kNorm, kDecode, A>), true;
+  if (group == 128 && zeros) return f(persist_kernel<4, 128, true, kNorm, kDecode, A>), true;
+  if (group == 64 && !zeros) return f(persist_kernel<4, 64, false, kNorm, kDecode, A>), true;
+  if (group == 64 && zeros) return f(persist_kernel<4, 64, true, kNorm, kDecode, A>), true;
+  if (group == 32 && !zeros) return f(persist_kernel<4, 32, false, kNorm, kDecode, A>), true;
+  if (group == 32 && zeros) return f(persist_kernel<4, 32, true, kNorm, kDecode, A>), true;
   return false;
 }
-// f(kernel) for the format (with the RMSNorms or not, with the attention or not); false when there is none.
+template <typename A, typename F>
+bool persist_dispatch_a(int bits, int group, bool zeros, bool norm, bool decode, F&& f) {
+  if (decode) return norm && persist_dispatch_n<true, true, A>(bits, group, zeros, f);
+  return norm ? persist_dispatch_n<true, false, A>(bits, group, zeros, f)
+              : persist_dispatch_n<false, false, A>(bits, group, zeros, f);
+}
+// f(kernel) for the format (with the RMSNorms or not, with the attention or not, fp16 or bf16 activations);
+// false when there is none.
 template <typename F>
-bool persist_dispatch(int bits, int group, bool zeros, bool norm, bool decode, F&& f) {
-  if (decode) return norm && persist_dispatch_n<true, true>(bits, group, zeros, f);
-  return norm ? persist_dispatch_n<true, false>(bits, group, zeros, f)
-              : persist_dispatch_n<false, false>(bits, group, zeros, f);
+bool persist_dispatch(int bits, int group, bool zeros, bool norm, bool decode, bool bf16, F&& f) {
+  return bf16 ? persist_dispatch_a<__nv_bfloat16>(bits, group, zeros, norm, decode, f)
+              : persist_dispatch_a<__half>(bits, group, zeros, norm, decode, f);
 }
 
 ChainShape persist_shape(const PersistPlan& plan, int group, bool zeros, int stages, const int32_t* d_schedule,
@@ -236,7 +243,7 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int bits, int group, 
 }
 
 std::string persist_refusal(const PersistPlan& plan, int bits, int group, bool zeros, int blocks, int warps, bool norm,
-                            bool decode) {
+                            bool decode, bool bf16) {
   if (!plan.error.empty()) return plan.error;
   int dev = 0, major = 0, sms = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
@@ -247,7 +254,7 @@ std::string persist_refusal(const PersistPlan& plan, int bits, int group, bool z
   }
   if (major != 9) return str("needs compute capability 9.x (bulk copies, mbarriers), this GPU has ", major);
   std::string why;
-  const bool known = persist_dispatch(bits, group, zeros, norm, decode, [&](auto kernel) {
+  const bool known = persist_dispatch(bits, group, zeros, norm, decode, bf16, [&](auto kernel) {
     cudaFuncAttributes fa{};
     if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess || fa.binaryVersion < 90) {
       (void)cudaGetLastError();
@@ -276,11 +283,11 @@ std::string persist_refusal(const PersistPlan& plan, int bits, int group, bool z
 cudaError_t persist_launch(const PersistPlan& plan, const void* d_ops, int nops, const int32_t* d_schedule,
                            unsigned* d_sync, int bits, int group, bool zeros, int blocks, int warps, int stages,
                            cudaStream_t stream, const void* const* d_norms, float eps, const void* d_attn,
-                           const int32_t* d_pos) {
+                           const int32_t* d_pos, bool bf16) {
   if ((d_attn != nullptr) != (d_pos != nullptr) || (d_attn && !d_norms)) return cudaErrorInvalidValue;
   const ChainShape sh = persist_shape(plan, group, zeros, stages, d_schedule, d_norms, eps, d_attn, d_pos);
   cudaError_t err = cudaErrorInvalidValue;
-  persist_dispatch(bits, group, zeros, d_norms != nullptr, d_attn != nullptr, [&](auto kernel) {
+  persist_dispatch(bits, group, zeros, d_norms != nullptr, d_attn != nullptr, bf16, [&](auto kernel) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan.smem));
     if (err != cudaSuccess) return;
     cudaLaunchConfig_t cfg{};

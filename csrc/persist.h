@@ -7,9 +7,10 @@
 // Stage 2 adds each layer's rotary embedding, KV-cache write and attention
 // (PersistAttn).  Supported: int4 per channel and int4 G = 32, 64, 128 with
 // or without zero points (bits 4), int8 per channel (bits 8: qgemv's packed
-// int8, its panels' own 64-byte tiles) and fp16 weights (bits 16: each
-// 16-row panel's rows in 64-byte tiles, formats.to_panels' order); fp16
-// activations, one token, compute capability 9.x.  K % 128 == 0, N % 16 == 0
+// int8, its panels' own 64-byte tiles) and fp16 / bf16 weights (bits 16:
+// each 16-row panel's rows in 64-byte tiles, formats.to_panels' order, in the
+// activations' type); fp16 or bf16 activations (bf16: every buffer, cache,
+// gain and rotary table in bf16), one token, compute capability 9.x.  K % 128 == 0, N % 16 == 0
 // (N % 32 == 0 for SiLU * mul).
 #pragma once
 
@@ -24,10 +25,10 @@
 namespace qgemv {
 
 // One linear of the chain.  Activations inside the chain carry their own
-// readiness: a buffer of n values holds two copies of n fp16 (2n x 16 bits),
+// readiness: a buffer of n values holds two copies of n fp16 / bf16 (2n x 16 bits),
 // 0xffff until written; a launch writes the copy of its parity (launch count
 // & 1) and poisons the other for the next.  `*_plain` marks a buffer of plain
-// fp16 written before the launch (x, res) or read only after it (y).
+// values written before the launch (x, res) or read only after it (y).
 struct PersistOp {
   const void* x = nullptr;    // [K] input
   int ldx = 0;                // x's copy stride: the producing linear's N (0: K)
@@ -47,7 +48,7 @@ struct PersistOp {
   const void* perm = nullptr;
 };
 
-// One layer's attention inside the launch (stage 2; M = 1, fp16).  The
+// One layer's attention inside the launch (stage 2; M = 1; "fp16" below: the activations' type).  The
 // token's cache slot, also its rotary position, is a device int32 that the
 // launch reads.  The q/k/v linear's output is q, k, v in their natural order
 // ((heads + 2 kv_heads) x head_dim), rotated.
@@ -110,9 +111,9 @@ PersistPlan persist_plan(const std::vector<PersistOp>& ops, int bits, int group,
 
 // Why the chain's grid cannot run on the current device ("" when it can):
 // compute capability, this build's machine code, and one block an SM (norm:
-// the kernel with the RMSNorms).
+// the kernel with the RMSNorms; bf16: bfloat16 activations).
 std::string persist_refusal(const PersistPlan& plan, int bits, int group, bool zeros, int blocks, int warps,
-                            bool norm = false, bool decode = false);
+                            bool norm = false, bool decode = false, bool bf16 = false);
 
 // One launch: d_ops / d_schedule the plan's tables on the device, d_sync
 // [nops + 1] u32 zeroed once before the first launch (the last counts the
@@ -120,11 +121,12 @@ std::string persist_refusal(const PersistPlan& plan, int bits, int group, bool z
 // pointers, each op's RMSNorm gain (fp16 [K], 16-byte aligned) or nullptr:
 // that op reads round(gain * round(x * rsqrt(mean(x^2) + eps))) instead of x.
 // d_attn (stage 2, with d_norms): the plan's attention table on the device,
-// d_pos the token's slot (int32).
+// d_pos the token's slot (int32).  bf16: every activation, gain, cache and
+// rotary table is bfloat16 (bits 16: so are the weights), else fp16.
 // A cooperative launch: refused, not hung, when the grid cannot be co-resident.
 cudaError_t persist_launch(const PersistPlan& plan, const void* d_ops, int nops, const int32_t* d_schedule,
                            unsigned* d_sync, int bits, int group, bool zeros, int blocks, int warps, int stages,
                            cudaStream_t stream, const void* const* d_norms = nullptr, float eps = 0.f,
-                           const void* d_attn = nullptr, const int32_t* d_pos = nullptr);
+                           const void* d_attn = nullptr, const int32_t* d_pos = nullptr, bool bf16 = false);
 
 }  // namespace qgemv

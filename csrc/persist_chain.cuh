@@ -273,22 +273,96 @@ __device__ __forceinline__ uint4 ld_relaxed_gpu_v4(const uint4* p) {
   return v;
 }
 
-// Whether no fp16 of eight is the poison 0xffff.
+// Whether no value of eight (fp16 or bf16: 0xffff is a NaN in both) is the poison 0xffff.
 __device__ __forceinline__ bool chain_half_ready(const uint4& v) {
   return (__vcmpeq2(v.x, 0xffffffffu) | __vcmpeq2(v.y, 0xffffffffu) | __vcmpeq2(v.z, 0xffffffffu) |
           __vcmpeq2(v.w, 0xffffffffu)) == 0u;
 }
 
-// One fp16 value into a chain buffer: this launch's copy
+// One value's 16 bits (fp16 or bf16) into a chain buffer: this launch's copy
 // (parity par, copies ld apart) written for the readers that poll it, the
 // other copy poisoned for the next launch; a value whose bits are the poison
 // (a NaN) is written as another NaN.
-__device__ __forceinline__ void chain_store_half(unsigned short* y, size_t ld, int par, __half v) {
-  unsigned short bits = __half_as_ushort(v);
+__device__ __forceinline__ void chain_store_bits(unsigned short* y, size_t ld, int par, unsigned short bits) {
   if (bits == 0xffffu) bits = 0x7fffu;
   asm volatile("st.relaxed.gpu.global.u16 [%0], %1;" ::"l"(y + static_cast<size_t>(par) * ld), "h"(bits) : "memory");
   y[static_cast<size_t>(par ^ 1) * ld] = 0xffffu;
 }
+
+// ---- bfloat16 activations (A = __nv_bfloat16; fp16 is A = __half) ----------
+// Every activation buffer, the KV cache, the norms' gains and the rotary
+// tables hold the model's type A, and every rounding site rounds to A as the
+// per-op path does (chain_round).  The tile math stays fp16's (subnormal
+// nibbles and bytes need fp16's 10 mantissa bits): a hand-off into int4 /
+// int8 weights stages its bf16 input as fp16 of x 2^e, with 2^e chosen per
+// input from a bound on |x| (chain_half_scale), which is exact for every
+// value in fp16's normal range (bf16's 8-bit mantissa fits), and the op's
+// finishing multiplies its sums by 2^-e (chain_x_unscale).  bf16 weights
+// (kBits 16) meet bf16 inputs in bf16 MMAs, unscaled.
+
+// v rounded to A and back.
+template <typename A>
+__device__ __forceinline__ float chain_round(float v) {
+  return to_float(from_float<A>(v));
+}
+// v rounded to A, as its 16 bits.
+template <typename A>
+__device__ __forceinline__ unsigned short chain_act_bits(float v) {
+  const A h = from_float<A>(v);
+  return *reinterpret_cast<const unsigned short*>(&h);
+}
+// A pair of A (one 32-bit word) as floats.
+template <typename A>
+__device__ __forceinline__ float2 chain_pair(uint32_t w) {
+  if constexpr (std::is_same_v<A, __half>) return __half22float2(*reinterpret_cast<const __half2*>(&w));
+  else return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+}
+// Two floats as a pair of A (rounded).
+template <typename A>
+__device__ __forceinline__ uint32_t chain_pack(float a, float b) {
+  if constexpr (std::is_same_v<A, __half>) {
+    const __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
+// The largest |x| of eight bf16 (NaNs ignored).
+__device__ __forceinline__ float chain_absmax8(const uint4& v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  float m = 0.f;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 f = chain_pair<__nv_bfloat16>(w[e]);
+    m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
+  }
+  return m;
+}
+// Eight bf16 as fp16 of x mul (mul a power of 2: exact while |x| mul is in fp16's normal range).
+__device__ __forceinline__ uint4 chain_bf16_as_half(const uint4& v, float mul) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  uint32_t o[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 f = chain_pair<__nv_bfloat16>(w[e]);
+    o[e] = chain_pack<__half>(f.x * mul, f.y * mul);
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+// The power of 2 that takes inputs bounded by `bound` into fp16's top octave: bound 2^e in [2^14, 2^15), so
+// that no staged value overflows fp16 (max 65504) and values down to bound 2^-29 keep every bit; 1 when bound is
+// 0 or not finite (an input with an infinity or a NaN), |e| <= 100.
+__device__ __forceinline__ float chain_half_scale(float bound) {
+  if (!(bound > 0.f) || !isfinite(bound)) return 1.f;
+  int k;
+  (void)frexpf(bound, &k);  // bound = m 2^k, m in [0.5, 1)
+  return ldexpf(1.f, min(max(15 - k, -100), 100));
+}
+// A hand-off's 2^-e for the op's finishing (bf16 activations into int4 / int8 weights), and the per-warp
+// maxima the hand-off reduces to choose it.
+static __shared__ float chain_x_unscale;
+static __shared__ float chain_xmax[2][kChainMaxWarps];
 
 // Shared memory: the block's sums (sh.sums fp32), the input (M x x_cap fp16,
 // as chain_put_chunk prepares it), its 2^-24 x sums (room for M x x_cap / 32
@@ -472,18 +546,19 @@ struct ChainTileMeta {
   uint32_t z[kGpt > 1 ? kGpt / 2 : 1] = {};
 };
 
-template <int kBits, int kGpt, bool kZeros, bool kM1, bool kLds128 = false>
+template <int kBits, int kGpt, bool kZeros, bool kM1, bool kLds128 = false, bool kBf16 = false>
 __device__ __forceinline__ void chain_tile(const uint4& w0, const uint4& w1, const ChainTileMeta<kGpt>& mt,
                                              const __half* xk, const float* X0, float xb, float (&acc)[4],
                                              float (&c0)[4], float (&c1)[4], float& xa0, float& xa1) {
   static_assert(kM1 || kGpt <= 1, "two tokens' group sums: G = 128 only");
   if constexpr (kBits == 16) {
-    // fp16 weights: this lane's 8 of rows g and g + 8 (k 8t .. 8t + 7 of the 32) meet its 8 activations,
-    // pairs (0, 1) and (2, 3) in one MMA, (4, 5) and (6, 7) in the other
+    // fp16 (bf16: kBf16) weights: this lane's 8 of rows g and g + 8 (k 8t .. 8t + 7 of the 32) meet its 8
+    // activations, pairs (0, 1) and (2, 3) in one MMA, (4, 5) and (6, 7) in the other
+    using W16 = std::conditional_t<kBf16, __nv_bfloat16, __half>;
     const uint4 xv = lds128(xk);
     const uint32_t a0[4] = {w0.x, w1.x, w0.y, w1.y}, a1[4] = {w0.z, w1.z, w0.w, w1.w};
-    ActTraits<__half>::mma(c0, a0, xv.x, xv.y);
-    ActTraits<__half>::mma(c1, a1, xv.z, xv.w);
+    ActTraits<W16>::mma(c0, a0, xv.x, xv.y);
+    ActTraits<W16>::mma(c1, a1, xv.z, xv.w);
   } else if constexpr (kBits == 8) {
     // int8 (per channel): this lane's 16 of rows g and g + 8 (k 16t .. 16t + 15 of the 64), a word of 4 at
     // a time; each byte + 128 (u, 1..255) as the fp16 subnormal u 2^-24, bytes 0 and 2 of a word in one
@@ -541,7 +616,7 @@ __device__ __forceinline__ void chain_tile(const uint4& w0, const uint4& w1, con
 
 // A warp's current panel segment: its sums so far and
 // where the next tile's activations and x sums are.
-template <int kBits, int kGpt, bool kZeros, bool kM1, bool kLds128 = false>
+template <int kBits, int kGpt, bool kZeros, bool kM1, bool kLds128 = false, bool kBf16 = false>
 struct ChainSeg {
   static constexpr int kTileK = chain_tile_k(kBits);
   static constexpr bool kGrouped = kGpt > 0;
@@ -570,7 +645,7 @@ struct ChainSeg {
 
   __device__ __forceinline__ void tile(const uint4& w0, const uint4& w1, const ChainTileMeta<kGpt>& mt) {
     const float xb = kBits == 16 || kM1 ? 0.f : *X1;
-    chain_tile<kBits, kGpt, kZeros, kM1, kLds128>(w0, w1, mt, xk, X0, xb, acc, c0, c1, xa0, xa1);
+    chain_tile<kBits, kGpt, kZeros, kM1, kLds128, kBf16>(w0, w1, mt, xk, X0, xb, acc, c0, c1, xa0, xa1);
     xk += kTileK;
     X0 += kGpt > 1 ? kGpt : 1;  // the next tile's x sums
     X1 += kGpt > 1 ? kGpt : 1;
@@ -835,36 +910,78 @@ __device__ __forceinline__ void chain_put_chunk(uint4* xs4, float* xsum, int c, 
   }
 }
 
+// The block's 2^e for an input (chain_half_scale of the largest of the threads' bounds m; every thread calls it
+// and gets it; csync the block barrier, which it passes once); thread 0 keeps 2^-e for the op's finishing.
+template <typename Sync>
+__device__ __forceinline__ float chain_block_scale(float m, int nthreads, Sync&& csync) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if ((threadIdx.x & 31) == 0) chain_xmax[0][threadIdx.x >> 5] = m;
+  csync();
+  float b = 0.f;
+  for (int w = 0; w < nthreads / 32; ++w) b = fmaxf(b, chain_xmax[0][w]);
+  const float mul = chain_half_scale(b);
+  if (threadIdx.x == 0) chain_x_unscale = 1.f / mul;  // (exact: a power of 2)
+  return mul;
+}
+
+// bf16 inputs (A) of int4 / int8 weights, as chain_async_input prepares
+// fp16 ones: every chunk copied and taken first, with its largest |x|; the
+// block's 2^e (chain_block_scale, a barrier, after which an act-order op's
+// gather may read any chunk); then each chunk put as fp16 of x 2^e.
+template <int kBits, int kSumK, typename Sync>
+__device__ __forceinline__ void chain_scaled_input(const uint4* src, int chunks, int nthreads, uint4* xs4, float* xsum,
+                                                   bool nowait, const uint16_t* perm, __half* xnat, Sync&& csync) {
+  const int lane = threadIdx.x & 31;
+  uint4* in4 = perm ? reinterpret_cast<uint4*>(xnat) : xs4;
+  chain_copy_input(in4, src, chunks, nthreads);
+  float m = 0.f;
+  for (int c = threadIdx.x; c < chunks; c += nthreads) m = fmaxf(m, chain_absmax8(chain_take_chunk(in4, src, c, nowait)));
+  const float mul = chain_block_scale(m, nthreads, csync);
+  for (int cb = threadIdx.x - lane; cb < chunks; cb += nthreads) {  // warp-uniform (the shuffles)
+    const int c = cb + lane;
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (c < chunks) v = chain_bf16_as_half(perm ? chain_gather_chunk(xnat, perm, c) : xs4[c], mul);
+    chain_put_chunk<kBits, kSumK>(xs4, xsum, c, c < chunks, v);
+  }
+}
+
 // The preparation of an op's fp16 input: chain_copy_input, then each thread
 // takes its own chunks back (chain_take_chunk) and puts them
 // (chain_put_chunk).  Thread i: chunks i, i + n, ... (n = nthreads, a
 // multiple of 32: the 16-lane shuffles).  An act-order op (perm): the input
 // is copied into xnat, every chunk taken, one block barrier (csync), then
-// each chunk gathered (chain_gather_chunk) and put.
-template <int kBits, int kSumK, typename Sync>
+// each chunk gathered (chain_gather_chunk) and put.  bf16 inputs (A):
+// chain_scaled_input for int4 / int8 weights; bf16 weights take them as fp16
+// weights take fp16 ones.
+template <int kBits, int kSumK, typename A = __half, typename Sync>
 __device__ __forceinline__ void chain_async_input(const uint4* src, int chunks, int nthreads, __half* xs, float* xsum,
                                                   bool nowait, const uint16_t* perm, __half* xnat, Sync&& csync) {
   const int lane = threadIdx.x & 31;
   uint4* xs4 = reinterpret_cast<uint4*>(xs);
-  if (perm) {
-    uint4* xn4 = reinterpret_cast<uint4*>(xnat);
-    chain_copy_input(xn4, src, chunks, nthreads);
-    for (int c = threadIdx.x; c < chunks; c += nthreads) (void)chain_take_chunk(xn4, src, c, nowait);
-    csync();  // every chunk of the natural order is in
+  if constexpr (!std::is_same_v<A, __half> && kBits != 16) {
+    chain_scaled_input<kBits, kSumK>(src, chunks, nthreads, xs4, xsum, nowait, perm, xnat, csync);
+  } else {
+    if (perm) {
+      uint4* xn4 = reinterpret_cast<uint4*>(xnat);
+      chain_copy_input(xn4, src, chunks, nthreads);
+      for (int c = threadIdx.x; c < chunks; c += nthreads) (void)chain_take_chunk(xn4, src, c, nowait);
+      csync();  // every chunk of the natural order is in
+      for (int cb = threadIdx.x - lane; cb < chunks; cb += nthreads) {  // warp-uniform (the shuffles)
+        const int c = cb + lane;
+        chain_put_chunk<kBits, kSumK>(xs4, xsum, c, c < chunks, c < chunks ? chain_gather_chunk(xnat, perm, c) : uint4{});
+      }
+      return;
+    }
+    chain_copy_input(xs4, src, chunks, nthreads);
+    if constexpr (kBits == 16) {  // the chunks stay as copied, unless polled again
+      for (int c = threadIdx.x; c < chunks; c += nthreads) (void)chain_take_chunk(xs4, src, c, nowait);
+      return;
+    }
     for (int cb = threadIdx.x - lane; cb < chunks; cb += nthreads) {  // warp-uniform (the shuffles)
       const int c = cb + lane;
-      chain_put_chunk<kBits, kSumK>(xs4, xsum, c, c < chunks, c < chunks ? chain_gather_chunk(xnat, perm, c) : uint4{});
+      chain_put_chunk<kBits, kSumK>(xs4, xsum, c, c < chunks, c < chunks ? chain_take_chunk(xs4, src, c, nowait) : uint4{});
     }
-    return;
-  }
-  chain_copy_input(xs4, src, chunks, nthreads);
-  if constexpr (kBits == 16) {  // the chunks stay as copied, unless polled again
-    for (int c = threadIdx.x; c < chunks; c += nthreads) (void)chain_take_chunk(xs4, src, c, nowait);
-    return;
-  }
-  for (int cb = threadIdx.x - lane; cb < chunks; cb += nthreads) {  // warp-uniform (the shuffles)
-    const int c = cb + lane;
-    chain_put_chunk<kBits, kSumK>(xs4, xsum, c, c < chunks, c < chunks ? chain_take_chunk(xs4, src, c, nowait) : uint4{});
   }
 }
 
@@ -945,48 +1062,66 @@ __device__ __forceinline__ void chain_lazy_input(const uint4* src, int chunks, i
 // n, ... in both passes (n = nthreads, a multiple of 32).  Inlined, as the
 // kernel's other op-boundary code: a call inside the consume loop made the
 // ABI keep the loop's state across it (chain_kernel's note).
-template <int kBits, int kSumK, typename Sync>
+template <int kBits, int kSumK, typename A = __half, typename Sync>
 __device__ __forceinline__ void chain_norm_input(const GemvParams& p, int o_flags, int par, const void* norm, float eps,
                                                  int chunks, int nthreads, Sync&& csync, __half* xs, float* xsum,
                                                  bool nowait, const uint16_t* perm, __half* xnat) {
+  // bf16 inputs of int4 / int8 weights: staged as fp16 of y 2^e, e from |y| <= max|x| r max|gain| (the two
+  // roundings to bf16 add at most 2^-8 each)
+  constexpr bool kScaled = !std::is_same_v<A, __half> && kBits != 16;
   __shared__ float partial[kChainMaxWarps];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   uint4* xs4 = reinterpret_cast<uint4*>(xs);
   uint4* in4 = perm ? reinterpret_cast<uint4*>(xnat) : xs4;  // where the natural order is copied
-  float ss = 0.f;
+  const uint4* gain = static_cast<const uint4*>(norm);
+  float ss = 0.f, mx = 0.f, mw = 0.f;
   // as chain_async_input: every chunk copied at once, the poisoned ones polled again
   const uint4* src = chain_input_src(p, o_flags, par);
   chain_copy_input(in4, src, chunks, nthreads);
   for (int c = threadIdx.x; c < chunks; c += nthreads) {
     const uint4 v = chain_take_chunk(in4, src, c, nowait || (o_flags & kChainPlainX));
-    const __half2* h = reinterpret_cast<const __half2*>(&v);
+    const uint32_t h[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      const float2 f = __half22float2(h[q]);
+      const float2 f = chain_pair<A>(h[q]);
       ss = fmaf(f.x, f.x, fmaf(f.y, f.y, ss));
     }
+    if constexpr (kScaled) mx = fmaxf(mx, chain_absmax8(v)), mw = fmaxf(mw, chain_absmax8(__ldg(gain + c)));
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if constexpr (kScaled) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o)), mw = fmaxf(mw, __shfl_xor_sync(0xffffffffu, mw, o));
+    if (lane == 0) chain_xmax[0][warp] = mx, chain_xmax[1][warp] = mw;
+  }
   if (lane == 0) partial[warp] = ss;
   csync();
   float total = 0.f;
   for (int w = 0; w < nthreads / 32; ++w) total += partial[w];
   const float r = rsqrtf(total / static_cast<float>(p.K) + eps);
-  const uint4* gain = static_cast<const uint4*>(norm);
+  float mul = 1.f;
+  if constexpr (kScaled) {
+    mx = mw = 0.f;
+    for (int w = 0; w < nthreads / 32; ++w) mx = fmaxf(mx, chain_xmax[0][w]), mw = fmaxf(mw, chain_xmax[1][w]);
+    mul = chain_half_scale(mx * r * mw * 1.02f);
+    if (threadIdx.x == 0) chain_x_unscale = 1.f / mul;
+  }
   for (int cb = warp * 32; cb < chunks; cb += nthreads) {  // warp-uniform (the shuffles)
     const int c = cb + lane;
     uint4 v{};
     if (c < chunks) {
       v = perm ? chain_gather_chunk(xnat, perm, c) : xs4[c];  // (an act-order op's gain comes in its stored order)
       const uint4 g = __ldg(gain + c);
-      __half2* h = reinterpret_cast<__half2*>(&v);
-      const __half2* gh = reinterpret_cast<const __half2*>(&g);
+      uint32_t* h = reinterpret_cast<uint32_t*>(&v);
+      const uint32_t* gh = reinterpret_cast<const uint32_t*>(&g);
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        const float2 a = __half22float2(h[q]), w = __half22float2(gh[q]);
-        h[q] = __floats2half2_rn(__half2float(__float2half_rn(a.x * r)) * w.x,
-                                 __half2float(__float2half_rn(a.y * r)) * w.y);
+        const float2 a = chain_pair<A>(h[q]), w = chain_pair<A>(gh[q]);
+        const float y0 = chain_round<A>(a.x * r) * w.x, y1 = chain_round<A>(a.y * r) * w.y;
+        if constexpr (kScaled) h[q] = chain_pack<__half>(chain_round<A>(y0) * mul, chain_round<A>(y1) * mul);
+        else h[q] = chain_pack<A>(y0, y1);
       }
     }
     chain_put_chunk<kBits, kSumK>(xs4, xsum, c, c < chunks, v);
@@ -1033,13 +1168,14 @@ constexpr int kChainAttnMaxDim = 128;
 static __shared__ int chain_slot;
 static __shared__ float chain_rope_cs[2 * kChainAttnMaxDim];  // cos, then sin, of the slot's row
 
+template <typename A = __half>
 __device__ __forceinline__ void chain_decode_prologue(const ChainAttn* attn, const int* slot) {
   const int pos = *slot, D = attn[0].D;
   if (pos < 0 || pos >= attn[0].S) __trap();  // the slot outside the cache: stop rather than write outside it
   if (threadIdx.x == 0) chain_slot = pos;
   for (int f = threadIdx.x; f < D; f += blockDim.x) {
-    chain_rope_cs[f] = __half2float(attn[0].cos[static_cast<size_t>(pos) * D + f]);
-    chain_rope_cs[kChainAttnMaxDim + f] = __half2float(attn[0].sin[static_cast<size_t>(pos) * D + f]);
+    chain_rope_cs[f] = to_float(reinterpret_cast<const A*>(attn[0].cos)[static_cast<size_t>(pos) * D + f]);
+    chain_rope_cs[kChainAttnMaxDim + f] = to_float(reinterpret_cast<const A*>(attn[0].sin)[static_cast<size_t>(pos) * D + f]);
   }
 }  // (the kernel's next block barrier publishes them)
 
@@ -1061,9 +1197,15 @@ __host__ __device__ inline int chain_attn_floats(int gq, int D, int W) {
 // [u0, u0 + count / 16) of this op, complete).  Pairs meet in one warp (rows r
 // and r ^ 8 of a panel are values q and q ^ 8 of an iteration), so the loop is
 // warp-uniform and each warp reads both halves of a pair before zeroing.
+// A: the activations' type; kScaled: the sums are 2^e of the true ones
+// (bf16 inputs staged for int4 / int8 weights: chain_x_unscale).
+template <typename A = __half, bool kScaled = false>
 __device__ __forceinline__ void chain_rope_finish(const ChainAttn& a, int pos, int par, float* sums, int u0, int count,
                                                unsigned short* y, int ldy, int nthreads) {
   const int lane = threadIdx.x & 31, D = a.D, half = D / 2;
+  const float xun = kScaled ? chain_x_unscale : 1.f;
+  auto sum_at = [&](const float* q) { return kScaled ? *q * xun : *q; };
+  auto bias = [&](int i) { return to_float(reinterpret_cast<const A*>(a.bias)[i]); };
   const int q_rows = a.H * D, qk_rows = (a.H + a.Hkv) * D;
   const float* cs = chain_rope_cs;  // the slot's row (chain_decode_prologue)
   const float* sn = chain_rope_cs + kChainAttnMaxDim;
@@ -1078,8 +1220,8 @@ __device__ __forceinline__ void chain_rope_finish(const ChainAttn& a, int pos, i
       const int u = q / kPanelRows, r = q % kPanelRows, row = (u0 + u) * kPanelRows + r;
       if (row >= qk_rows) continue;
       const int head = row / D, f = 8 * ((row % D) / kPanelRows) + (r & 7);
-      float v = __half2float(__float2half_rn(sums[static_cast<size_t>(u) * kPanelRows + r]));
-      if (a.bias) v = __half2float(__float2half_rn(v + __half2float(a.bias[head * D + (r < 8 ? f : half + f)])));
+      float v = chain_round<A>(sum_at(sums + static_cast<size_t>(u) * kPanelRows + r));
+      if (a.bias) v = chain_round<A>(v + bias(head * D + (r < 8 ? f : half + f)));
       atomicAdd(a.qk_ss + par * nh + head, v * v);
       a.qk_ss[(par ^ 1) * nh + head] = 0.f;
       a.qk_count[(par ^ 1) * nh + head] = 0u;
@@ -1101,11 +1243,11 @@ __device__ __forceinline__ void chain_rope_finish(const ChainAttn& a, int pos, i
     const int nat = rot ? head * D + (r < 8 ? f : half + f) : row, pair = head * D + (r < 8 ? half + f : f);
     float v = 0.f, w = 0.f;
     if (on) {  // round(W x), then round(+ bias) as the per-op linear's bias add
-      v = __half2float(__float2half_rn(*sp));
-      if (a.bias) v = __half2float(__float2half_rn(v + __half2float(a.bias[nat])));
+      v = chain_round<A>(sum_at(sp));
+      if (a.bias) v = chain_round<A>(v + bias(nat));
       if (rot) {
-        w = __half2float(__float2half_rn(sp[r < 8 ? 8 : -8]));
-        if (a.bias) w = __half2float(__float2half_rn(w + __half2float(a.bias[pair])));
+        w = chain_round<A>(sum_at(sp + (r < 8 ? 8 : -8)));
+        if (a.bias) w = chain_round<A>(w + bias(pair));
       }
     }
     __syncwarp();
@@ -1119,52 +1261,54 @@ __device__ __forceinline__ void chain_rope_finish(const ChainAttn& a, int pos, i
       float ss;
       asm volatile("ld.relaxed.gpu.global.f32 %0, [%1];" : "=f"(ss) : "l"(a.qk_ss + par * nh + head) : "memory");
       const float rs = rsqrtf(ss / static_cast<float>(D) + a.qk_eps);
-      const __half* gain = head < a.H ? a.q_norm : a.k_norm;
+      const __half* gain = head < a.H ? a.q_norm : a.k_norm;  // (A's bits)
       const int dv = nat - head * D, dw = pair - head * D;  // this row's and its pair's dims
-      v = __half2float(__float2half_rn(__half2float(__float2half_rn(v * rs)) * __half2float(gain[dv])));
-      w = __half2float(__float2half_rn(__half2float(__float2half_rn(w * rs)) * __half2float(gain[dw])));
+      const A* ga = reinterpret_cast<const A*>(gain);
+      v = chain_round<A>(chain_round<A>(v * rs) * to_float(ga[dv]));
+      w = chain_round<A>(chain_round<A>(w * rs) * to_float(ga[dw]));
     }
     if (rot) {
       const float c = cs[f], s = sn[f];
       // x1 = row f, x2 = row f + D / 2: (x1 c - x2 s, x2 c + x1 s); here v is this row's, w its pair's
       v = r < 8 ? v * c - w * s : v * c + w * s;
     }
-    const __half hv = __float2half_rn(v);
-    chain_store_half(y + nat, ldy, par, hv);
+    const unsigned short hv = chain_act_bits<A>(v);
+    chain_store_bits(y + nat, ldy, par, hv);
     if (nat >= q_rows) {  // k or v of kv head kh: the cache at the token's slot
       const bool is_k = nat < qk_rows;
       const int off = nat - (is_k ? q_rows : qk_rows), kh = off / D;
-      (is_k ? a.k_cache : a.v_cache)[(static_cast<size_t>(kh) * a.S + pos) * D + off % D] = hv;
+      reinterpret_cast<unsigned short*>(is_k ? a.k_cache : a.v_cache)[(static_cast<size_t>(kh) * a.S + pos) * D +
+                                                                     off % D] = hv;
     }
   }
 }
 
-// 8 fp16 of a chain buffer, polled until none is the poison, as floats.
+// 8 values (A) of a chain buffer, polled until none is the poison, as floats.
+template <typename A = __half>
 __device__ __forceinline__ void chain_poll8(const unsigned short* p, float* out, float mul) {
   const uint4* src = reinterpret_cast<const uint4*>(p);
   uint4 v = ld_relaxed_gpu_v4(src);
   while (!chain_half_ready(v)) v = ld_relaxed_gpu_v4(src);
-  const __half2* h = reinterpret_cast<const __half2*>(&v);
+  const uint32_t h[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    const float2 f = __half22float2(h[e]);
+    const float2 f = chain_pair<A>(h[e]);
     out[2 * e] = f.x * mul, out[2 * e + 1] = f.y * mul;
   }
 }
 
-// kDpl consecutive fp16 of shared memory (kDpl-aligned) as floats, in one load.
-template <int kDpl>
-__device__ __forceinline__ void chain_ld_dims(const __half* p, float (&o)[kDpl]) {
+// kDpl consecutive values (A) of shared memory (kDpl-aligned) as floats, in one load.
+template <int kDpl, typename A>
+__device__ __forceinline__ void chain_ld_dims(const A* p, float (&o)[kDpl]) {
   if constexpr (kDpl == 4) {
     const uint2 u = *reinterpret_cast<const uint2*>(p);
-    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
-    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+    const float2 a = chain_pair<A>(u.x), b = chain_pair<A>(u.y);
     o[0] = a.x, o[1] = a.y, o[2] = b.x, o[3] = b.y;
   } else if constexpr (kDpl == 2) {
-    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(p));
+    const float2 a = chain_pair<A>(*reinterpret_cast<const uint32_t*>(p));
     o[0] = a.x, o[1] = a.y;
   } else {
-    o[0] = __half2float(*p);
+    o[0] = to_float(*p);
   }
 }
 
@@ -1182,7 +1326,7 @@ __device__ __forceinline__ void chain_ld_dims(const __half* p, float (&o)[kDpl])
 // inside a chunk.  Then the head's warps merge in shared memory, and a split's
 // result goes to the scratch, where the kv head's last split merges them (as
 // flash-decoding does), or with one split straight into o's input.
-template <int kDpl, typename Sync>
+template <int kDpl, typename A, typename Sync>
 __device__ __forceinline__ void chain_attention(const ChainAttn& a, int par, int nthreads, Sync&& csync, float* sm) {
   __shared__ int last;
   constexpr int kD = 32 * kDpl;
@@ -1195,14 +1339,14 @@ __device__ __forceinline__ void chain_attention(const ChainAttn& a, int par, int
   float* qf = sm;                // [gq][kD] queries x scale
   float* kv = qf + pairs;        // [2][kD] the token's k, v
   float* big = kv + 2 * kD;      // the chunks' rows, or the merge's buffers
-  __half* rows = reinterpret_cast<__half*>(big);  // [2][K, V][kChainAttnChunk][kD]
+  A* rows = reinterpret_cast<A*>(big);  // [2][K, V][kChainAttnChunk][kD]
   const unsigned short* src = a.qkv + static_cast<size_t>(par) * a.ldq;
   for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
     const int h = unit / splits, s = unit % splits;
     const int p0 = static_cast<int>(static_cast<long long>(s) * L / splits);
     const int p1 = static_cast<int>(static_cast<long long>(s + 1) * L / splits);
-    const __half* kc = a.k_cache + static_cast<size_t>(h) * a.S * kD;
-    const __half* vc = a.v_cache + static_cast<size_t>(h) * a.S * kD;
+    const A* kc = reinterpret_cast<const A*>(a.k_cache) + static_cast<size_t>(h) * a.S * kD;
+    const A* vc = reinterpret_cast<const A*>(a.v_cache) + static_cast<size_t>(h) * a.S * kD;
     // the chunk at c0 into buffer b (row pos, not yet written, is copied and never read)
     auto fetch = [&](int c0, int b) {
       const int words = min(kChainAttnChunk, p1 - c0) * kD / 8;
@@ -1215,18 +1359,18 @@ __device__ __forceinline__ void chain_attention(const ChainAttn& a, int par, int
       cp_async_commit();
     };
     fetch(p0, 0);  // p0 < p1: every unit has a position (splits <= L)
-    for (int c = threadIdx.x; c < pairs / 8; c += nthreads) chain_poll8(src + h * pairs + 8 * c, qf + 8 * c, a.scale);
+    for (int c = threadIdx.x; c < pairs / 8; c += nthreads) chain_poll8<A>(src + h * pairs + 8 * c, qf + 8 * c, a.scale);
     if (p1 == L)
       for (int c = threadIdx.x; c < kD / 4; c += nthreads) {
         const int at = c < kD / 8 ? a.H * kD + h * kD + 8 * c : (a.H + a.Hkv) * kD + h * kD + 8 * (c - kD / 8);
-        chain_poll8(src + at, kv + 8 * c, 1.f);
+        chain_poll8<A>(src + at, kv + 8 * c, 1.f);
       }
     csync();  // the queries and the token's k / v
     float q[kDpl], acc[kDpl], m = -INFINITY, l = 0.f;
 #pragma unroll
     for (int e = 0; e < kDpl; ++e) q[e] = qf[hj * kD + lane * kDpl + e], acc[e] = 0.f;
     // position p's (k, v) of this lane's dims: the token's from kv, the others from the chunk's rows
-    auto row = [&](const __half* ks, const __half* vs, int pl, int p, float (&k)[kDpl], float (&v)[kDpl]) {
+    auto row = [&](const A* ks, const A* vs, int pl, int p, float (&k)[kDpl], float (&v)[kDpl]) {
       chain_ld_dims<kDpl>(ks + pl * kD + lane * kDpl, k);  // one shared load each (8, 4 or 2 bytes)
       chain_ld_dims<kDpl>(vs + pl * kD + lane * kDpl, v);
       if (p == pos)
@@ -1249,8 +1393,8 @@ __device__ __forceinline__ void chain_attention(const ChainAttn& a, int par, int
       // summing once a context had three chunks or more.
       csync();
       if (c0 + kChainAttnChunk < p1) fetch(c0 + kChainAttnChunk, b ^ 1);  // flies while this chunk is summed
-      const __half* ks = rows + static_cast<size_t>(2 * b) * kChainAttnChunk * kD;
-      const __half* vs = ks + kChainAttnChunk * kD;
+      const A* ks = rows + static_cast<size_t>(2 * b) * kChainAttnChunk * kD;
+      const A* vs = ks + kChainAttnChunk * kD;
       if (busy)
         for (int pl = slice; pl < n; pl += 2 * slices) {  // two positions at a time: two shuffle chains
           const int pl2 = pl + slices;
@@ -1292,7 +1436,7 @@ __device__ __forceinline__ void chain_attention(const ChainAttn& a, int par, int
           num = fmaf(wv[w * kD + d], f, num);
         }
       if (splits == 1) {  // the unit is the whole context: o's input at once
-        chain_store_half(a.out + h * pairs + t, static_cast<size_t>(a.H) * kD, par, __float2half_rn(num / den));
+        chain_store_bits(a.out + h * pairs + t, static_cast<size_t>(a.H) * kD, par, chain_act_bits<A>(num / den));
       } else {
         ps[j * (kD + 2) + d] = num;
         if (d == 0) ps[j * (kD + 2) + kD] = mx, ps[j * (kD + 2) + kD + 1] = den;
@@ -1320,7 +1464,7 @@ __device__ __forceinline__ void chain_attention(const ChainAttn& a, int par, int
             num = fmaf(num, r, at * w);
             mx = m2;
           }
-          chain_store_half(a.out + h * pairs + e, static_cast<size_t>(a.H) * kD, par, __float2half_rn(num / den));
+          chain_store_bits(a.out + h * pairs + e, static_cast<size_t>(a.H) * kD, par, chain_act_bits<A>(num / den));
         }
       }
     }
@@ -1329,12 +1473,12 @@ __device__ __forceinline__ void chain_attention(const ChainAttn& a, int par, int
 }
 
 // chain_attention for the layer's head size (32, 64 or 128: the plan refuses others).
-template <typename Sync>
+template <typename A = __half, typename Sync>
 __device__ __forceinline__ void chain_attention_any(const ChainAttn& a, int par, int nthreads, Sync&& csync,
                                                  float* sm) {
-  if (a.D == 128) chain_attention<4>(a, par, nthreads, csync, sm);
-  else if (a.D == 64) chain_attention<2>(a, par, nthreads, csync, sm);
-  else chain_attention<1>(a, par, nthreads, csync, sm);
+  if (a.D == 128) chain_attention<4, A>(a, par, nthreads, csync, sm);
+  else if (a.D == 64) chain_attention<2, A>(a, par, nthreads, csync, sm);
+  else chain_attention<1, A>(a, par, nthreads, csync, sm);
 }
 
 // ---- The kernel (form 20) -------------------------------------------------
@@ -1356,15 +1500,19 @@ __device__ __forceinline__ void chain_attention_any(const ChainAttn& a, int par,
 // the launches: their parity).  wait_cycles: nullptr, or the lab's cycle
 // counts (ChainCycles, then per op class); compiled in the lab's builds only
 // (QGEMV_CHAIN_STAMPS), so the extension's kernels carry no timing code.
-template <int kBits, int kGroup, bool kZeros, bool kNorm = false, bool kDecode = false>
+template <int kBits, int kGroup, bool kZeros, bool kNorm = false, bool kDecode = false, typename A = __half>
 __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
     chain_kernel(const ChainOp* __restrict__ ops, int nops, ChainShape sh, unsigned* sync,
                  unsigned long long* wait_cycles) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // bulk copies and mbarrier waits need sm_90: the host launches this on compute capability 9.x only
 #else
-  using T = __half;
+  using T = A;  // the activations' type: __half or __nv_bfloat16
   using Fmt = ChainFormat<kBits, kGroup, kZeros>;
+  // bf16 inputs of int4 / int8 weights are staged as fp16 of x 2^e (chain_async_input): the sums are 2^e of the
+  // true ones until the finishing; bf16 weights meet bf16 inputs as they are
+  constexpr bool kScaled = !std::is_same_v<A, __half> && kBits != 16;
+  constexpr bool kBf16W = !std::is_same_v<A, __half> && kBits == 16;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int W = blockDim.x >> 5, G = gridDim.x, nthreads = W * 32;
   const int g = lane >> 2, t = lane & 3;
@@ -1372,7 +1520,7 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
 
   extern __shared__ __align__(128) unsigned char chain_smem[];
   float* sums = reinterpret_cast<float*>(chain_smem);
-  T* xs = reinterpret_cast<T*>(chain_smem + (static_cast<size_t>(sh.sums) * 4 + 15) / 16 * 16);
+  __half* xs = reinterpret_cast<__half*>(chain_smem + (static_cast<size_t>(sh.sums) * 4 + 15) / 16 * 16);  // (or bf16 bits)
   float* xsum = reinterpret_cast<float*>(xs + static_cast<size_t>(M) * sh.x_cap);  // [M][x_cap / 32]
   __half* xnat = reinterpret_cast<__half*>(reinterpret_cast<unsigned char*>(xsum) + chain_xsum_bytes(sh));  // sh.stage
 #if QGEMV_CHAIN_STAMPS
@@ -1388,7 +1536,7 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
   const ChainRing rg(chain_smem, sh, W);
   for (int q = threadIdx.x; q < W * rg.C; q += blockDim.x) mbar_init(rg.full + q, 1);
   mbar_init_fence();
-  if constexpr (kDecode) chain_decode_prologue(sh.attn, sh.pos);
+  if constexpr (kDecode) chain_decode_prologue<A>(sh.attn, sh.pos);
   // the block's schedule records
   for (int q = threadIdx.x; q < sh.classes * (W + 1); q += blockDim.x)
     rg.tab[q] = sh.cursors[(static_cast<size_t>(q / (W + 1)) * G + (kStamps ? (blockIdx.x + sh.rotate) % G : blockIdx.x)) *
@@ -1427,7 +1575,7 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
 
   int i = -1;  // the op being consumed
   ChainCursor cur{0, 0, 0, 0, 0, 1, 0, 0, 0};
-  ChainSeg<kBits, Fmt::kGpt, kZeros, true, true> seg;
+  ChainSeg<kBits, Fmt::kGpt, kZeros, true, true, kBf16W> seg;
   const int tokx = min(g, M - 1), tok0 = min(2 * t, M - 1), tok1 = min(2 * t + 1, M - 1);
 
   // Op o's input: global (written by other blocks in this launch: through L2)
@@ -1453,14 +1601,14 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
       bool normed = false;
       if constexpr (kNorm) {
         if (const void* norm = sh.norms[oi]) {  // RMSNorm of the input on the way in
-          chain_norm_input<kBits, Fmt::kSumK>(p, o_flags, par, norm, sh.norm_eps, chunks, nthreads, csync, xs, xsum,
-                                              nowait, chain_op_perm(ops[oi]), xnat);
+          chain_norm_input<kBits, Fmt::kSumK, A>(p, o_flags, par, norm, sh.norm_eps, chunks, nthreads, csync, xs,
+                                                 xsum, nowait, chain_op_perm(ops[oi]), xnat);
           normed = true;
         }
       }
       if (!normed)  // the input copied at once
-        chain_async_input<kBits, Fmt::kSumK>(chain_input_src(p, o_flags, par), chunks, nthreads, xs, xsum,
-                                             (o_flags & kChainPlainX) || nowait, chain_op_perm(ops[oi]), xnat, csync);
+        chain_async_input<kBits, Fmt::kSumK, A>(chain_input_src(p, o_flags, par), chunks, nthreads, xs, xsum,
+                                                (o_flags & kChainPlainX) || nowait, chain_op_perm(ops[oi]), xnat, csync);
       if (p.Kp > p.K) {  // a weight padded to whole tiles: zero inputs past K, and the x sums of whole padded groups
         uint4* xs4 = reinterpret_cast<uint4*>(xs);
         for (int c = chunks + threadIdx.x; c < p.Kp / 8; c += nthreads) xs4[c] = make_uint4(0u, 0u, 0u, 0u);
@@ -1490,8 +1638,8 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
       if (o.flags & kChainRope) {  // stage 2: q/k/v, rotated, into its output and the cache
         const long long f0 = timed ? clock64() : 0;
         csync();
-        chain_rope_finish(sh.attn[o.attn], chain_slot, par, sums, u0, (u1 - u0) * vals, static_cast<unsigned short*>(p.y),
-                          p.ldy, nthreads);
+        chain_rope_finish<A, kScaled>(sh.attn[o.attn], chain_slot, par, sums, u0, (u1 - u0) * vals,
+                                      static_cast<unsigned short*>(p.y), p.ldy, nthreads);
         if (timed) {
           const long long v = clock64() - f0;
           t_finish += v;
@@ -1519,19 +1667,20 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
     if (kStamps && timed && sh.stamps) stamp(oi, 0, f0 - t_mark[0]);
     csync();
     const long long f1 = timed ? clock64() : 0;
+    const float xun = kScaled ? chain_x_unscale : 1.f;  // (kScaled: the sums are 2^e of the true ones)
     for (int q = threadIdx.x; q < count; q += nthreads) {
       const int u = q / vals, tok = (q % vals) / kPanelRows, r = q % kPanelRows;
       float* sp = sums + (static_cast<size_t>(u * ppu) * M + tok) * kPanelRows + r;
-      float v = to_float(from_float<T>(*sp));
+      float v = to_float(from_float<T>(kScaled ? *sp * xun : *sp));
       if (silu) {
         float* up = sp + M * kPanelRows;
-        v = v / (1.f + __expf(-v)) * to_float(from_float<T>(*up));
+        v = v / (1.f + __expf(-v)) * to_float(from_float<T>(kScaled ? *up * xun : *up));
         *up = 0.f;
       }
       const int row = static_cast<int>(u0 + u) * kPanelRows + r;
       if (resid) v += q == threadIdx.x ? res0 : res_at(tok, row);
       if (py) {  // this launch's copy; the other poisoned for the next launch
-        chain_store_half(static_cast<unsigned short*>(p.y) + row, p.ldy, par, __float2half_rn(v));
+        chain_store_bits(static_cast<unsigned short*>(p.y) + row, p.ldy, par, chain_act_bits<T>(v));
       } else {
         static_cast<T*>(p.y)[static_cast<size_t>(tok) * p.ldy + row] = from_float<T>(v);
       }
@@ -1567,7 +1716,7 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
         if (ops[i].flags & kChainAttnIn) {  // stage 2: the layer's attention writes this op's input
           const long long a0 = timed ? clock64() : 0;
           csync();  // every warp is past the last op's reads of xs, the attention's scratch
-          chain_attention_any(sh.attn[ops[i].attn], par, nthreads, csync, reinterpret_cast<float*>(xs));
+          chain_attention_any<A>(sh.attn[ops[i].attn], par, nthreads, csync, reinterpret_cast<float*>(xs));
           if (timed) t_prep += clock64() - a0;
         }
       }

@@ -514,10 +514,11 @@ at::Tensor persist_fuse_py(const at::Tensor& qweight, const at::Tensor& scales, 
 // "" when launched, else why not (returned, not thrown: on torch 2.11 an
 // exception out of the extension ends the process, see ops._precheck_cuda).
 // norms: 0, or the device address of nops pointers (each op's RMSNorm gain or 0; qgemv/persist.py keeps them).
+// bf16: bfloat16 activations (and tables; bits 16: weights), else float16.
 std::string persist_launch_py(const at::Tensor& ops, const at::Tensor& schedule, const at::Tensor& sync, int group,
                               bool zeros, int blocks, int warps, int stages, int classes, int sums, int x_cap,
                               int64_t smem, int64_t norms, double eps, int64_t attn, int64_t pos, int bits,
-                              int stage) {
+                              int stage, bool bf16) {
   if (!ops.is_cuda() || !schedule.is_cuda() || !sync.is_cuda() || ops.device() != sync.device() ||
       schedule.device() != sync.device())
     return "ops, schedule and sync must be CUDA tensors on one device";
@@ -531,7 +532,8 @@ std::string persist_launch_py(const at::Tensor& ops, const at::Tensor& schedule,
                                          reinterpret_cast<unsigned*>(sync.data_ptr<int32_t>()), bits, group, zeros, blocks,
                                          warps, stages, c10::cuda::getCurrentCUDAStream(),
                                          reinterpret_cast<const void* const*>(norms), static_cast<float>(eps),
-                                         reinterpret_cast<const void*>(attn), reinterpret_cast<const int32_t*>(pos));
+                                         reinterpret_cast<const void*>(attn), reinterpret_cast<const int32_t*>(pos),
+                                         bf16);
   return err == cudaSuccess ? std::string() : std::string(cudaGetErrorString(err));
 }
 
@@ -619,19 +621,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   ps.def("attn_part", &qgemv::persist_attn_part, "Floats of one attention's scratch.", pybind11::arg("heads"),
          pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("splits"));
   ps.def("op_bytes", &qgemv::persist_op_bytes, "Bytes of one op in the plan's op table.");
-  ps.def("refusal", [](int64_t smem, int group, bool zeros, int blocks, int warps, bool norm, bool decode, int bits) {
+  ps.def("refusal", [](int64_t smem, int group, bool zeros, int blocks, int warps, bool norm, bool decode, int bits,
+                       bool bf16) {
            return qgemv::persist_refusal(qgemv::persist_plan_from(0, 0, 0, smem), bits, group, zeros, blocks, warps,
-                                         norm, decode);
+                                         norm, decode, bf16);
          },
          "Why a grid of a plan (its shared memory a block) cannot run on the current device, or ''.",
          pybind11::arg("smem"), pybind11::arg("group"), pybind11::arg("zeros"), pybind11::arg("blocks"),
          pybind11::arg("warps"), pybind11::arg("norm") = false, pybind11::arg("decode") = false,
-         pybind11::arg("bits") = 4);
+         pybind11::arg("bits") = 4, pybind11::arg("bf16") = false);
   ps.def("launch", &qgemv::persist_launch_py,
          "One launch of the chain on the current stream: '' when launched, else why not (never raises).",
          pybind11::arg("ops"), pybind11::arg("schedule"), pybind11::arg("sync"), pybind11::arg("group"),
          pybind11::arg("zeros"), pybind11::arg("blocks"), pybind11::arg("warps"), pybind11::arg("stages"),
          pybind11::arg("classes"), pybind11::arg("sums"), pybind11::arg("x_cap"), pybind11::arg("smem"),
          pybind11::arg("norms") = 0, pybind11::arg("eps") = 0.0, pybind11::arg("attn") = 0, pybind11::arg("pos") = 0,
-         pybind11::arg("bits") = 4, pybind11::arg("stage") = 0);
+         pybind11::arg("bits") = 4, pybind11::arg("stage") = 0, pybind11::arg("bf16") = false);
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|stage2|attn|attnncu|attnstages|diag|gen|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|stage2|attn|attnncu|attnstages|diag|bf16|gen|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -173,6 +173,24 @@ for step in "${@:-all}"; do
     diag)
       # where the engine's persistent launch and its per-op path part, six small shapes (dev/mk_diag.py)
       timeout 200 python3 dev/mk_diag.py 2>&1 | grep -v -i warn | tee "$OUT/mk_diag.txt" ;;
+    bf16)
+      # bf16 activations in the launch (built 2026-12-05 without a GPU; dev/PERSISTENT.md): its tests (the errors
+      # they measure are in the log), memcheck on a bf16 decode chain of each kind, then the engine in bf16 with
+      # and without the launch beside fp16's (Llama-3-8B)
+      OMP_NUM_THREADS=2 timeout 300 python3 -m pytest -n 16 -v -rs -p no:cacheprovider tests/test_persist.py \
+        tests/test_engine.py -k "bfloat16 or bf16" > "$OUT/bf16_tests.log" 2>&1
+      echo "bf16 tests: exit $?, $(grep -c ' PASSED ' "$OUT/bf16_tests.log") passed"
+      grep -E ' (FAILED|ERROR) ' "$OUT/bf16_tests.log" | sort -u | head -20
+      grep -E "^E +(AssertionError|assert)" "$OUT/bf16_tests.log" | sort | uniq -c | sort -rn | head -12
+      timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_persist.py -k "decode_chain_matches and bfloat16 and (int4g128a or int8 or bf16) and cfg6" \
+        > "$OUT/bf16_memcheck.log" 2>&1
+      echo "memcheck (bf16 decode chains): exit $?"; tail -3 "$OUT/bf16_memcheck.log"
+      if [ "${BF16_GEN:-1}" != 0 ]; then
+        timeout 360 python3 -m qgemv.eval.bench_generate --models llama3-8b --batches 1 --no-hf --no-breakdown \
+          --variants int4g128a_mk,int4g128a_bf16,int4g128a_bf16_mk,bf16_mk --out "$OUT/bf16_generate" 2>&1 \
+          | grep -v -i warn | tail -8
+      fi ;;
     gen)
       # the engine with and without the persistent launch, batch 1 (GEN_MODELS, GEN_VARIANTS override)
       timeout "${GEN_LIMIT:-420}" python3 -m qgemv.eval.bench_generate --models "${GEN_MODELS:-llama2-7b,llama3-8b}" --batches 1 \

@@ -11,7 +11,9 @@ with zero points (the GPTQ / AWQ format); every linear but lm_head converted
 by RTN; q/k/v and gate/up fused by the engine in every variant.  ``int4_mk``,
 ``int4g128a_mk``, ``int8_mk`` and ``fp16_mk``: the same weights with
 ``Engine(megakernel=True)``, each batch-1 decode step's decoder layers as one
-persistent launch.
+persistent launch.  ``int4g128a_bf16`` / ``int4g128a_bf16_mk`` / ``bf16_mk``:
+the model in bfloat16 (its activations; the launch stages int4 inputs as
+fp16 of x 2^e).
 
 For each (model, variant, batch): B prompts of --prompt random tokens, then
 --gen new tokens greedily (EOS ignored), after one untimed warm-up that
@@ -59,7 +61,8 @@ MODELS = {
 VARIANTS = {"fp16": None, "bf16": None, "int8": (8, None, True), "int4": (4, None, True),
             "int4g128a": (4, 128, False), "int4g128a_act": (4, 128, False), "int4g128a_act_sep": (4, 128, False),
             "int4g128a_act_first": (4, 128, False), "int4_mk": (4, None, True), "int4g128a_mk": (4, 128, False),
-            "int8_mk": (8, None, True), "fp16_mk": None}
+            "int8_mk": (8, None, True), "fp16_mk": None,
+            "bf16_mk": None, "int4g128a_bf16": (4, 128, False), "int4g128a_bf16_mk": (4, 128, False)}
 # *_mk: the same weights with Engine(megakernel=True): each batch-1 decode step as one persistent launch
 # (qgemv.persist, issue 35); other batches run per-op
 # int4g128a_act: int4 g128a with act-order input permutations as an imported GPTQ checkpoint has them after
@@ -93,7 +96,7 @@ def build_model(name: str, layers: int = 0, device: str = "cuda"):
 
 def prepare(model, variant: str):
     q = VARIANTS[variant]
-    if variant == "bf16":
+    if variant.split("_")[0] == "bf16" or "_bf16" in variant:  # bf16 activations (and bf16 weights unquantized)
         model = model.to(torch.bfloat16)
     if q is not None:
         bits, group, sym = q

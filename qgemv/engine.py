@@ -235,6 +235,12 @@ def _launch_linears(layer) -> tuple:
             ("down_proj", layer.down_proj))
 
 
+# The launch's bfloat16 path is built and tested on the CPU but has not yet run on a GPU: the default leaves
+# bf16 models on the per-op path until its GPU tests pass; Engine(megakernel=True) runs it (dev/PERSISTENT.md).
+MEGAKERNEL_BF16_UNTRIED = ("bfloat16 activations: the launch's bf16 path has not yet run on a GPU "
+                           "(Engine(megakernel=True) runs it)")
+
+
 def megakernel_refusal(engine: "Engine") -> str:
     """Why ``engine``'s batch-1 decode step cannot run as one persistent launch ("" when it can): the model
     first (checkable anywhere), then the GPU and the build."""
@@ -248,23 +254,24 @@ def megakernel_refusal(engine: "Engine") -> str:
     fmt = None
     for i, L in enumerate(engine.layers):
         for name, m in _launch_linears(L):
-            plain = type(m) is nn.Linear and m.weight.dtype == torch.float16  # fp16 weights: the baseline's chain
+            # fp16 / bf16 weights of the activations' type: the baseline's chain
+            plain = type(m) is nn.Linear and m.weight.dtype == engine.dtype and m.weight.dtype in persist.DTYPES
             if not isinstance(m, QuantLinear) and not plain:
                 what = type(m).__name__ if m is not None else "not fused"
                 if isinstance(m, nn.Linear):
                     what += f" of {m.weight.dtype}"
-                return (f"layer {i} {name}: {what}, not one qgemv QuantLinear or float16 nn.Linear (the launch "
-                        f"runs int4, int8 or float16 weights)")
+                return (f"layer {i} {name}: {what}, not one qgemv QuantLinear or nn.Linear of the activations' "
+                        f"type (the launch runs int4, int8, or float16 / bfloat16 weights)")
             if m.bias is not None and name != "q/k/v":  # q/k/v's (Qwen2's) is added in the launch
                 return f"layer {i} {name}: a bias is not in the launch (only q/k/v's)"
-            f = "fp16" if plain else m.packed.format
+            f = ("bf16" if m.weight.dtype == torch.bfloat16 else "fp16") if plain else m.packed.format
             if f not in persist.FORMATS:
                 return f"layer {i} {name}: format {f}; the launch runs {', '.join(persist.FORMATS)}"
             if fmt is not None and f != fmt:
                 return f"layer {i} {name}: format {f} after {fmt}; the launch runs one format"
             fmt = f
-    if engine.dtype != torch.float16:
-        return f"needs float16 activations, the model runs {engine.dtype}"
+    if engine.dtype not in persist.DTYPES:
+        return f"needs float16 or bfloat16 activations, the model runs {engine.dtype}"
     if engine.device.type != "cuda":
         return f"needs a CUDA device, the model is on {engine.device}"
     if torch.cuda.get_device_capability(engine.device)[0] != 9:
@@ -277,7 +284,7 @@ def megakernel_refusal(engine: "Engine") -> str:
 def megakernel_copy_bytes(engine: "Engine") -> int:
     """Bytes of GPU memory the persistent launch adds beside the per-op path's weights: its own copy of every
     weight it cannot read as the per-op path stores it (q/k/v with its rows permuted for the rotation; grouped
-    int4 re-laid as tiles fused with their scales; float16 re-laid in panels; any K padded to whole tiles).
+    int4 re-laid as tiles fused with their scales; fp16 / bf16 re-laid in panels; any K padded to whole tiles).
     Per-channel int4 / int8 o, gate/up and down are read in place."""
     from . import persist
 
@@ -319,15 +326,17 @@ class Engine:
     default True; eager, with one warning, if compiling fails).
     megakernel: run each batch-1 decode step's decoder layers as one
     persistent launch (:class:`qgemv.persist.PersistentChain` with its
-    attention): float16 activations, int4 / int8 weights in one of
-    qgemv.persist.FORMATS (act-order too) or float16 weights (nn.Linear),
+    attention): float16 or bfloat16 activations, int4 / int8 weights in
+    one of qgemv.persist.FORMATS (act-order too) or 16-bit weights of the
+    activations' type (nn.Linear),
     biases on q/k/v only (Qwen2's), q/k norms (Qwen3's), compute capability
-    9.x.  None (the default): wherever the model and the GPU allow it; True:
+    9.x.  None (the default): wherever the model and the GPU allow it
+    (bfloat16 models not yet: MEGAKERNEL_BF16_UNTRIED); True:
     asked for, so a refusal warns once; False: never.  Where it does not
     run, the per-op path does and ``megakernel_reason`` says why.  Prefill
     and batches above 1 stay per-op.  The launch keeps its own copy of the
     weights it cannot read in place (:func:`megakernel_copy_bytes`: about
-    the model's size again for grouped int4 and float16 weights), built at
+    the model's size again for grouped int4 and 16-bit weights), built at
     the first batch-1 decode step, and falls back where that does not fit
     the GPU's free memory.
     """
@@ -394,6 +403,8 @@ class Engine:
         self.megakernel, self.megakernel_reason, self._chain = megakernel is not False, "", None
         if self.megakernel:
             why = megakernel_refusal(self)
+            if not why and megakernel is None and self.dtype == torch.bfloat16:
+                why = MEGAKERNEL_BF16_UNTRIED
             if why:
                 self._megakernel_off(why)
         else:
@@ -424,7 +435,7 @@ class Engine:
         if self._chain is None and self.megakernel:
             from . import persist
 
-            def weight(m):  # a QuantLinear's packed weight, or an fp16 nn.Linear's weight tensor
+            def weight(m):  # a QuantLinear's packed weight, or an fp16 / bf16 nn.Linear's weight tensor
                 return m.packed if isinstance(m, QuantLinear) else m.weight.detach()
 
             k, v = self._kv(1)
@@ -438,20 +449,21 @@ class Engine:
                 bias = None  # Qwen2's q/k/v biases [layers, N], a zero row for a layer without one
                 if any(L.qkv.fused.bias is not None for L in self.layers):
                     bias = torch.zeros(len(self.layers), self.layers[0].qkv.fused.out_features,
-                                       dtype=torch.float16, device=self.device)
+                                       dtype=self.dtype, device=self.device)
                     for row, L in zip(bias, self.layers):
                         if L.qkv.fused.bias is not None:
                             row.copy_(L.qkv.fused.bias)
                 qn = kn = None  # Qwen3's per-head q / k RMSNorm gains [layers, head_dim]
                 if self.layers[0].q_norm is not None:
-                    qn = torch.stack([L.q_norm for L in self.layers]).half().contiguous()
-                    kn = torch.stack([L.k_norm for L in self.layers]).half().contiguous()
+                    qn = torch.stack([L.q_norm for L in self.layers]).to(self.dtype).contiguous()
+                    kn = torch.stack([L.k_norm for L in self.layers]).to(self.dtype).contiguous()
                 att = persist.Attention(self.heads, self.kv_heads, self.head_dim, self.cos, self.sin, k[:, 0], v[:, 0],
                                         scale=self.scale, qkv_bias=bias, q_norm=qn, k_norm=kn, qk_eps=self.eps)
                 self._chain = persist.PersistentChain(
                     [tuple(weight(m) for m in (L.qkv.fused, L.o_proj, L.gate_up.fused, L.down_proj))
                      for L in self.layers],
-                    norms=[(L.in_norm, L.post_norm) for L in self.layers], eps=self.eps, attention=att)
+                    norms=[(L.in_norm, L.post_norm) for L in self.layers], eps=self.eps, attention=att,
+                    dtype=self.dtype)
             except persist.PersistError as e:
                 self._megakernel_off(str(e))
             except torch.OutOfMemoryError as e:  # the estimate missed: what was built is dropped

@@ -1,7 +1,7 @@
 """Decoder layers' linears as one persistent launch (issue 35, stage 1).
 
     chain = qgemv.persist.PersistentChain(layers)      # [(qkv, o, gate_up, down) PackedWeight, ...]
-    y = chain(x)                                       # x [1, H] float16 -> [1, H] float16
+    y = chain(x)                                       # x [1, H] float16 -> [1, H] float16 (or bfloat16: dtype=)
     chain = qgemv.persist.PersistentChain(layers, norms=gains, eps=1e-5)   # with each layer's two RMSNorms
 
 One kernel launch runs every linear of every layer: each block streams its
@@ -22,7 +22,7 @@ attention (o reads the first H outputs of q/k/v):
 where n1 and n2 are the layer's RMSNorms when ``norms`` is given (the
 identity otherwise), computed inside the launch where each block reads the
 linear's input: n(v) = round(gain * round(v * rsqrt(mean(v^2) + eps))), the
-rounding of transformers' LlamaRMSNorm.  Every result is rounded to float16
+rounding of transformers' LlamaRMSNorm.  Every result is rounded to float16 (bfloat16)
 as the per-op chain rounds it (:func:`reference` is that chain, one qgemv
 kernel a linear).  gate_up holds gate's rows, then up's (a qgemv
 checkpoint's fused gate/up).
@@ -36,9 +36,12 @@ splits into o's input (:func:`attend` is its reference).
 
 Supported: int4 per channel, int4 G = 32, 64, 128 with or without zero
 points, int8 (with act-order perms too: each such op gathers its input
-inside the launch, K <= 32767), and float16 weights (a float16 [N, K] tensor
-in place of a PackedWeight: the baseline's chain, re-laid in 16-row panels
-of 64-byte tiles); float16 activations, one token, compute capability 9.x,
+inside the launch, K <= 32767), and float16 / bfloat16 weights (a tensor of
+the activations' type [N, K] in place of a PackedWeight: the baseline's
+chain, re-laid in 16-row panels of 64-byte tiles); float16 or bfloat16
+activations (``dtype``: every buffer, gain, cache and rotary table in it;
+bf16 inputs of int4 / int8 weights are staged as fp16 of x 2^e inside the
+launch, exact for every value in fp16's range), one token, compute capability 9.x,
 K % 8 == 0 and N % 16 == 0 (gate_up: % 32).  A K that is not a multiple of
 the kernel's tile (128 int4, 64 int8, 32 fp16 inputs) is padded with zero
 weights once, in the chain's copy (:func:`pad_inputs`); the launch reads the
@@ -58,14 +61,15 @@ from . import _ext
 from .weight import PackedWeight
 
 FORMATS = ("int4", "int4g128", "int4g128a", "int4g64", "int4g64a", "int4g32", "int4g32a", "int8",
-           "fp16")  # "fp16": a float16 [N, K] tensor, not a PackedWeight
+           "fp16", "bf16")  # "fp16" / "bf16": a float16 / bfloat16 [N, K] tensor, not a PackedWeight
+DTYPES = (torch.float16, torch.bfloat16)  # the activations' types
 # The lab's best settings on the H200 (dev/PERSISTENT.md): 16 warps a block, 8 ring slots of 1 KB tiles a warp.
 DEFAULT_WARPS = 16
 DEFAULT_STAGES = 8
 
-Weight = Union[PackedWeight, torch.Tensor]  # a tensor: float16 [N, K] weights
+Weight = Union[PackedWeight, torch.Tensor]  # a tensor: float16 / bfloat16 [N, K] weights
 Layer = Tuple[Weight, Weight, Weight, Weight]
-Norms = Tuple[torch.Tensor, torch.Tensor]  # a layer's (input, post-attention) RMSNorm gains, float16 [H]
+Norms = Tuple[torch.Tensor, torch.Tensor]  # a layer's (input, post-attention) RMSNorm gains, [H] of the activations' type
 
 
 class PersistError(ValueError):
@@ -77,18 +81,19 @@ class Attention:
     """The layers' attention inside the launch (stage 2 of issue 35): RoPE, the KV-cache write, attention.
 
     heads / kv_heads / head_dim: the model's (heads a multiple of kv_heads, at most 8 query heads a kv head and
-    no more than the block's warps; head_dim 32, 64 or 128); cos / sin: float16 [S, head_dim], the model's rotary
-    tables (cos[p, f] == cos[p, f + head_dim / 2], as transformers' rotary modules make them); k_cache / v_cache:
-    float16 [layers, kv_heads, S, head_dim], contiguous: the launch writes each layer's k (rotated) and v at the
-    token's slot and reads slots 0..slot.  scale: the scores' scale (default head_dim ** -0.5); splits: the most
-    cache splits a kv head (default blocks // kv_heads: one unit a block); the launch splits a context only past
-    8 positions a warp (one split of L positions: no merge across blocks).  qkv_bias: float16 [layers, (heads +
-    2 kv_heads) head_dim], contiguous, or None: each layer's q/k/v bias (Qwen2), in the natural row order, added
-    to q/k/v's rounded output (and rounded) before the rotation, as the per-op linear adds it.  q_norm /
-    k_norm: float16 [layers, head_dim], contiguous, or None (both): each layer's RMSNorm gain of every q / k
-    head (Qwen3), applied before the rotation with epsilon ``qk_eps``.  per_warp: cache positions a warp of a
-    unit before the launch splits a context across blocks (1..64, default 2): fewer split shorter contexts sooner,
-    at the cost of the splits' merge.
+    no more than the block's warps; head_dim 32, 64 or 128).  Every tensor is of the chain's activation type
+    ("A": float16, or bfloat16 with ``PersistentChain(dtype=torch.bfloat16)``).  cos / sin: A [S, head_dim], the
+    model's rotary tables (cos[p, f] == cos[p, f + head_dim / 2], as transformers' rotary modules make them);
+    k_cache / v_cache: A [layers, kv_heads, S, head_dim], contiguous: the launch writes each layer's k (rotated)
+    and v at the token's slot and reads slots 0..slot.  scale: the scores' scale (default head_dim ** -0.5);
+    splits: the most cache splits a kv head (default blocks // kv_heads: one unit a block); the launch splits a
+    context only past 8 positions a warp (one split of L positions: no merge across blocks).  qkv_bias: A
+    [layers, (heads + 2 kv_heads) head_dim], contiguous, or None: each layer's q/k/v bias (Qwen2), in the
+    natural row order, added to q/k/v's rounded output (and rounded) before the rotation, as the per-op linear
+    adds it.  q_norm / k_norm: A [layers, head_dim], contiguous, or None (both): each layer's RMSNorm gain of
+    every q / k head (Qwen3), applied before the rotation with epsilon ``qk_eps``.  per_warp: cache positions a
+    warp of a unit before the launch splits a context across blocks (1..64, default 2): fewer split shorter
+    contexts sooner, at the cost of the splits' merge.
     The token's slot is its rotary position (one sequence, no padding).
     """
 
@@ -141,11 +146,13 @@ def _shape(w: Weight) -> Tuple[int, int]:
 
 
 def _format_name(w: Weight) -> str:
-    return "fp16" if isinstance(w, torch.Tensor) else w.format
+    if isinstance(w, torch.Tensor):
+        return "bf16" if w.dtype == torch.bfloat16 else "fp16"
+    return w.format
 
 
 def _linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
-    """x @ w^T: qgemv's kernel for a PackedWeight, torch's for float16 weights."""
+    """x @ w^T: qgemv's kernel for a PackedWeight, torch's for float16 / bfloat16 weights."""
     from .ops import linear
 
     if isinstance(w, torch.Tensor):
@@ -154,26 +161,28 @@ def _linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
 
 
 def attend(at: Attention, layer: int, qkv: torch.Tensor, position: int) -> torch.Tensor:
-    """The reference for one layer's attention at ``position``: q/k/v output [1, (H + 2 Hkv) D] float16 ->
-    [1, H D] float16; writes k (rotated) and v into at's caches at the position (float32 math, as the kernel)."""
+    """The reference for one layer's attention at ``position``: q/k/v output [1, (H + 2 Hkv) D] (float16 or
+    bfloat16) -> [1, H D] of the same type; writes k (rotated) and v into at's caches at the position (float32
+    math, as the kernel)."""
     from .engine import apply_rope  # the engine's RoPE, here in float32 and rounded once
 
     h, hk, d = at.heads, at.kv_heads, at.head_dim
+    dt = qkv.dtype
     f = qkv[0].float()
     c, s = at.cos[position].float(), at.sin[position].float()
     qh, kh = f[:h * d].view(h, d), f[h * d:(h + hk) * d].view(hk, d)
     if at.q_norm is not None:  # Qwen3: each head's RMSNorm, rounded as transformers rounds it
-        qh = rms_norm(qh.half(), at.q_norm[layer], at.qk_eps).float()
-        kh = rms_norm(kh.half(), at.k_norm[layer], at.qk_eps).float()
-    q = apply_rope(qh, c, s).half()
-    k = apply_rope(kh, c, s).half()
+        qh = rms_norm(qh.to(dt), at.q_norm[layer], at.qk_eps).float()
+        kh = rms_norm(kh.to(dt), at.k_norm[layer], at.qk_eps).float()
+    q = apply_rope(qh, c, s).to(dt)
+    k = apply_rope(kh, c, s).to(dt)
     at.k_cache[layer, :, position] = k
-    at.v_cache[layer, :, position] = f[(h + hk) * d:].view(hk, d).half()
+    at.v_cache[layer, :, position] = f[(h + hk) * d:].view(hk, d).to(dt)
     keys = at.k_cache[layer, :, :position + 1].float()  # [Hkv, L, D]
     vals = at.v_cache[layer, :, :position + 1].float()
     scale = at.scale if at.scale is not None else d ** -0.5
     scores = torch.einsum("hgd,hld->hgl", q.float().view(hk, h // hk, d), keys) * scale
-    return torch.einsum("hgl,hld->hgd", scores.softmax(-1), vals).reshape(1, h * d).half()
+    return torch.einsum("hgl,hld->hgd", scores.softmax(-1), vals).reshape(1, h * d).to(dt)
 
 
 def _module():
@@ -185,7 +194,7 @@ def _module():
 
 def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
     """round(gain * round(x * rsqrt(mean(x^2) + eps))) over the last dim (float32 inside, as transformers'
-    LlamaRMSNorm): x [..., H] float16, gain [H] float16 -> [..., H] float16."""
+    LlamaRMSNorm): x [..., H], gain [H] (float16 or bfloat16, both one type) -> [..., H] of that type."""
     from .engine import rms_norm as engine_rms_norm
 
     return engine_rms_norm(x, gain, eps)
@@ -193,7 +202,8 @@ def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
 
 def reference(layers: Sequence[Layer], x: torch.Tensor, norms: Optional[Sequence[Norms]] = None,
               eps: float = 1e-5, attention: Optional[Attention] = None, position: int = 0) -> torch.Tensor:
-    """The same chain one qgemv kernel a linear, with the glue in torch: x [1, H] float16 -> [1, H] float16.
+    """The same chain one qgemv kernel a linear, with the glue in torch: x [1, H] float16 or bfloat16 -> [1, H]
+    of x's type (every rounding to it).
     With ``attention``: each layer's attention at ``position`` (:func:`attend`; it writes the caches) between
     q/k/v and o, in the weights' natural row order."""
     for li, (qkv, o, gate_up, down) in enumerate(layers):
@@ -204,7 +214,7 @@ def reference(layers: Sequence[Layer], x: torch.Tensor, norms: Optional[Sequence
         h = _linear(a, o) + x
         gu = _linear(rms_norm(h, norms[li][1], eps) if norms else h, gate_up).float()
         inter = gu.shape[-1] // 2
-        a = (torch.nn.functional.silu(gu[..., :inter]) * gu[..., inter:]).half()
+        a = (torch.nn.functional.silu(gu[..., :inter]) * gu[..., inter:]).to(x.dtype)
         x = _linear(a, down) + h
     return x
 
@@ -273,16 +283,21 @@ def fuse_tiles(w: PackedWeight) -> torch.Tensor:
     return torch.cat(parts, dim=1).reshape(-1)  # (16 gpt (2 or 3) bytes of meta: whole 16-byte units)
 
 
+def _dt(dtype: torch.dtype) -> str:
+    """float16 / bfloat16: a dtype as the messages name it."""
+    return str(dtype).replace("torch.", "")
+
+
 def _format_of(w: Weight, where: str) -> Tuple[int, int, bool]:
     """(bits, group, zeros) of one weight: 4 and its group (0 per channel, 32, 64, 128) for int4; 8, 0 for int8;
-    16, 0 for float16."""
+    16, 0 for float16 / bfloat16."""
     if isinstance(w, torch.Tensor):
-        if w.dtype != torch.float16 or w.dim() != 2:
-            raise PersistError(f"{where}: a tensor weight must be float16 [N, K] (fp16 weights), got {w.dtype} "
-                               f"{list(w.shape)}")
+        if w.dtype not in DTYPES or w.dim() != 2:
+            raise PersistError(f"{where}: a tensor weight must be float16 or bfloat16 [N, K] (fp16 / bf16 weights), "
+                               f"got {w.dtype} {list(w.shape)}")
         return 16, 0, False
     if not isinstance(w, PackedWeight):
-        raise PersistError(f"{where}: expected a PackedWeight or a float16 tensor, got {type(w).__name__}")
+        raise PersistError(f"{where}: expected a PackedWeight or a float16 / bfloat16 tensor, got {type(w).__name__}")
     if w.format not in FORMATS:
         raise PersistError(f"{where}: format {w.format} is not supported (supported: {', '.join(FORMATS)})")
     if w.perm is not None and w.in_features > 32767:
@@ -296,15 +311,18 @@ class PersistentChain:
 
     Args:
         layers: per layer (qkv [Nqkv, H], o [H, H], gate_up [2 I, H], down [H, I]) on one CUDA device, all in
-            one of :data:`FORMATS`: PackedWeight (int4, int8), or float16 tensors ("fp16"); Nqkv >= H; gate_up: gate's
-            rows, then up's.
+            one of :data:`FORMATS`: PackedWeight (int4, int8), or float16 / bfloat16 tensors ("fp16" / "bf16", of
+            the activations' type); Nqkv >= H; gate_up: gate's rows, then up's.
         warps: warps a block (1-16); stages: ring slots a warp (an even number above 2).
         blocks: the grid (default: one block an SM; more than fit at once is refused, never hung).
-        norms: per layer (input, post-attention) RMSNorm gains, float16 [H] on the chain's device, or None (no
-            norms), copied at construction (later changes to them are not seen); eps: their epsilon.
+        norms: per layer (input, post-attention) RMSNorm gains, [H] of the activations' type on the chain's
+            device, or None (no norms), copied at construction (later changes to them are not seen); eps: their
+            epsilon.
         attention: the layers' attention inside the launch (:class:`Attention`; needs ``norms``): o reads the
             attention's output [heads x head_dim] instead of the stand-in, q/k/v's rows are re-ordered for the
             rotation (on the CPU once), and each launch reads the token's slot from :attr:`position`.
+        dtype: the activations' type, torch.float16 or torch.bfloat16 (default: tensor weights' own type, else
+            float16); input, output, norms and every attention tensor are of it.
     The weights are re-laid for the kernel once, into copies the chain keeps on the GPU (grouped int4: each 1
     KB tile with its scales and zero points, built on the CPU; fp16: 16-row panels; q/k/v with attention: its
     rows in rotation order); int4 per channel and int8 are read as they lie.  The chain keeps its own
@@ -313,17 +331,26 @@ class PersistentChain:
 
     def __init__(self, layers: Sequence[Layer], *, warps: int = DEFAULT_WARPS, stages: int = DEFAULT_STAGES,
                  blocks: Optional[int] = None, norms: Optional[Sequence[Norms]] = None, eps: float = 1e-5,
-                 attention: Optional[Attention] = None):
+                 attention: Optional[Attention] = None, dtype: Optional[torch.dtype] = None):
         ps = _module()
         layers = [tuple(layer) for layer in layers]
         if not layers:
             raise PersistError("PersistentChain: no layers")
+        if dtype is None:
+            w0 = layers[0][0] if layers[0] else None
+            dtype = w0.dtype if isinstance(w0, torch.Tensor) and w0.dtype in DTYPES else torch.float16
+        if dtype not in DTYPES:
+            raise PersistError(f"PersistentChain: dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+        self.dtype = dtype
         fmt = None
         for li, layer in enumerate(layers):
             if len(layer) != 4:
                 raise PersistError(f"layer {li}: expected 4 weights (qkv, o, gate_up, down), got {len(layer)}")
             for name, w in zip(("qkv", "o", "gate_up", "down"), layer):
                 f = _format_of(w, f"layer {li} {name}")
+                if isinstance(w, torch.Tensor) and w.dtype != dtype:
+                    raise PersistError(f"layer {li} {name}: a {w.dtype} weight with {dtype} activations (tensor "
+                                       f"weights are of the activations' type)")
                 if fmt is None:
                     fmt = f
                 elif f != fmt:
@@ -362,9 +389,9 @@ class PersistentChain:
                 if len(pair) != 2:
                     raise PersistError(f"norms[{li}]: expected 2 gains (input, post-attention), got {len(pair)}")
                 for name, g in zip(("input", "post-attention"), pair):
-                    if not isinstance(g, torch.Tensor) or g.dtype != torch.float16 or g.shape != (h,) or \
+                    if not isinstance(g, torch.Tensor) or g.dtype != dtype or g.shape != (h,) or \
                             g.device != dev:
-                        raise PersistError(f"norms[{li}] {name}: must be float16 [{h}] on {dev}, got "
+                        raise PersistError(f"norms[{li}] {name}: must be {_dt(dtype)} [{h}] on {dev}, got "
                                            f"{getattr(g, 'dtype', type(g).__name__)} "
                                            f"{list(getattr(g, 'shape', []))} on {getattr(g, 'device', '-')}")
             if not (eps > 0.0):
@@ -372,7 +399,7 @@ class PersistentChain:
         if at is not None:
             if norms is None:
                 raise PersistError("attention: needs the layers' norms (norms=)")
-            self._check_attention(at, len(layers), dev)
+            self._check_attention(at, len(layers), dev, dtype)
         self.bits, self.group, self.zeros = fmt
         self.format = _format_name(qkv0)
         self.device = dev
@@ -384,7 +411,7 @@ class PersistentChain:
             blocks = torch.cuda.get_device_properties(dev).multi_processor_count
         self.blocks = blocks
 
-        def buf(n: int) -> torch.Tensor:  # two copies of n fp16 values, all 0xffff (not yet written)
+        def buf(n: int) -> torch.Tensor:  # two copies of n 16-bit values, all 0xffff (not yet written)
             return torch.full((n,), -1, dtype=torch.int32, device=dev)
 
         self.attention = at
@@ -395,10 +422,10 @@ class PersistentChain:
         if at is not None:
             self.splits = at.splits or max(1, blocks // at.kv_heads)
             rows = rope_rows(at.heads, at.kv_heads, at.head_dim)
-        self.input = torch.zeros(1, h, dtype=torch.float16, device=dev)
-        self.output = torch.zeros(1, h, dtype=torch.float16, device=dev)
+        self.input = torch.zeros(1, h, dtype=dtype, device=dev)
+        self.output = torch.zeros(1, h, dtype=dtype, device=dev)
         self._keep = []  # every tensor the op table points at
-        self._acts = []  # the activation buffers inside the launch (two fp16 copies each)
+        self._acts = []  # the activation buffers inside the launch (two 16-bit copies each)
         self.weight_bytes = 0  # what one launch streams: the weights in the kernel's layout
         ops = []
         gains = []  # per op: its input's RMSNorm gain (a contiguous copy: 16-byte aligned) or 0
@@ -458,7 +485,7 @@ class PersistentChain:
             raise PersistError(f"PersistentChain: {err}")
         with torch.cuda.device(dev):  # the weights' GPU, not the current one
             why = ps.refusal(self.smem, self.group, self.zeros, blocks, warps, self.has_norms, at is not None,
-                             self.bits)
+                             self.bits, dtype == torch.bfloat16)
         if why:
             raise PersistError(f"PersistentChain: {why}")
         self._table = table.to(dev)
@@ -468,7 +495,7 @@ class PersistentChain:
         self._attn = attn.to(dev) if at is not None else None
 
     @staticmethod
-    def _check_attention(at: Attention, layers: int, dev) -> None:
+    def _check_attention(at: Attention, layers: int, dev, dtype: torch.dtype) -> None:
         if not isinstance(at, Attention):
             raise PersistError(f"attention: expected a qgemv.persist.Attention, got {type(at).__name__}")
         hq, hk, d = at.heads, at.kv_heads, at.head_dim
@@ -480,9 +507,9 @@ class PersistentChain:
         s = at.cos.shape[0] if at.cos.dim() == 2 else -1
         for name, t, shape in (("cos", at.cos, (s, d)), ("sin", at.sin, (s, d)),
                                ("k_cache", at.k_cache, (layers, hk, s, d)), ("v_cache", at.v_cache, (layers, hk, s, d))):
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.float16 or tuple(t.shape) != shape or \
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape or \
                     t.device != dev or not t.is_contiguous():
-                raise PersistError(f"attention: {name} must be contiguous float16 {list(shape)} on {dev}, got "
+                raise PersistError(f"attention: {name} must be contiguous {_dt(dtype)} {list(shape)} on {dev}, got "
                                    f"{getattr(t, 'dtype', type(t).__name__)} {list(getattr(t, 'shape', []))} on "
                                    f"{getattr(t, 'device', '-')}")
         if s < 1:
@@ -490,14 +517,14 @@ class PersistentChain:
         if (at.q_norm is None) != (at.k_norm is None):
             raise PersistError("attention: q_norm and k_norm come together (Qwen3), or neither")
         for name, t in (("q_norm", at.q_norm), ("k_norm", at.k_norm)):
-            if t is not None and (not isinstance(t, torch.Tensor) or t.dtype != torch.float16 or
+            if t is not None and (not isinstance(t, torch.Tensor) or t.dtype != dtype or
                                   tuple(t.shape) != (layers, d) or t.device != dev or not t.is_contiguous()):
-                raise PersistError(f"attention: {name} must be contiguous float16 [{layers}, {d}] on {dev}, got "
+                raise PersistError(f"attention: {name} must be contiguous {_dt(dtype)} [{layers}, {d}] on {dev}, got "
                                    f"{getattr(t, 'dtype', type(t).__name__)} {list(getattr(t, 'shape', []))}")
         b, n = at.qkv_bias, (hq + 2 * hk) * d
-        if b is not None and (not isinstance(b, torch.Tensor) or b.dtype != torch.float16 or
+        if b is not None and (not isinstance(b, torch.Tensor) or b.dtype != dtype or
                               tuple(b.shape) != (layers, n) or b.device != dev or not b.is_contiguous()):
-            raise PersistError(f"attention: qkv_bias must be None or contiguous float16 [{layers}, {n}] on {dev}, "
+            raise PersistError(f"attention: qkv_bias must be None or contiguous {_dt(dtype)} [{layers}, {n}] on {dev}, "
                                f"got {getattr(b, 'dtype', type(b).__name__)} {list(getattr(b, 'shape', []))} on "
                                f"{getattr(b, 'device', '-')}")
         if at.splits is not None and at.splits < 1:
@@ -545,15 +572,16 @@ class PersistentChain:
                                self.warps, self.stages, self.classes, self.sums, self.x_cap, self.smem,
                                self._norms.data_ptr() if self._norms is not None else 0, self.eps,
                                self._attn.data_ptr() if self._attn is not None else 0,
-                               self.position.data_ptr() if self._attn is not None else 0, self.bits, self.stage)
+                               self.position.data_ptr() if self._attn is not None else 0, self.bits, self.stage,
+                               self.dtype == torch.bfloat16)
         if why:
             raise PersistError(f"PersistentChain: launch refused: {why}")
 
     def __call__(self, x: torch.Tensor, position: Optional[int] = None) -> torch.Tensor:
-        """x [1, H] float16 on the chain's device -> [1, H] float16 (a new tensor); position: the token's cache
-        slot (with attention: required, 0 <= position < the cache's length)."""
-        if x.dtype != torch.float16 or x.shape != (1, self.hidden) or x.device != self.device:
-            raise PersistError(f"PersistentChain: x must be float16 [1, {self.hidden}] on {self.device}, got "
+        """x [1, H] of the chain's dtype on its device -> [1, H] of that type (a new tensor); position: the token's
+        cache slot (with attention: required, 0 <= position < the cache's length)."""
+        if x.dtype != self.dtype or x.shape != (1, self.hidden) or x.device != self.device:
+            raise PersistError(f"PersistentChain: x must be {_dt(self.dtype)} [1, {self.hidden}] on {self.device}, got "
                                f"{x.dtype} {list(x.shape)} on {x.device}")
         if self.attention is not None:
             if position is None or not 0 <= int(position) < self.attention.max_seq:

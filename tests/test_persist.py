@@ -42,6 +42,12 @@ def fake_ops(shapes, outs=None, kps=None):
 
 LLAMA_LIKE = ([(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)], [0, 1, 2, 1])
 SMALL = ([(384, 256), (256, 256), (1280, 256), (256, 640)], [0, 1, 2, 1])
+BF16 = torch.bfloat16
+# (format, activations' type): every format with float16 activations, bf16 weights with bf16 activations, and
+# int4 / int8 with bfloat16 activations (staged inside the launch as fp16 of x 2^e)
+CASES = ([(n, torch.float16) for n in persist.FORMATS if n != "bf16"] + [("bf16", BF16)]
+         + [(n, BF16) for n in ("int4", "int4g128a", "int4g64", "int4g32a", "int8")])
+CASE_IDS = [f"{n}-{str(d).replace('torch.', '')}" for n, d in CASES]  # e.g. int4g128a-bfloat16
 
 
 @needs_ext
@@ -213,10 +219,11 @@ def test_fuse_checks_its_tensors():
 
 
 def packed(name, n, k, gain=0.3):
-    """A weight [n, k] in format ``name`` (persist.FORMATS): a PackedWeight, or for "fp16" a float16 tensor."""
+    """A weight [n, k] in format ``name`` (persist.FORMATS): a PackedWeight, or for "fp16" / "bf16" a float16 /
+    bfloat16 tensor."""
     w = torch.randn(n, k) * (gain / k ** 0.5)
-    if name == "fp16":
-        return w.half()
+    if name in ("fp16", "bf16"):
+        return w.to(torch.bfloat16 if name == "bf16" else torch.float16)
     cfg = FORMATS[name]
     qw, s, z = formats.quantize(w, cfg)
     return PackedWeight(qw, s, z, cfg, k)
@@ -224,13 +231,17 @@ def packed(name, n, k, gain=0.3):
 
 def assert_close_chain(y, ref, x, what):
     """y against the per-op chain's ref, measured on what the layers add to their input x (the residual
-    stream carries x through unchanged and would hide errors in the layers' part), plus two float16 steps of
-    the output's magnitude (where the residual adds round; the two chains sum in other orders)."""
+    stream carries x through unchanged and would hide errors in the layers' part), plus two steps of the
+    output's type at its magnitude (where the residual adds round; the two chains sum in other orders).
+    bfloat16 keeps 3 mantissa bits fewer than float16: its share of what the layers add is ~3x float16's in
+    units of the type's step (25 of bf16's against 60 of fp16's)."""
+    assert y.dtype == ref.dtype, f"{what}: {y.dtype} against the reference's {ref.dtype}"
     assert torch.isfinite(y).all(), f"{what}: non-finite outputs"
+    bf16 = y.dtype == torch.bfloat16
     added = (ref.float() - x.float()).abs().max().item()
-    step = 2.0 ** (math.floor(math.log2(ref.float().abs().max().item())) - 10)
+    step = 2.0 ** (math.floor(math.log2(ref.float().abs().max().item())) - (7 if bf16 else 10))
     diff = (y.float() - ref.float()).abs().max().item()
-    assert diff <= 3e-2 * added + 2 * step, f"{what}: error {diff:.3g}, the layers add {added:.3g}"
+    assert diff <= (0.1 if bf16 else 3e-2) * added + 2 * step, f"{what}: error {diff:.3g}, the layers add {added:.3g}"
 
 
 def act_order(layers, seed=11):
@@ -264,8 +275,16 @@ def test_chain_refuses_what_it_cannot_run():
         persist.PersistentChain(make_layers("fp16", 1, 256, 384, 640))
     fp32 = make_layers("fp16", 1, 256, 384, 640)
     fp32[0] = (fp32[0][0].float(),) + fp32[0][1:]
-    with pytest.raises(persist.PersistError, match=r"layer 0 qkv: a tensor weight must be float16 \[N, K\]"):
+    with pytest.raises(persist.PersistError, match=r"layer 0 qkv: a tensor weight must be float16 or bfloat16 \[N, K\]"):
         persist.PersistentChain(fp32)
+    with pytest.raises(persist.PersistError, match="must be on a CUDA device"):  # bf16 weights, bf16 activations
+        persist.PersistentChain(make_layers("bf16", 1, 256, 384, 640))
+    with pytest.raises(persist.PersistError, match="must be on a CUDA device"):  # int4, bf16 activations
+        persist.PersistentChain(make_layers("int4", 1, 256, 384, 640), dtype=torch.bfloat16)
+    with pytest.raises(persist.PersistError, match="layer 0 qkv: a torch.bfloat16 weight with torch.float16 activations"):
+        persist.PersistentChain(make_layers("bf16", 1, 256, 384, 640), dtype=torch.float16)
+    with pytest.raises(persist.PersistError, match="dtype must be torch.float16 or torch.bfloat16, got torch.float32"):
+        persist.PersistentChain(make_layers("int4", 1, 256, 384, 640), dtype=torch.float32)
     mixed[0] = (packed("fp16", 384, 256),) + mixed[0][1:]
     with pytest.raises(persist.PersistError, match="layer 0 o: every weight must share one format, got int4g128 after fp16"):
         persist.PersistentChain(mixed)
@@ -276,18 +295,18 @@ def test_chain_refuses_what_it_cannot_run():
 
 
 @needs_sm90
-@pytest.mark.parametrize("name", persist.FORMATS)
+@pytest.mark.parametrize("name,dt", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("dims,grid", [((256, 384, 640, 3), {}), ((384, 640, 1152, 2), dict(blocks=7, warps=5, stages=4)),
                                        ((512, 768, 1024, 4), dict(blocks=61, warps=16, stages=8)),
                                        # K 320 and 832: int4 weights padded to whole 128-input tiles (pad_inputs)
                                        ((320, 448, 832, 2), dict(blocks=7, warps=5, stages=4))])
-def test_chain_matches_the_per_op_chain(name, dims, grid):
+def test_chain_matches_the_per_op_chain(name, dt, dims, grid):
     h, nqkv, inter, nl = dims
     skip_if_group_cuts(name, h, inter)
     layers = make_layers(name, nl, h, nqkv, inter, "cuda")
-    chain = persist.PersistentChain(layers, **grid)
+    chain = persist.PersistentChain(layers, dtype=dt, **grid)
     for trial in range(3):  # several launches: the epoch moves on each time
-        x = torch.randn(1, h, device="cuda", dtype=torch.float16)
+        x = torch.randn(1, h, device="cuda", dtype=dt)
         chain.output.fill_(float("nan"))
         y = chain(x)
         ref = persist.reference(layers, x)
@@ -300,26 +319,26 @@ def test_chain_matches_the_per_op_chain(name, dims, grid):
 
 
 def skip_if_group_cuts(name, *ks):
-    g = FORMATS[name].group_size if name != "fp16" else None
+    g = FORMATS[name].group_size if name not in ("fp16", "bf16") else None
     if g and any(k % g for k in ks):
         pytest.skip(f"{name}: K {ks} is not a multiple of its group size {g} (no such weight)")
 
 
-def random_norms(layers, h):
-    return [tuple((0.5 + torch.rand(h, device="cuda")).half() for _ in range(2)) for _ in range(layers)]
+def random_norms(layers, h, dt=torch.float16):
+    return [tuple((0.5 + torch.rand(h, device="cuda")).to(dt) for _ in range(2)) for _ in range(layers)]
 
 
 @needs_sm90
-@pytest.mark.parametrize("name", persist.FORMATS)
+@pytest.mark.parametrize("name,dt", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("dims,grid", [((256, 384, 640, 3), {}), ((384, 640, 1152, 2), dict(blocks=7, warps=5, stages=4))])
-def test_chain_with_rms_norms_matches_the_per_op_chain(name, dims, grid):
+def test_chain_with_rms_norms_matches_the_per_op_chain(name, dt, dims, grid):
     h, nqkv, inter, nl = dims
     layers = make_layers(name, nl, h, nqkv, inter, "cuda")
-    norms = random_norms(nl, h)
-    chain = persist.PersistentChain(layers, norms=norms, eps=1e-5, **grid)
+    norms = random_norms(nl, h, dt)
+    chain = persist.PersistentChain(layers, norms=norms, eps=1e-5, dtype=dt, **grid)
     for trial in range(3):
         # inputs far from unit scale: the norm, not the weights, sets the linears' input scale
-        x = (torch.randn(1, h, device="cuda") * 4 ** trial).half()
+        x = (torch.randn(1, h, device="cuda") * 4 ** trial).to(dt)
         chain.output.fill_(float("nan"))
         y = chain(x)
         ref = persist.reference(layers, x, norms, 1e-5)
@@ -332,23 +351,26 @@ def test_chain_with_rms_norms_matches_the_per_op_chain(name, dims, grid):
 
 
 @needs_sm90
-@pytest.mark.parametrize("name", ["int4", "int4g128a", "int4g32", "int8"])
-def test_act_order_chain_matches_the_per_op_chain(name):
+@pytest.mark.parametrize("name,dt", [("int4", torch.float16), ("int4g128a", torch.float16), ("int4g32", torch.float16),
+                                     ("int8", torch.float16), ("int4g128a", BF16), ("int8", BF16)],
+                         ids=["int4", "int4g128a", "int4g32", "int8", "int4g128a-bfloat16", "int8-bfloat16"])
+def test_act_order_chain_matches_the_per_op_chain(name, dt):
     """Every linear with its own act-order input perm: each op gathers its input inside the launch (after its
     RMSNorm, whose gain it reads in the stored order), without norms, with them, and with attention."""
     torch.manual_seed(9)
     layers = act_order(make_layers(name, 2, 256, 384, 640, "cuda"))
-    norms = random_norms(2, 256)
-    for chain, ns in ((persist.PersistentChain(layers), None), (persist.PersistentChain(layers, norms=norms), norms)):
+    norms = random_norms(2, 256, dt)
+    for chain, ns in ((persist.PersistentChain(layers, dtype=dt), None),
+                      (persist.PersistentChain(layers, norms=norms, dtype=dt), norms)):
         for trial in range(2):
-            x = torch.randn(1, 256, device="cuda", dtype=torch.float16)
+            x = torch.randn(1, 256, device="cuda", dtype=dt)
             y = chain(x)
             assert_close_chain(y, persist.reference(layers, x, ns), x, f"norms {ns is not None}, trial {trial}")
-    layers, norms, at = decode_setup(name, 4, 2, 64, 640, 2, 48)
+    layers, norms, at = decode_setup(name, 4, 2, 64, 640, 2, 48, dt=dt)
     act_order(layers)
-    chain = persist.PersistentChain(layers, norms=norms, attention=at)
+    chain = persist.PersistentChain(layers, norms=norms, attention=at, dtype=dt)
     for pos in (0, 20, 47):
-        x = torch.randn(1, 256, device="cuda").half()
+        x = torch.randn(1, 256, device="cuda").to(dt)
         ref_at = persist.Attention(4, 2, 64, at.cos, at.sin, at.k_cache.clone(), at.v_cache.clone())
         y = chain(x, position=pos)
         assert_close_chain(y, persist.reference(layers, x, norms, 1e-5, attention=ref_at, position=pos), x,
@@ -563,33 +585,33 @@ def test_plan_checks_the_attention():
         ps.plan(attn_ops(8, 2, 64), 0, False, 8, 16, 8, [attn_tuple(8, 2, 64, per_warp=65)])[0]
 
 
-def rope_tables(s, d, device):
-    """cos / sin [s, d] float16 as transformers' rotary modules make them (the halves repeated)."""
+def rope_tables(s, d, device, dt=torch.float16):
+    """cos / sin [s, d] (dt) as transformers' rotary modules make them (the halves repeated)."""
     inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     ang = torch.arange(s, dtype=torch.float32)[:, None] * inv[None, :]
     ang = torch.cat([ang, ang], -1)
-    return ang.cos().half().to(device), ang.sin().half().to(device)
+    return ang.cos().to(dt).to(device), ang.sin().to(dt).to(device)
 
 
-def decode_setup(name, h, hk, d, inter, nl, s, device="cuda"):
+def decode_setup(name, h, hk, d, inter, nl, s, device="cuda", dt=torch.float16):
     hid = h * d
     layers = [tuple(w.to(device) for w in (packed(name, (h + 2 * hk) * d, hid), packed(name, hid, hid),
                                             packed(name, 2 * inter, hid), packed(name, hid, inter)))
               for _ in range(nl)]
-    cos, sin = rope_tables(s, d, device)
-    kc = (torch.randn(nl, hk, s, d, device=device) * 2).half()
-    vc = torch.randn(nl, hk, s, d, device=device).half()
-    return layers, random_norms(nl, hid), persist.Attention(h, hk, d, cos, sin, kc, vc)
+    cos, sin = rope_tables(s, d, device, dt)
+    kc = (torch.randn(nl, hk, s, d, device=device) * 2).to(dt)
+    vc = torch.randn(nl, hk, s, d, device=device).to(dt)
+    return layers, random_norms(nl, hid, dt), persist.Attention(h, hk, d, cos, sin, kc, vc)
 
 
 def assert_close_cache(got, ref, what):
-    step = 2.0 ** (math.floor(math.log2(ref.float().abs().max().item())) - 10)
+    step = 2.0 ** (math.floor(math.log2(ref.float().abs().max().item())) - (7 if got.dtype == BF16 else 10))
     diff = (got.float() - ref.float()).abs().max().item()
     assert diff <= 2e-2 * ref.float().abs().max().item() + 2 * step, f"{what}: error {diff:.3g}"
 
 
 @needs_sm90
-@pytest.mark.parametrize("name", persist.FORMATS)
+@pytest.mark.parametrize("name,dt", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("cfg", [
     # GQA 4, head_dim 128, the default splits (a few positions a unit)
     dict(h=8, hk=2, d=128, inter=1536, nl=2, s=192, splits=None, grid={}),
@@ -612,20 +634,20 @@ def assert_close_cache(got, ref, what):
     dict(h=8, hk=2, d=128, inter=1024, nl=2, s=260, splits=None, grid={}, per_warp=1),
     dict(h=4, hk=2, d=64, inter=640, nl=2, s=130, splits=8, grid=dict(blocks=7, warps=5, stages=4), per_warp=2),
 ])
-def test_decode_chain_matches_the_per_op_chain(name, cfg):
+def test_decode_chain_matches_the_per_op_chain(name, dt, cfg):
     torch.manual_seed(7)
     skip_if_group_cuts(name, cfg["h"] * cfg["d"], cfg["inter"])
-    layers, norms, at = decode_setup(name, cfg["h"], cfg["hk"], cfg["d"], cfg["inter"], cfg["nl"], cfg["s"])
+    layers, norms, at = decode_setup(name, cfg["h"], cfg["hk"], cfg["d"], cfg["inter"], cfg["nl"], cfg["s"], dt=dt)
     at.splits, at.per_warp = cfg["splits"], cfg.get("per_warp")
     if cfg.get("bias"):
-        at.qkv_bias = (torch.randn(cfg["nl"], (cfg["h"] + 2 * cfg["hk"]) * cfg["d"], device="cuda") * 0.5).half()
+        at.qkv_bias = (torch.randn(cfg["nl"], (cfg["h"] + 2 * cfg["hk"]) * cfg["d"], device="cuda") * 0.5).to(dt)
     if cfg.get("qk_norm"):
-        at.q_norm, at.k_norm = ((0.5 + torch.rand(cfg["nl"], cfg["d"], device="cuda")).half() for _ in range(2))
+        at.q_norm, at.k_norm = ((0.5 + torch.rand(cfg["nl"], cfg["d"], device="cuda")).to(dt) for _ in range(2))
         at.qk_eps = 1e-5
-    chain = persist.PersistentChain(layers, norms=norms, eps=1e-5, attention=at, **cfg["grid"])
+    chain = persist.PersistentChain(layers, norms=norms, eps=1e-5, attention=at, dtype=dt, **cfg["grid"])
     hid = cfg["h"] * cfg["d"]
     for pos in (0, 1, 37, cfg["s"] - 2, cfg["s"] - 1):  # a context of 1 (the token only) up to the whole cache
-        x = torch.randn(1, hid, device="cuda").half()
+        x = torch.randn(1, hid, device="cuda").to(dt)
         ref_at = persist.Attention(at.heads, at.kv_heads, at.head_dim, at.cos, at.sin, at.k_cache.clone(),
                                    at.v_cache.clone(), qkv_bias=at.qkv_bias, q_norm=at.q_norm, k_norm=at.k_norm,
                                    qk_eps=at.qk_eps)
