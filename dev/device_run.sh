@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|stage2|attn|attnncu|attnstages|diag|bf16|gen|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|stage2|attn|attnncu|attnstages|diag|bf16|gen|gen70|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -191,6 +191,12 @@ for step in "${@:-all}"; do
           --variants int4g128a_mk,int4g128a_bf16,int4g128a_bf16_mk,bf16_mk --out "$OUT/bf16_generate" 2>&1 \
           | grep -v -i warn | tail -8
       fi ;;
+    gen70)
+      # issue 35's 70B row: Llama-3-70B shapes built quantized a layer at a time (bench_generate's build_streamed),
+      # int4 g128 + zeros, per-op and the launch (whose weight copy needs an H200: on an H100 it falls back)
+      timeout "${GEN_LIMIT:-540}" python3 -m qgemv.eval.bench_generate --models llama3-70b --batches 1 --no-hf \
+        --no-breakdown --variants "${GEN_VARIANTS:-int4g128a,int4g128a_mk}" --out "$OUT/generate70" 2>&1 \
+        | grep -v -i warn | tail -8 ;;
     gen)
       # the engine with and without the persistent launch, batch 1 (GEN_MODELS, GEN_VARIANTS override)
       timeout "${GEN_LIMIT:-420}" python3 -m qgemv.eval.bench_generate --models "${GEN_MODELS:-llama2-7b,llama3-8b}" --batches 1 \

@@ -5,7 +5,9 @@
 
 Models (transformers LlamaForCausalLM, random weights, on the GPU):
   llama2-7b : 32 layers, hidden 4096, 32 heads (MHA), FFN 11008, vocab 32000;
-  llama3-8b : 32 layers, hidden 4096, 32 heads, 8 KV heads (GQA), FFN 14336, vocab 128256.
+  llama3-8b : 32 layers, hidden 4096, 32 heads, 8 KV heads (GQA), FFN 14336, vocab 128256;
+  llama3-70b: 80 layers, hidden 8192, 64 heads, 8 KV heads, FFN 28672, vocab 128256 (built quantized a
+              layer at a time: int4 / int8 variants only, without act-order).
 Variants: fp16 and bf16 (nn.Linear, cuBLAS), int8, int4 per channel, int4 g128
 with zero points (the GPTQ / AWQ format); every linear but lm_head converted
 by RTN; q/k/v and gate/up fused by the engine in every variant.  ``int4_mk``,
@@ -55,9 +57,13 @@ MODELS = {
                       intermediate_size=11008, vocab_size=32000),
     "llama3-8b": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
                       intermediate_size=14336, vocab_size=128256, rope_theta=500000.0),
+    "llama3-70b": dict(num_hidden_layers=80, hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,
+                       intermediate_size=28672, vocab_size=128256, rope_theta=500000.0),
     "tiny": dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=256, vocab_size=512),  # for the CPU test of this script
 }
+# models whose float weights exceed the GPU: built and quantized a decoder layer at a time (build_streamed)
+STREAMED = {"llama3-70b"}
 VARIANTS = {"fp16": None, "bf16": None, "int8": (8, None, True), "int4": (4, None, True),
             "int4g128a": (4, 128, False), "int4g128a_act": (4, 128, False), "int4g128a_act_sep": (4, 128, False),
             "int4g128a_act_first": (4, 128, False), "int4_mk": (4, None, True), "int4g128a_mk": (4, 128, False),
@@ -89,6 +95,59 @@ def build_model(name: str, layers: int = 0, device: str = "cuda"):
             model = transformers.LlamaForCausalLM(cfg).eval()
     finally:
         torch.set_default_dtype(old)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def build_streamed(name: str, variant: str, layers: int = 0, device: str = "cuda"):
+    """A random-weight LlamaForCausalLM of the named shapes in ``variant``'s format, built a decoder layer at a
+    time: each layer's float weights are drawn on ``device`` (N(0, initializer_range), norms 1, seeded), its
+    q/k/v and gate/up quantized into one fused weight each (qgemv.nn.fuse_llama_projections: the engine uses
+    them without a copy) and its other linears by quantize_model, before the next layer is drawn.  So a model
+    whose fp16 weights do not fit the GPU fits once quantized (llama3-70b int4 g128: ~40 GB).  Variants that
+    need the whole float model (fp16 / bf16 weights, the act-order ones) are refused."""
+    import transformers
+
+    from qgemv.nn import fuse_llama_projections
+
+    q = VARIANTS[variant]
+    if q is None or "_act" in variant:
+        raise SystemExit(f"bench_generate: {name} is built quantized a layer at a time; variant {variant} needs "
+                         f"the float model (choose an int4 / int8 variant without act-order)")
+    bits, group, sym = q
+    kw = dict(MODELS[name])
+    if layers:
+        kw["num_hidden_layers"] = layers
+    cfg = transformers.LlamaConfig(max_position_embeddings=4096, tie_word_embeddings=False, **kw)
+    dt = torch.bfloat16 if "_bf16" in variant else torch.float16
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dt)
+    try:
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(cfg).eval()
+        rotary = type(model.model.rotary_emb)(cfg).to(device)  # (its inv_freq is computed, not a weight)
+    finally:
+        torch.set_default_dtype(old)
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def draw(mod):  # mod's own tensors onto the device: weights N(0, std), norm gains 1, biases 0
+        mod.to_empty(device=device, recurse=False)
+        for pname, t in mod.named_parameters(recurse=False):
+            with torch.no_grad():
+                if pname == "weight" and t.dim() == 2:
+                    t.normal_(0.0, cfg.initializer_range, generator=gen)
+                else:
+                    t.fill_(1.0 if pname == "weight" else 0.0)
+
+    for mod in (model.model.embed_tokens, model.model.norm, model.lm_head):
+        draw(mod)
+    model.model.rotary_emb = rotary
+    for layer in model.model.layers:
+        for mod in layer.modules():
+            draw(mod)
+        fuse_llama_projections(layer, bits=bits, group_size=group, symmetric=sym)
+        qgemv.quantize_model(layer, bits=bits, group_size=group, symmetric=sym)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
@@ -264,7 +323,8 @@ def main(argv=None) -> int:
                   ceiling=ceiling, rows=rows, baselines=baselines)
     for mname in args.models.split(","):
         for variant in args.variants.split(","):
-            model = prepare(build_model(mname, args.layers), variant)
+            model = (build_streamed(mname, variant, args.layers) if mname in STREAMED
+                     else prepare(build_model(mname, args.layers), variant))
             rows += run_engine(model, mname, variant, batches, args.prompt, args.gen, ceiling["read_GBps"],
                                not args.no_breakdown)
             if variant == "fp16" and mname == "llama2-7b" and not args.no_hf:

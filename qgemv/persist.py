@@ -69,7 +69,7 @@ DEFAULT_STAGES = 8
 
 Weight = Union[PackedWeight, torch.Tensor]  # a tensor: float16 / bfloat16 [N, K] weights
 Layer = Tuple[Weight, Weight, Weight, Weight]
-Norms = Tuple[torch.Tensor, torch.Tensor]  # a layer's (input, post-attention) RMSNorm gains, [H] of the activations' type
+Norms = Tuple[torch.Tensor, torch.Tensor]  # a layer's (input, post-attention) RMSNorm gains [H], activations' type
 
 
 class PersistError(ValueError):

@@ -316,6 +316,32 @@ def test_bench_generate_runs_its_engine_rows_on_cpu(tmp_path):
     assert md.count("| tiny |") == 10 and "RuntimeError: x" in md
 
 
+def test_bench_generate_builds_a_large_model_quantized_a_layer_at_a_time():
+    """llama3-70b's path (its fp16 weights exceed one GPU) on tiny shapes: every decoder linear quantized as it
+    is drawn, q/k/v and gate/up fused without a copy, nothing left on the meta device, seeded, the engine runs
+    it; variants that need the float model are refused."""
+    from qgemv.eval import bench_generate as bg
+    from qgemv.nn import FusedQuantLinear, QuantLinear
+
+    model = bg.build_streamed("tiny", "int4g128a", device="cpu")
+    assert all(t.device.type == "cpu" for t in list(model.parameters()) + list(model.buffers()))
+    for layer in model.model.layers:
+        assert isinstance(layer.self_attn.qkv, FusedQuantLinear) and isinstance(layer.mlp.gate_up, FusedQuantLinear)
+        for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            assert isinstance(lin, QuantLinear) and lin.packed.format == "int4g128a"
+        assert torch.equal(layer.input_layernorm.weight, torch.ones_like(layer.input_layernorm.weight))
+    w = model.model.embed_tokens.weight.float()
+    assert abs(w.std().item() - model.config.initializer_range) < 2e-3 and type(model.lm_head) is torch.nn.Linear
+    again = bg.build_streamed("tiny", "int4g128a", device="cpu")
+    assert torch.equal(again.model.layers[1].mlp.down_proj.packed.qweight,
+                       model.model.layers[1].mlp.down_proj.packed.qweight)
+    rows = bg.run_engine(model.float(), "tiny", "int4g128a", [1], prompt=12, gen=6, read_gbps=1000.0, breakdown=False)
+    assert rows[0]["decode_tokens_per_s"] > 0
+    for variant in ("fp16", "int4g128a_act"):
+        with pytest.raises(SystemExit, match=f"variant {variant} needs the float model"):
+            bg.build_streamed("tiny", variant, device="cpu")
+
+
 # ---- the persistent decode launch (Engine(megakernel=True), issue 35 stage 2) ----
 
 @pytest.mark.parametrize("case,why", [

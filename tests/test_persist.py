@@ -275,13 +275,15 @@ def test_chain_refuses_what_it_cannot_run():
         persist.PersistentChain(make_layers("fp16", 1, 256, 384, 640))
     fp32 = make_layers("fp16", 1, 256, 384, 640)
     fp32[0] = (fp32[0][0].float(),) + fp32[0][1:]
-    with pytest.raises(persist.PersistError, match=r"layer 0 qkv: a tensor weight must be float16 or bfloat16 \[N, K\]"):
+    with pytest.raises(persist.PersistError,
+                       match=r"layer 0 qkv: a tensor weight must be float16 or bfloat16 \[N, K\]"):
         persist.PersistentChain(fp32)
     with pytest.raises(persist.PersistError, match="must be on a CUDA device"):  # bf16 weights, bf16 activations
         persist.PersistentChain(make_layers("bf16", 1, 256, 384, 640))
     with pytest.raises(persist.PersistError, match="must be on a CUDA device"):  # int4, bf16 activations
         persist.PersistentChain(make_layers("int4", 1, 256, 384, 640), dtype=torch.bfloat16)
-    with pytest.raises(persist.PersistError, match="layer 0 qkv: a torch.bfloat16 weight with torch.float16 activations"):
+    with pytest.raises(persist.PersistError,
+                       match="layer 0 qkv: a torch.bfloat16 weight with torch.float16 activations"):
         persist.PersistentChain(make_layers("bf16", 1, 256, 384, 640), dtype=torch.float16)
     with pytest.raises(persist.PersistError, match="dtype must be torch.float16 or torch.bfloat16, got torch.float32"):
         persist.PersistentChain(make_layers("int4", 1, 256, 384, 640), dtype=torch.float32)
