@@ -186,8 +186,12 @@ for step in "${@:-all}"; do
         tests/test_persist.py -k "decode_chain_matches and bfloat16 and (int4g128a or int8 or bf16) and cfg6" \
         > "$OUT/bf16_memcheck.log" 2>&1
       echo "memcheck (bf16 decode chains): exit $?"; tail -3 "$OUT/bf16_memcheck.log"
-      if [ "${BF16_GEN:-1}" != 0 ]; then
-        timeout 360 python3 -m qgemv.eval.bench_generate --models llama3-8b --batches 1 --no-hf --no-breakdown \
+      # the staging's cost: the stage-1 chain with norms, fp16 against bf16 activations, in one run
+      timeout 150 python3 -m qgemv.eval.bench_chain --model llama3-8b --layers 16 --ms 1 --norms \
+        --variants int4g128a_deps,int4g128a_persist,int4g128a_bf16_deps,int4g128a_bf16_persist \
+        --out "$OUT/bf16_chain" 2>&1 | grep -v -i warn | tail -5
+      if [ "${BF16_GEN:-1}" != 0 ]; then  # the engine, with each row's kernel breakdown (the launch's share)
+        timeout 360 python3 -m qgemv.eval.bench_generate --models llama3-8b --batches 1 --no-hf \
           --variants int4g128a_mk,int4g128a_bf16,int4g128a_bf16_mk,bf16_mk --out "$OUT/bf16_generate" 2>&1 \
           | grep -v -i warn | tail -8
       fi ;;

@@ -32,7 +32,9 @@ ops in ``FMT_deps``, the launch's hand-offs in ``FMT_persist``.
 real one at a context of L tokens (the token at slot L - 1 of an L-slot
 cache): RoPE, the cache write and GQA attention, torch ops in ``FMT_deps``
 (qgemv.persist.attend) and inside the launch in ``FMT_persist``; the bytes
-then count each layer's K and V cache too.
+then count each layer's K and V cache too.  ``FMT_bf16_deps`` /
+``FMT_bf16_persist`` (and ``bf16_deps`` / ``bf16_persist``, bf16 weights):
+the same chains with bfloat16 activations.
 """
 
 from __future__ import annotations
@@ -93,21 +95,32 @@ def peer_variant(name: str, n: int, k: int):
     raise ValueError(f"unknown variant {name}")
 
 
+def dep_format(fmt: str):
+    """(weight format, activations' dtype) of a dependent chain's FMT: a trailing "_bf16" (int4g128a_bf16) or
+    "bf16" itself (bf16 weights) runs bfloat16 activations, the rest float16."""
+    if fmt == "bf16":
+        return "bf16", torch.bfloat16
+    if fmt.endswith("_bf16"):
+        return fmt[:-len("_bf16")], torch.bfloat16
+    return fmt, torch.float16
+
+
 def dep_layers(fmt: str, layers: int, shapes: list):
-    """Random weights of a dependent chain: [(qkv, o, gate_up, down) PackedWeight, or float16 tensors for "fp16"]
-    on the GPU (gate_up: gate's rows, then up's); each linear maps activations of size 1 to about 0.3 (the chain
-    stays finite in fp16)."""
+    """Random weights of a dependent chain: [(qkv, o, gate_up, down) PackedWeight, or float16 / bfloat16 tensors
+    for "fp16" / "bf16"] on the GPU (gate_up: gate's rows, then up's); each linear maps activations of size 1 to
+    about 0.3 (the chain stays finite in fp16)."""
     from qgemv import formats
     from qgemv.weight import PackedWeight
 
     from .bench_gemv import QCFG
 
+    fmt = dep_format(fmt)[0]
     cfg = QCFG.get(fmt)
 
     def packed(n, k):
         w = torch.randn(n, k, device="cuda") * (0.3 / k ** 0.5)
-        if fmt == "fp16":
-            return w.half()
+        if fmt in ("fp16", "bf16"):
+            return w.to(torch.bfloat16 if fmt == "bf16" else torch.float16)
         qw, s, z = formats.quantize(w, cfg)
         return PackedWeight(qw, s, z, cfg, k)
 
@@ -115,16 +128,16 @@ def dep_layers(fmt: str, layers: int, shapes: list):
     return [(packed(nqkv, h), packed(h, h), packed(n_gu, h), packed(h, inter)) for _ in range(layers)]
 
 
-def attention_for(heads: tuple, layers: int, context: int):
-    """A qgemv.persist.Attention with random caches of ``context`` slots and RoPE tables (theta 500000)."""
+def attention_for(heads: tuple, layers: int, context: int, dt=torch.float16):
+    """A qgemv.persist.Attention with random caches of ``context`` slots and RoPE tables (theta 500000), dt."""
     from qgemv import persist
 
     h, hk, d = heads
     inv = 1.0 / (500000.0 ** (torch.arange(0, d, 2, dtype=torch.float32, device="cuda") / d))
     ang = torch.arange(context, dtype=torch.float32, device="cuda")[:, None] * inv[None, :]
     ang = torch.cat([ang, ang], -1)
-    kc = torch.randn(layers, hk, context, d, device="cuda").half()
-    return persist.Attention(h, hk, d, ang.cos().half(), ang.sin().half(), kc, torch.randn_like(kc))
+    kc = torch.randn(layers, hk, context, d, device="cuda").to(dt)
+    return persist.Attention(h, hk, d, ang.cos().to(dt), ang.sin().to(dt), kc, torch.randn_like(kc))
 
 
 def dep_rows(fmt: str, layers: int, shapes: list, names: list, ceiling: dict, fp16: dict,
@@ -135,12 +148,13 @@ def dep_rows(fmt: str, layers: int, shapes: list, names: list, ceiling: dict, fp
     from qgemv import persist
 
     lay = dep_layers(fmt, layers, shapes)
+    dt = dep_format(fmt)[1]
     nbytes = sum(w.nbytes for w in lay[0])  # PackedWeight.nbytes, or a tensor's
     h = shapes[1][1]
-    x = torch.randn(1, h, device="cuda", dtype=torch.float16)
+    x = torch.randn(1, h, device="cuda", dtype=dt)
     norms = norms or context > 0
-    gains = [tuple((0.5 + torch.rand(h, device="cuda")).half() for _ in range(2)) for _ in lay] if norms else None
-    at = attention_for(heads, layers, context) if context else None
+    gains = [tuple((0.5 + torch.rand(h, device="cuda")).to(dt) for _ in range(2)) for _ in lay] if norms else None
+    at = attention_for(heads, layers, context, dt) if context else None
     pos = context - 1
     if at is not None:
         nbytes += 2 * context * heads[1] * heads[2] * 2  # the layer's K and V at this context
@@ -150,7 +164,7 @@ def dep_rows(fmt: str, layers: int, shapes: list, names: list, ceiling: dict, fp
         err = 0.0
         if name.endswith("_persist"):
             try:
-                chain = persist.PersistentChain(lay, norms=gains, attention=at)
+                chain = persist.PersistentChain(lay, norms=gains, attention=at, dtype=dt)
             except persist.PersistError as e:
                 print(f"{name}: unavailable ({e})", flush=True)
                 continue

@@ -219,3 +219,12 @@ def test_the_main_job_labels_a_recipe_by_what_was_stored(tmp_path):
         {"formats": {"a.q_proj": "int4g64a", "a.down_proj": "int4g128a", "b.q_proj": "int4g64a"}}))
     assert stored_formats(str(tmp_path)) == "1 x int4g128a, 2 x int4g64a"
     assert stored_formats(str(tmp_path / "missing")) == "(no quantize_report.json)"
+
+
+def test_bench_chain_reads_the_activations_type_off_a_dependent_chains_name():
+    from qgemv.eval import bench_chain
+
+    assert bench_chain.dep_format("int4g128a") == ("int4g128a", torch.float16)
+    assert bench_chain.dep_format("int4g128a_bf16") == ("int4g128a", torch.bfloat16)
+    assert bench_chain.dep_format("bf16") == ("bf16", torch.bfloat16)
+    assert bench_chain.dep_format("fp16") == ("fp16", torch.float16)
