@@ -7,6 +7,7 @@
 #   bash dev/slowdown_ncu.sh sass           # on the device: both builds' SASS into $OUT (gzip), no runs
 #   bash dev/slowdown_ncu.sh source         # on the device: ncu's per-instruction source page of both (csv, gzip)
 #   bash dev/slowdown_ncu.sh time           # on the device: both builds' chains timed alternately (any REV's A/B)
+#   bash dev/slowdown_ncu.sh flags          # on the device: this tree's lab under several ptxas settings (LAB_FLAGS)
 set -o pipefail
 OUT=${OUT:-runs/device}; mkdir -p "$OUT"
 case "$1" in
@@ -70,5 +71,31 @@ case "$1" in
       grep -E "Duration|Executed Instructions |Issued Instructions |Warp Cycles Per Issued|Issue Slots Busy|No Eligible|Stall|Warp Stall|Branch Instructions |Memory Throughput|^\s+[0-9a-f]{4,}|Location" \
         "$OUT/ncu_$name.txt" | head -60
     done ;;
-  *) echo "usage: bash dev/slowdown_ncu.sh export [REV] | device | sass | source | time"; exit 2 ;;
+  flags)
+    # this tree's lab built with each ptxas setting of LAB_FLAGS ('|' between sets; the chain kernels' schedule
+    # is what the slowdown changed), then each timed in turn, two rounds (no export needed)
+    IFS='|' read -r -a sets <<< "${LAB_FLAGS:- |-Xptxas --register-usage-level=10|-Xptxas --register-usage-level=0|-Xptxas --allow-expensive-optimizations=true}"
+    mkdir -p /tmp/flags
+    for f in csrc/gemv_int4.cu csrc/gemv_int8.cu csrc/runtime.cpp; do
+      nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc -c "$f" -o "/tmp/flags/$(basename "$f").o" &
+    done
+    for i in "${!sets[@]}"; do
+      # shellcheck disable=SC2086  # (a set is several words)
+      nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc ${sets[$i]} -Xptxas -v -c dev/persist_lab.cu \
+        -o "/tmp/flags/lab$i.o" > "/tmp/flags/lab$i.log" 2>&1 &
+    done
+    wait
+    for i in "${!sets[@]}"; do
+      nvcc -gencode=arch=compute_90a,code=sm_90a "/tmp/flags/lab$i.o" /tmp/flags/*.cu.o /tmp/flags/runtime.cpp.o \
+        -o "/tmp/flags/lab$i" || { tail -20 "/tmp/flags/lab$i.log"; exit 1; }
+      echo "set $i: [${sets[$i]}] spills: $(grep -c '[1-9][0-9]* bytes spill stores' "/tmp/flags/lab$i.log") kernels"
+    done
+    for round in 1 2; do
+      for i in "${!sets[@]}"; do
+        echo "== set $i round $round"
+        timeout 120 "/tmp/flags/lab$i" --no-probe --model llama3-8b --layers 16 \
+          --formats ${TIME_FORMATS:-int4g128a,int4} --warps 16 --stages 8 2>&1 | grep -E "persist w|FAIL|match" | head -6
+      done
+    done ;;
+  *) echo "usage: bash dev/slowdown_ncu.sh export [REV] | device | sass | source | time | flags"; exit 2 ;;
 esac
