@@ -353,6 +353,22 @@ def test_chain_with_rms_norms_matches_the_per_op_chain(name, dt, dims, grid):
 
 
 @needs_sm90
+@pytest.mark.parametrize("name", ["int4", "int4g128a", "int4g32a", "int8"])
+@pytest.mark.parametrize("scale", [1e6, 1e-6])
+def test_bf16_chain_takes_inputs_outside_fp16s_range(name, scale):
+    """bfloat16 activations into int4 / int8 weights are staged as fp16 of x 2^e inside the launch: inputs far
+    above fp16's largest value (65504) or below its smallest normal (6e-5) must come through as bf16 ones do,
+    without norms (the first op reads x itself) and through every layer after it."""
+    torch.manual_seed(12)
+    layers = make_layers(name, 2, 256, 384, 640, "cuda")
+    chain = persist.PersistentChain(layers, dtype=BF16)
+    for trial in range(2):
+        x = (torch.randn(1, 256, device="cuda") * scale).to(BF16)
+        y = chain(x)
+        assert_close_chain(y, persist.reference(layers, x), x, f"|x| ~ {scale:g}, trial {trial}")
+
+
+@needs_sm90
 @pytest.mark.parametrize("name,dt", [("int4", torch.float16), ("int4g128a", torch.float16), ("int4g32", torch.float16),
                                      ("int8", torch.float16), ("int4g128a", BF16), ("int8", BF16)],
                          ids=["int4", "int4g128a", "int4g32", "int8", "int4g128a-bfloat16", "int8-bfloat16"])
