@@ -453,6 +453,20 @@ def test_megakernel_smollm2_gives_the_cpu_engines_text(bits, group, sym):
     assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
 
 
+@needs_sm90
+@requires_smollm2
+def test_megakernel_smollm2_bf16_gives_the_per_op_engines_logits():
+    """The real SmolLM2-135M in bfloat16 (int4 G = 64 with zero points; 576 and 1536 are not multiples of 128)
+    through the launch's bf16 path against the bf16 per-op engine on the same GPU weights
+    (check_megakernel_logits: teacher-forced logits, argmaxes where the margin is clear, the caches)."""
+    from qgemv import checkpoint
+
+    model, _ = checkpoint.load_float_model(checkpoint.resolve_model("default"))
+    model.generation_config.eos_token_id = model.config.eos_token_id = None
+    qgemv.quantize_model(model, bits=4, group_size=64, symmetric=False)
+    check_megakernel_logits(model.to(torch.bfloat16).cuda())
+
+
 def megakernel_model(family, heads, kv_heads, fmt, seed=1, hidden_size=256, intermediate_size=512):
     """A small model of real structure, its lm_head sharpened (clear argmaxes) and its q/k/v biases (if any)
     of a trained model's size; fmt: (bits, group, symmetric) for quantize_model, or None (float16)."""
