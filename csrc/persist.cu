@@ -128,7 +128,7 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int bits, int group, 
                         ", got " + std::to_string(a.N), pl;
     if (a.out < 0 || a.out > 2) return pl.error = at + str("out must be 0, 1 or 2, got ", a.out), pl;
     if (a.ldx != 0 && a.ldx < a.K) return pl.error = at + str("ldx must be 0 or at least K, got ", a.ldx), pl;
-    if (!a.x || !a.y || !a.weight || (bits != 16 && group == 0 && !a.scales) || (a.out == 1 && !a.res))
+    if (!a.x || !a.y || !a.weight || (bits != 16 && !a.scales) || (a.out == 1 && !a.res))  // (grouped: the meta)
       return pl.error = at + "a null pointer (x, y, weight, scales or residual)", pl;
     ChainOp& o = ops[i];
     o = ChainOp{};

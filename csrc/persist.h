@@ -34,8 +34,9 @@ struct PersistOp {
   int ldx = 0;                // x's copy stride: the producing linear's N (0: K)
   const void* res = nullptr;  // out == 1: [N] residual added after rounding
   void* y = nullptr;          // [N] output (out == 2: [N / 2])
-  const void* weight = nullptr;  // per channel (int4, int8): qweight's bytes; grouped: persist_fuse's tiles; fp16: panels
-  const void* scales = nullptr;  // int4 / int8 per channel: fp16 [N]; grouped and fp16 weights: unused
+  const void* weight = nullptr;  // int4 / int8: qweight's bytes (read in place); fp16: panels
+  const void* scales = nullptr;  // int4 / int8 per channel: fp16 [N]; grouped: each tile's meta (chain_meta's
+                                 // order, tile by tile); fp16 weights: unused
   int N = 0, K = 0;
   int Kp = 0;   // the weight's K, padded to whole tiles (a multiple of 128 int4 / 64 int8 / 32 fp16 inputs; 0: K):
                 // inputs K .. Kp - 1 read as zeros
@@ -97,10 +98,12 @@ int persist_op_bytes();
 // Bytes of one fused grouped tile: 1 KB of codes, then its scales (and zero points).
 int persist_tile_bytes(int group, bool zeros);
 
-// Grouped int4 weights (G = 32, 64 or 128) for the chain: each 1 KB tile of
-// the packed qweight (its panel order) followed by the tile's scales and zero
-// points.  Host arrays in (qweight's bytes, scales fp16 [N, K / G], zeros
-// uint8 or nullptr).
+// Grouped int4 weights (G = 32, 64 or 128) as the chain reads them: each 1 KB
+// tile of the packed qweight (its panel order, which the launch reads in
+// place) followed by the tile's scales and zero points (the meta the launch
+// reads from PersistOp::scales): the reference of qgemv.persist.tile_meta.
+// Host arrays in (qweight's bytes, scales fp16 [N, K / G], zeros uint8 or
+// nullptr).
 std::vector<uint8_t> persist_fuse(const uint8_t* qweight, const uint16_t* scales, const uint8_t* zeros, int N,
                                   int K, int group = 128);
 

@@ -90,8 +90,9 @@ enum class ChainOut : int {
   kSiluMul = 2,   // y[:, j] = round(silu(round(sums[:, j])) * round(sums[:, N/2 + j]))   (N/2 % 16 == 0)
 };
 
-// One op of the chain.  p: qweight (per channel: the packed panels; G = 128:
-// chain_fuse's tiles), scales (per channel), M, N, K, Kp (= K), group_size;
+// One op of the chain.  p: qweight (the packed panels, read in place; fp16:
+// the panels), scales (per channel: fp16 [N]; grouped: chain_meta's bytes,
+// tile by tile), M, N, K, Kp (= K), group_size;
 // x / ldx the op's input (an earlier op's y: ldx its copy stride; or an input
 // ready at launch); y / ldy its output ([N], or [N / 2] for kSiluMul).
 // N % 16 == 0, K % 128 == 0.
@@ -725,7 +726,7 @@ struct ChainChunks {
 
   __device__ __forceinline__ ChainChunks(const ChainRing& rg, int warp, int lane)
       : w(rg.w + static_cast<size_t>(warp) * rg.R * kTs + (lane >> 2) * kTileBytes + 16 * (lane & 3)),
-        m(rg.w + static_cast<size_t>(warp) * rg.R * kTs + kChainTileBytes), full(rg.full + warp * rg.C),
+        m(rg.w + static_cast<size_t>(warp) * rg.R * kTs + kChunk * kChainTileBytes), full(rg.full + warp * rg.C),
         g(lane >> 2) {}
 
   // Chunk q's copy is in (phase), the cycles waited added to `waited` when timed.
@@ -733,15 +734,17 @@ struct ChainChunks {
     mbar_wait_timed(full + q, phase, timed, waited);
   }
 
-  // The tiles of chunk q into the segment (its next min(kChunk, seg.left)).
+  // The tiles of chunk q into the segment (its next min(kChunk, seg.left)).  A chunk holds its tiles, then
+  // their scales and zero points (grouped formats): tile j at j KB, its meta at kChunk KB + j mb.
   template <typename Seg>
   __device__ __forceinline__ void sum(int q, Seg& seg) const {
-    auto tile = [&](int at) {
+    constexpr int kMb = kTs - kChainTileBytes;  // meta bytes a tile
+    auto tile = [&](int at, int mat) {
       const uint4 w0 = *reinterpret_cast<const uint4*>(w + at);
       const uint4 w1 = *reinterpret_cast<const uint4*>(w + at + 8 * kTileBytes);
       ChainTileMeta<kGpt> mt;
       if constexpr (kGpt > 0) {  // this lane's scales (rows g, g + 8 of each group), then zero points
-        const unsigned char* ms = m + at + 4 * kGpt * g;
+        const unsigned char* ms = m + mat + 4 * kGpt * g;
         if constexpr (kGpt == 1) {
           mt.s[0] = *reinterpret_cast<const unsigned*>(ms);
         } else if constexpr (kGpt == 2) {
@@ -752,7 +755,7 @@ struct ChainChunks {
           mt.s[0] = v.x, mt.s[1] = v.y, mt.s[2] = v.z, mt.s[3] = v.w;
         }
         if constexpr (kZeros) {
-          const unsigned char* mz = m + at + 32 * kGpt + 2 * kGpt * g;
+          const unsigned char* mz = m + mat + 32 * kGpt + 2 * kGpt * g;
           if constexpr (kGpt == 1) {
             mt.z[0] = *reinterpret_cast<const unsigned short*>(mz);
           } else if constexpr (kGpt == 2) {
@@ -768,10 +771,10 @@ struct ChainChunks {
     const int at = q * kChunk * kTs;
     if (seg.left >= kChunk) {
 #pragma unroll
-      for (int j = 0; j < kChunk; ++j) tile(at + j * kTs);
+      for (int j = 0; j < kChunk; ++j) tile(at + j * kChainTileBytes, at + j * kMb);
     } else {
       const int n = seg.left;
-      for (int j = 0; j < n; ++j) tile(at + j * kTs);
+      for (int j = 0; j < n; ++j) tile(at + j * kChainTileBytes, at + j * kMb);
     }
   }
 };
@@ -792,24 +795,32 @@ __device__ __forceinline__ void chain_consume(const ChainRing& rg, const ChainOp
   unsigned char* slots = rg.w + static_cast<size_t>(warp) * rg.R * kTs;
   ChainWalk wk(ops, nops, warp, W);
   wk.tab = rg.tab;
-  const char* src = nullptr;
+  constexpr int kMb = kTs - kChainTileBytes;  // meta bytes a tile (grouped formats), read from p.scales
+  const char* src = nullptr;   // the walk's next tile in the weight (qgemv's packed panels, read in place)
+  const char* msrc = nullptr;  // and its meta (chain_meta's order, tile by tile)
   int c = 0;
   uint32_t phase = 0;
   auto aim = [&] {
     wk.aim();
     if (wk.left == 0) return;
-    src = static_cast<const char*>(ops[wk.i_op].p.qweight) + wk.tile * kTs;
-    if (skip & 8)
-      src = static_cast<const char*>(ops[0].p.qweight) + (static_cast<long long>(blockIdx.x) * 64 + wk.tile % 64) * kTs;
+    const long long t = (skip & 8) ? static_cast<long long>(blockIdx.x) * 64 + wk.tile % 64 : wk.tile;
+    const GemvParams& p = ops[(skip & 8) ? 0 : wk.i_op].p;
+    src = static_cast<const char*>(p.qweight) + t * kChainTileBytes;
+    if constexpr (kMb > 0) msrc = static_cast<const char*>(p.scales) + t * kMb;
   };
-  // chunk q <- the walk's next min(kChunk, left) tiles
+  // chunk q <- the walk's next min(kChunk, left) tiles: lane 0 copies the tiles, lane 1 their meta
   auto fill = [&](int q) {
     const int n = min(kChunk, wk.left);
-    if (lane == 0) {
-      mbar_expect_tx(ring.full + q, n * kTs);
-      bulk_copy(slots + q * (kChunk * kTs), src, n * kTs, ring.full + q);
+    if (lane == 0) mbar_expect_tx(ring.full + q, n * kTs);
+    if constexpr (kMb > 0) {
+      if (lane < 2)
+        bulk_copy(slots + q * (kChunk * kTs) + (lane ? kChunk * kChainTileBytes : 0), lane ? msrc : src,
+                  n * (lane ? kMb : kChainTileBytes), ring.full + q);
+      msrc += n * kMb;
+    } else {
+      if (lane == 0) bulk_copy(slots + q * (kChunk * kTs), src, n * kChainTileBytes, ring.full + q);
     }
-    src += n * kTs;
+    src += n * kChainTileBytes;
     if ((wk.left -= n) == 0) aim();
   };
   aim();

@@ -223,7 +223,7 @@ float graph_us(F&& body, cudaStream_t st) {
 // One linear's packed weight on the device.
 struct Lin {
   void *w = nullptr, *s = nullptr, *z = nullptr;
-  void* fused = nullptr;  // G = 128: each 1 KB tile followed by its scales and zero points (chain_fuse)
+  void* meta = nullptr;  // G = 128: each 1 KB tile's scales and zero points (chain_meta), the launch's p.scales
   int N, K, Kp;
   size_t wbytes, bytes;
 };
@@ -270,10 +270,8 @@ Lin make_lin(const Fmt& f, int N, int K, std::mt19937& rng) {
   if (f.group == 128) {
     const uint16_t* hs16 = reinterpret_cast<const uint16_t*>(hs.data());
     const auto meta = qgemv::chain_meta(hs16, f.zeros ? hz_keep.data() : nullptr, N, K, 128);
-    const auto fu = qgemv::chain_fuse(hw.data(), meta.data(), static_cast<size_t>(N / 16) * (K / 128),
-                                      qgemv::chain_meta_bytes(128, f.zeros));
-    CK(cudaMalloc(&L.fused, fu.size()));
-    CK(cudaMemcpy(L.fused, fu.data(), fu.size(), cudaMemcpyHostToDevice));
+    CK(cudaMalloc(&L.meta, meta.size()));
+    CK(cudaMemcpy(L.meta, meta.data(), meta.size(), cudaMemcpyHostToDevice));
   }
   return L;
 }
@@ -507,7 +505,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         for (int j = 0; j < 4; ++j) {
           qgemv::ChainOp o{};
           o.p = params(f, L[j], io[j].x, io[j].ldx, io[j].y, io[j].ldy, M);
-          if (L[j].fused) o.p.qweight = L[j].fused;  // G = 128: tiles with their scales and zero points
+          if (L[j].meta) o.p.scales = L[j].meta;  // G = 128: the tiles in place, their meta beside them
           o.res = io[j].res;
           o.out = static_cast<int>(io[j].out);
           o.flags = io[j].flags;
@@ -882,7 +880,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       CK(cudaFree(L.w));
       CK(cudaFree(L.s));
       if (L.z) CK(cudaFree(L.z));
-      if (L.fused) CK(cudaFree(L.fused));
+      if (L.meta) CK(cudaFree(L.meta));
     }
   }
   return failures;

@@ -283,9 +283,10 @@ def megakernel_refusal(engine: "Engine") -> str:
 
 def megakernel_copy_bytes(engine: "Engine") -> int:
     """Bytes of GPU memory the persistent launch adds beside the per-op path's weights: its own copy of every
-    weight it cannot read as the per-op path stores it (q/k/v with its rows permuted for the rotation; grouped
-    int4 re-laid as tiles fused with their scales; fp16 / bf16 re-laid in panels; any K padded to whole tiles).
-    Per-channel int4 / int8 o, gate/up and down are read in place."""
+    weight it cannot read as the per-op path stores it (q/k/v with its rows permuted for the rotation; fp16 /
+    bf16 re-laid in panels; any K padded to whole tiles), and grouped int4's scales and zero points in tile order
+    (16 (2 or 3) x 128 / G bytes a 1 KB tile of codes: 3-19% of the codes).  Other int4 / int8 codes are read
+    in place."""
     from . import persist
 
     total = 0
@@ -293,12 +294,13 @@ def megakernel_copy_bytes(engine: "Engine") -> int:
         for name, m in _launch_linears(L):
             if isinstance(m, QuantLinear):
                 cfg, size = m.packed.config, m.packed.nbytes
-                copied = name == "q/k/v" or bool(cfg.group_size) or m.in_features % persist.TILE_K[cfg.bits] != 0
+                copied = name == "q/k/v" or m.in_features % persist.TILE_K[cfg.bits] != 0
+                total += size if copied else 0
+                if cfg.group_size:  # (N / 16) x (K / 128) tiles, K padded to whole tiles
+                    tiles = m.out_features // 16 * -(-m.in_features // 128)
+                    total += tiles * 16 * (128 // cfg.group_size) * (2 if cfg.symmetric else 3)
             elif m is not None:
-                size, copied = m.weight.numel() * m.weight.element_size(), True
-            else:
-                size, copied = 0, False
-            total += size if copied else 0
+                total += m.weight.numel() * m.weight.element_size()
     return total
 
 
@@ -335,10 +337,10 @@ class Engine:
     asked for, so a refusal warns once; False: never.  Where it does not
     run, the per-op path does and ``megakernel_reason`` says why.  Prefill
     and batches above 1 stay per-op.  The launch keeps its own copy of the
-    weights it cannot read in place (:func:`megakernel_copy_bytes`: about
-    the model's size again for grouped int4 and 16-bit weights), built at
-    the first batch-1 decode step, and falls back where that does not fit
-    the GPU's free memory.
+    weights it cannot read in place (:func:`megakernel_copy_bytes`: q/k/v,
+    16-bit weights, grouped scales in tile order), built at the first
+    batch-1 decode step, and falls back where that does not fit the GPU's
+    free memory.
     """
 
     def __init__(self, model: nn.Module, tokenizer=None, max_seq_len: Optional[int] = None,

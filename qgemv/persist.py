@@ -253,21 +253,21 @@ def pad_inputs(w: Weight, k: int) -> Weight:
     return PackedWeight(q, scales, zeros, w.config, k, w.perm)
 
 
-def fuse_tiles(w: PackedWeight) -> torch.Tensor:
-    """A grouped int4 weight (G = 32, 64 or 128) in the kernel's layout: each 1 KB tile of the packed codes (N /
-    16 panels x K / 128 tiles, the panels' own order) followed by its 16 rows' scales (and zero points) of the
-    tile's 128 / G groups: for each row g < 8 and group i of the tile, the scales of rows g and g + 8, then
-    their zero points in the same order (csrc/persist_chain.cuh, chain_meta).  uint8
-    [tiles x tile bytes], built on w's device by torch (the extension's ``fuse``, on the CPU, is the test's
-    reference)."""
+def tile_meta(w: PackedWeight) -> torch.Tensor:
+    """A grouped int4 weight's (G = 32, 64 or 128) scales and zero points in the kernel's tile order: for each 1
+    KB tile of the packed codes (N / 16 panels x K / 128 tiles, the panels' own order, which the launch reads in
+    place), its 16 rows' scales of the tile's 128 / G groups (for each row g < 8 and group i, rows g and g + 8),
+    then their zero points in the same order (csrc/persist_chain.cuh, chain_meta).  uint8 [tiles x meta bytes],
+    built on w's device by torch (the extension's ``fuse``, on the CPU, is the test's reference: its tiles are
+    the codes, each followed by this meta)."""
     n, k = w.out_features, w.in_features
     g = w.config.group_size
     if w.config.bits != 4 or g not in (32, 64, 128):
-        raise PersistError(f"fuse_tiles: format {w.format}, expected grouped int4 (G = 32, 64 or 128)")
+        raise PersistError(f"tile_meta: format {w.format}, expected grouped int4 (G = 32, 64 or 128)")
     if n % 16 or k % 128:
-        raise PersistError(f"fuse_tiles: N must be a multiple of 16 and K of 128, got {n} x {k}")
+        raise PersistError(f"tile_meta: N must be a multiple of 16 and K of 128, got {n} x {k}")
     if w.qweight.numel() != n * k // 8 or w.scales.numel() != n * (k // g):
-        raise PersistError(f"fuse_tiles: qweight / scales hold {w.qweight.numel()} / {w.scales.numel()} values, "
+        raise PersistError(f"tile_meta: qweight / scales hold {w.qweight.numel()} / {w.scales.numel()} values, "
                            f"expected {n * k // 8} / {n * (k // g)}")
     panels, tiles, gpt = n // 16, k // 128, 128 // g
 
@@ -275,12 +275,11 @@ def fuse_tiles(w: PackedWeight) -> torch.Tensor:
         """[N, K / G] -> [panels x tiles, 8 (g), gpt (i), 2 (rows g, g + 8)]: a tile's values in meta order."""
         return t.reshape(panels, 2, 8, tiles, gpt).permute(0, 3, 2, 4, 1).reshape(panels * tiles, 8, gpt, 2)
 
-    parts = [w.qweight.contiguous().view(torch.uint8).reshape(panels * tiles, 1024),
-             per_tile(w.scales.contiguous().view(torch.int16)).contiguous().view(torch.uint8).reshape(
-                 panels * tiles, 32 * gpt)]
+    parts = [per_tile(w.scales.contiguous().view(torch.int16)).contiguous().view(torch.uint8).reshape(
+        panels * tiles, 32 * gpt)]
     if w.zeros is not None:
         parts.append(per_tile(w.zeros.contiguous()).reshape(panels * tiles, 16 * gpt))
-    return torch.cat(parts, dim=1).reshape(-1)  # (16 gpt (2 or 3) bytes of meta: whole 16-byte units)
+    return torch.cat(parts, dim=1).reshape(-1)  # (16 gpt (2 or 3) bytes a tile: whole 16-byte units)
 
 
 def _dt(dtype: torch.dtype) -> str:
@@ -561,10 +560,11 @@ class PersistentChain:
             self._keep += [qw, s]
             self.weight_bytes += qw.numel() * qw.element_size() + s.numel() * 2
             return qw.data_ptr(), s.data_ptr()
-        fused = fuse_tiles(w)  # on the weight's device, the chain's (checked above)
-        self._keep.append(fused)
-        self.weight_bytes += fused.numel()
-        return fused.data_ptr(), 0
+        # grouped: the packed codes read in place, their scales and zero points beside them in tile order
+        qw, meta = w.qweight.contiguous(), tile_meta(w)  # on the weight's device, the chain's (checked above)
+        self._keep += [qw, meta]
+        self.weight_bytes += qw.numel() * qw.element_size() + meta.numel()
+        return qw.data_ptr(), meta.data_ptr()
 
     def run(self) -> None:
         """One launch on the current stream: :attr:`input` -> :attr:`output` (capturable in a CUDA graph)."""

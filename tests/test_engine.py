@@ -571,19 +571,21 @@ def test_cli_megakernel_falls_back_with_its_reason(tiny_llama_dir):
     assert quiet.stdout == r.stdout
 
 
-@pytest.mark.parametrize("bits,group", [(4, None), (4, 128), (8, None)])
-def test_megakernel_counts_the_weights_it_copies(bits, group):
-    """The launch's extra GPU memory: q/k/v always (its rows permuted for the rotation), o / gate/up / down when
-    grouped (tiles fused with their scales) or float16; per-channel ones are read in place.  A refusal names
-    the bytes and the free memory."""
+@pytest.mark.parametrize("bits,group,sym", [(4, None, True), (4, 128, True), (4, 128, False), (4, 32, False),
+                                            (8, None, True)])
+def test_megakernel_counts_the_weights_it_copies(bits, group, sym):
+    """The launch's extra GPU memory: q/k/v always (its rows permuted for the rotation), float16 weights, and
+    grouped int4's scales (and zero points) in tile order: 16 x 128 / G x 2 (3) bytes a 1 KB tile of codes;
+    codes are otherwise read in place.  A refusal names the bytes and the free memory."""
     from qgemv.engine import megakernel_copy_bytes, megakernel_memory_refusal
 
     model = tiny("llama", hidden_size=128, intermediate_size=256)
-    qgemv.quantize_model(model, bits=bits, group_size=group)
+    qgemv.quantize_model(model, bits=bits, group_size=group, symmetric=sym)
     engine = Engine(model, max_seq_len=32)
-    sizes = [[m.packed.nbytes for m in (L.qkv.fused, L.o_proj, L.gate_up.fused, L.down_proj)]
-             for L in engine.layers]
-    want = sum(s[0] + (sum(s[1:]) if group else 0) for s in sizes)
+    mods = [(L.qkv.fused, L.o_proj, L.gate_up.fused, L.down_proj) for L in engine.layers]
+    meta = 0 if group is None else 16 * (128 // group) * (2 if sym else 3)  # bytes a tile
+    want = sum(ms[0].packed.nbytes + sum(m.out_features // 16 * (m.in_features // 128) * meta for m in ms)
+               for ms in mods)
     assert megakernel_copy_bytes(engine) == want > 0
     assert megakernel_memory_refusal(engine, want + (512 << 20)) == ""
     why = megakernel_memory_refusal(engine, want + (511 << 20))

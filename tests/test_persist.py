@@ -185,22 +185,28 @@ def test_pad_inputs_adds_exact_zero_weights(name):
 
 @needs_ext
 @pytest.mark.parametrize("name", ["int4g128", "int4g128a", "int4g64", "int4g64a", "int4g32", "int4g32a"])
-def test_fuse_tiles_builds_the_extensions_layout_with_torch(name):
-    """fuse_tiles (torch, on the weight's device) against the extension's C++ fuse (the layout the kernel and
-    the lab read), byte for byte; on the GPU too where there is one."""
+def test_tile_meta_is_the_extensions_meta_with_torch(name):
+    """tile_meta (torch, on the weight's device) against the extension's C++ fuse, whose tiles are the packed
+    codes as they lie (the launch reads them in place) each followed by its meta: byte for byte, and the codes
+    equal to qweight's; on the GPU too where there is one."""
     w = packed(name, 48, 384)
     cfg = FORMATS[name]
-    want = qgemv._ext.MODULE.persist.fuse(w.qweight, w.scales, w.zeros if w.zeros is not None else
-                                          torch.empty(0, dtype=torch.uint8), 48, 384, cfg.group_size)
-    assert torch.equal(persist.fuse_tiles(w), want)
+    fused = qgemv._ext.MODULE.persist.fuse(w.qweight, w.scales, w.zeros if w.zeros is not None else
+                                           torch.empty(0, dtype=torch.uint8), 48, 384, cfg.group_size)
+    tiles = 48 // 16 * (384 // 128)
+    fused = fused.reshape(tiles, -1)
+    assert torch.equal(fused[:, :1024].reshape(-1), w.qweight.contiguous().view(torch.uint8).reshape(-1))
+    want = fused[:, 1024:].reshape(-1)
+    assert want.numel() == tiles * 16 * (128 // cfg.group_size) * (3 if w.zeros is not None else 2)
+    assert torch.equal(persist.tile_meta(w), want)
     if torch.cuda.is_available():
-        got = persist.fuse_tiles(w.to("cuda"))
+        got = persist.tile_meta(w.to("cuda"))
         assert got.device.type == "cuda" and torch.equal(got.cpu(), want)
 
 
-def test_fuse_tiles_checks_in_python():
-    with pytest.raises(persist.PersistError, match=r"fuse_tiles: format int4, expected grouped int4 \(G = 32, 64"):
-        persist.fuse_tiles(PackedWeight(*formats.quantize_int4(torch.randn(32, 256)), FORMATS["int4"], 256))
+def test_tile_meta_checks_in_python():
+    with pytest.raises(persist.PersistError, match=r"tile_meta: format int4, expected grouped int4 \(G = 32, 64"):
+        persist.tile_meta(PackedWeight(*formats.quantize_int4(torch.randn(32, 256)), FORMATS["int4"], 256))
 
 
 # The extension's own checks, behind the Python ones (on torch 2.11 an exception out of the extension ends
