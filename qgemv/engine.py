@@ -235,12 +235,6 @@ def _launch_linears(layer) -> tuple:
             ("down_proj", layer.down_proj))
 
 
-# The launch's bfloat16 path is built and tested on the CPU but has not yet run on a GPU: the default leaves
-# bf16 models on the per-op path until its GPU tests pass; Engine(megakernel=True) runs it (dev/PERSISTENT.md).
-MEGAKERNEL_BF16_UNTRIED = ("bfloat16 activations: the launch's bf16 path has not yet run on a GPU "
-                           "(Engine(megakernel=True) runs it)")
-
-
 def megakernel_refusal(engine: "Engine") -> str:
     """Why ``engine``'s batch-1 decode step cannot run as one persistent launch ("" when it can): the model
     first (checkable anywhere), then the GPU and the build."""
@@ -332,8 +326,7 @@ class Engine:
     one of qgemv.persist.FORMATS (act-order too) or 16-bit weights of the
     activations' type (nn.Linear),
     biases on q/k/v only (Qwen2's), q/k norms (Qwen3's), compute capability
-    9.x.  None (the default): wherever the model and the GPU allow it
-    (bfloat16 models not yet: MEGAKERNEL_BF16_UNTRIED); True:
+    9.x.  None (the default): wherever the model and the GPU allow it; True:
     asked for, so a refusal warns once; False: never.  Where it does not
     run, the per-op path does and ``megakernel_reason`` says why.  Prefill
     and batches above 1 stay per-op.  The launch keeps its own copy of the
@@ -405,8 +398,6 @@ class Engine:
         self.megakernel, self.megakernel_reason, self._chain = megakernel is not False, "", None
         if self.megakernel:
             why = megakernel_refusal(self)
-            if not why and megakernel is None and self.dtype == torch.bfloat16:
-                why = MEGAKERNEL_BF16_UNTRIED
             if why:
                 self._megakernel_off(why)
         else:

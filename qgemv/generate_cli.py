@@ -63,8 +63,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seq-len", type=int_at_least(2), default=None, help="cache slots (prompt + new tokens; default: the model's positions, at most 4096)")
     ap.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graph)")
     ap.add_argument("--megakernel", choices=("auto", "on", "off"), default="auto",
-                    help="batch-1 decode steps as one persistent launch (float16 activations, bfloat16 with "
-                         "on only: not yet run on a GPU; int4, int8 or 16-bit weights; compute capability 9.x). "
+                    help="batch-1 decode steps as one persistent launch (float16 or bfloat16 activations; "
+                         "int4, int8 or 16-bit weights; compute capability 9.x). "
                          "auto (default): wherever allowed; on: a refusal prints its one-line reason; off: never")
     args = ap.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -402,16 +402,17 @@ def check_megakernel_logits(model):
     """Teacher-forced (as test_cuda_kernels_give_the_cpu_reference_logits): the persistent launch's logits
     against the per-op engine's on the same GPU weights, up to contexts at the cache's end, and the same
     argmax wherever the per-op top-2 margin is clear of the activations' rounding noise (bfloat16 keeps 3
-    mantissa bits fewer than float16: 4x the tolerances)."""
+    mantissa bits fewer than float16: measured on the H100 2026-12-05, relative errors ~1e-2 against ~1.2e-3
+    and no argmax differing at margins of 0.25, so 3x / 2x fp16's tolerances)."""
     bf16 = model.model.embed_tokens.weight.dtype == torch.bfloat16
     for plen, n in ((9, 24), (100, 28)):  # the second fills the cache (max_seq_len 128) up to slot 126
         per_op, mk, ref, got = megakernel_pair(model, plen, n)
         assert mk.megakernel and mk._chain is not None, mk.megakernel_reason
         assert mk._chain.dtype == model.model.embed_tokens.weight.dtype
         err = (got - ref).abs().max().item() / ref.abs().max().item()
-        assert err < (4e-2 if bf16 else 1e-2), f"prompt {plen}: relative logit error {err:.2e}"
+        assert err < (3e-2 if bf16 else 1e-2), f"prompt {plen}: relative logit error {err:.2e}"
         top = ref.topk(2, -1).values
-        clear = (top[..., 0] - top[..., 1]) > (1.0 if bf16 else 0.25)
+        clear = (top[..., 0] - top[..., 1]) > (0.5 if bf16 else 0.25)
         assert clear.float().mean() > 0.5
         assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
         # and the cache it wrote is the per-op engine's, up to the same rounding: the slots the forced steps
@@ -510,13 +511,12 @@ def test_megakernel_bf16_gives_the_per_op_engines_logits(fmt, family, heads, kv_
 
 
 @needs_sm90
-def test_megakernel_default_leaves_bf16_models_per_op_until_tried_on_a_gpu():
-    from qgemv.engine import MEGAKERNEL_BF16_UNTRIED
-
+def test_megakernel_default_runs_bf16_models_through_the_launch():
     model = megakernel_model("llama", 4, 2, (4, 128, False)).to(torch.bfloat16).cuda()
     engine = Engine(model, max_seq_len=32)
-    assert not engine.megakernel and engine.megakernel_reason == MEGAKERNEL_BF16_UNTRIED
-    assert Engine(model, max_seq_len=32, megakernel=True).megakernel  # asked for, it runs
+    assert engine.megakernel and engine.megakernel_reason == ""
+    engine.generate([[3, 4, 5]], max_new_tokens=3)
+    assert engine._chain is not None and engine._chain.dtype == torch.bfloat16
 
 
 @needs_sm90

@@ -239,15 +239,14 @@ def assert_close_chain(y, ref, x, what):
     """y against the per-op chain's ref, measured on what the layers add to their input x (the residual
     stream carries x through unchanged and would hide errors in the layers' part), plus two steps of the
     output's type at its magnitude (where the residual adds round; the two chains sum in other orders).
-    bfloat16 keeps 3 mantissa bits fewer than float16: its share of what the layers add is ~3x float16's in
-    units of the type's step (25 of bf16's against 60 of fp16's)."""
+    In both types the launch measured within the two steps (H100, 2026-12-05: dev/bf16_errors.py)."""
     assert y.dtype == ref.dtype, f"{what}: {y.dtype} against the reference's {ref.dtype}"
     assert torch.isfinite(y).all(), f"{what}: non-finite outputs"
     bf16 = y.dtype == torch.bfloat16
     added = (ref.float() - x.float()).abs().max().item()
     step = 2.0 ** (math.floor(math.log2(ref.float().abs().max().item())) - (7 if bf16 else 10))
     diff = (y.float() - ref.float()).abs().max().item()
-    assert diff <= (0.1 if bf16 else 3e-2) * added + 2 * step, f"{what}: error {diff:.3g}, the layers add {added:.3g}"
+    assert diff <= 3e-2 * added + 2 * step, f"{what}: error {diff:.3g}, the layers add {added:.3g}"
 
 
 def act_order(layers, seed=11):
