@@ -121,7 +121,8 @@ std::string persist_refusal(const PersistPlan& plan, int bits, int group, bool z
 // One launch: d_ops / d_schedule the plan's tables on the device, d_sync
 // [nops + 1] u32 zeroed once before the first launch (the last counts the
 // launches: their parity).  d_norms (or nullptr): a device array of nops
-// pointers, each op's RMSNorm gain (fp16 [K], 16-byte aligned) or nullptr:
+// pointers, each op's RMSNorm gain (A [K + 8], 16-byte aligned: the K values, then max|gain| as an fp32 in
+// the first 4 bytes of the last 16, which bf16 activations read; qgemv.persist.norm_gain) or nullptr:
 // that op reads round(gain * round(x * rsqrt(mean(x^2) + eps))) instead of x.
 // d_attn (stage 2, with d_norms): the plan's attention table on the device,
 // d_pos the token's slot (int32).  bf16: every activation, gain, cache and

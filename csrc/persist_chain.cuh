@@ -64,9 +64,6 @@ struct ChainShape {
   // which is also its rotary position (a device scalar, read at every launch)
   const ChainAttn* attn = nullptr;
   const int* pos = nullptr;
-#if QGEMV_CHAIN_STAMPS
-  int lazy = 0;  // lab builds: 1, shared memory holds a readiness flag a k-tile (x_cap / 32), for kChainLazyIn
-#endif
 };
 
 constexpr int kChainTileBytes = kPanelRows * kTileBytes;  // 1 KB: one tile of one panel
@@ -151,7 +148,6 @@ enum ChainFlags : int {
   kChainPlainY = 4,    // y is plain (nothing in this launch reads it)
   kChainRope = 8,      // kDecode: the q/k/v op; its finishing rotates q and k and writes the cache
   kChainAttnIn = 16,   // kDecode: the op after attention; the blocks run the attention before its input
-  kChainLazyIn = 32,   // lab builds: the input's late k-tiles prepared as the warps reach them (dev/PERSISTENT.md)
 };
 
 // int4 with fp16 activations: 8 activations (k 8c .. 8c + 7)
@@ -360,31 +356,21 @@ __device__ __forceinline__ float chain_half_scale(float bound) {
   (void)frexpf(bound, &k);  // bound = m 2^k, m in [0.5, 1)
   return ldexpf(1.f, min(max(15 - k, -100), 100));
 }
-// A hand-off's 2^-e for the op's finishing (bf16 activations into int4 / int8 weights), and the per-warp
-// maxima the hand-off reduces to choose it.
+// A hand-off's 2^-e for the op's finishing (bf16 activations into int4 / int8 weights), and the warps'
+// maxima the hand-off reduces to choose it (chain_post_max, chain_block_mul).
 static __shared__ float chain_x_unscale;
-static __shared__ float chain_xmax[2][kChainMaxWarps];
+static __shared__ float chain_xmax[kChainMaxWarps];
 
 // Shared memory: the block's sums (sh.sums fp32), the input (M x x_cap fp16,
 // as chain_put_chunk prepares it), its 2^-24 x sums (room for M x x_cap / 32
 // fp32: G = 32's groups), then with sh.stage the natural-order copy of an
-// act-order op's input (M x x_cap fp16) that the input is gathered from, then
-// with sh.lazy a readiness flag for each k-tile of a kChainLazyIn op's input.
+// act-order op's input (M x x_cap fp16) that the input is gathered from.
 __host__ __device__ inline size_t chain_xsum_bytes(const ChainShape& sh) {
   return (static_cast<size_t>(sh.M) * (sh.x_cap / 32) * 4 + 15) / 16 * 16;
 }
-#if QGEMV_CHAIN_STAMPS
-__host__ __device__ inline size_t chain_lazy_bytes(const ChainShape& sh) {
-  return sh.lazy ? (static_cast<size_t>(sh.x_cap) / 32 * 4 + 15) / 16 * 16 : 0;
-}
-#endif
 __host__ __device__ inline size_t chain_head_bytes(const ChainShape& sh) {
   return (static_cast<size_t>(sh.sums) * 4 + 15) / 16 * 16 + static_cast<size_t>(sh.M) * sh.x_cap * 2 +
-         chain_xsum_bytes(sh) + (sh.stage ? static_cast<size_t>(sh.M) * sh.x_cap * 2 : 0)
-#if QGEMV_CHAIN_STAMPS
-         + chain_lazy_bytes(sh)  // (lab builds only: the extension's kernels keep their code as it was)
-#endif
-      ;
+         chain_xsum_bytes(sh) + (sh.stage ? static_cast<size_t>(sh.M) * sh.x_cap * 2 : 0);
 }
 
 // The kernel's weight formats (fp16 activations): int4 per channel or G = 128 (one group a tile), with the
@@ -622,9 +608,6 @@ struct ChainSeg {
   static constexpr int kTileK = chain_tile_k(kBits);
   static constexpr bool kGrouped = kGpt > 0;
   int len = 0, left = 0;  // tiles in the segment; not yet summed
-#if QGEMV_CHAIN_STAMPS
-  int kt = 0;  // lab builds (kChainLazyIn): the op's k-tile of the next tile
-#endif
   bool open = false;
   float acc[4] = {}, c0[4] = {}, c1[4] = {}, xa0 = 0.f, xa1 = 0.f, sc0 = 1.f, sc1 = 1.f;
   const __half* xk = nullptr;                 // this lane's activations of the next tile
@@ -633,9 +616,6 @@ struct ChainSeg {
   __device__ __forceinline__ void begin(const ChainCursor& cur, const ChainOp& o, int g, const __half* xk0,
                                         const float* x0, const float* x1) {
     len = left = min(cur.tpp - cur.kt, cur.end - cur.pos);
-#if QGEMV_CHAIN_STAMPS
-    kt = cur.kt;
-#endif
     open = true;
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[e] = c0[e] = c1[e] = 0.f;
@@ -650,9 +630,6 @@ struct ChainSeg {
     xk += kTileK;
     X0 += kGpt > 1 ? kGpt : 1;  // the next tile's x sums
     X1 += kGpt > 1 ? kGpt : 1;
-#if QGEMV_CHAIN_STAMPS
-    ++kt;
-#endif
     --left;
   }
 
@@ -785,11 +762,10 @@ struct ChainChunks {
 // at once (the ring is full until the walk ends and holds the walk's chunks in
 // summing order: no count of chunks ahead, no search for a free one).  skip &
 // 8 (the lab): the block's own 64 tiles of op 0 over and over (L2 hits;
-// results wrong).  ready(seg): before each chunk (kChainLazyIn's inputs).
-// waited: the cycles spent waiting for a chunk (when timed).
-template <int kChunk, int kTs, int kGpt, bool kZeros, typename Seg, typename B, typename R>
+// results wrong).  waited: the cycles spent waiting for a chunk (when timed).
+template <int kChunk, int kTs, int kGpt, bool kZeros, typename Seg, typename B>
 __device__ __forceinline__ void chain_consume(const ChainRing& rg, const ChainOp* ops, int nops, int W, int skip,
-                                                Seg& seg, B&& boundary, R&& ready, bool timed, long long& waited) {
+                                                Seg& seg, B&& boundary, bool timed, long long& waited) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const ChainChunks<kChunk, kTs, kGpt, kZeros> ring(rg, warp, lane);
   unsigned char* slots = rg.w + static_cast<size_t>(warp) * rg.R * kTs;
@@ -827,9 +803,6 @@ __device__ __forceinline__ void chain_consume(const ChainRing& rg, const ChainOp
   for (int q = 0; q < rg.C && wk.left > 0; ++q) fill(q);
   for (;;) {
     if (seg.left == 0 && !boundary()) return;
-#if QGEMV_CHAIN_STAMPS
-    ready(seg);  // lab builds, kChainLazyIn: the inputs of the chunk's k-tiles
-#endif
     ring.wait(c, phase, timed, waited);
     ring.sum(c, seg);
     // Every lane's reads of the chunk are done (their values are in the sums) before lane 0 has the copy
@@ -921,25 +894,28 @@ __device__ __forceinline__ void chain_put_chunk(uint4* xs4, float* xsum, int c, 
   }
 }
 
-// The block's 2^e for an input (chain_half_scale of the largest of the threads' bounds m; every thread calls it
-// and gets it; csync the block barrier, which it passes once); thread 0 keeps 2^-e for the op's finishing.
-template <typename Sync>
-__device__ __forceinline__ float chain_block_scale(float m, int nthreads, Sync&& csync) {
+// A hand-off's 2^e (bf16 inputs of int4 / int8 weights), in two halves around one block barrier: every
+// thread posts its bound m on |x| (chain_post_max: its warp's largest into chain_xmax); after the barrier,
+// chain_block_mul gives every thread chain_half_scale(f x the block's largest), and thread 0 keeps 2^-e
+// (chain_x_unscale) for the op's finishing.
+__device__ __forceinline__ void chain_post_max(float m) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if ((threadIdx.x & 31) == 0) chain_xmax[0][threadIdx.x >> 5] = m;
-  csync();
+  if ((threadIdx.x & 31) == 0) chain_xmax[threadIdx.x >> 5] = m;
+}
+__device__ __forceinline__ float chain_block_mul(int nthreads, float f) {
   float b = 0.f;
-  for (int w = 0; w < nthreads / 32; ++w) b = fmaxf(b, chain_xmax[0][w]);
-  const float mul = chain_half_scale(b);
+  for (int w = 0; w < nthreads / 32; ++w) b = fmaxf(b, chain_xmax[w]);
+  const float mul = chain_half_scale(b * f);
   if (threadIdx.x == 0) chain_x_unscale = 1.f / mul;  // (exact: a power of 2)
   return mul;
 }
 
 // bf16 inputs (A) of int4 / int8 weights, as chain_async_input prepares
 // fp16 ones: every chunk copied and taken first, with its largest |x|; the
-// block's 2^e (chain_block_scale, a barrier, after which an act-order op's
-// gather may read any chunk); then each chunk put as fp16 of x 2^e.
+// block's 2^e (chain_post_max, a barrier, chain_block_mul; after the barrier
+// an act-order op's gather may read any chunk); then each chunk put as fp16 of
+// x 2^e.
 template <int kBits, int kSumK, typename Sync>
 __device__ __forceinline__ void chain_scaled_input(const uint4* src, int chunks, int nthreads, uint4* xs4, float* xsum,
                                                    bool nowait, const uint16_t* perm, __half* xnat, Sync&& csync) {
@@ -948,7 +924,9 @@ __device__ __forceinline__ void chain_scaled_input(const uint4* src, int chunks,
   chain_copy_input(in4, src, chunks, nthreads);
   float m = 0.f;
   for (int c = threadIdx.x; c < chunks; c += nthreads) m = fmaxf(m, chain_absmax8(chain_take_chunk(in4, src, c, nowait)));
-  const float mul = chain_block_scale(m, nthreads, csync);
+  chain_post_max(m);
+  csync();
+  const float mul = chain_block_mul(nthreads, 1.f);
   for (int cb = threadIdx.x - lane; cb < chunks; cb += nthreads) {  // warp-uniform (the shuffles)
     const int c = cb + lane;
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
@@ -996,73 +974,6 @@ __device__ __forceinline__ void chain_async_input(const uint4* src, int chunks, 
   }
 }
 
-#if QGEMV_CHAIN_STAMPS
-// kChainLazyIn (M = 1): k-tile kt of the op's input made ready in xs before
-// a warp sums a tile of it, so that a block starts the op's tiles while
-// other blocks still write its input, and waits only at the k-tiles whose
-// values are late.  flags[kt]: 0 not yet, 1 a warp preparing it, 2 ready
-// (zeroed in the op's hand-off).  The first warp to need the tile claims it
-// and prepares its chunks as chain_async_input would (lane j chunk kt x
-// kTileK / 8 + j, polled until written; chunks from `chunks` on are the
-// padding's zeros); the others wait for the flag.
-template <int kBits, int kTileK, int kSumK>
-__device__ __forceinline__ void chain_lazy_tile(int* flags, int kt, const uint4* src, int chunks, bool nowait,
-                                                uint4* xs4, float* xsum) {
-  volatile int* fl = flags + kt;
-  if (*fl == 2) return;  // (warp-uniform: every lane reads the same flag; a lane that sees 2 early waits below)
-  const int lane = threadIdx.x & 31;
-  int won = 0;
-  if (lane == 0) won = atomicCAS(flags + kt, 0, 1) == 0;
-  won = __shfl_sync(0xffffffffu, won, 0);
-  if (won) {
-    constexpr int kCpt = kTileK / 8;  // chunks a tile: 16, 8 or 4
-    const int c = kt * kCpt + lane;
-    const bool on = lane < kCpt;
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (on && c < chunks) {
-      v = ld_relaxed_gpu_v4(src + c);
-      while (!nowait && !chain_half_ready(v)) v = ld_relaxed_gpu_v4(src + c);
-    }
-    chain_put_chunk<kBits, kSumK>(xs4, xsum, c, on, v);
-    __threadfence_block();  // the tile's values before its flag
-    __syncwarp();
-    if (lane == 0) *fl = 2;
-  } else {
-    while (*fl != 2) {
-    }
-    __threadfence_block();
-  }
-  __syncwarp();
-}
-
-// kChainLazyIn's hand-off (M = 1): every chunk of the input copied at once
-// (chain_copy_input), then each k-tile whose chunks all arrived written is put
-// (chain_put_chunk, the padding's chunks as zeros) and flagged ready (2); a
-// k-tile with a chunk still poisoned is flagged 0 and left to the first warp
-// that needs it (chain_lazy_tile).  Thread i: chunks i, i + n, ... (n =
-// nthreads): a k-tile's kTileK / 8 chunks are consecutive lanes of one warp.
-// kchunks: the chunks of the padded input (Kp / 8).
-template <int kBits, int kTileK, int kSumK>
-__device__ __forceinline__ void chain_lazy_input(const uint4* src, int chunks, int kchunks, int nthreads, __half* xs,
-                                                 float* xsum, bool nowait, int* flags) {
-  constexpr int kCpt = kTileK / 8;
-  const int lane = threadIdx.x & 31;
-  uint4* xs4 = reinterpret_cast<uint4*>(xs);
-  chain_copy_input(xs4, src, chunks, nthreads);
-  for (int cb = threadIdx.x - lane; cb < kchunks; cb += nthreads) {  // warp-uniform (the ballot and shuffles)
-    const int c = cb + lane;
-    const bool real = c < chunks, in = c < kchunks;
-    const uint4 v = real ? xs4[c] : make_uint4(0u, 0u, 0u, 0u);
-    const unsigned ball = __ballot_sync(0xffffffffu, !real || nowait || chain_half_ready(v));
-    const int g0 = lane / kCpt * kCpt;
-    const unsigned gm = ((1u << kCpt) - 1u) << g0;
-    const bool tile_ok = (ball & gm) == gm;
-    chain_put_chunk<kBits, kSumK>(xs4, xsum, c, in && tile_ok, v);
-    if (in && lane == g0) flags[c / kCpt] = tile_ok ? 2 : 0;
-  }
-}
-#endif
-
 // An op's input with its RMSNorm (M = 1, fp16 halves; every thread
 // calls it between the block barriers of the hand-off): the input's copy
 // for this launch (parity par; or plain fp16) into xs at once, as
@@ -1078,14 +989,15 @@ __device__ __forceinline__ void chain_norm_input(const GemvParams& p, int o_flag
                                                  int chunks, int nthreads, Sync&& csync, __half* xs, float* xsum,
                                                  bool nowait, const uint16_t* perm, __half* xnat) {
   // bf16 inputs of int4 / int8 weights: staged as fp16 of y 2^e, e from |y| <= max|x| r max|gain| (the two
-  // roundings to bf16 add at most 2^-8 each)
+  // roundings to bf16 add at most 2^-8 each); max|gain| is a constant of the chain, which the host stores as
+  // an fp32 after the gain's K values (persist_launch's d_norms)
   constexpr bool kScaled = !std::is_same_v<A, __half> && kBits != 16;
   __shared__ float partial[kChainMaxWarps];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   uint4* xs4 = reinterpret_cast<uint4*>(xs);
   uint4* in4 = perm ? reinterpret_cast<uint4*>(xnat) : xs4;  // where the natural order is copied
   const uint4* gain = static_cast<const uint4*>(norm);
-  float ss = 0.f, mx = 0.f, mw = 0.f;
+  float ss = 0.f, mx = 0.f;
   // as chain_async_input: every chunk copied at once, the poisoned ones polled again
   const uint4* src = chain_input_src(p, o_flags, par);
   chain_copy_input(in4, src, chunks, nthreads);
@@ -1097,28 +1009,19 @@ __device__ __forceinline__ void chain_norm_input(const GemvParams& p, int o_flag
       const float2 f = chain_pair<A>(h[q]);
       ss = fmaf(f.x, f.x, fmaf(f.y, f.y, ss));
     }
-    if constexpr (kScaled) mx = fmaxf(mx, chain_absmax8(v)), mw = fmaxf(mw, chain_absmax8(__ldg(gain + c)));
+    if constexpr (kScaled) mx = fmaxf(mx, chain_absmax8(v));
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if constexpr (kScaled) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o)), mw = fmaxf(mw, __shfl_xor_sync(0xffffffffu, mw, o));
-    if (lane == 0) chain_xmax[0][warp] = mx, chain_xmax[1][warp] = mw;
-  }
+  if constexpr (kScaled) chain_post_max(mx);
   if (lane == 0) partial[warp] = ss;
   csync();
   float total = 0.f;
   for (int w = 0; w < nthreads / 32; ++w) total += partial[w];
   const float r = rsqrtf(total / static_cast<float>(p.K) + eps);
   float mul = 1.f;
-  if constexpr (kScaled) {
-    mx = mw = 0.f;
-    for (int w = 0; w < nthreads / 32; ++w) mx = fmaxf(mx, chain_xmax[0][w]), mw = fmaxf(mw, chain_xmax[1][w]);
-    mul = chain_half_scale(mx * r * mw * 1.02f);
-    if (threadIdx.x == 0) chain_x_unscale = 1.f / mul;
-  }
+  if constexpr (kScaled)
+    mul = chain_block_mul(nthreads, r * __ldg(reinterpret_cast<const float*>(gain + chunks)) * 1.02f);
   for (int cb = warp * 32; cb < chunks; cb += nthreads) {  // warp-uniform (the shuffles)
     const int c = cb + lane;
     uint4 v{};
@@ -1534,15 +1437,6 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
   __half* xs = reinterpret_cast<__half*>(chain_smem + (static_cast<size_t>(sh.sums) * 4 + 15) / 16 * 16);  // (or bf16 bits)
   float* xsum = reinterpret_cast<float*>(xs + static_cast<size_t>(M) * sh.x_cap);  // [M][x_cap / 32]
   __half* xnat = reinterpret_cast<__half*>(reinterpret_cast<unsigned char*>(xsum) + chain_xsum_bytes(sh));  // sh.stage
-#if QGEMV_CHAIN_STAMPS
-  int* lazy_flags = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(xnat) +
-                                           (sh.stage ? static_cast<size_t>(M) * sh.x_cap * 2 : 0));  // sh.lazy
-  // lab builds: the op being consumed has kChainLazyIn; then its input's source and chunks and the lab's
-  // no-wait (in shared memory: out of the tile loop's registers)
-  bool lazy = false;
-  __shared__ const uint4* lazy_src;
-  __shared__ int lazy_chunks, lazy_nowait;
-#endif
   for (int q = threadIdx.x; q < sh.sums; q += nthreads) sums[q] = 0.f;
   const ChainRing rg(chain_smem, sh, W);
   for (int q = threadIdx.x; q < W * rg.C; q += blockDim.x) mbar_init(rg.full + q, 1);
@@ -1600,14 +1494,6 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
     const int chunks = p.K / 8;
     // lab builds: skip bit 8 + c takes the inputs of op class c without waiting (one hand-off's wait)
     const bool nowait = (sh.skip & 1) || (kStamps && cls >= 0 && cls < 8 && ((sh.skip >> (8 + cls)) & 1));
-#if QGEMV_CHAIN_STAMPS
-    lazy = (o_flags & kChainLazyIn) != 0;  // (lab builds only until it is measured a gain)
-    if (lazy) {  // (M = 1, no norm, no perm: the host's rule) the k-tiles already written; the rest as needed
-      if (threadIdx.x == 0) lazy_src = chain_input_src(p, o_flags, par), lazy_chunks = chunks, lazy_nowait = nowait;
-      chain_lazy_input<kBits, Fmt::kTileK, Fmt::kSumK>(chain_input_src(p, o_flags, par), chunks, p.Kp / 8, nthreads,
-                                                      xs, xsum, nowait, lazy_flags);
-    } else
-#endif
     {
       bool normed = false;
       if constexpr (kNorm) {
@@ -1738,21 +1624,8 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
     return true;
   };
 
-#if QGEMV_CHAIN_STAMPS
-  // kChainLazyIn: the inputs of the k-tiles of the chunk the warp sums next
-  auto ready = [&](const auto& sg) {
-    if (!lazy) return;
-    const int n = min(kChainChunk, sg.left);
-    for (int j = 0; j < n; ++j)
-      chain_lazy_tile<kBits, Fmt::kTileK, Fmt::kSumK>(lazy_flags, sg.kt + j, lazy_src, lazy_chunks, lazy_nowait != 0,
-                                                     reinterpret_cast<uint4*>(xs), xsum);
-  };
-#else
-  auto ready = [](const auto&) {};
-#endif
-
   constexpr int kTs = kChainTileBytes + chain_meta_bytes(kGroup, kZeros);
-  chain_consume<kChainChunk, kTs, Fmt::kGpt, kZeros>(rg, ops, nops, W, sh.skip, seg, boundary, ready, timed, t_spin);
+  chain_consume<kChainChunk, kTs, Fmt::kGpt, kZeros>(rg, ops, nops, W, sh.skip, seg, boundary, timed, t_spin);
   if (timed) {
     chain_add_cycles(wait_cycles, ChainCycles{{t_spin, t_warps, t_finish, t_prep, clock64() - t_begin}});
     for (int k = 0; k < 2 * kChainMaxClasses; ++k)  // after the SM id: [(6 + k) blocks + b]

@@ -5,14 +5,13 @@
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc dev/persist_lab.cu \
 //        csrc/gemv_int4.cu csrc/gemv_int8.cu csrc/runtime.cpp -o /tmp/persist_lab
 //   /tmp/persist_lab [--probe-only | --no-probe] [--tma-probe] [--no-ceiling] [--norm] [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers L]
-//                    [--warps 12,16] [--stages 8] [--formats int4g128a,int4g128,int4,int8] [--skip 0,1] [--lazy 0,8]
+//                    [--warps 12,16] [--stages 8] [--formats int4g128a,int4g128,int4,int8] [--skip 0,1]
 //   (the persistent launch is the kernel of csrc/persist_chain.cuh (form 20 of dev/PERSISTENT.md; the
 //    other forms are in git), M = 1, int4 per channel and G = 128; int8 runs the per-op chains only;
 //    --warps: warps per block; --stages: each warp's ring of 1 KB tiles, a multiple of 2 above 2;
 //    --skip 0,1,5,37: timing experiments, ChainShape::skip: 1 no waits (the polled halves taken as they
 //    are), 2 no hand-off at all, 4 no tile math, 8 the weights copied from L2, 32 no flush, 256 << c no
 //    waits for op class c's inputs only (the layer's classes: 0 q/k/v, 1 o, 2 gate/up, 3 down);
-//    --lazy 0,8,10: op classes (bit c: class c) whose input is prepared tile by tile (kChainLazyIn);
 //    --no-ceiling: skip the 2 GB read that measures the ceiling, for runs under compute-sanitizer;
 //    --norm: an RMSNorm before q/k/v and before gate/up, in the reference (a kernel each) and in the
 //    persistent launch's hand-off)
@@ -304,7 +303,6 @@ __half* dalloc(size_t n) {
 struct Variant {
   int warps, stages;  // warps a block; each warp's ring of 1 KB tiles
   int skip;           // ChainShape::skip (timing experiments)
-  int lazy = 0;       // op classes (bit c: class c) whose input is prepared tile by tile (kChainLazyIn)
 };
 
 // The persistent launch's kernel for format f (norm: with the hand-offs' RMSNorms): f(kernel); false for
@@ -451,7 +449,8 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       std::normal_distribution<float> nd(0.f, 1.f);
       for (auto& v : hx) v = __float2half(nd(rng));
       CK(cudaMemcpy(X[0], hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
-      // --norm: each layer's two RMSNorm gains (0.5-1.5) and the reference's normalized inputs
+      // --norm: each layer's two RMSNorm gains (0.5-1.5) and the reference's normalized inputs (fp16
+      // activations: the launch reads no max|gain| after the gains, qgemv.persist.norm_gain)
       std::vector<__half*> G1(layers, nullptr), G2(layers, nullptr), rN1(layers, nullptr), rN2(layers, nullptr);
       if (norm) {
         std::uniform_real_distribution<float> ug(0.5f, 1.5f);
@@ -613,16 +612,6 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       for (const Variant& v : variants) {
         const int blocks = sms;
         ChainShape sh{v.stages, qgemv::chain_meta_bytes(f.group, f.zeros), std::max(m.H, m.I), M, v.skip};
-        {  // this variant's lazy inputs (never an op with a norm: the norm needs the whole input first)
-          std::vector<qgemv::ChainOp> vo(ops);
-          for (size_t q = 0; q < vo.size(); ++q) {
-            const bool on = vo[q].cls >= 0 && (v.lazy >> vo[q].cls & 1) && !(norm && (q % 4 == 0 || q % 4 == 2)) &&
-                            !(vo[q].flags & qgemv::kChainPlainX);
-            vo[q].flags = on ? (vo[q].flags | qgemv::kChainLazyIn) : (vo[q].flags & ~qgemv::kChainLazyIn);
-            sh.lazy |= on;
-          }
-          CK(cudaMemcpy(d_ops, vo.data(), vo.size() * sizeof(qgemv::ChainOp), cudaMemcpyHostToDevice));
-        }
         sh.sums = qgemv::chain_sums(ops.data(), nops, blocks, M);
         sh.norms = norm ? d_norms : nullptr;
         sh.norm_eps = kNormEps;
@@ -645,7 +634,6 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           if (v.skip & (1 << bit)) tag += bit_names[bit];
         for (int c = 0; c < 8; ++c)
           if (v.skip & (256 << c)) tag += " nowait-c" + std::to_string(c);
-        if (v.lazy) tag += " lazy" + std::to_string(v.lazy);
         std::snprintf(form, sizeof form, "persist w%d s%d%s", v.warps, v.stages, tag.c_str());
         if (M != 1 || !d_tab || !launch_chain(f, v, sh, nullptr, nops, nullptr, blocks, st)) {
           std::printf("%-10s %3d %s: does not run (%zu B of shared memory; M = 1, int4 per channel or G = 128)\n",
@@ -1079,7 +1067,7 @@ int main(int argc, char** argv) {
   bool probe_only = false, no_probe = false, tma = false, no_ceiling = false, norm = false;
   const Model* model = &kModels[0];
   int layers = 0;
-  std::vector<int> warps, stages, skips, lazies;
+  std::vector<int> warps, stages, skips;
   std::vector<Fmt> fmts;
   const Fmt all[] = {{"int4g128a", 4, 128, true}, {"int4g128", 4, 128, false}, {"int4", 4, 0, false},
                      {"int8", 8, 0, false}};
@@ -1113,8 +1101,6 @@ int main(int argc, char** argv) {
       if (!parse(argv[++i], "--stages", stages)) return 2;
     } else if (a == "--skip" && has) {
       if (!parse(argv[++i], "--skip", skips)) return 2;
-    } else if (a == "--lazy" && has) {
-      if (!parse(argv[++i], "--lazy", lazies)) return 2;
     } else if (a == "--formats" && has) {
       for (char* tok = std::strtok(argv[++i], ","); tok; tok = std::strtok(nullptr, ",")) {
         bool found = false;
@@ -1143,7 +1129,6 @@ int main(int argc, char** argv) {
   if (warps.empty()) warps = {16};
   if (stages.empty()) stages = {8};
   if (skips.empty()) skips = {0};
-  if (lazies.empty()) lazies = {0};
 
   if (fmts.empty()) fmts = {all[0], all[2], all[3]};
   cudaDeviceProp prop;
@@ -1165,8 +1150,7 @@ int main(int argc, char** argv) {
   std::vector<Variant> variants;
   for (int w : warps)
     for (int s : stages)
-      for (int k : skips)
-        for (int lz : lazies) variants.push_back({w, s, k, lz});
+      for (int k : skips) variants.push_back({w, s, k});
   int clock_khz = 0;
   CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
   const int failures = run_chain(*model, layers ? layers : model->layers, fmts, {1}, variants, ceiling,

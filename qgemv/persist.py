@@ -282,6 +282,18 @@ def tile_meta(w: PackedWeight) -> torch.Tensor:
     return torch.cat(parts, dim=1).reshape(-1)  # (16 gpt (2 or 3) bytes a tile: whole 16-byte units)
 
 
+def norm_gain(gain: torch.Tensor, perm: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """An RMSNorm gain as the launch reads it: A [K + 8], the gain's K values (in ``perm``'s order when given:
+    an act-order op's stored order), then max|gain| as an fp32 in the first 4 bytes of the last 16 (the
+    hand-offs of bf16 activations bound the normed input by it, a constant of the chain; NaNs ignored).
+    gain: A [K], K a multiple of 8; perm: int [K] or None."""
+    k = gain.numel()
+    out = torch.zeros(k + 8, dtype=gain.dtype, device=gain.device)
+    out[:k] = gain if perm is None else gain[perm.long()]
+    out[k:k + 2].view(torch.float32).fill_(float(gain.float().abs().nan_to_num(nan=0.0).max()))
+    return out
+
+
 def _dt(dtype: torch.dtype) -> str:
     """float16 / bfloat16: a dtype as the messages name it."""
     return str(dtype).replace("torch.", "")
@@ -473,8 +485,7 @@ class PersistentChain:
             ops.append((a.data_ptr(), hh.data_ptr(), nxt.data_ptr(), *ws[3], h, i, 1, False, False, last, i, 0, -1,
                         pp[3], kp[3]))
             if norms is not None:  # an act-order op reads its gain in its inputs' stored order
-                g1, g2 = (n.contiguous().clone() if p is None else n[p.long()].contiguous()
-                          for n, p in zip(norms[li], (pm[0], pm[2])))
+                g1, g2 = (norm_gain(n, p) for n, p in zip(norms[li], (pm[0], pm[2])))
                 self._keep += [g1, g2]
                 gains += [g1.data_ptr(), 0, g2.data_ptr(), 0]
             x, x_plain = nxt, False

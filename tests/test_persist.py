@@ -374,6 +374,35 @@ def test_bf16_chain_takes_inputs_outside_fp16s_range(name, scale):
 
 
 @needs_sm90
+@pytest.mark.parametrize("name", ["int4g128a", "int8"])
+@pytest.mark.parametrize("scale", [1e6, 1e-6])
+def test_bf16_chain_takes_norm_gains_outside_fp16s_range(name, scale):
+    """A normed hand-off of bf16 activations bounds its input by max|x| r max|gain|, max|gain| read from
+    after the gain (norm_gain): with gains of 1e6 or 1e-6 every normed input lies outside fp16's range,
+    so a wrong or missing bound overflows fp16 or drops its bits."""
+    torch.manual_seed(13)
+    layers = make_layers(name, 2, 256, 384, 640, "cuda")
+    norms = [tuple((g.float() * scale).to(BF16) for g in pair) for pair in random_norms(2, 256, BF16)]
+    chain = persist.PersistentChain(layers, norms=norms, eps=1e-5, dtype=BF16)
+    x = torch.randn(1, 256, device="cuda").to(BF16)
+    assert_close_chain(chain(x), persist.reference(layers, x, norms, 1e-5), x, f"gains ~ {scale:g}")
+
+
+def test_norm_gain_appends_the_gains_largest_magnitude():
+    for dt in (torch.float16, BF16):
+        g = (torch.rand(40) * 2 - 1).to(dt)
+        g[7] = -9.5
+        g[9] = float("nan")
+        perm = torch.randperm(40)
+        out = persist.norm_gain(g, perm)
+        assert out.dtype == dt and out.shape == (48,)
+        assert torch.equal(out[:40].view(torch.int16), g[perm].view(torch.int16))  # (the NaN's bits too)
+        assert out[40:42].view(torch.float32).item() == 9.5  # NaNs ignored
+        assert torch.equal(out[42:], torch.zeros(6, dtype=dt))
+        assert torch.equal(persist.norm_gain(g)[:40].view(torch.int16), g.view(torch.int16))
+
+
+@needs_sm90
 @pytest.mark.parametrize("name,dt", [("int4", torch.float16), ("int4g128a", torch.float16), ("int4g32", torch.float16),
                                      ("int8", torch.float16), ("int4g128a", BF16), ("int8", BF16)],
                          ids=["int4", "int4g128a", "int4g32", "int8", "int4g128a-bfloat16", "int8-bfloat16"])
