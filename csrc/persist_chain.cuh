@@ -60,6 +60,9 @@ struct ChainShape {
   // input was all read
   unsigned long long* stamps = nullptr;
   int rotate = 0;  // lab (QGEMV_CHAIN_STAMPS): block b runs the schedule of block (b + rotate) % blocks
+#if QGEMV_CHAIN_STAMPS
+  int prefetch = 0;  // lab: at each op's end, each warp asks L2 for its walk's next `prefetch` tiles
+#endif
   // kDecode: the layers' attention (device array, ChainOp::attn indexes it) and the token's cache slot,
   // which is also its rotary position (a device scalar, read at every launch)
   const ChainAttn* attn = nullptr;
@@ -763,9 +766,13 @@ struct ChainChunks {
 // summing order: no count of chunks ahead, no search for a free one).  skip &
 // 8 (the lab): the block's own 64 tiles of op 0 over and over (L2 hits;
 // results wrong).  waited: the cycles spent waiting for a chunk (when timed).
-template <int kChunk, int kTs, int kGpt, bool kZeros, typename Seg, typename B>
+// Lab builds: with pf > 0, a warp whose op ends (ending()) asks L2 for the
+// walk's next pf tiles past its full ring (at most to its segment's end), so
+// that HBM streams through the hand-off's wait.
+template <int kChunk, int kTs, int kGpt, bool kZeros, typename Seg, typename B, typename E>
 __device__ __forceinline__ void chain_consume(const ChainRing& rg, const ChainOp* ops, int nops, int W, int skip,
-                                                Seg& seg, B&& boundary, bool timed, long long& waited) {
+                                                Seg& seg, B&& boundary, E&& ending, int pf, bool timed,
+                                                long long& waited) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const ChainChunks<kChunk, kTs, kGpt, kZeros> ring(rg, warp, lane);
   unsigned char* slots = rg.w + static_cast<size_t>(warp) * rg.R * kTs;
@@ -802,6 +809,13 @@ __device__ __forceinline__ void chain_consume(const ChainRing& rg, const ChainOp
   aim();
   for (int q = 0; q < rg.C && wk.left > 0; ++q) fill(q);
   for (;;) {
+#if QGEMV_CHAIN_STAMPS
+    if (seg.left == 0 && pf > 0 && lane == 0 && wk.left > 0 && ending()) {
+      const int n = min(pf, wk.left);
+      pdl_prefetch_l2(src, n * kChainTileBytes);
+      if constexpr (kMb > 0) pdl_prefetch_l2(msrc, n * kMb);
+    }
+#endif
     if (seg.left == 0 && !boundary()) return;
     ring.wait(c, phase, timed, waited);
     ring.sum(c, seg);
@@ -1625,7 +1639,15 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
   };
 
   constexpr int kTs = kChainTileBytes + chain_meta_bytes(kGroup, kZeros);
-  chain_consume<kChainChunk, kTs, Fmt::kGpt, kZeros>(rg, ops, nops, W, sh.skip, seg, boundary, timed, t_spin);
+#if QGEMV_CHAIN_STAMPS
+  auto ending = [&] { return cur.pos + seg.len >= cur.end; };  // the warp's last segment of its op (or none open)
+  const int pf = sh.prefetch;
+#else
+  auto ending = [] { return false; };
+  constexpr int pf = 0;
+#endif
+  chain_consume<kChainChunk, kTs, Fmt::kGpt, kZeros>(rg, ops, nops, W, sh.skip, seg, boundary, ending, pf, timed,
+                                                     t_spin);
   if (timed) {
     chain_add_cycles(wait_cycles, ChainCycles{{t_spin, t_warps, t_finish, t_prep, clock64() - t_begin}});
     for (int k = 0; k < 2 * kChainMaxClasses; ++k)  // after the SM id: [(6 + k) blocks + b]
