@@ -31,8 +31,9 @@ def functions(path: str, tool: str) -> dict:
     found = {}
     for part in re.split(r"\n\s*Function : ", out.stdout)[1:]:
         name, body = part.split("\n", 1)
-        found[name.strip()] = [(int(a, 16), re.sub(r"\s+", " ", t.strip()))
-                               for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", body)]
+        # each instruction: its address, its text, the high word of its encoding (the control bits)
+        found[name.strip()] = [(int(a, 16), re.sub(r"\s+", " ", t.strip()), int(hi, 16)) for a, t, hi in re.findall(
+            r"/\*([0-9a-f]{4,})\*/\s+([^;]*);\s*/\* 0x[0-9a-f]{16} \*/\s*/\* 0x([0-9a-f]{16}) \*/", body)]
     return found
 
 
@@ -43,12 +44,12 @@ def opcode(text: str) -> str:
 def chunk_loop(ins: list) -> list:
     """The instructions of the innermost loop that holds every HMMA, up to the first SYNCS.ARRIVE after
     the last HMMA (the refill); [] when the kernel has no HMMA."""
-    at = {a: n for n, (a, _) in enumerate(ins)}
-    mma = [n for n, (_, t) in enumerate(ins) if "HMMA" in t]
+    at = {a: n for n, (a, _, _) in enumerate(ins)}
+    mma = [n for n, (_, t, _) in enumerate(ins) if "HMMA" in t]
     if not mma:
         return []
     best = None
-    for n, (a, t) in enumerate(ins):
+    for n, (a, t, _) in enumerate(ins):
         m = re.search(r"BRA (?:[^,]*, )?0x([0-9a-f]+)", t)
         if m and n >= mma[-1]:
             head = at.get(int(m.group(1), 16))
@@ -57,7 +58,12 @@ def chunk_loop(ins: list) -> list:
     if best is None:
         return []
     end = next((n for n in range(mma[-1], best[1] + 1) if "SYNCS.ARRIVE" in ins[n][1]), best[1])
-    return [t for _, t in ins[best[0]:end + 1]]
+    return [(t, hi) for _, t, hi in ins[best[0]:end + 1]]
+
+
+def stalls(hi: int) -> int:
+    """The stall count ptxas set in an instruction's control bits (cycles before the warp's next issue)."""
+    return (hi >> 41) & 0xF
 
 
 def main(argv=None) -> int:
@@ -83,12 +89,14 @@ def main(argv=None) -> int:
         loop = chunk_loop(funcs[names[0]])
         if not loop:
             ap.error(f"{names[0][:90]}: no loop holding HMMAs")
-        ops = collections.Counter(map(opcode, loop))
+        ops = collections.Counter(opcode(t) for t, _ in loop)
         print(f"{names[0]}\n  chunk loop: {len(loop)} instructions, {ops['HMMA.16816.F32']} HMMA, "
-              f"{sum(v for k, v in ops.items() if k.startswith('LOP3') or k.startswith('SHF'))} LOP3/SHF")
-        for t in loop[:args.show]:
-            print("   ", t)
-        loops.append(loop)
+              f"{sum(v for k, v in ops.items() if k.startswith('LOP3') or k.startswith('SHF'))} LOP3/SHF; "
+              f"stall cycles set by ptxas {sum(stalls(hi) for _, hi in loop)} (one warp's issue cycles without "
+              f"scoreboard waits)")
+        for t, hi in loop[:args.show]:
+            print(f"    {stalls(hi):2d} {t}")
+        loops.append([t for t, _ in loop])
     if len(loops) == 2:
         a, b = ([opcode(t) for t in lp] for lp in loops)
         ca, cb = collections.Counter(a), collections.Counter(b)
