@@ -4,7 +4,7 @@
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc dev/persist_lab.cu \
 //        csrc/gemv_int4.cu csrc/gemv_int8.cu csrc/runtime.cpp -o /tmp/persist_lab
-//   /tmp/persist_lab [--probe-only | --no-probe] [--tma-probe] [--no-ceiling] [--norm] [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers L]
+//   /tmp/persist_lab [--probe-only | --no-probe] [--tma-probe] [--no-ceiling] [--norm] [--model llama3-8b|llama3-70b|qwen2.5-7b|llama2-7b] [--layers L]
 //                    [--warps 12,16] [--stages 8] [--formats int4g128a,int4g128,int4,int8] [--skip 0,1] [--prefetch 0,8]
 //                    [--blocks 0,128]
 //   (the persistent launch is the kernel of csrc/persist_chain.cuh (form 20 of dev/PERSISTENT.md; the
@@ -47,6 +47,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -205,6 +206,7 @@ const Model kModels[] = {
     {"llama3-8b", 16, 4096, 6144, 14336},
     {"llama3-70b", 4, 8192, 10240, 28672},
     {"qwen2.5-7b", 16, 3584, 4608, 18944},
+    {"llama2-7b", 16, 4096, 12288, 11008},  // (no GQA: q/k/v 3 x 4096; gate/up 688 units, 5.2 a block)
 };
 
 struct Fmt {
@@ -403,6 +405,28 @@ static void print_skew(const char* name, int M, const std::vector<qgemv::ChainOp
     const double k = 1.0 / layers;
     std::printf("%-10s %3d     %dx%d: tiles %.2f / %.2f; outputs %.2f; input after %.2f; preparing %.2f / %.2f / %.2f\n",
                 name, M, o->p.N, o->p.K, tm * k, tx * k, om * k, pr * k, p0 * k, p1 * k, p2 * k);
+    // The schedule's balance: blocks own whole units (panels; gate/up's a panel pair), so with u units over
+    // G blocks some own one more than others.  The blocks' mean time on the class's tiles by the units they
+    // own: if it grows with the units, the most loaded block sets the op's time and a schedule that splits
+    // units across blocks gains up to (most - mean) / mean.
+    {
+      const long long units = qgemv::chain_units(*o);
+      std::map<long long, std::pair<double, int>> by;  // units a block owns -> (its time summed, blocks)
+      for (int b = 0; b < blocks; ++b) {
+        long long u0, u1;
+        qgemv::chain_range(units, b, blocks, u0, u1);
+        double w = 0;
+        for (int q = 0; q < nops; ++q)
+          if (ops[q].cls == c) w += at(q, b, 0) * cyc_us;
+        by[u1 - u0].first += w * k, by[u1 - u0].second += 1;
+      }
+      std::printf("%-10s %3d       balance: %lld units over %d blocks (mean %.2f);", name, M, units, blocks,
+                  double(units) / blocks);
+      for (const auto& e : by)
+        std::printf(" %d blocks of %lld units: tiles %.2f us;", e.second.second, e.first,
+                    e.second.first / e.second.second);
+      std::printf("\n");
+    }
     (void)n;
   }
 }
@@ -1100,7 +1124,7 @@ int main(int argc, char** argv) {
         if (std::strcmp(m.name, argv[i + 1]) == 0) model = &m;
       ++i;
       if (!model) {
-        std::fprintf(stderr, "--model: llama3-8b, llama3-70b or qwen2.5-7b\n");
+        std::fprintf(stderr, "--model: llama3-8b, llama3-70b, qwen2.5-7b or llama2-7b\n");
         return 2;
       }
     } else if (a == "--layers" && has) {
