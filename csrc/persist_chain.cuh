@@ -60,12 +60,6 @@ struct ChainShape {
   // input was all read
   unsigned long long* stamps = nullptr;
   int rotate = 0;  // lab (QGEMV_CHAIN_STAMPS): block b runs the schedule of block (b + rotate) % blocks
-#if QGEMV_CHAIN_STAMPS
-  // lab: a schedule with units shared between blocks (chain_schedule's `even`): each op's scratch for the
-  // shared units' partial sums, fp32 [nops][blocks][kChainMaxPieces][2 x 16 x M], all bits set (the poison)
-  // before the first launch; the block that finishes a unit poisons what it read again
-  float* split = nullptr;
-#endif
   // kDecode: the layers' attention (device array, ChainOp::attn indexes it) and the token's cache slot,
   // which is also its rotary position (a device scalar, read at every launch)
   const ChainAttn* attn = nullptr;
@@ -192,83 +186,13 @@ __host__ __device__ inline int chain_ppu(const ChainOp& o) {
   return o.out == static_cast<int>(ChainOut::kSiluMul) ? 2 : 1;
 }
 __host__ __device__ inline long long chain_units(const ChainOp& o) { return o.p.N / kPanelRows / chain_ppu(o); }
-// Block b's share of op o's tiles: the units [u0, u1) it touches and its
-// tiles [a, e), counted from unit u0's first tile.  Whole units (the
-// default): units [u b / G, u (b + 1) / G), so with u units over G blocks
-// some blocks own one more than others.  even (lab builds): the op's tiles
-// cut into G equal runs, so a unit may be shared by two or more blocks
-// (chain_split_info).  A unit is ppu panels of tpp tiles each.
-inline void chain_share(const ChainOp& o, int b, int blocks, bool even, long long& u0, long long& u1, long long& a,
-                        long long& e) {
-  const long long upt = static_cast<long long>(chain_ppu(o)) * chain_op_tpp(o), units = chain_units(o);
-  if (!even) {
-    chain_range(units, b, blocks, u0, u1);
-    a = 0, e = (u1 - u0) * upt;
-    return;
-  }
-  long long t0, t1;
-  chain_range(units * upt, b, blocks, t0, t1);
-  u0 = t0 / upt;
-  u1 = t1 > t0 ? (t1 + upt - 1) / upt : u0;
-  a = t0 - u0 * upt, e = t1 - u0 * upt;
-}
-// Of an even schedule, unit u as block b sees it: -1 when one block owns
-// all of its tiles, else slot | pieces << 16 | piece << 24: the blocks
-// sharing it (pieces), b's place among them (piece, in stream order; the
-// last one finishes the unit) and where they meet (slot: the first block
-// whose run starts inside the unit, the same for every sharer).
-constexpr int kChainMaxPieces = 8;
-inline int chain_split_info(const ChainOp& o, long long u, int blocks, int b) {
-  const long long upt = static_cast<long long>(chain_ppu(o)) * chain_op_tpp(o), T = chain_units(o) * upt;
-  const long long lo = u * upt, hi = lo + upt;
-  int pieces = 0, piece = -1, slot = -1;
-  for (int q = 0; q < blocks; ++q) {
-    long long t0, t1;
-    chain_range(T, q, blocks, t0, t1);
-    if (t1 > t0 && t1 > lo && t0 < hi) {
-      if (q == b) piece = pieces;
-      ++pieces;
-    }
-    if (slot < 0 && t0 > lo && t0 < hi) slot = q;
-  }
-  return pieces > 1 ? slot | pieces << 16 | piece << 24 : -1;
-}
-// Whether op class c shares units between blocks.  even (lab builds): 1 in
-// every class, 2 where whole units cost 5% or more (the most loaded block's
-// units over the mean); never the decode step's q/k/v (its finishing rotates
-// whole panels) nor a class whose units would be cut into more than
-// kChainMaxPieces pieces.
-inline bool chain_class_even(const ChainOp* ops, int nops, int c, int even, int blocks) {
-  if (!even || !QGEMV_CHAIN_STAMPS) return false;
-  const ChainOp* o = nullptr;
-  for (int i = 0; i < nops; ++i) {
-    if (ops[i].cls == c && (ops[i].flags & 8 /* kChainRope */)) return false;
-    if (ops[i].cls == c && !o) o = ops + i;
-  }
-  if (!o) return false;
-  const long long units = chain_units(*o), upt = static_cast<long long>(chain_ppu(*o)) * chain_op_tpp(*o);
-  if (even == 2 && (units + blocks - 1) / blocks * blocks < units * 105 / 100) return false;
-  for (int b = 0; b < blocks; ++b) {  // the unit at each block's start
-    long long t0, t1;
-    chain_range(units * upt, b, blocks, t0, t1);
-    const int info = t0 < units * upt ? chain_split_info(*o, t0 / upt, blocks, b) : -1;
-    if (info >= 0 && ((info >> 16) & 0xff) > kChainMaxPieces) return false;
-  }
-  return true;
-}
-// The block's sum buffer (ChainShape::sums): the most panels a block touches
-// in any op, x 16 rows x M.  Host arrays in (ops' classes set: chain_classes).
-inline int chain_sums(const ChainOp* ops, int nops, int blocks, int M, int even = 0) {
+// The block's sum buffer (ChainShape::sums): the most panels a block owns in any
+// op, x 16 rows x M.  Host arrays in.
+inline int chain_sums(const ChainOp* ops, int nops, int blocks, int M) {
   long long most = 0;
   for (int i = 0; i < nops; ++i) {
     const long long u = chain_units(ops[i]);
-    most = std::max(most, (u + blocks - 1) / blocks * chain_ppu(ops[i]));  // whole units
-    if (chain_class_even(ops, nops, ops[i].cls, even, blocks))
-      for (int b = 0; b < blocks; ++b) {
-        long long u0, u1, a, e;
-        chain_share(ops[i], b, blocks, true, u0, u1, a, e);
-        most = std::max(most, (u1 - u0) * chain_ppu(ops[i]));
-      }
+    most = std::max(most, (u + blocks - 1) / blocks * chain_ppu(ops[i]));
   }
   return static_cast<int>(most) * kPanelRows * M;
 }
@@ -499,35 +423,27 @@ inline int chain_classes(ChainOp* ops, int nops) {
 }
 
 // The records for `blocks` blocks of W consumer warps (empty when a k-tile or a
-// unit index does not fit its 16 bits).  A block's record {u0, u1, first,
-// last}: the units it touches, and chain_split_info of its first and of its
-// last unit (-1: its own; last is -1 when it is the first).  even (lab
-// builds): chain_share's even runs for every class chain_class_even allows.
-inline std::vector<int4> chain_schedule(const ChainOp* ops, int nops, int classes, int blocks, int W,
-                                        int even = 0) {
+// unit index does not fit its 16 bits).
+inline std::vector<int4> chain_schedule(const ChainOp* ops, int nops, int classes, int blocks, int W) {
   std::vector<int4> tab(static_cast<size_t>(classes) * blocks * (W + 1));
   for (int c = 0; c < classes; ++c) {
     const ChainOp* o = nullptr;
     for (int i = 0; i < nops && !o; ++i)
       if (ops[i].cls == c) o = ops + i;
     if (!o) return {};
-    const int tpp = chain_op_tpp(*o);
-    const bool ev = chain_class_even(ops, nops, c, even, blocks);
+    const int tpp = chain_op_tpp(*o), ppu = chain_ppu(*o);
     for (int b = 0; b < blocks; ++b) {
-      long long u0, u1, s0, s1;
-      chain_share(*o, b, blocks, ev, u0, u1, s0, s1);
+      long long u0, u1;
+      chain_range(chain_units(*o), b, blocks, u0, u1);
       int4* r = tab.data() + (static_cast<size_t>(c) * blocks + b) * (W + 1);
       for (int w = 0; w < W; ++w) {
         long long a, e;
-        chain_range(s1 - s0, w, W, a, e);
-        a += s0, e += s0;
+        chain_range((u1 - u0) * ppu * tpp, w, W, a, e);
         if (tpp > 0xffff || u0 > 0x7fff) return {};
         r[w] = make_int4(static_cast<int>(a), static_cast<int>(e), static_cast<int>(a / tpp),
                          static_cast<int>(a % tpp) | static_cast<int>(u0) << 16);
       }
-      const int first = ev && u1 > u0 ? chain_split_info(*o, u0, blocks, b) : -1;
-      const int last = ev && u1 - 1 > u0 ? chain_split_info(*o, u1 - 1, blocks, b) : -1;
-      r[W] = make_int4(static_cast<int>(u0), static_cast<int>(u1), first, last);
+      r[W] = make_int4(static_cast<int>(u0), static_cast<int>(u1), 0, 0);
     }
   }
   return tab;
@@ -1649,69 +1565,13 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
     csync();
     const long long f1 = timed ? clock64() : 0;
     const float xun = kScaled ? chain_x_unscale : 1.f;  // (kScaled: the sums are 2^e of the true ones)
-#if QGEMV_CHAIN_STAMPS
-    // Lab (an even schedule, ChainShape::split): the units this block shares with other blocks.  A sharer that
-    // does not finish a unit stores its partial sums (at their true scale) into its piece of the unit's slot,
-    // carrying their own readiness as the activations do (all bits set until written); the last sharer finishes
-    // the unit after its own units (pass 1), polling the pieces, and poisons them again.  No fence, no count.
-    const int sfirst = r.z, slast = r.w;  // chain_split_info of the first and the last unit, or -1
-    const bool shared_units = sh.split && (sfirst >= 0 || slast >= 0);
-    auto piece_at = [&](int info, int piece) {
-      return sh.split + ((static_cast<size_t>(oi) * G + (info & 0xffff)) * kChainMaxPieces + piece) * (2 * vals);
-    };
-    auto finisher = [](int info) { return (info >> 24) == ((info >> 16) & 0xff) - 1; };
-    auto split_k = [&](int u) { return u == 0 && sfirst >= 0 ? 0 : u == u1 - u0 - 1 && slast >= 0 ? 1 : -1; };
-    if (shared_units)
-      for (int k = 0; k < 2; ++k) {
-        const int info = k ? slast : sfirst;
-        if (info < 0 || finisher(info)) continue;
-        unsigned* dst = reinterpret_cast<unsigned*>(piece_at(info, info >> 24));
-        float* sp = sums + static_cast<size_t>((k ? u1 - u0 - 1 : 0) * ppu) * vals;
-        for (int q = threadIdx.x; q < ppu * vals; q += nthreads) {
-          unsigned bits = __float_as_uint(sp[q] * xun);
-          if (bits == 0xffffffffu) bits = 0x7fffffffu;
-          asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(dst + q), "r"(bits) : "memory");
-          sp[q] = 0.f;
-        }
-      }
-    // the sum's pieces at q (gate) / q + vals (up) of the unit whose slot is `info`, polled, poisoned again
-    auto gather = [&](int info, int qq) {
-      float v = 0.f;
-      for (int pc = 0; pc + 1 < ((info >> 16) & 0xff); ++pc) {
-        unsigned* src = reinterpret_cast<unsigned*>(piece_at(info, pc)) + qq;
-        unsigned bits;
-        do asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(bits) : "l"(src) : "memory");
-        while (bits == 0xffffffffu);
-        *src = 0xffffffffu;
-        v += __uint_as_float(bits);
-      }
-      return v / xun;  // (at this block's scale: xun is a power of 2)
-    };
-    const int passes = shared_units ? 2 : 1;
-#else
-    constexpr int passes = 1;
-#endif
-    for (int pass = 0; pass < passes; ++pass)
     for (int q = threadIdx.x; q < count; q += nthreads) {
       const int u = q / vals, tok = (q % vals) / kPanelRows, r = q % kPanelRows;
       float* sp = sums + (static_cast<size_t>(u * ppu) * M + tok) * kPanelRows + r;
-#if QGEMV_CHAIN_STAMPS
-      if (shared_units) {  // pass 0: the block's own units; pass 1: the shared ones it finishes
-        const int k = split_k(u);
-        if ((k >= 0) != (pass == 1)) continue;
-        if (k >= 0) {
-          const int info = k ? slast : sfirst;
-          if (!finisher(info)) continue;  // (published above)
-          *sp += gather(info, q % vals);
-          if (o.out == static_cast<int>(ChainOut::kSiluMul)) sp[M * kPanelRows] += gather(info, q % vals + vals);
-        }
-      }
-#endif
-      const float un = xun;
-      float v = to_float(from_float<T>(kScaled ? *sp * un : *sp));
+      float v = to_float(from_float<T>(kScaled ? *sp * xun : *sp));
       if (silu) {
         float* up = sp + M * kPanelRows;
-        v = v / (1.f + __expf(-v)) * to_float(from_float<T>(kScaled ? *up * un : *up));
+        v = v / (1.f + __expf(-v)) * to_float(from_float<T>(kScaled ? *up * xun : *up));
         *up = 0.f;
       }
       const int row = static_cast<int>(u0 + u) * kPanelRows + r;

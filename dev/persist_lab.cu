@@ -6,16 +6,13 @@
 //        csrc/gemv_int4.cu csrc/gemv_int8.cu csrc/runtime.cpp -o /tmp/persist_lab
 //   /tmp/persist_lab [--probe-only | --no-probe] [--tma-probe] [--no-ceiling] [--norm] [--model llama3-8b|llama3-70b|qwen2.5-7b|llama2-7b] [--layers L]
 //                    [--warps 12,16] [--stages 8] [--formats int4g128a,int4g128,int4,int8] [--skip 0,1]
-//                    [--blocks 0,128] [--even 0,1]
+//                    [--blocks 0,128]
 //   (the persistent launch is the kernel of csrc/persist_chain.cuh (form 20 of dev/PERSISTENT.md; the
 //    other forms are in git), M = 1, int4 per channel and G = 128; int8 runs the per-op chains only;
 //    --warps: warps per block; --stages: each warp's ring of 1 KB tiles, a multiple of 2 above 2;
 //    --skip 0,1,5,37: timing experiments, ChainShape::skip: 1 no waits (the polled halves taken as they
 //    are), 2 no hand-off at all, 4 no tile math, 8 the weights copied from L2, 32 no flush, 256 << c no
 //    waits for op class c's inputs only (the layer's classes: 0 q/k/v, 1 o, 2 gate/up, 3 down);
-//    --even 0,1,2: the even schedule (chain_schedule's even: each op's tiles cut into equal runs, units
-//    shared between blocks meeting in a scratch slot, the last sharer finishing; not the decode step's
-//    q/k/v): 1 every class, 2 the classes whose whole units cost 5% or more;
 //    --blocks 0,128: the grid (0: one block an SM); Llama-3-8B's ops have 384 / 256 / 896 / 256 units
 //    (whole panels; gate/up's a panel pair), so at 128 blocks every block owns the same number, at 132
 //    the most loaded block owns what it owns at 128 (3 / 2 / 7 / 2) and the rest fewer;
@@ -313,8 +310,6 @@ struct Variant {
   int warps, stages;  // warps a block; each warp's ring of 1 KB tiles
   int skip;           // ChainShape::skip (timing experiments)
   int blocks = 0;     // the grid: 0 one block an SM, else this many (at most one an SM)
-  int even = 0;       // chain_schedule's even: 1 every class's tiles in equal runs (units shared between blocks;
-                      // ChainShape::split), 2 the classes whose whole units cost 5% or more
 };
 
 // The persistent launch's kernel for format f (norm: with the hand-offs' RMSNorms): f(kernel); false for
@@ -410,8 +405,8 @@ static void print_skew(const char* name, int M, const std::vector<qgemv::ChainOp
                 name, M, o->p.N, o->p.K, tm * k, tx * k, om * k, pr * k, p0 * k, p1 * k, p2 * k);
     // The schedule's balance: blocks own whole units (panels; gate/up's a panel pair), so with u units over
     // G blocks some own one more than others.  The blocks' mean time on the class's tiles by the units they
-    // own: if it grows with the units, the most loaded block sets the op's time and a schedule that splits
-    // units across blocks gains up to (most - mean) / mean.
+    // own.  (2026-12-06: the lighter blocks finish early, but an even split of the tiles made every block as
+    // slow as the most loaded one, since the blocks share HBM; dev/PERSISTENT.md, "Tried and not kept".)
     {
       const long long units = qgemv::chain_units(*o);
       std::map<long long, std::pair<double, int>> by;  // units a block owns -> (its time summed, blocks)
@@ -646,13 +641,12 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       for (const Variant& v : variants) {
         const int blocks = v.blocks > 0 ? std::min(v.blocks, sms) : sms;
         ChainShape sh{v.stages, qgemv::chain_meta_bytes(f.group, f.zeros), std::max(m.H, m.I), M, v.skip};
-        sh.sums = qgemv::chain_sums(ops.data(), nops, blocks, M, v.even);
+        sh.sums = qgemv::chain_sums(ops.data(), nops, blocks, M);
         sh.norms = norm ? d_norms : nullptr;
         sh.norm_eps = kNormEps;
         int4* d_tab = nullptr;  // the schedule for these blocks and warps
         const std::vector<int4> tab =
-            classes > 0 ? qgemv::chain_schedule(ops.data(), nops, classes, blocks, v.warps, v.even)
-                        : std::vector<int4>{};
+            classes > 0 ? qgemv::chain_schedule(ops.data(), nops, classes, blocks, v.warps) : std::vector<int4>{};
         if (!tab.empty()) {
           CK(cudaMalloc(&d_tab, tab.size() * sizeof(int4)));
           CK(cudaMemcpy(d_tab, tab.data(), tab.size() * sizeof(int4), cudaMemcpyHostToDevice));
@@ -662,17 +656,6 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           void* p;
           ~Free() { cudaFree(p); }
         } free_tab{d_tab};  // at the end of this variant, or at its `continue`
-        // an even schedule's scratch for the shared units' pieces (poisoned; the finishing blocks poison
-        // what they read again)
-        float* d_split = nullptr;
-        if (v.even) {
-          const size_t bytes = static_cast<size_t>(nops) * blocks * qgemv::kChainMaxPieces * 2 * qgemv::kPanelRows *
-                               M * sizeof(float);
-          CK(cudaMalloc(&d_split, bytes));
-          CK(cudaMemset(d_split, 0xff, bytes));
-          sh.split = d_split;
-        }
-        Free free_split{d_split};
         char form[48];
         std::string tag;
         const char* bit_names[] = {" nowait", " noprep", " nomath", " l2feed", "", " noflush"};
@@ -680,7 +663,6 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           if (v.skip & (1 << bit)) tag += bit_names[bit];
         for (int c = 0; c < 8; ++c)
           if (v.skip & (256 << c)) tag += " nowait-c" + std::to_string(c);
-        if (v.even) tag += v.even == 1 ? " even" : " even5%";
         if (blocks != sms) tag += " b" + std::to_string(blocks);
         std::snprintf(form, sizeof form, "persist w%d s%d%s", v.warps, v.stages, tag.c_str());
         if (M != 1 || !d_tab || !launch_chain(f, v, sh, nullptr, nops, nullptr, blocks, st)) {
@@ -1115,7 +1097,7 @@ int main(int argc, char** argv) {
   bool probe_only = false, no_probe = false, tma = false, no_ceiling = false, norm = false;
   const Model* model = &kModels[0];
   int layers = 0;
-  std::vector<int> warps, stages, skips, grids, evens;
+  std::vector<int> warps, stages, skips, grids;
   std::vector<Fmt> fmts;
   const Fmt all[] = {{"int4g128a", 4, 128, true}, {"int4g128", 4, 128, false}, {"int4", 4, 0, false},
                      {"int8", 8, 0, false}};
@@ -1149,8 +1131,6 @@ int main(int argc, char** argv) {
       if (!parse(argv[++i], "--stages", stages)) return 2;
     } else if (a == "--skip" && has) {
       if (!parse(argv[++i], "--skip", skips)) return 2;
-    } else if (a == "--even" && has) {
-      if (!parse(argv[++i], "--even", evens)) return 2;
     } else if (a == "--blocks" && has) {
       if (!parse(argv[++i], "--blocks", grids)) return 2;
     } else if (a == "--formats" && has) {
@@ -1182,7 +1162,6 @@ int main(int argc, char** argv) {
   if (stages.empty()) stages = {8};
   if (skips.empty()) skips = {0};
   if (grids.empty()) grids = {0};
-  if (evens.empty()) evens = {0};
 
   if (fmts.empty()) fmts = {all[0], all[2], all[3]};
   cudaDeviceProp prop;
@@ -1205,8 +1184,7 @@ int main(int argc, char** argv) {
   for (int w : warps)
     for (int s : stages)
       for (int k : skips)
-        for (int b : grids)
-          for (int e : evens) variants.push_back({w, s, k, b, e});
+        for (int b : grids) variants.push_back({w, s, k, b});
   int clock_khz = 0;
   CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
   const int failures = run_chain(*model, layers ? layers : model->layers, fmts, {1}, variants, ceiling,
