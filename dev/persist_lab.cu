@@ -6,16 +6,12 @@
 //        csrc/gemv_int4.cu csrc/gemv_int8.cu csrc/runtime.cpp -o /tmp/persist_lab
 //   /tmp/persist_lab [--probe-only | --no-probe] [--tma-probe] [--no-ceiling] [--norm] [--model llama3-8b|llama3-70b|qwen2.5-7b|llama2-7b] [--layers L]
 //                    [--warps 12,16] [--stages 8] [--formats int4g128a,int4g128,int4,int8] [--skip 0,1]
-//                    [--blocks 0,128]
 //   (the persistent launch is the kernel of csrc/persist_chain.cuh (form 20 of dev/PERSISTENT.md; the
 //    other forms are in git), M = 1, int4 per channel and G = 128; int8 runs the per-op chains only;
 //    --warps: warps per block; --stages: each warp's ring of 1 KB tiles, a multiple of 2 above 2;
 //    --skip 0,1,5,37: timing experiments, ChainShape::skip: 1 no waits (the polled halves taken as they
 //    are), 2 no hand-off at all, 4 no tile math, 8 the weights copied from L2, 32 no flush, 256 << c no
 //    waits for op class c's inputs only (the layer's classes: 0 q/k/v, 1 o, 2 gate/up, 3 down);
-//    --blocks 0,128: the grid (0: one block an SM); Llama-3-8B's ops have 384 / 256 / 896 / 256 units
-//    (whole panels; gate/up's a panel pair), so at 128 blocks every block owns the same number, at 132
-//    the most loaded block owns what it owns at 128 (3 / 2 / 7 / 2) and the rest fewer;
 //    --no-ceiling: skip the 2 GB read that measures the ceiling, for runs under compute-sanitizer;
 //    --norm: an RMSNorm before q/k/v and before gate/up, in the reference (a kernel each) and in the
 //    persistent launch's hand-off)
@@ -309,7 +305,6 @@ __half* dalloc(size_t n) {
 struct Variant {
   int warps, stages;  // warps a block; each warp's ring of 1 KB tiles
   int skip;           // ChainShape::skip (timing experiments)
-  int blocks = 0;     // the grid: 0 one block an SM, else this many (at most one an SM)
 };
 
 // The persistent launch's kernel for format f (norm: with the hand-offs' RMSNorms): f(kernel); false for
@@ -639,7 +634,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       std::printf("%-10s %3d reference output max |y| %.3g (input 1)\n", f.name, M, refmax);
 
       for (const Variant& v : variants) {
-        const int blocks = v.blocks > 0 ? std::min(v.blocks, sms) : sms;
+        const int blocks = sms;
         ChainShape sh{v.stages, qgemv::chain_meta_bytes(f.group, f.zeros), std::max(m.H, m.I), M, v.skip};
         sh.sums = qgemv::chain_sums(ops.data(), nops, blocks, M);
         sh.norms = norm ? d_norms : nullptr;
@@ -663,7 +658,6 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           if (v.skip & (1 << bit)) tag += bit_names[bit];
         for (int c = 0; c < 8; ++c)
           if (v.skip & (256 << c)) tag += " nowait-c" + std::to_string(c);
-        if (blocks != sms) tag += " b" + std::to_string(blocks);
         std::snprintf(form, sizeof form, "persist w%d s%d%s", v.warps, v.stages, tag.c_str());
         if (M != 1 || !d_tab || !launch_chain(f, v, sh, nullptr, nops, nullptr, blocks, st)) {
           std::printf("%-10s %3d %s: does not run (%zu B of shared memory; M = 1, int4 per channel or G = 128)\n",
@@ -1097,7 +1091,7 @@ int main(int argc, char** argv) {
   bool probe_only = false, no_probe = false, tma = false, no_ceiling = false, norm = false;
   const Model* model = &kModels[0];
   int layers = 0;
-  std::vector<int> warps, stages, skips, grids;
+  std::vector<int> warps, stages, skips;
   std::vector<Fmt> fmts;
   const Fmt all[] = {{"int4g128a", 4, 128, true}, {"int4g128", 4, 128, false}, {"int4", 4, 0, false},
                      {"int8", 8, 0, false}};
@@ -1131,8 +1125,6 @@ int main(int argc, char** argv) {
       if (!parse(argv[++i], "--stages", stages)) return 2;
     } else if (a == "--skip" && has) {
       if (!parse(argv[++i], "--skip", skips)) return 2;
-    } else if (a == "--blocks" && has) {
-      if (!parse(argv[++i], "--blocks", grids)) return 2;
     } else if (a == "--formats" && has) {
       for (char* tok = std::strtok(argv[++i], ","); tok; tok = std::strtok(nullptr, ",")) {
         bool found = false;
@@ -1161,7 +1153,6 @@ int main(int argc, char** argv) {
   if (warps.empty()) warps = {16};
   if (stages.empty()) stages = {8};
   if (skips.empty()) skips = {0};
-  if (grids.empty()) grids = {0};
 
   if (fmts.empty()) fmts = {all[0], all[2], all[3]};
   cudaDeviceProp prop;
@@ -1184,7 +1175,7 @@ int main(int argc, char** argv) {
   for (int w : warps)
     for (int s : stages)
       for (int k : skips)
-        for (int b : grids) variants.push_back({w, s, k, b});
+        variants.push_back({w, s, k});
   int clock_khz = 0;
   CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
   const int failures = run_chain(*model, layers ? layers : model->layers, fmts, {1}, variants, ceiling,
