@@ -51,7 +51,7 @@ bool persist_dispatch(int bits, int group, bool zeros, bool norm, bool decode, b
 
 ChainShape persist_shape(const PersistPlan& plan, int group, bool zeros, int stages, const int32_t* d_schedule,
                          const void* const* d_norms = nullptr, float eps = 0.f, const void* d_attn = nullptr,
-                         const int32_t* d_pos = nullptr) {
+                         const int32_t* d_pos = nullptr, const void* d_head = nullptr) {
   ChainShape sh{stages, chain_meta_bytes(group, zeros), plan.x_cap, 1};
   sh.sums = plan.sums;
   sh.stage = plan.stage;
@@ -61,6 +61,7 @@ ChainShape persist_shape(const PersistPlan& plan, int group, bool zeros, int sta
   sh.norm_eps = eps;
   sh.attn = static_cast<const ChainAttn*>(d_attn);
   sh.pos = d_pos;
+  sh.head = static_cast<const ChainHead*>(d_head);
   return sh;
 }
 
@@ -69,6 +70,26 @@ std::string str(const char* a, long long v) { return std::string(a) + std::to_st
 }  // namespace
 
 int persist_op_bytes() { return static_cast<int>(sizeof(ChainOp)); }
+
+std::vector<uint8_t> persist_head_record(const PersistHead& h) {
+  if (!h.x || !h.gain || !h.weight || !h.logits || !h.key || !h.count || !h.token || h.K < 8 || h.K % 8 != 0 ||
+      h.V < 1 || h.ldx < h.K)
+    return {};
+  ChainHead r{};
+  r.x = static_cast<const unsigned short*>(h.x);
+  r.gain = h.gain;
+  r.w = h.weight;
+  r.logits = h.logits;
+  r.out = h.out;
+  r.key = static_cast<unsigned long long*>(h.key);
+  r.count = h.count;
+  r.token = h.token;
+  r.V = h.V, r.K = h.K, r.ldx = h.ldx;
+  r.eps = h.eps;
+  std::vector<uint8_t> out(sizeof(ChainHead));
+  std::memcpy(out.data(), &r, sizeof r);
+  return out;
+}
 
 long long persist_attn_part(int heads, int kv_heads, int head_dim, int splits) {
   if (kv_heads < 1 || heads < kv_heads) return 0;
@@ -283,9 +304,10 @@ std::string persist_refusal(const PersistPlan& plan, int bits, int group, bool z
 cudaError_t persist_launch(const PersistPlan& plan, const void* d_ops, int nops, const int32_t* d_schedule,
                            unsigned* d_sync, int bits, int group, bool zeros, int blocks, int warps, int stages,
                            cudaStream_t stream, const void* const* d_norms, float eps, const void* d_attn,
-                           const int32_t* d_pos, bool bf16) {
-  if ((d_attn != nullptr) != (d_pos != nullptr) || (d_attn && !d_norms)) return cudaErrorInvalidValue;
-  const ChainShape sh = persist_shape(plan, group, zeros, stages, d_schedule, d_norms, eps, d_attn, d_pos);
+                           const int32_t* d_pos, bool bf16, const void* d_head) {
+  if ((d_attn != nullptr) != (d_pos != nullptr) || (d_attn && !d_norms) || (d_head && !d_norms))
+    return cudaErrorInvalidValue;
+  const ChainShape sh = persist_shape(plan, group, zeros, stages, d_schedule, d_norms, eps, d_attn, d_pos, d_head);
   cudaError_t err = cudaErrorInvalidValue;
   persist_dispatch(bits, group, zeros, d_norms != nullptr, d_attn != nullptr, bf16, [&](auto kernel) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan.smem));

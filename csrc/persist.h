@@ -73,6 +73,27 @@ struct PersistAttn {
   float scale = 0.f;
 };
 
+// The head after the last op (kNorm kernels; M = 1; "A" the activations' type): the final RMSNorm of the
+// last op's output, lm_head and the greedy argmax.  The last op's output must be a chain buffer (two
+// poisoned copies, y_plain false).
+struct PersistHead {
+  const void* x = nullptr;        // the last op's output (its y), two copies of K values
+  int ldx = 0;                    // their stride (the last op's N: K)
+  const void* gain = nullptr;     // A [K + 8], 16-byte aligned: the final norm's gain (qgemv.persist.norm_gain)
+  float eps = 0.f;
+  const void* weight = nullptr;   // A [V][K], row-major, 16-byte aligned, K % 8 == 0: lm_head's weight
+  int V = 0, K = 0;
+  float* logits = nullptr;        // fp32 [V]: round_A(weight . normed) widened
+  void* out = nullptr;            // A [K]: the last op's output as plain values, or nullptr
+  void* key = nullptr;            // u64 scratch, zeroed once before the first launch
+  unsigned* count = nullptr;      // u32 scratch, zeroed once before the first launch
+  long long* token = nullptr;     // int64: the argmax (lowest index of the largest logit)
+};
+
+// The head's record in the device layout, to copy to the GPU (empty when a pointer is missing or K is not a
+// positive multiple of 8).
+std::vector<uint8_t> persist_head_record(const PersistHead& h);
+
 // Floats of PersistAttn::part.
 long long persist_attn_part(int heads, int kv_heads, int head_dim, int splits);
 
@@ -126,11 +147,13 @@ std::string persist_refusal(const PersistPlan& plan, int bits, int group, bool z
 // that op reads round(gain * round(x * rsqrt(mean(x^2) + eps))) instead of x.
 // d_attn (stage 2, with d_norms): the plan's attention table on the device,
 // d_pos the token's slot (int32).  bf16: every activation, gain, cache and
-// rotary table is bfloat16 (bits 16: so are the weights), else fp16.
+// rotary table is bfloat16 (bits 16: so are the weights), else fp16.  d_head
+// (with d_norms): persist_head_record's bytes on the device, run after the last op.
 // A cooperative launch: refused, not hung, when the grid cannot be co-resident.
 cudaError_t persist_launch(const PersistPlan& plan, const void* d_ops, int nops, const int32_t* d_schedule,
                            unsigned* d_sync, int bits, int group, bool zeros, int blocks, int warps, int stages,
                            cudaStream_t stream, const void* const* d_norms = nullptr, float eps = 0.f,
-                           const void* d_attn = nullptr, const int32_t* d_pos = nullptr, bool bf16 = false);
+                           const void* d_attn = nullptr, const int32_t* d_pos = nullptr, bool bf16 = false,
+                           const void* d_head = nullptr);
 
 }  // namespace qgemv

@@ -13,7 +13,8 @@
 // compiles it in csrc/persist.cu (qgemv.persist.PersistentChain); the lab,
 // dev/persist_lab.cu, runs it against qgemv's per-op GEMVs with its timing
 // hooks (ChainShape::skip, stamps, rotate).  Stage 2 (kDecode) adds each
-// layer's RoPE, KV-cache write and attention (ChainAttn).  int4 per channel
+// layer's RoPE, KV-cache write and attention (ChainAttn); a kNorm launch may
+// end with the final RMSNorm, lm_head and the greedy argmax (ChainHead).  int4 per channel
 // and G = 128 with or without zero points, fp16 activations, M = 1.
 //
 // Not deterministic: a panel's partial sums (one per warp that touched it)
@@ -32,6 +33,7 @@
 namespace qgemv {
 
 struct ChainAttn;
+struct ChainHead;
 
 #ifndef QGEMV_CHAIN_STAMPS
 #define QGEMV_CHAIN_STAMPS 0  // the lab defines it 1 (ChainShape::stamps)
@@ -64,6 +66,8 @@ struct ChainShape {
   // which is also its rotary position (a device scalar, read at every launch)
   const ChainAttn* attn = nullptr;
   const int* pos = nullptr;
+  // kNorm: the final RMSNorm, lm_head and the greedy argmax after the last op (device record), or nullptr
+  const ChainHead* head = nullptr;
 };
 
 constexpr int kChainTileBytes = kPanelRows * kTileBytes;  // 1 KB: one tile of one panel
@@ -1395,6 +1399,126 @@ __device__ __forceinline__ void chain_attention_any(const ChainAttn& a, int par,
   else chain_attention<1, A>(a, par, nthreads, csync, sm);
 }
 
+// ---- The head: the final RMSNorm, lm_head and the greedy argmax (kNorm; M = 1)
+// After the last op, every block polls the last op's output (two poisoned
+// copies, as every chain buffer), normalizes it with the final gain as the
+// layers' hand-offs do (chain_norm_input), and computes its rows [V b / G,
+// V (b + 1) / G) of the logits: fp32 sums rounded to A, as the per-op
+// lm_head's output is, stored as fp32.  The weight is the model's lm_head
+// (A [V][K], row-major), read in place with 16-byte loads that skip L1, two
+// rows a warp and 8 loads a row in flight a lane.  Each block posts its
+// largest logit with one 64-bit atomicMax (the lowest row on ties, as
+// torch.argmax); the last block to count writes the token and resets the key
+// and the count for the next launch.
+struct ChainHead {
+  const unsigned short* x;  // the last op's output: two copies of K values, ldx apart
+  const void* gain;         // A [K + 8]: the final RMSNorm's gain (qgemv.persist.norm_gain's layout)
+  const void* w;            // A [V][K], 16-byte aligned rows (K % 8 == 0)
+  float* logits;            // fp32 [V]
+  void* out;                // A [K]: the last op's output as plain values (block 0 copies it), or nullptr
+  unsigned long long* key;  // the argmax's key: zero before the first launch, left zero
+  unsigned* count;          // blocks done: zero before the first launch, left zero
+  long long* token;         // the greedy token
+  int V, K, ldx;
+  float eps;
+};
+
+// A logit and its row as a key whose unsigned order is (value, then the lower row): NaN above +inf.
+__device__ __forceinline__ unsigned long long chain_argmax_key(float v, long long row) {
+  unsigned u = __float_as_uint(v);
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return (static_cast<unsigned long long>(u) << 32) | (0xffffffffu - static_cast<unsigned>(row));
+}
+
+// 8 weights (A) times 8 activations (A), added to s in fp32.
+template <typename A>
+__device__ __forceinline__ float chain_dot8(const uint4& w, const uint4& x, float s) {
+  const uint32_t wh[4] = {w.x, w.y, w.z, w.w}, xh[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 a = chain_pair<A>(wh[e]), b = chain_pair<A>(xh[e]);
+    s = fmaf(a.x, b.x, fmaf(a.y, b.y, s));
+  }
+  return s;
+}
+
+// The head (every consumer thread, after the last op's finishing; xs: the input buffer, free by then).  A
+// call, not inlined: nothing of the tile loop is live across it, and inlined it changed ptxas's schedule of
+// the chunk loop in 36 of the 54 kernels.
+template <typename A>
+__device__ __noinline__ void chain_head(const ChainHead& hd, int par, int nthreads, __half* xs) {
+  auto csync = [&] { asm volatile("bar.sync 1, %0;" ::"r"(nthreads) : "memory"); };
+  __shared__ unsigned long long best_of[kChainMaxWarps];
+  constexpr int kU = 8;  // 16-byte loads a row in flight a lane
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = nthreads / 32, chunks = hd.K / 8;
+  GemvParams p{};
+  p.x = hd.x, p.ldx = hd.ldx, p.K = hd.K;
+  csync();  // every warp is past the last op's reads of xs
+  chain_norm_input<16, 0, A>(p, 0, par, hd.gain, hd.eps, chunks, nthreads, csync, xs, nullptr, false, nullptr,
+                             nullptr);
+  if (blockIdx.x == 0 && hd.out)  // (every value is in: this block polled them all)
+    for (int c = threadIdx.x; c < chunks; c += nthreads)
+      reinterpret_cast<uint4*>(hd.out)[c] = __ldcg(reinterpret_cast<const uint4*>(hd.x + static_cast<size_t>(par) * hd.ldx) + c);
+  csync();  // the normed input in xs
+  const uint4* xs4 = reinterpret_cast<const uint4*>(xs);
+  const uint64_t policy = evict_first_policy();
+  long long r0, r1;
+  chain_range(hd.V, blockIdx.x, gridDim.x, r0, r1);
+  unsigned long long best = 0ull;
+  for (long long row = r0 + 2 * warp; row < r1; row += 2 * W) {
+    const bool two = row + 1 < r1;
+    const uint4* w0 = reinterpret_cast<const uint4*>(static_cast<const A*>(hd.w) + row * hd.K);
+    const uint4* w1 = two ? w0 + chunks : w0;
+    float s0 = 0.f, s1 = 0.f;
+    for (int c0 = 0; c0 < chunks; c0 += 32 * kU) {
+      uint4 a[kU], b[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int c = c0 + 32 * u + lane;
+        a[u] = b[u] = make_uint4(0u, 0u, 0u, 0u);
+        if (c < chunks) a[u] = ld_stream_v4(w0 + c, policy), b[u] = ld_stream_v4(w1 + c, policy);
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int c = c0 + 32 * u + lane;
+        if (c < chunks) {
+          const uint4 xv = xs4[c];
+          s0 = chain_dot8<A>(a[u], xv, s0);
+          s1 = chain_dot8<A>(b[u], xv, s1);
+        }
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      s0 += __shfl_xor_sync(0xffffffffu, s0, o);
+      s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+    }
+    if (lane == 0) {
+      const float v0 = to_float(from_float<A>(s0));
+      hd.logits[row] = v0;
+      best = max(best, chain_argmax_key(v0, row));
+      if (two) {
+        const float v1 = to_float(from_float<A>(s1));
+        hd.logits[row + 1] = v1;
+        best = max(best, chain_argmax_key(v1, row + 1));
+      }
+    }
+  }
+  if (lane == 0) best_of[warp] = best;
+  csync();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < W; ++w) best = max(best, best_of[w]);
+    atomicMax(hd.key, best);
+    __threadfence();  // the key before the count
+    if (atomicAdd(hd.count, 1u) == gridDim.x - 1) {
+      __threadfence();
+      const unsigned long long k = atomicExch(hd.key, 0ull);
+      *hd.token = static_cast<long long>(0xffffffffu - static_cast<unsigned>(k & 0xffffffffull));
+      *hd.count = 0u;  // (every block has counted: nothing else touches it in this launch)
+    }
+  }
+}
+
 // ---- The kernel (form 20) -------------------------------------------------
 // Every warp streams its own runs of every op's tiles (chain_schedule's
 // records) through its ring of shared-memory chunks of kChainChunk tiles and
@@ -1626,6 +1750,9 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
 
   constexpr int kTs = kChainTileBytes + chain_meta_bytes(kGroup, kZeros);
   chain_consume<kChainChunk, kTs, Fmt::kGpt, kZeros>(rg, ops, nops, W, sh.skip, seg, boundary, timed, t_spin);
+  if constexpr (kNorm) {
+    if (sh.head) chain_head<A>(*sh.head, par, nthreads, xs);
+  }
   if (timed) {
     chain_add_cycles(wait_cycles, ChainCycles{{t_spin, t_warps, t_finish, t_prep, clock64() - t_begin}});
     for (int k = 0; k < 2 * kChainMaxClasses; ++k)  // after the SM id: [(6 + k) blocks + b]

@@ -478,6 +478,23 @@ PersistPlan persist_plan_from(int classes, int sums, int x_cap, int64_t smem, in
   return pl;
 }
 
+// The head's record (uint8, persist_head_record; empty when a pointer is 0 or K is not a positive multiple
+// of 8): pointers as integers.
+at::Tensor persist_head_py(int64_t x, int ldx, int64_t gain, double eps, int64_t weight, int V, int K, int64_t logits,
+                           int64_t out, int64_t key, int64_t count, int64_t token) {
+  PersistHead h;
+  h.x = reinterpret_cast<const void*>(x), h.ldx = ldx;
+  h.gain = reinterpret_cast<const void*>(gain), h.eps = static_cast<float>(eps);
+  h.weight = reinterpret_cast<const void*>(weight), h.V = V, h.K = K;
+  h.logits = reinterpret_cast<float*>(logits), h.out = reinterpret_cast<void*>(out);
+  h.key = reinterpret_cast<void*>(key), h.count = reinterpret_cast<unsigned*>(count);
+  h.token = reinterpret_cast<long long*>(token);
+  const std::vector<uint8_t> r = persist_head_record(h);
+  at::Tensor t = at::empty({static_cast<int64_t>(r.size())}, at::kByte);
+  if (!r.empty()) std::memcpy(t.data_ptr(), r.data(), r.size());
+  return t;
+}
+
 // Plain pybind functions, not dispatcher ops.  fuse's checks are a backstop
 // (ValueError; qgemv/persist.py checks first: on torch 2.11 an exception out
 // of the extension ends the process).
@@ -518,7 +535,7 @@ at::Tensor persist_fuse_py(const at::Tensor& qweight, const at::Tensor& scales, 
 std::string persist_launch_py(const at::Tensor& ops, const at::Tensor& schedule, const at::Tensor& sync, int group,
                               bool zeros, int blocks, int warps, int stages, int classes, int sums, int x_cap,
                               int64_t smem, int64_t norms, double eps, int64_t attn, int64_t pos, int bits,
-                              int stage, bool bf16) {
+                              int stage, bool bf16, int64_t head) {
   if (!ops.is_cuda() || !schedule.is_cuda() || !sync.is_cuda() || ops.device() != sync.device() ||
       schedule.device() != sync.device())
     return "ops, schedule and sync must be CUDA tensors on one device";
@@ -533,7 +550,7 @@ std::string persist_launch_py(const at::Tensor& ops, const at::Tensor& schedule,
                                          warps, stages, c10::cuda::getCurrentCUDAStream(),
                                          reinterpret_cast<const void* const*>(norms), static_cast<float>(eps),
                                          reinterpret_cast<const void*>(attn), reinterpret_cast<const int32_t*>(pos),
-                                         bf16);
+                                         bf16, reinterpret_cast<const void*>(head));
   return err == cudaSuccess ? std::string() : std::string(cudaGetErrorString(err));
 }
 
@@ -636,5 +653,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          pybind11::arg("zeros"), pybind11::arg("blocks"), pybind11::arg("warps"), pybind11::arg("stages"),
          pybind11::arg("classes"), pybind11::arg("sums"), pybind11::arg("x_cap"), pybind11::arg("smem"),
          pybind11::arg("norms") = 0, pybind11::arg("eps") = 0.0, pybind11::arg("attn") = 0, pybind11::arg("pos") = 0,
-         pybind11::arg("bits") = 4, pybind11::arg("stage") = 0, pybind11::arg("bf16") = false);
+         pybind11::arg("bits") = 4, pybind11::arg("stage") = 0, pybind11::arg("bf16") = false,
+         pybind11::arg("head") = 0);
+  ps.def("head_record", &qgemv::persist_head_py,
+         "The head's record (the final RMSNorm, lm_head, the greedy argmax) in the device layout; empty if invalid.",
+         pybind11::arg("x"), pybind11::arg("ldx"), pybind11::arg("gain"), pybind11::arg("eps"), pybind11::arg("weight"),
+         pybind11::arg("V"), pybind11::arg("K"), pybind11::arg("logits"), pybind11::arg("out"), pybind11::arg("key"),
+         pybind11::arg("count"), pybind11::arg("token"));
 }

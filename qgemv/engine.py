@@ -456,7 +456,7 @@ class Engine:
                     [tuple(weight(m) for m in (L.qkv.fused, L.o_proj, L.gate_up.fused, L.down_proj))
                      for L in self.layers],
                     norms=[(L.in_norm, L.post_norm) for L in self.layers], eps=self.eps, attention=att,
-                    dtype=self.dtype)
+                    dtype=self.dtype, head=self._launch_head())
             except persist.PersistError as e:
                 self._megakernel_off(str(e))
             except torch.OutOfMemoryError as e:  # the estimate missed: what was built is dropped
@@ -465,13 +465,36 @@ class Engine:
                 self._megakernel_off(f"out of GPU memory building it ({str(e).splitlines()[0]})")
         return self._chain
 
+    def _launch_head(self):
+        """The final norm, lm_head and greedy argmax for the launch (qgemv.persist.Head), or None where lm_head
+        is not a bias-free nn.Linear of the activations' type (it then runs after the launch, per op)."""
+        from . import persist
+
+        lm, hidden = self.lm_head, self.norm.numel()
+        w = getattr(lm, "weight", None)
+        if type(lm) is not nn.Linear or lm.bias is not None or w is None or w.dtype != self.dtype or \
+                self.norm.dtype != self.dtype or w.device != self.norm.device or w.dim() != 2 or \
+                w.shape[1] != hidden or hidden % 8 or not w.is_contiguous() or w.data_ptr() % 16:
+            return None
+        return persist.Head(w.detach(), self.norm.detach(), self.eps)
+
     def _forward_megakernel(self, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """forward() for one token of one sequence through the persistent launch: logits [1, vocab] float32."""
+        """forward() for one token of one sequence through the persistent launch: logits [1, vocab] float32
+        (with lm_head inside the launch: the launch's own buffer, rewritten by the next step)."""
         chain = self._chain
         chain.input.copy_(self.embed(ids)[0])
         chain.position.copy_(slots[-1:])  # the slot is the rotary position (one sequence: no padding)
         chain.run()
+        if chain.head is not None:
+            return chain.logits
         return self.lm_head(rms_norm(chain.output, self.norm, self.eps)).float()
+
+    def _launch_token(self, logits: torch.Tensor) -> Optional[torch.Tensor]:
+        """The greedy token [1] the launch wrote with ``logits`` (its own logits buffer), else None."""
+        chain = self._chain
+        if chain is None or chain.head is None or logits.data_ptr() != chain.logits.data_ptr():
+            return None
+        return chain.token
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, slots: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
@@ -481,7 +504,8 @@ class Engine:
         [T], consecutive, on the device); pad: int64 [B], each sequence's
         count of left-padding slots (masked out; its rotary positions count
         from the first real token).  Static shapes for T = 1, so the decode
-        step can be captured in a CUDA graph.
+        step can be captured in a CUDA graph.  A batch-1 step through the persistent launch with lm_head
+        inside it returns the launch's own logits buffer, which the next step rewrites.
         """
         B, T = ids.shape
         if B == 1 and T == 1 and self.megakernel and self._megachain() is not None:
@@ -641,8 +665,12 @@ class Engine:
                 ready.record()
             last = step == max_new_tokens - 1
             if not last:
-                following = self._sample(self._decode(nxt[:, None], slots[step:step + 1], pad),
-                                         temperature, top_k, top_p, gen)
+                logits = self._decode(nxt[:, None], slots[step:step + 1], pad)
+                # greedy through the launch: its argmax (stream order keeps each step's token until its copies
+                # below and in the next _decode have read it)
+                following = self._launch_token(logits) if temperature == 0 else None
+                if following is None:
+                    following = self._sample(logits, temperature, top_k, top_p, gen)
             if ready is not None:
                 ready.synchronize()
             for i, t in enumerate(host.tolist()):

@@ -34,6 +34,13 @@ and writes k and v into the cache at that slot; then the blocks run the
 attention over the cache in (kv head, context split) units and merge the
 splits into o's input (:func:`attend` is its reference).
 
+With ``head`` (:class:`Head`, needs ``norms``) the launch also runs the
+model's end: the final RMSNorm of the last layer's output, lm_head (a 16-bit
+weight of the activations' type, read in place) into :attr:`PersistentChain.logits`
+(float32, each rounded to the activations' type as the per-op lm_head's
+output is) and the greedy argmax into :attr:`PersistentChain.token` (the
+lowest index of the largest logit, as torch.argmax).
+
 Supported: int4 per channel, int4 G = 32, 64, 128 with or without zero
 points, int8 (with act-order perms too: each such op gathers its input
 inside the launch, K <= 32767), and float16 / bfloat16 weights (a tensor of
@@ -115,6 +122,21 @@ class Attention:
     @property
     def max_seq(self) -> int:
         return self.cos.shape[0]
+
+
+@dataclass
+class Head:
+    """The model's end inside the launch: the final RMSNorm, lm_head and the greedy argmax.
+
+    weight: lm_head's weight, [vocab, H] of the chain's activation type, on the chain's device (no bias; K = H
+    a multiple of 8; read in place, not copied); gain: the final RMSNorm's gain, [H] of that type; eps: its
+    epsilon.  The launch writes logits (float32 [1, vocab]: round(weight @ n(x)) widened, n the norm as the
+    layers' norms round it) and the token (int64 [1]: the lowest index of the largest logit).
+    """
+
+    weight: torch.Tensor
+    gain: torch.Tensor
+    eps: float = 1e-5
 
 
 def rope_rows(heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
@@ -334,6 +356,9 @@ class PersistentChain:
             rotation (on the CPU once), and each launch reads the token's slot from :attr:`position`.
         dtype: the activations' type, torch.float16 or torch.bfloat16 (default: tensor weights' own type, else
             float16); input, output, norms and every attention tensor are of it.
+        head: the final RMSNorm, lm_head and the greedy argmax after the last layer (:class:`Head`; needs
+            ``norms``): each launch writes :attr:`logits` and :attr:`token`, and :attr:`output` still holds the
+            last layer's output.
     The weights are re-laid for the kernel once, into copies the chain keeps on the GPU (grouped int4: each 1
     KB tile with its scales and zero points, built on the CPU; fp16: 16-row panels; q/k/v with attention: its
     rows in rotation order); int4 per channel and int8 are read as they lie.  The chain keeps its own
@@ -342,7 +367,8 @@ class PersistentChain:
 
     def __init__(self, layers: Sequence[Layer], *, warps: int = DEFAULT_WARPS, stages: int = DEFAULT_STAGES,
                  blocks: Optional[int] = None, norms: Optional[Sequence[Norms]] = None, eps: float = 1e-5,
-                 attention: Optional[Attention] = None, dtype: Optional[torch.dtype] = None):
+                 attention: Optional[Attention] = None, dtype: Optional[torch.dtype] = None,
+                 head: Optional[Head] = None):
         ps = _module()
         layers = [tuple(layer) for layer in layers]
         if not layers:
@@ -411,6 +437,10 @@ class PersistentChain:
             if norms is None:
                 raise PersistError("attention: needs the layers' norms (norms=)")
             self._check_attention(at, len(layers), dev, dtype)
+        if head is not None:
+            if norms is None:
+                raise PersistError("head: needs the layers' norms (norms=)")
+            self._check_head(head, h, dev, dtype)
         self.bits, self.group, self.zeros = fmt
         self.format = _format_name(qkv0)
         self.device = dev
@@ -445,9 +475,10 @@ class PersistentChain:
             last = li + 1 == len(layers)
             nq = _shape(qkv)[0]
             q, hh, a = buf(nq), buf(h), buf(i)
-            nxt = self.output if last else buf(h)
+            plain_out = last and head is None  # with a head, every block reads the last output inside the launch
+            nxt = self.output if plain_out else buf(h)
             self._keep += [q, hh, a, nxt]
-            self._acts += [q, hh, a] + ([] if last else [nxt])
+            self._acts += [q, hh, a] + ([] if plain_out else [nxt])
             if at is not None:
                 qkv = permute_rows(qkv.to(dev), rows)
             kp = [self._padded_k(w) for w in (qkv, o, gu, down)]  # each weight's K in whole tiles
@@ -482,13 +513,31 @@ class PersistentChain:
                               int(at.per_warp or 0)))
             ops.append((hh.data_ptr(), 0, a.data_ptr(), *ws[2], 2 * i, h, 2, False, False, False, h, 0, -1, pp[2],
                         kp[2]))
-            ops.append((a.data_ptr(), hh.data_ptr(), nxt.data_ptr(), *ws[3], h, i, 1, False, False, last, i, 0, -1,
-                        pp[3], kp[3]))
+            ops.append((a.data_ptr(), hh.data_ptr(), nxt.data_ptr(), *ws[3], h, i, 1, False, False, plain_out, i, 0,
+                        -1, pp[3], kp[3]))
             if norms is not None:  # an act-order op reads its gain in its inputs' stored order
                 g1, g2 = (norm_gain(n, p) for n, p in zip(norms[li], (pm[0], pm[2])))
                 self._keep += [g1, g2]
                 gains += [g1.data_ptr(), 0, g2.data_ptr(), 0]
             x, x_plain = nxt, False
+        self.head = head
+        self.logits = self.token = None
+        self._head = None
+        if head is not None:  # x: the last layer's output (two copies)
+            vocab = head.weight.shape[0]
+            self.logits = torch.zeros(1, vocab, dtype=torch.float32, device=dev)
+            self.token = torch.zeros(1, dtype=torch.int64, device=dev)
+            key = torch.zeros(1, dtype=torch.int64, device=dev)  # the argmax's key and count, left zero by each launch
+            count = torch.zeros(1, dtype=torch.int32, device=dev)
+            gain = norm_gain(head.gain.contiguous())
+            w = head.weight.contiguous()
+            self._keep += [key, count, gain, w]
+            rec = ps.head_record(x.data_ptr(), h, gain.data_ptr(), float(head.eps), w.data_ptr(), vocab, h,
+                                 self.logits.data_ptr(), self.output.data_ptr(), key.data_ptr(), count.data_ptr(),
+                                 self.token.data_ptr())
+            if rec.numel() == 0:
+                raise PersistError(f"head: the record was refused (lm_head {list(w.shape)}, H = {h})")
+            self._head = rec.to(dev)
         err, table, sched, self.op_class, self.classes, self.sums, self.x_cap, self.stage, self.smem, attn = ps.plan(
             ops, self.group, self.zeros, blocks, warps, stages, attns, self.bits)
         if err:
@@ -542,6 +591,27 @@ class PersistentChain:
         if at.per_warp is not None and not 1 <= at.per_warp <= 64:
             raise PersistError(f"attention: per_warp must be None or 1..64, got {at.per_warp}")
 
+    @staticmethod
+    def _check_head(hd: Head, hidden: int, dev, dtype: torch.dtype) -> None:
+        if not isinstance(hd, Head):
+            raise PersistError(f"head: expected a qgemv.persist.Head, got {type(hd).__name__}")
+        w, g = hd.weight, hd.gain
+        if not isinstance(w, torch.Tensor) or w.dtype != dtype or w.dim() != 2 or w.shape[1] != hidden or \
+                w.shape[0] < 1 or w.device != dev:
+            raise PersistError(f"head: weight must be {_dt(dtype)} [vocab, {hidden}] on {dev}, got "
+                               f"{getattr(w, 'dtype', type(w).__name__)} {list(getattr(w, 'shape', []))} on "
+                               f"{getattr(w, 'device', '-')}")
+        if w.is_contiguous() and w.data_ptr() % 16:
+            raise PersistError("head: weight must start 16-byte aligned (its rows are read 16 bytes at a time)")
+        if w.shape[0] >= 2 ** 31 - 1:
+            raise PersistError(f"head: vocab must be below 2^31 - 1, got {w.shape[0]}")
+        if not isinstance(g, torch.Tensor) or g.dtype != dtype or tuple(g.shape) != (hidden,) or g.device != dev:
+            raise PersistError(f"head: gain must be {_dt(dtype)} [{hidden}] on {dev}, got "
+                               f"{getattr(g, 'dtype', type(g).__name__)} {list(getattr(g, 'shape', []))} on "
+                               f"{getattr(g, 'device', '-')}")
+        if not (hd.eps > 0.0):
+            raise PersistError(f"head: eps must be positive, got {hd.eps}")
+
     def _perm(self, w: Weight) -> Optional[torch.Tensor]:
         """An act-order weight's input perm as the kernel reads it (int16 [K] on the chain's device), or None."""
         if isinstance(w, torch.Tensor) or w.perm is None:
@@ -584,7 +654,7 @@ class PersistentChain:
                                self._norms.data_ptr() if self._norms is not None else 0, self.eps,
                                self._attn.data_ptr() if self._attn is not None else 0,
                                self.position.data_ptr() if self._attn is not None else 0, self.bits, self.stage,
-                               self.dtype == torch.bfloat16)
+                               self.dtype == torch.bfloat16, self._head.data_ptr() if self._head is not None else 0)
         if why:
             raise PersistError(f"PersistentChain: launch refused: {why}")
 

@@ -6,7 +6,8 @@ exactly one warp of one block, in order; the fused G = 128 tiles' bytes; the
 plan's refusals.  On a compute-capability-9 GPU: the chain against the per-op
 chain (qgemv.persist.reference) for every supported format, odd grids, with
 and without the layers' RMSNorms, CUDA graph replays, and a grid too large to
-be co-resident refused, not hung.
+be co-resident refused, not hung; the final norm, lm_head and argmax inside
+the launch (Head) against the per-op end on the launch's own output.
 """
 
 import math
@@ -738,6 +739,112 @@ def test_decode_chain_replays_in_a_cuda_graph_at_moving_positions():
         ref = persist.reference(layers, x, norms, 1e-5, attention=ref_at, position=pos)
         assert_close_chain(chain.output, ref, x, f"graph replay at {pos}")
         x = chain.output.clone()
+
+
+@needs_ext
+def test_head_record_refuses_a_missing_pointer_or_a_k_the_loads_cannot_take():
+    """The head's record (what the launch trusts): empty, so refused by the chain, for a missing pointer, K not
+    a positive multiple of 8, a copy stride below K or no rows; the device layout's size otherwise."""
+    ps = _ext.MODULE.persist
+    ok = dict(x=16, ldx=256, gain=32, eps=1e-5, weight=48, V=10, K=256, logits=64, out=0, key=80, count=96, token=112)
+    assert ps.head_record(**ok).numel() > 0
+    for bad in (dict(x=0), dict(gain=0), dict(weight=0), dict(logits=0), dict(key=0), dict(count=0), dict(token=0),
+                dict(K=252, ldx=252), dict(K=0), dict(ldx=128), dict(V=0)):
+        assert ps.head_record(**{**ok, **bad}).numel() == 0, bad
+
+
+def head_reference(chain, head):
+    """The per-op end on the launch's own output: logits (float32 [1, V]) of round(weight @ n(output)), n the
+    final RMSNorm as the engine rounds it, the sums in fp32."""
+    from qgemv.engine import rms_norm
+
+    normed = rms_norm(chain.output, head.gain, head.eps)
+    return (normed.float() @ head.weight.float().t()).to(chain.dtype).float()
+
+
+def assert_head(chain, head, what):
+    ref = head_reference(chain, head)
+    got = chain.logits
+    assert torch.isfinite(got).all(), f"{what}: non-finite logits"
+    step = 2.0 ** (math.floor(math.log2(ref.abs().max().item())) - (7 if chain.dtype == BF16 else 10))
+    diff = (got - ref).abs().max().item()
+    assert diff <= 2 * step, f"{what}: logits off by {diff:.3g} (a step {step:.3g})"
+    # the launch's token is the argmax of its own logits, the lowest index on ties, as torch.argmax
+    assert chain.token.item() == got.argmax().item(), f"{what}: token {chain.token.item()}"
+
+
+@needs_sm90
+@pytest.mark.parametrize("name,dt", [("int4g128a", torch.float16), ("int8", torch.float16), ("bf16", BF16),
+                                     ("int4", BF16), ("fp16", torch.float16)])
+@pytest.mark.parametrize("vocab,grid", [(1000, {}), (100, {}), (4099, dict(blocks=7, warps=5, stages=4))])
+def test_head_gives_the_per_op_logits_and_their_argmax(name, dt, vocab, grid):
+    """The final norm, lm_head and argmax inside the launch (Head): logits within two steps of the activations'
+    type of the per-op end on the launch's own output, every step's token their argmax, the output still
+    written; a vocabulary smaller than the grid (100 rows over 132 blocks) and odd sizes."""
+    torch.manual_seed(9)
+    layers, norms, at = decode_setup(name, 4, 2, 64, 640, 2, 48, dt=dt)
+    head = persist.Head((torch.randn(vocab, 256, device="cuda") / 16).to(dt), (0.5 + torch.rand(256, device="cuda")).to(dt))
+    chain = persist.PersistentChain(layers, norms=norms, eps=1e-5, attention=at, dtype=dt, head=head, **grid)
+    for pos in (0, 5, 47):
+        x = torch.randn(1, 256, device="cuda").to(dt)
+        ref_at = persist.Attention(4, 2, 64, at.cos, at.sin, at.k_cache.clone(), at.v_cache.clone())
+        chain.logits.fill_(float("nan"))
+        chain.output.fill_(float("nan"))
+        y = chain(x, position=pos)
+        assert_close_chain(y, persist.reference(layers, x, norms, 1e-5, attention=ref_at, position=pos), x,
+                           f"output at {pos}")
+        assert_head(chain, head, f"position {pos}")
+
+
+@needs_sm90
+def test_head_argmax_takes_the_lowest_of_tied_rows_and_replays_in_a_graph():
+    """Rows 3, 700 and 901 of lm_head equal: their logits tie at the top, and the launch's token is the lowest
+    (as torch.argmax), step after step of CUDA graph replays whose outputs feed back."""
+    torch.manual_seed(10)
+    layers, norms, at = decode_setup("int4g128a", 4, 2, 64, 640, 2, 32)
+    w = (torch.randn(1000, 256, device="cuda") / 64).half()
+    chain = persist.PersistentChain(layers, norms=norms, attention=at, head=persist.Head(w, norms[0][0]))
+    chain.input.copy_(torch.randn(1, 256, device="cuda").half())
+    chain.run()
+    g = torch.cuda.CUDAGraph()
+    st = torch.cuda.Stream()
+    with torch.cuda.stream(st):
+        with torch.cuda.graph(g, stream=st):
+            chain.run()
+    for pos in range(4, 8):
+        chain.input.copy_(torch.randn(1, 256, device="cuda").half())
+        chain.position.fill_(pos)
+        chain.run()  # eager: the output this step's tied rows are built from
+        n = persist.Head(w, norms[0][0]).gain
+        from qgemv.engine import rms_norm
+        u = rms_norm(chain.output, n, 1e-5)[0].float()
+        tie = (u / u.norm()).half()  # a row along the normed output: larger than every random row's logit
+        for r in (901, 3, 700):
+            w[r] = tie
+        g.replay()
+        torch.cuda.synchronize()
+        assert_head(chain, persist.Head(w, n), f"graph replay at {pos}")
+        assert chain.token.item() == 3
+
+
+@needs_sm90
+def test_chain_checks_its_head():
+    layers, norms, at = decode_setup("int4", 4, 2, 64, 640, 1, 32)
+    w, g = torch.zeros(64, 256, device="cuda").half(), torch.ones(256, device="cuda").half()
+    with pytest.raises(persist.PersistError, match="head: needs the layers' norms"):
+        persist.PersistentChain(layers, head=persist.Head(w, g))
+    with pytest.raises(persist.PersistError, match=r"head: weight must be float16 \[vocab, 256\] on cuda:0, got "
+                                                   r"torch.float32 \[64, 256\]"):
+        persist.PersistentChain(layers, norms=norms, attention=at, head=persist.Head(w.float(), g))
+    with pytest.raises(persist.PersistError, match=r"head: weight must be float16 \[vocab, 256\]"):
+        persist.PersistentChain(layers, norms=norms, attention=at, head=persist.Head(w[:, :128], g))
+    with pytest.raises(persist.PersistError, match=r"head: gain must be float16 \[256\]"):
+        persist.PersistentChain(layers, norms=norms, attention=at, head=persist.Head(w, g[:128]))
+    with pytest.raises(persist.PersistError, match="head: eps must be positive"):
+        persist.PersistentChain(layers, norms=norms, attention=at, head=persist.Head(w, g, eps=0.0))
+    with pytest.raises(persist.PersistError, match="head: weight must start 16-byte aligned"):
+        persist.PersistentChain(layers, norms=norms, attention=at,
+                                head=persist.Head(torch.zeros(64 * 256 + 1, device="cuda").half()[1:].view(64, 256), g))
 
 
 @needs_sm90
