@@ -129,7 +129,7 @@ class Head:
     """The model's end inside the launch: the final RMSNorm, lm_head and the greedy argmax.
 
     weight: lm_head's weight, [vocab, H] of the chain's activation type, on the chain's device (no bias; K = H
-    a multiple of 8; read in place, not copied); gain: the final RMSNorm's gain, [H] of that type; eps: its
+    a multiple of 8; read in place when contiguous, else copied once); gain: the final RMSNorm's gain, [H] of that type; eps: its
     epsilon.  The launch writes logits (float32 [1, vocab]: round(weight @ n(x)) widened, n the norm as the
     layers' norms round it) and the token (int64 [1]: the lowest index of the largest logit).
     """
