@@ -800,10 +800,13 @@ def test_head_gives_the_per_op_logits_and_their_argmax(name, dt, vocab, grid):
 def test_head_argmax_takes_the_lowest_of_tied_rows_and_replays_in_a_graph():
     """Rows 3, 700 and 901 of lm_head equal: their logits tie at the top, and the launch's token is the lowest
     (as torch.argmax), step after step of CUDA graph replays whose outputs feed back."""
+    from qgemv.engine import rms_norm
+
     torch.manual_seed(10)
     layers, norms, at = decode_setup("int4g128a", 4, 2, 64, 640, 2, 32)
     w = (torch.randn(1000, 256, device="cuda") / 64).half()
-    chain = persist.PersistentChain(layers, norms=norms, attention=at, head=persist.Head(w, norms[0][0]))
+    head = persist.Head(w, norms[0][0])
+    chain = persist.PersistentChain(layers, norms=norms, attention=at, head=head)
     chain.input.copy_(torch.randn(1, 256, device="cuda").half())
     chain.run()
     g = torch.cuda.CUDAGraph()
@@ -815,15 +818,13 @@ def test_head_argmax_takes_the_lowest_of_tied_rows_and_replays_in_a_graph():
         chain.input.copy_(torch.randn(1, 256, device="cuda").half())
         chain.position.fill_(pos)
         chain.run()  # eager: the output this step's tied rows are built from
-        n = persist.Head(w, norms[0][0]).gain
-        from qgemv.engine import rms_norm
-        u = rms_norm(chain.output, n, 1e-5)[0].float()
+        u = rms_norm(chain.output, head.gain, head.eps)[0].float()
         tie = (u / u.norm()).half()  # a row along the normed output: larger than every random row's logit
         for r in (901, 3, 700):
             w[r] = tie
         g.replay()
         torch.cuda.synchronize()
-        assert_head(chain, persist.Head(w, n), f"graph replay at {pos}")
+        assert_head(chain, head, f"graph replay at {pos}")
         assert chain.token.item() == 3
 
 
