@@ -62,9 +62,6 @@ struct ChainShape {
   // input was all read
   unsigned long long* stamps = nullptr;
   int rotate = 0;  // lab (QGEMV_CHAIN_STAMPS): block b runs the schedule of block (b + rotate) % blocks
-#if QGEMV_CHAIN_STAMPS
-  int lazy = 0;  // lab: 1, shared memory holds a readiness flag a k-tile (x_cap / 32), for kChainLazyIn
-#endif
   // kDecode: the layers' attention (device array, ChainOp::attn indexes it) and the token's cache slot,
   // which is also its rotary position (a device scalar, read at every launch)
   const ChainAttn* attn = nullptr;
@@ -155,7 +152,6 @@ enum ChainFlags : int {
   kChainPlainY = 4,    // y is plain (nothing in this launch reads it)
   kChainRope = 8,      // kDecode: the q/k/v op; its finishing rotates q and k and writes the cache
   kChainAttnIn = 16,   // kDecode: the op after attention; the blocks run the attention before its input
-  kChainLazyIn = 32,   // lab builds: the input's late k-tiles prepared as the warps reach them (dev/PERSISTENT.md)
 };
 
 // int4 with fp16 activations: 8 activations (k 8c .. 8c + 7)
@@ -255,17 +251,10 @@ inline std::vector<uint8_t> chain_meta(const uint16_t* scales, const uint8_t* ze
 // panel (unit vp >> shift, gate or up half vp & shift), panel the op's.
 struct ChainCursor {
   int pos, end, kt, vp, panel, tpp, u0, shift, half;
-#if QGEMV_CHAIN_STAMPS
-  int stride = 1;  // lab builds: the block's units b, b + G, b + 2G, ... (chain_schedule's `strided` classes): G
-#endif
 };
 
 __device__ __forceinline__ int chain_panel(const ChainCursor& c) {
-#if QGEMV_CHAIN_STAMPS
-  return c.u0 + (c.vp >> c.shift) * c.stride + (c.vp & c.shift) * c.half;
-#else
   return c.u0 + (c.vp >> c.shift) + (c.vp & c.shift) * c.half;
-#endif
 }
 
 // n tiles on, at most to the end of the current panel.
@@ -383,18 +372,9 @@ static __shared__ float chain_xmax[kChainMaxWarps];
 __host__ __device__ inline size_t chain_xsum_bytes(const ChainShape& sh) {
   return (static_cast<size_t>(sh.M) * (sh.x_cap / 32) * 4 + 15) / 16 * 16;
 }
-#if QGEMV_CHAIN_STAMPS
-__host__ __device__ inline size_t chain_lazy_bytes(const ChainShape& sh) {
-  return sh.lazy ? (static_cast<size_t>(sh.x_cap) / 32 * 4 + 15) / 16 * 16 : 0;
-}
-#endif
 __host__ __device__ inline size_t chain_head_bytes(const ChainShape& sh) {
   return (static_cast<size_t>(sh.sums) * 4 + 15) / 16 * 16 + static_cast<size_t>(sh.M) * sh.x_cap * 2 +
-         chain_xsum_bytes(sh) + (sh.stage ? static_cast<size_t>(sh.M) * sh.x_cap * 2 : 0)
-#if QGEMV_CHAIN_STAMPS
-         + chain_lazy_bytes(sh)  // (lab builds only: the extension's kernels keep their code as it was)
-#endif
-      ;
+         chain_xsum_bytes(sh) + (sh.stage ? static_cast<size_t>(sh.M) * sh.x_cap * 2 : 0);
 }
 
 // The kernel's weight formats (fp16 activations): int4 per channel or G = 128 (one group a tile), with the
@@ -447,12 +427,8 @@ inline int chain_classes(ChainOp* ops, int nops) {
 }
 
 // The records for `blocks` blocks of W consumer warps (empty when a k-tile or a
-// unit index does not fit its 16 bits).  strided (the lab's builds only; bit
-// c: class c): block b owns units b, b + G, b + 2G, ... of class c instead of
-// a contiguous range, so that an op's j-th units finish together across the
-// grid (its units' record is then {b, b + count, G, 0}).
-inline std::vector<int4> chain_schedule(const ChainOp* ops, int nops, int classes, int blocks, int W,
-                                        unsigned strided = 0) {
+// unit index does not fit its 16 bits).
+inline std::vector<int4> chain_schedule(const ChainOp* ops, int nops, int classes, int blocks, int W) {
   std::vector<int4> tab(static_cast<size_t>(classes) * blocks * (W + 1));
   for (int c = 0; c < classes; ++c) {
     const ChainOp* o = nullptr;
@@ -460,11 +436,9 @@ inline std::vector<int4> chain_schedule(const ChainOp* ops, int nops, int classe
       if (ops[i].cls == c) o = ops + i;
     if (!o) return {};
     const int tpp = chain_op_tpp(*o), ppu = chain_ppu(*o);
-    const bool str = (strided >> c) & 1u;
     for (int b = 0; b < blocks; ++b) {
       long long u0, u1;
       chain_range(chain_units(*o), b, blocks, u0, u1);
-      if (str) u0 = b, u1 = b + (chain_units(*o) > b ? (chain_units(*o) - 1 - b) / blocks + 1 : 0);
       int4* r = tab.data() + (static_cast<size_t>(c) * blocks + b) * (W + 1);
       for (int w = 0; w < W; ++w) {
         long long a, e;
@@ -473,7 +447,7 @@ inline std::vector<int4> chain_schedule(const ChainOp* ops, int nops, int classe
         r[w] = make_int4(static_cast<int>(a), static_cast<int>(e), static_cast<int>(a / tpp),
                          static_cast<int>(a % tpp) | static_cast<int>(u0) << 16);
       }
-      r[W] = make_int4(static_cast<int>(u0), static_cast<int>(u1), str ? blocks : 0, 0);
+      r[W] = make_int4(static_cast<int>(u0), static_cast<int>(u1), 0, 0);
     }
   }
   return tab;
@@ -486,9 +460,6 @@ __device__ __forceinline__ void chain_start(const ChainOp& o, const int4* tab, i
   c.tpp = chain_op_tpp(o);
   c.shift = chain_ppu(o) - 1;
   c.half = o.p.N / kPanelRows / 2;
-#if QGEMV_CHAIN_STAMPS
-  c.stride = max(1, tab[o.cls * (W + 1) + W].z);
-#endif
   c.panel = chain_panel(c);
 }
 
@@ -641,9 +612,6 @@ struct ChainSeg {
   static constexpr int kTileK = chain_tile_k(kBits);
   static constexpr bool kGrouped = kGpt > 0;
   int len = 0, left = 0;  // tiles in the segment; not yet summed
-#if QGEMV_CHAIN_STAMPS
-  int kt = 0;  // lab builds (kChainLazyIn): the op's k-tile of the next tile
-#endif
   bool open = false;
   float acc[4] = {}, c0[4] = {}, c1[4] = {}, xa0 = 0.f, xa1 = 0.f, sc0 = 1.f, sc1 = 1.f;
   const __half* xk = nullptr;                 // this lane's activations of the next tile
@@ -652,9 +620,6 @@ struct ChainSeg {
   __device__ __forceinline__ void begin(const ChainCursor& cur, const ChainOp& o, int g, const __half* xk0,
                                         const float* x0, const float* x1) {
     len = left = min(cur.tpp - cur.kt, cur.end - cur.pos);
-#if QGEMV_CHAIN_STAMPS
-    kt = cur.kt;
-#endif
     open = true;
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[e] = c0[e] = c1[e] = 0.f;
@@ -669,11 +634,15 @@ struct ChainSeg {
     xk += kTileK;
     X0 += kGpt > 1 ? kGpt : 1;  // the next tile's x sums
     X1 += kGpt > 1 ? kGpt : 1;
-#if QGEMV_CHAIN_STAMPS
-    ++kt;
-#endif
     --left;
   }
+
+#if QGEMV_CHAIN_STAMPS
+  // Lab builds, ChainShape::skip & 4 (no tile math): the chunk's tiles counted as summed, their bytes unread.
+  __device__ __forceinline__ void pass(int n) {
+    left -= min(n, left);
+  }
+#endif
 
   // Past the segment's last tile: flush() its sums, the cursor past it.
   template <typename F>
@@ -804,11 +773,10 @@ struct ChainChunks {
 // at once (the ring is full until the walk ends and holds the walk's chunks in
 // summing order: no count of chunks ahead, no search for a free one).  skip &
 // 8 (the lab): the block's own 64 tiles of op 0 over and over (L2 hits;
-// results wrong).  ready(seg): before each chunk (lab builds: kChainLazyIn's
-// inputs).  waited: the cycles spent waiting for a chunk (when timed).
-template <int kChunk, int kTs, int kGpt, bool kZeros, typename Seg, typename B, typename R>
+// results wrong).  waited: the cycles spent waiting for a chunk (when timed).
+template <int kChunk, int kTs, int kGpt, bool kZeros, typename Seg, typename B>
 __device__ __forceinline__ void chain_consume(const ChainRing& rg, const ChainOp* ops, int nops, int W, int skip,
-                                                Seg& seg, B&& boundary, R&& ready, bool timed, long long& waited) {
+                                                Seg& seg, B&& boundary, bool timed, long long& waited) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const ChainChunks<kChunk, kTs, kGpt, kZeros> ring(rg, warp, lane);
   unsigned char* slots = rg.w + static_cast<size_t>(warp) * rg.R * kTs;
@@ -846,13 +814,12 @@ __device__ __forceinline__ void chain_consume(const ChainRing& rg, const ChainOp
   for (int q = 0; q < rg.C && wk.left > 0; ++q) fill(q);
   for (;;) {
     if (seg.left == 0 && !boundary()) return;
-#if QGEMV_CHAIN_STAMPS
-    ready(seg);  // lab builds, kChainLazyIn: the inputs of the chunk's k-tiles
-#else
-    (void)ready;
-#endif
     ring.wait(c, phase, timed, waited);
-    ring.sum(c, seg);
+#if QGEMV_CHAIN_STAMPS
+    if (skip & 4) seg.pass(kChunk);  // lab: no tile math (results wrong)
+    else
+#endif
+      ring.sum(c, seg);
     // Every lane's reads of the chunk are done (their values are in the sums) before lane 0 has the copy
     // engine overwrite it: the CTA's own ordering (no proxy fence: it compiled to MEMBAR.ALL.CTA, once a chunk).
     __syncwarp();
@@ -1021,73 +988,6 @@ __device__ __forceinline__ void chain_async_input(const uint4* src, int chunks, 
     }
   }
 }
-
-#if QGEMV_CHAIN_STAMPS
-// kChainLazyIn (M = 1): k-tile kt of the op's input made ready in xs before
-// a warp sums a tile of it, so that a block starts the op's tiles while
-// other blocks still write its input, and waits only at the k-tiles whose
-// values are late.  flags[kt]: 0 not yet, 1 a warp preparing it, 2 ready
-// (zeroed in the op's hand-off).  The first warp to need the tile claims it
-// and prepares its chunks as chain_async_input would (lane j chunk kt x
-// kTileK / 8 + j, polled until written; chunks from `chunks` on are the
-// padding's zeros); the others wait for the flag.
-template <int kBits, int kTileK, int kSumK>
-__device__ __forceinline__ void chain_lazy_tile(int* flags, int kt, const uint4* src, int chunks, bool nowait,
-                                                uint4* xs4, float* xsum) {
-  volatile int* fl = flags + kt;
-  if (*fl == 2) return;  // (warp-uniform: every lane reads the same flag; a lane that sees 2 early waits below)
-  const int lane = threadIdx.x & 31;
-  int won = 0;
-  if (lane == 0) won = atomicCAS(flags + kt, 0, 1) == 0;
-  won = __shfl_sync(0xffffffffu, won, 0);
-  if (won) {
-    constexpr int kCpt = kTileK / 8;  // chunks a tile: 16, 8 or 4
-    const int c = kt * kCpt + lane;
-    const bool on = lane < kCpt;
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (on && c < chunks) {
-      v = ld_relaxed_gpu_v4(src + c);
-      while (!nowait && !chain_half_ready(v)) v = ld_relaxed_gpu_v4(src + c);
-    }
-    chain_put_chunk<kBits, kSumK>(xs4, xsum, c, on, v);
-    __threadfence_block();  // the tile's values before its flag
-    __syncwarp();
-    if (lane == 0) *fl = 2;
-  } else {
-    while (*fl != 2) {
-    }
-    __threadfence_block();
-  }
-  __syncwarp();
-}
-
-// kChainLazyIn's hand-off (M = 1): every chunk of the input copied at once
-// (chain_copy_input), then each k-tile whose chunks all arrived written is put
-// (chain_put_chunk, the padding's chunks as zeros) and flagged ready (2); a
-// k-tile with a chunk still poisoned is flagged 0 and left to the first warp
-// that needs it (chain_lazy_tile).  Thread i: chunks i, i + n, ... (n =
-// nthreads): a k-tile's kTileK / 8 chunks are consecutive lanes of one warp.
-// kchunks: the chunks of the padded input (Kp / 8).
-template <int kBits, int kTileK, int kSumK>
-__device__ __forceinline__ void chain_lazy_input(const uint4* src, int chunks, int kchunks, int nthreads, __half* xs,
-                                                 float* xsum, bool nowait, int* flags) {
-  constexpr int kCpt = kTileK / 8;
-  const int lane = threadIdx.x & 31;
-  uint4* xs4 = reinterpret_cast<uint4*>(xs);
-  chain_copy_input(xs4, src, chunks, nthreads);
-  for (int cb = threadIdx.x - lane; cb < kchunks; cb += nthreads) {  // warp-uniform (the ballot and shuffles)
-    const int c = cb + lane;
-    const bool real = c < chunks, in = c < kchunks;
-    const uint4 v = real ? xs4[c] : make_uint4(0u, 0u, 0u, 0u);
-    const unsigned ball = __ballot_sync(0xffffffffu, !real || nowait || chain_half_ready(v));
-    const int g0 = lane / kCpt * kCpt;
-    const unsigned gm = ((1u << kCpt) - 1u) << g0;
-    const bool tile_ok = (ball & gm) == gm;
-    chain_put_chunk<kBits, kSumK>(xs4, xsum, c, in && tile_ok, v);
-    if (in && lane == g0) flags[c / kCpt] = tile_ok ? 2 : 0;
-  }
-}
-#endif
 
 // An op's input with its RMSNorm (M = 1, fp16 halves; every thread
 // calls it between the block barriers of the hand-off): the input's copy
@@ -1672,15 +1572,6 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
   __half* xs = reinterpret_cast<__half*>(chain_smem + (static_cast<size_t>(sh.sums) * 4 + 15) / 16 * 16);  // (or bf16 bits)
   float* xsum = reinterpret_cast<float*>(xs + static_cast<size_t>(M) * sh.x_cap);  // [M][x_cap / 32]
   __half* xnat = reinterpret_cast<__half*>(reinterpret_cast<unsigned char*>(xsum) + chain_xsum_bytes(sh));  // sh.stage
-#if QGEMV_CHAIN_STAMPS
-  int* lazy_flags = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(xnat) +
-                                           (sh.stage ? static_cast<size_t>(M) * sh.x_cap * 2 : 0));  // sh.lazy
-  // lab builds: the op being consumed has kChainLazyIn; then its input's source and chunks and the lab's
-  // no-wait (in shared memory: out of the tile loop's registers)
-  bool lazy = false;
-  __shared__ const uint4* lazy_src;
-  __shared__ int lazy_chunks, lazy_nowait;
-#endif
   for (int q = threadIdx.x; q < sh.sums; q += nthreads) sums[q] = 0.f;
   const ChainRing rg(chain_smem, sh, W);
   for (int q = threadIdx.x; q < W * rg.C; q += blockDim.x) mbar_init(rg.full + q, 1);
@@ -1738,14 +1629,6 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
     const int chunks = p.K / 8;
     // lab builds: skip bit 8 + c takes the inputs of op class c without waiting (one hand-off's wait)
     const bool nowait = (sh.skip & 1) || (kStamps && cls >= 0 && cls < 8 && ((sh.skip >> (8 + cls)) & 1));
-#if QGEMV_CHAIN_STAMPS
-    lazy = (o_flags & kChainLazyIn) != 0;  // (lab builds only until it is measured a gain)
-    if (lazy) {  // (M = 1, no norm, no perm: the host's rule) the k-tiles already written; the rest as needed
-      if (threadIdx.x == 0) lazy_src = chain_input_src(p, o_flags, par), lazy_chunks = chunks, lazy_nowait = nowait;
-      chain_lazy_input<kBits, Fmt::kTileK, Fmt::kSumK>(chain_input_src(p, o_flags, par), chunks, p.Kp / 8, nthreads,
-                                                      xs, xsum, nowait, lazy_flags);
-    } else
-#endif
     {
       bool normed = false;
       if constexpr (kNorm) {
@@ -1782,7 +1665,6 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
     if (sh.skip & 2) return;  // lab: no hand-off at all (results wrong)
     const int4 r = rg.tab[o.cls * (W + 1) + W];
     const int u0 = r.x, u1 = r.y;
-    const int ustride = kStamps ? max(1, r.z) : 1;  // lab builds: strided units (chain_schedule)
     const int ppu = chain_ppu(o), vals = kPanelRows * M;
     if constexpr (kDecode) {
       if (o.flags & kChainRope) {  // stage 2: q/k/v, rotated, into its output and the cache
@@ -1812,7 +1694,7 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
     float res0 = 0.f;
     if (resid && threadIdx.x < count)
       res0 = res_at((threadIdx.x % vals) / kPanelRows,
-                    static_cast<int>(u0 + threadIdx.x / vals * ustride) * kPanelRows + threadIdx.x % kPanelRows);
+                    static_cast<int>(u0 + threadIdx.x / vals) * kPanelRows + threadIdx.x % kPanelRows);
     const long long f0 = timed ? clock64() : 0;
     if (kStamps && timed && sh.stamps) stamp(oi, 0, f0 - t_mark[0]);
     csync();
@@ -1827,7 +1709,7 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
         v = v / (1.f + __expf(-v)) * to_float(from_float<T>(kScaled ? *up * xun : *up));
         *up = 0.f;
       }
-      const int row = static_cast<int>(u0 + u * ustride) * kPanelRows + r;
+      const int row = static_cast<int>(u0 + u) * kPanelRows + r;
       if (resid) v += q == threadIdx.x ? res0 : res_at(tok, row);
       if (py) {  // this launch's copy; the other poisoned for the next launch
         chain_store_bits(static_cast<unsigned short*>(p.y) + row, p.ldy, par, chain_act_bits<T>(v));
@@ -1877,20 +1759,8 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
     return true;
   };
 
-#if QGEMV_CHAIN_STAMPS
-  // kChainLazyIn: the inputs of the k-tiles of the chunk the warp sums next
-  auto ready = [&](const auto& sg) {
-    if (!lazy) return;
-    const int n = min(kChainChunk, sg.left);
-    for (int j = 0; j < n; ++j)
-      chain_lazy_tile<kBits, Fmt::kTileK, Fmt::kSumK>(lazy_flags, sg.kt + j, lazy_src, lazy_chunks, lazy_nowait != 0,
-                                                     reinterpret_cast<uint4*>(xs), xsum);
-  };
-#else
-  auto ready = [](const auto&) {};
-#endif
   constexpr int kTs = kChainTileBytes + chain_meta_bytes(kGroup, kZeros);
-  chain_consume<kChainChunk, kTs, Fmt::kGpt, kZeros>(rg, ops, nops, W, sh.skip, seg, boundary, ready, timed, t_spin);
+  chain_consume<kChainChunk, kTs, Fmt::kGpt, kZeros>(rg, ops, nops, W, sh.skip, seg, boundary, timed, t_spin);
   if constexpr (kNorm) {
     if (sh.head) chain_head<A>(*sh.head, par, nthreads, xs);
   }

@@ -6,18 +6,12 @@
 //        csrc/gemv_int4.cu csrc/gemv_int8.cu csrc/runtime.cpp -o /tmp/persist_lab
 //   /tmp/persist_lab [--probe-only | --no-probe] [--tma-probe] [--no-ceiling] [--norm] [--model llama3-8b|llama3-70b|qwen2.5-7b|llama2-7b] [--layers L]
 //                    [--warps 12,16] [--stages 8] [--formats int4g128a,int4g128,int4,int8] [--skip 0,1]
-//                    [--lazy 0,8] [--stride 0,4]
 //   (the persistent launch is the kernel of csrc/persist_chain.cuh (form 20 of dev/PERSISTENT.md; the
 //    other forms are in git), M = 1, int4 per channel and G = 128; int8 runs the per-op chains only;
 //    --warps: warps per block; --stages: each warp's ring of 1 KB tiles, a multiple of 2 above 2;
 //    --skip 0,1,5,37: timing experiments, ChainShape::skip: 1 no waits (the polled halves taken as they
 //    are), 2 no hand-off at all, 4 no tile math, 8 the weights copied from L2, 32 no flush, 256 << c no
 //    waits for op class c's inputs only (the layer's classes: 0 q/k/v, 1 o, 2 gate/up, 3 down);
-//    --lazy 0,8: op classes (bit c: class c) whose input is prepared tile by tile (kChainLazyIn: the
-//    k-tiles written by the hand-off's copy at once, the late ones by the first warp that needs them; never
-//    an op with a norm); --stride 0,4: op classes whose units are strided over the blocks (block b owns
-//    units b, b + G, ...: an op's j-th units finish together, so its output is ready in k order; with
-//    --lazy 8 --stride 4 down's warps start on the early k-tiles while gate/up's last round is written);
 //    --no-ceiling: skip the 2 GB read that measures the ceiling, for runs under compute-sanitizer;
 //    --norm: an RMSNorm before q/k/v and before gate/up, in the reference (a kernel each) and in the
 //    persistent launch's hand-off)
@@ -311,8 +305,6 @@ __half* dalloc(size_t n) {
 struct Variant {
   int warps, stages;  // warps a block; each warp's ring of 1 KB tiles
   int skip;           // ChainShape::skip (timing experiments)
-  int lazy = 0;       // op classes (bit c: class c) whose input is prepared tile by tile (kChainLazyIn)
-  int stride = 0;     // op classes whose units are strided over the blocks (chain_schedule's `strided`)
 };
 
 // The persistent launch's kernel for format f (norm: with the hand-offs' RMSNorms): f(kernel); false for
@@ -649,9 +641,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         sh.norm_eps = kNormEps;
         int4* d_tab = nullptr;  // the schedule for these blocks and warps
         const std::vector<int4> tab =
-            classes > 0 ? qgemv::chain_schedule(ops.data(), nops, classes, blocks, v.warps,
-                                                static_cast<unsigned>(v.stride))
-                        : std::vector<int4>{};
+            classes > 0 ? qgemv::chain_schedule(ops.data(), nops, classes, blocks, v.warps) : std::vector<int4>{};
         if (!tab.empty()) {
           CK(cudaMalloc(&d_tab, tab.size() * sizeof(int4)));
           CK(cudaMemcpy(d_tab, tab.data(), tab.size() * sizeof(int4), cudaMemcpyHostToDevice));
@@ -661,16 +651,6 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           void* p;
           ~Free() { cudaFree(p); }
         } free_tab{d_tab};  // at the end of this variant, or at its `continue`
-        {  // this variant's lazy inputs (never an op with a norm: the norm needs the whole input first)
-          std::vector<qgemv::ChainOp> vo(ops);
-          for (size_t q = 0; q < vo.size(); ++q) {
-            const bool on = vo[q].cls >= 0 && (v.lazy >> vo[q].cls & 1) && !(norm && (q % 4 == 0 || q % 4 == 2)) &&
-                            !(vo[q].flags & qgemv::kChainPlainX);
-            vo[q].flags = on ? (vo[q].flags | qgemv::kChainLazyIn) : (vo[q].flags & ~qgemv::kChainLazyIn);
-            sh.lazy |= on;
-          }
-          CK(cudaMemcpy(d_ops, vo.data(), vo.size() * sizeof(qgemv::ChainOp), cudaMemcpyHostToDevice));
-        }
         char form[48];
         std::string tag;
         const char* bit_names[] = {" nowait", " noprep", " nomath", " l2feed", "", " noflush"};
@@ -678,8 +658,6 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           if (v.skip & (1 << bit)) tag += bit_names[bit];
         for (int c = 0; c < 8; ++c)
           if (v.skip & (256 << c)) tag += " nowait-c" + std::to_string(c);
-        if (v.lazy) tag += " lazy" + std::to_string(v.lazy);
-        if (v.stride) tag += " stride" + std::to_string(v.stride);
         std::snprintf(form, sizeof form, "persist w%d s%d%s", v.warps, v.stages, tag.c_str());
         if (M != 1 || !d_tab || !launch_chain(f, v, sh, nullptr, nops, nullptr, blocks, st)) {
           std::printf("%-10s %3d %s: does not run (%zu B of shared memory; M = 1, int4 per channel or G = 128)\n",
@@ -1113,7 +1091,7 @@ int main(int argc, char** argv) {
   bool probe_only = false, no_probe = false, tma = false, no_ceiling = false, norm = false;
   const Model* model = &kModels[0];
   int layers = 0;
-  std::vector<int> warps, stages, skips, lazies, strides;
+  std::vector<int> warps, stages, skips;
   std::vector<Fmt> fmts;
   const Fmt all[] = {{"int4g128a", 4, 128, true}, {"int4g128", 4, 128, false}, {"int4", 4, 0, false},
                      {"int8", 8, 0, false}};
@@ -1147,10 +1125,6 @@ int main(int argc, char** argv) {
       if (!parse(argv[++i], "--stages", stages)) return 2;
     } else if (a == "--skip" && has) {
       if (!parse(argv[++i], "--skip", skips)) return 2;
-    } else if (a == "--lazy" && has) {
-      if (!parse(argv[++i], "--lazy", lazies)) return 2;
-    } else if (a == "--stride" && has) {
-      if (!parse(argv[++i], "--stride", strides)) return 2;
     } else if (a == "--formats" && has) {
       for (char* tok = std::strtok(argv[++i], ","); tok; tok = std::strtok(nullptr, ",")) {
         bool found = false;
@@ -1179,8 +1153,6 @@ int main(int argc, char** argv) {
   if (warps.empty()) warps = {16};
   if (stages.empty()) stages = {8};
   if (skips.empty()) skips = {0};
-  if (lazies.empty()) lazies = {0};
-  if (strides.empty()) strides = {0};
 
   if (fmts.empty()) fmts = {all[0], all[2], all[3]};
   cudaDeviceProp prop;
@@ -1203,8 +1175,7 @@ int main(int argc, char** argv) {
   for (int w : warps)
     for (int s : stages)
       for (int k : skips)
-        for (int lz : lazies)
-          for (int sd : strides) variants.push_back({w, s, k, lz, sd});
+        variants.push_back({w, s, k});
   int clock_khz = 0;
   CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
   const int failures = run_chain(*model, layers ? layers : model->layers, fmts, {1}, variants, ceiling,
