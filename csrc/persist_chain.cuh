@@ -846,17 +846,28 @@ __device__ __forceinline__ void chain_copy_input(uint4* xs4, const uint4* src, i
   cp_async_wait<0>();
 }
 
-// Chunk c as this thread copied it, polled again from src (and written back
-// to xs4) while any of its halves is the poison: its producer had not written
-// it yet.  nowait: a plain input, or the lab's timing without waits.
-__device__ __forceinline__ uint4 chain_take_chunk(uint4* xs4, const uint4* src, int c, bool nowait) {
-  uint4 v = xs4[c];
-  if (!nowait && !chain_half_ready(v)) {
-    do v = ld_relaxed_gpu_v4(src + c);
-    while (!chain_half_ready(v));
-    xs4[c] = v;
+// chain_copy_input, then the chunks still holding the poison (their
+// producers had not written them yet) copied again, all of a thread's at
+// once, until none does: a round trip for each round, not one for each
+// late chunk in turn.  (Polled one by one, down's input, 2.7-3.5 chunks a
+// thread, was read 2.4-3.1 µs after gate/up's last output; so, 1.2-1.5: H100,
+// dev/PERSISTENT.md.)  nowait: a plain input, or the lab's timing without
+// waits.
+__device__ __forceinline__ void chain_settle_input(uint4* xs4, const uint4* src, int chunks, int nthreads,
+                                                   bool nowait) {
+  chain_copy_input(xs4, src, chunks, nthreads);
+  if (nowait) return;
+  for (;;) {
+    bool late = false;
+    for (int c = threadIdx.x; c < chunks; c += nthreads)
+      if (!chain_half_ready(xs4[c])) {
+        cp_async_16_shared_data(xs4 + c, src + c);
+        late = true;
+      }
+    if (!late) return;
+    cp_async_commit();
+    cp_async_wait<0>();
   }
-  return v;
 }
 
 // Chunk c (inputs 8c .. 8c + 7 in the stored order) of an act-order op's
@@ -927,7 +938,7 @@ __device__ __forceinline__ float chain_block_mul(int nthreads, float f) {
 }
 
 // bf16 inputs (A) of int4 / int8 weights, as chain_async_input prepares
-// fp16 ones: every chunk copied and taken first, with its largest |x|; the
+// fp16 ones: every chunk settled first (chain_settle_input), its largest |x|; the
 // block's 2^e (chain_post_max, a barrier, chain_block_mul; after the barrier
 // an act-order op's gather may read any chunk); then each chunk put as fp16 of
 // x 2^e.
@@ -936,9 +947,9 @@ __device__ __forceinline__ void chain_scaled_input(const uint4* src, int chunks,
                                                    bool nowait, const uint16_t* perm, __half* xnat, Sync&& csync) {
   const int lane = threadIdx.x & 31;
   uint4* in4 = perm ? reinterpret_cast<uint4*>(xnat) : xs4;
-  chain_copy_input(in4, src, chunks, nthreads);
+  chain_settle_input(in4, src, chunks, nthreads, nowait);
   float m = 0.f;
-  for (int c = threadIdx.x; c < chunks; c += nthreads) m = fmaxf(m, chain_absmax8(chain_take_chunk(in4, src, c, nowait)));
+  for (int c = threadIdx.x; c < chunks; c += nthreads) m = fmaxf(m, chain_absmax8(in4[c]));
   chain_post_max(m);
   csync();
   const float mul = chain_block_mul(nthreads, 1.f);
@@ -950,11 +961,10 @@ __device__ __forceinline__ void chain_scaled_input(const uint4* src, int chunks,
   }
 }
 
-// The preparation of an op's fp16 input: chain_copy_input, then each thread
-// takes its own chunks back (chain_take_chunk) and puts them
-// (chain_put_chunk).  Thread i: chunks i, i + n, ... (n = nthreads, a
-// multiple of 32: the 16-lane shuffles).  An act-order op (perm): the input
-// is copied into xnat, every chunk taken, one block barrier (csync), then
+// The preparation of an op's fp16 input: chain_settle_input, then each
+// thread puts its own chunks (chain_put_chunk).  Thread i: chunks i, i + n,
+// ... (n = nthreads, a multiple of 32: the 16-lane shuffles).  An act-order
+// op (perm): the input is settled in xnat, one block barrier (csync), then
 // each chunk gathered (chain_gather_chunk) and put.  bf16 inputs (A):
 // chain_scaled_input for int4 / int8 weights; bf16 weights take them as fp16
 // weights take fp16 ones.
@@ -968,8 +978,7 @@ __device__ __forceinline__ void chain_async_input(const uint4* src, int chunks, 
   } else {
     if (perm) {
       uint4* xn4 = reinterpret_cast<uint4*>(xnat);
-      chain_copy_input(xn4, src, chunks, nthreads);
-      for (int c = threadIdx.x; c < chunks; c += nthreads) (void)chain_take_chunk(xn4, src, c, nowait);
+      chain_settle_input(xn4, src, chunks, nthreads, nowait);
       csync();  // every chunk of the natural order is in
       for (int cb = threadIdx.x - lane; cb < chunks; cb += nthreads) {  // warp-uniform (the shuffles)
         const int c = cb + lane;
@@ -977,14 +986,11 @@ __device__ __forceinline__ void chain_async_input(const uint4* src, int chunks, 
       }
       return;
     }
-    chain_copy_input(xs4, src, chunks, nthreads);
-    if constexpr (kBits == 16) {  // the chunks stay as copied, unless polled again
-      for (int c = threadIdx.x; c < chunks; c += nthreads) (void)chain_take_chunk(xs4, src, c, nowait);
-      return;
-    }
+    chain_settle_input(xs4, src, chunks, nthreads, nowait);
+    if constexpr (kBits == 16) return;  // the chunks stay as copied
     for (int cb = threadIdx.x - lane; cb < chunks; cb += nthreads) {  // warp-uniform (the shuffles)
       const int c = cb + lane;
-      chain_put_chunk<kBits, kSumK>(xs4, xsum, c, c < chunks, c < chunks ? chain_take_chunk(xs4, src, c, nowait) : uint4{});
+      chain_put_chunk<kBits, kSumK>(xs4, xsum, c, c < chunks, c < chunks ? xs4[c] : uint4{});
     }
   }
 }
@@ -1013,11 +1019,11 @@ __device__ __forceinline__ void chain_norm_input(const GemvParams& p, int o_flag
   uint4* in4 = perm ? reinterpret_cast<uint4*>(xnat) : xs4;  // where the natural order is copied
   const uint4* gain = static_cast<const uint4*>(norm);
   float ss = 0.f, mx = 0.f;
-  // as chain_async_input: every chunk copied at once, the poisoned ones polled again
+  // as chain_async_input: every chunk copied at once, the poisoned ones copied again (chain_settle_input)
   const uint4* src = chain_input_src(p, o_flags, par);
-  chain_copy_input(in4, src, chunks, nthreads);
+  chain_settle_input(in4, src, chunks, nthreads, nowait || (o_flags & kChainPlainX));
   for (int c = threadIdx.x; c < chunks; c += nthreads) {
-    const uint4 v = chain_take_chunk(in4, src, c, nowait || (o_flags & kChainPlainX));
+    const uint4 v = in4[c];
     const uint32_t h[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
