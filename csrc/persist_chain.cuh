@@ -89,6 +89,9 @@ enum class ChainOut : int {
   kStore = 0,     // y = round(sums)
   kResidual = 1,  // y = round(round(sums) + res)
   kSiluMul = 2,   // y[:, j] = round(silu(round(sums[:, j])) * round(sums[:, N/2 + j]))   (N/2 % 16 == 0)
+  // lab builds: each panel 8 gate rows, then their 8 up rows (a unit of one panel, not two):
+  // y[:, 8p + r] = round(silu(round(sums[:, 16p + r])) * round(sums[:, 16p + 8 + r]))
+  kSiluMulPairs = 3,
 };
 
 // One op of the chain.  p: qweight (the packed panels, read in place; fp16:
@@ -1687,8 +1690,14 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
       }
     }
     const bool silu = o.out == static_cast<int>(ChainOut::kSiluMul);
+#if QGEMV_CHAIN_STAMPS
+    const bool pairs = o.out == static_cast<int>(ChainOut::kSiluMulPairs);
+#else
+    constexpr bool pairs = false;
+#endif
     const bool resid = o.out == static_cast<int>(ChainOut::kResidual);
-    const int count = (u1 - u0) * vals;
+    const int rows = pairs ? kPanelRows / 2 : kPanelRows, uvals = rows * M;  // outputs a panel, a unit
+    const int count = (u1 - u0) * uvals;
     // The residual (an earlier op's output, complete since its hand-off) of
     // this thread's first value: its L2 round trip under the barrier's wait.
     const bool pres = !(o.flags & kChainPlainRes), py = !(o.flags & kChainPlainY);
@@ -1707,15 +1716,15 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
     const long long f1 = timed ? clock64() : 0;
     const float xun = kScaled ? chain_x_unscale : 1.f;  // (kScaled: the sums are 2^e of the true ones)
     for (int q = threadIdx.x; q < count; q += nthreads) {
-      const int u = q / vals, tok = (q % vals) / kPanelRows, r = q % kPanelRows;
+      const int u = q / uvals, tok = (q % uvals) / rows, r = q % rows;
       float* sp = sums + (static_cast<size_t>(u * ppu) * M + tok) * kPanelRows + r;
       float v = to_float(from_float<T>(kScaled ? *sp * xun : *sp));
-      if (silu) {
-        float* up = sp + M * kPanelRows;
+      if (silu || pairs) {
+        float* up = sp + (pairs ? kPanelRows / 2 : M * kPanelRows);
         v = v / (1.f + __expf(-v)) * to_float(from_float<T>(kScaled ? *up * xun : *up));
         *up = 0.f;
       }
-      const int row = static_cast<int>(u0 + u) * kPanelRows + r;
+      const int row = static_cast<int>(u0 + u) * rows + r;
       if (resid) v += q == threadIdx.x ? res0 : res_at(tok, row);
       if (py) {  // this launch's copy; the other poisoned for the next launch
         chain_store_bits(static_cast<unsigned short*>(p.y) + row, p.ldy, par, chain_act_bits<T>(v));
