@@ -850,12 +850,14 @@ __device__ __forceinline__ void chain_copy_input(uint4* xs4, const uint4* src, i
 }
 
 // chain_copy_input, then the chunks still holding the poison (their
-// producers had not written them yet) copied again, all of a thread's at
-// once, until none does: a round trip for each round, not one for each
-// late chunk in turn.  (Polled one by one, down's input, 2.7-3.5 chunks a
-// thread, was read 2.4-3.1 µs after gate/up's last output; so, 1.2-1.5: H100,
-// dev/PERSISTENT.md.)  nowait: a plain input, or the lab's timing without
-// waits.
+// producers had not written them yet) copied again, all of a thread's in
+// one round, until none is left: a round trip a round, not one for each
+// late chunk in turn (polled one by one, down's input, 2.7-3.5 chunks a
+// thread, was read 2.4-3.1 µs after gate/up's last output; settled like
+// this, 1.2-1.5 µs: H100, dev/PERSISTENT.md).  The copies read L2
+// (cp.async.cg, past L1) as the first one does, so each round sees the
+// producers' latest stores.  nowait: a plain input, or the lab's timing
+// without waits.
 __device__ __forceinline__ void chain_settle_input(uint4* xs4, const uint4* src, int chunks, int nthreads,
                                                    bool nowait) {
   chain_copy_input(xs4, src, chunks, nthreads);
