@@ -1710,8 +1710,7 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
     };
     float res0 = 0.f;
     if (resid && threadIdx.x < count)
-      res0 = res_at((threadIdx.x % vals) / kPanelRows,
-                    static_cast<int>(u0 + threadIdx.x / vals) * kPanelRows + threadIdx.x % kPanelRows);
+      res0 = res_at((threadIdx.x % uvals) / rows, static_cast<int>(u0 + threadIdx.x / uvals) * rows + threadIdx.x % rows);
     const long long f0 = timed ? clock64() : 0;
     if (kStamps && timed && sh.stamps) stamp(oi, 0, f0 - t_mark[0]);
     csync();
