@@ -89,9 +89,6 @@ enum class ChainOut : int {
   kStore = 0,     // y = round(sums)
   kResidual = 1,  // y = round(round(sums) + res)
   kSiluMul = 2,   // y[:, j] = round(silu(round(sums[:, j])) * round(sums[:, N/2 + j]))   (N/2 % 16 == 0)
-  // lab builds: each panel 8 gate rows, then their 8 up rows (a unit of one panel, not two):
-  // y[:, 8p + r] = round(silu(round(sums[:, 16p + r])) * round(sums[:, 16p + 8 + r]))
-  kSiluMulPairs = 3,
 };
 
 // One op of the chain.  p: qweight (the packed panels, read in place; fp16:
@@ -799,8 +796,17 @@ __device__ __forceinline__ void chain_consume(const ChainRing& rg, const ChainOp
     if constexpr (kMb > 0) msrc = static_cast<const char*>(p.scales) + t * kMb;
   };
   // chunk q <- the walk's next min(kChunk, left) tiles: lane 0 copies the tiles, lane 1 their meta
+  int waits = 0;  // lab (skip & 16): chunks waited for; only the first fill is copied (and waited for)
   auto fill = [&](int q) {
     const int n = min(kChunk, wk.left);
+#if QGEMV_CHAIN_STAMPS
+    if ((skip & 16) && waits > 0) {  // lab: no copy, the walk advanced alone (results wrong)
+      src += n * kChainTileBytes;
+      if constexpr (kMb > 0) msrc += n * kMb;
+      if ((wk.left -= n) == 0) aim();
+      return;
+    }
+#endif
     if (lane == 0) mbar_expect_tx(ring.full + q, n * kTs);
     if constexpr (kMb > 0) {
       if (lane < 2)
@@ -817,7 +823,12 @@ __device__ __forceinline__ void chain_consume(const ChainRing& rg, const ChainOp
   for (int q = 0; q < rg.C && wk.left > 0; ++q) fill(q);
   for (;;) {
     if (seg.left == 0 && !boundary()) return;
+#if QGEMV_CHAIN_STAMPS
+    if (!(skip & 16) || waits < rg.C) ring.wait(c, phase, timed, waited);
+    ++waits;
+#else
     ring.wait(c, phase, timed, waited);
+#endif
 #if QGEMV_CHAIN_STAMPS
     if (skip & 4) seg.pass(kChunk);  // lab: no tile math (results wrong)
     else
@@ -1692,14 +1703,8 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
       }
     }
     const bool silu = o.out == static_cast<int>(ChainOut::kSiluMul);
-#if QGEMV_CHAIN_STAMPS
-    const bool pairs = o.out == static_cast<int>(ChainOut::kSiluMulPairs);
-#else
-    constexpr bool pairs = false;
-#endif
     const bool resid = o.out == static_cast<int>(ChainOut::kResidual);
-    const int rows = pairs ? kPanelRows / 2 : kPanelRows, uvals = rows * M;  // outputs a panel, a unit
-    const int count = (u1 - u0) * uvals;
+    const int count = (u1 - u0) * vals;
     // The residual (an earlier op's output, complete since its hand-off) of
     // this thread's first value: its L2 round trip under the barrier's wait.
     const bool pres = !(o.flags & kChainPlainRes), py = !(o.flags & kChainPlainY);
@@ -1710,22 +1715,23 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
     };
     float res0 = 0.f;
     if (resid && threadIdx.x < count)
-      res0 = res_at((threadIdx.x % uvals) / rows, static_cast<int>(u0 + threadIdx.x / uvals) * rows + threadIdx.x % rows);
+      res0 = res_at((threadIdx.x % vals) / kPanelRows,
+                    static_cast<int>(u0 + threadIdx.x / vals) * kPanelRows + threadIdx.x % kPanelRows);
     const long long f0 = timed ? clock64() : 0;
     if (kStamps && timed && sh.stamps) stamp(oi, 0, f0 - t_mark[0]);
     csync();
     const long long f1 = timed ? clock64() : 0;
     const float xun = kScaled ? chain_x_unscale : 1.f;  // (kScaled: the sums are 2^e of the true ones)
     for (int q = threadIdx.x; q < count; q += nthreads) {
-      const int u = q / uvals, tok = (q % uvals) / rows, r = q % rows;
+      const int u = q / vals, tok = (q % vals) / kPanelRows, r = q % kPanelRows;
       float* sp = sums + (static_cast<size_t>(u * ppu) * M + tok) * kPanelRows + r;
       float v = to_float(from_float<T>(kScaled ? *sp * xun : *sp));
-      if (silu || pairs) {
-        float* up = sp + (pairs ? kPanelRows / 2 : M * kPanelRows);
+      if (silu) {
+        float* up = sp + M * kPanelRows;
         v = v / (1.f + __expf(-v)) * to_float(from_float<T>(kScaled ? *up * xun : *up));
         *up = 0.f;
       }
-      const int row = static_cast<int>(u0 + u) * rows + r;
+      const int row = static_cast<int>(u0 + u) * kPanelRows + r;
       if (resid) v += q == threadIdx.x ? res0 : res_at(tok, row);
       if (py) {  // this launch's copy; the other poisoned for the next launch
         chain_store_bits(static_cast<unsigned short*>(p.y) + row, p.ldy, par, chain_act_bits<T>(v));

@@ -89,19 +89,15 @@ for step in "${@:-all}"; do
       timeout 400 /tmp/persist_lab ${PERSIST_ARGS:-} 2>&1 | tee "$OUT/persist.txt" ;;
     decomp)
       # issue 35: the chain's parts taken away one at a time (dev/PERSISTENT.md's table; skip 4 no math, 1 no
-      # waits, 2 no hand-offs, 8 weights from L2), then gate/up's paired rows (--pairs) against plain,
-      # alternating, two rounds; after the persist step, which builds the lab (about 3 min on an H200 with the
-      # probes: PERSIST_ARGS=--probe-only NO_EXT=1 bash dev/device_run.sh persist decomp)
-      for m in ${DECOMP_MODELS:-llama2-7b llama3-8b}; do
-        timeout 120 /tmp/persist_lab --no-probe --norm --model $m --formats int4g128a --skip 0,4,1,5,2,6,8,9,11,0 \
+      # waits, 2 no hand-offs, 8 weights from L2, 16 no copies past the ring's first fill: the tile math's own
+      # rate), then each warp's ring depth (--stages); after the persist step, which builds the lab
+      # (PERSIST_ARGS=--probe-only NO_EXT=1 bash dev/device_run.sh persist decomp)
+      for m in ${DECOMP_MODELS:-llama2-7b llama3-8b llama3-70b}; do
+        timeout 150 /tmp/persist_lab --no-probe --norm --model $m --formats int4g128a --skip 0,4,1,5,2,6,8,9,11,16,18,22,0 \
           > "$OUT/decomp_$m.txt" 2>&1
         grep -E "persist w|failures" "$OUT/decomp_$m.txt"
-        for r in 1 2; do
-          for pr in --pairs ""; do
-            echo "$m round $r ${pr:-plain}: $(timeout 60 /tmp/persist_lab --no-probe --norm --model $m --formats int4g128a \
-              --skip 0,8 $pr 2>&1 | grep -E 'persist w' | sed -E 's/.* ([0-9]+\.[0-9]) +[0-9]+ +[0-9.]+%.*/\1/' | paste -sd' ') us a layer (HBM, L2)"
-          done
-        done
+        timeout 150 /tmp/persist_lab --no-probe --norm --model $m --formats int4g128a --stages ${DECOMP_STAGES:-4,6,8,10,8} \
+          2>&1 | grep -E "persist w|does not run"
       done ;;
     oplayout)
       # the int4 slowdown of 2026-12-05: the lab's chain with 128-byte op records (main), 112 (tpp and perm in

@@ -5,15 +5,14 @@
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc dev/persist_lab.cu \
 //        csrc/gemv_int4.cu csrc/gemv_int8.cu csrc/runtime.cpp -o /tmp/persist_lab
 //   /tmp/persist_lab [--probe-only | --no-probe] [--tma-probe] [--no-ceiling] [--norm] [--model llama3-8b|llama3-70b|qwen2.5-7b|llama2-7b] [--layers L]
-//                    [--warps 12,16] [--stages 8] [--formats int4g128a,int4g128,int4,int8] [--skip 0,1] [--pairs]
+//                    [--warps 12,16] [--stages 8] [--formats int4g128a,int4g128,int4,int8] [--skip 0,1]
 //   (the persistent launch is the kernel of csrc/persist_chain.cuh (form 20 of dev/PERSISTENT.md; the
 //    other forms are in git), M = 1, int4 per channel and G = 128; int8 runs the per-op chains only;
 //    --warps: warps per block; --stages: each warp's ring of 1 KB tiles, a multiple of 2 above 2;
 //    --skip 0,1,5,37: timing experiments, ChainShape::skip: 1 no waits (the polled halves taken as they
-//    are), 2 no hand-off at all, 4 no tile math, 8 the weights copied from L2, 32 no flush, 256 << c no
+//    are), 2 no hand-off at all, 4 no tile math, 8 the weights copied from L2, 16 no
+//    copies past the ring's first fill (the tile math's own rate), 32 no flush, 256 << c no
 //    waits for op class c's inputs only (the layer's classes: 0 q/k/v, 1 o, 2 gate/up, 3 down);
-//    --pairs: gate/up's rows in panels of 8 gate rows and their 8 up rows (ChainOut::kSiluMulPairs: a
-//    unit of one panel, so twice gate/up's units, each half the work: less imbalance between the blocks);
 //    --no-ceiling: skip the 2 GB read that measures the ceiling, for runs under compute-sanitizer;
 //    --norm: an RMSNorm before q/k/v and before gate/up, in the reference (a kernel each) and in the
 //    persistent launch's hand-off)
@@ -186,15 +185,12 @@ __global__ void rms_kernel(const __half* x, const __half* w, __half* y, int H) {
     yr[i] = __float2half_rn(__half2float(w[i]) * __half2float(__float2half_rn(__half2float(xr[i]) * r)));
 }
 // y[m, i] = silu(gu[m, i]) * gu[m, I + i]
-// y = silu(gate) * up; pairs (--pairs): gate/up's rows in panels of 8 gate rows and their 8 up rows
-// (ChainOut::kSiluMulPairs), else the gate rows, then the up rows.
-__global__ void silu_mul_kernel(const __half* gu, __half* y, int M, int I, bool pairs) {
+__global__ void silu_mul_kernel(const __half* gu, __half* y, int M, int I) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= M * I) return;
   const int m = i / I, c = i % I;
-  const int gc = pairs ? c / 8 * 16 + c % 8 : c, uc = pairs ? gc + 8 : I + c;
-  const float g = __half2float(gu[static_cast<size_t>(m) * 2 * I + gc]);
-  const float u = __half2float(gu[static_cast<size_t>(m) * 2 * I + uc]);
+  const float g = __half2float(gu[static_cast<size_t>(m) * 2 * I + c]);
+  const float u = __half2float(gu[static_cast<size_t>(m) * 2 * I + I + c]);
   y[i] = __float2half_rn(g / (1.f + __expf(-g)) * u);
 }
 
@@ -429,7 +425,7 @@ static void print_skew(const char* name, int M, const std::vector<qgemv::ChainOp
   }
 }
 int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const std::vector<int>& Ms,
-              const std::vector<Variant>& variants, double ceiling, int sms, int clock_khz, bool norm, bool pairs) {
+              const std::vector<Variant>& variants, double ceiling, int sms, int clock_khz, bool norm) {
   unsigned long long* wait_dev;
   CK(cudaMalloc(&wait_dev, sizeof(unsigned long long) * 5 * 4096));
   cudaStream_t st;
@@ -528,7 +524,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           qgemv::ChainOut out;
         } io[4] = {{px, nullptr, m.H, pq, m.Nqkv, l == 0 ? qgemv::kChainPlainX : 0, qgemv::ChainOut::kStore},
                    {pq, px, m.Nqkv, ph, m.H, l == 0 ? qgemv::kChainPlainRes : 0, qgemv::ChainOut::kResidual},
-                   {ph, nullptr, m.H, pa, m.I, 0, pairs ? qgemv::ChainOut::kSiluMulPairs : qgemv::ChainOut::kSiluMul},
+                   {ph, nullptr, m.H, pa, m.I, 0, qgemv::ChainOut::kSiluMul},
                    {pa, ph, m.I, px_next, m.H, last ? qgemv::kChainPlainY : 0, qgemv::ChainOut::kResidual}};
         for (int j = 0; j < 4; ++j) {
           qgemv::ChainOp o{};
@@ -576,7 +572,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
           if (glue) add_kernel<<<(M * m.H + 255) / 256, 256, 0, st>>>(rO[l], rX[l], rH[l], M * m.H);
           if (glue && norm) rms_kernel<<<M, 1024, 0, st>>>(rH[l], G2[l], rN2[l], m.H);
           gemv(params(f, L[2], glue ? (norm ? rN2[l] : rH[l]) : rO[l], m.H, rGU[l], 2 * m.I, M));
-          if (glue) silu_mul_kernel<<<(M * m.I + 255) / 256, 256, 0, st>>>(rGU[l], rA[l], M, m.I, pairs);
+          if (glue) silu_mul_kernel<<<(M * m.I + 255) / 256, 256, 0, st>>>(rGU[l], rA[l], M, m.I);
           gemv(params(f, L[3], rA[l], m.I, rD[l], m.H, M));
           if (glue) add_kernel<<<(M * m.H + 255) / 256, 256, 0, st>>>(rD[l], rH[l], rX[l + 1], M * m.H);
         }
@@ -658,7 +654,7 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         } free_tab{d_tab};  // at the end of this variant, or at its `continue`
         char form[48];
         std::string tag;
-        const char* bit_names[] = {" nowait", " noprep", " nomath", " l2feed", "", " noflush"};
+        const char* bit_names[] = {" nowait", " noprep", " nomath", " l2feed", " nocopy", " noflush"};
         for (int bit = 0; bit < 6; ++bit)
           if (v.skip & (1 << bit)) tag += bit_names[bit];
         for (int c = 0; c < 8; ++c)
@@ -1093,7 +1089,7 @@ bool parse(char* text, const char* flag, std::vector<int>& out) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool probe_only = false, no_probe = false, tma = false, no_ceiling = false, norm = false, pairs = false;
+  bool probe_only = false, no_probe = false, tma = false, no_ceiling = false, norm = false;
   const Model* model = &kModels[0];
   int layers = 0;
   std::vector<int> warps, stages, skips;
@@ -1113,8 +1109,6 @@ int main(int argc, char** argv) {
       tma = true;
     } else if (a == "--norm") {
       norm = true;
-    } else if (a == "--pairs") {
-      pairs = true;
     } else if (a == "--model" && has) {
       model = nullptr;
       for (const Model& m : kModels)
@@ -1186,7 +1180,7 @@ int main(int argc, char** argv) {
   int clock_khz = 0;
   CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
   const int failures = run_chain(*model, layers ? layers : model->layers, fmts, {1}, variants, ceiling,
-                                 prop.multiProcessorCount, clock_khz, norm, pairs);
+                                 prop.multiProcessorCount, clock_khz, norm);
   std::printf("%s (%d failures)\n", failures ? "FAILED" : "every persistent result matches the per-op chain",
               failures);
   return failures ? 1 : 0;
