@@ -47,8 +47,9 @@ struct ChainShape {
   int x_cap;        // the largest K (elements per token of the input buffer)
   int M;            // tokens (1)
   int skip = 0;     // 0; lab timing experiments only (results wrong): 1 no waits (the polled halves taken as
-                    //    they are), 2 no hand-off at all, 4 no tile math, 8 weights from L2, 32 no flush,
-                    //    256 << c no waits for the inputs of op class c only (lab builds)
+                    //    they are), 2 no hand-off at all, 4 no tile math, 8 weights from L2, 16 no copies
+                    //    past the ring's first fill, 32 no flush, 64 a k-local down's costs (kl), 256 << c
+                    //    no waits for the inputs of op class c only (lab builds)
   int sums = 0;     // fp32 values of the block's sum buffer (chain_sums)
   int stage = 0;    // 1: shared memory holds a second input buffer (x_cap fp16), for the ops with an input perm
   const int4* cursors = nullptr;  // chain_schedule's records (device memory)
@@ -62,6 +63,11 @@ struct ChainShape {
   // input was all read
   unsigned long long* stamps = nullptr;
   int rotate = 0;  // lab (QGEMV_CHAIN_STAMPS): block b runs the schedule of block (b + rotate) % blocks
+#if QGEMV_CHAIN_STAMPS
+  // lab, skip & 64 (a k-local down's costs, timed only): [2] arrival counts by launch parity, then from
+  // word 32 one fp32 vector of the largest N
+  unsigned* kl = nullptr;
+#endif
   // kDecode: the layers' attention (device array, ChainOp::attn indexes it) and the token's cache slot,
   // which is also its rotary position (a device scalar, read at every launch)
   const ChainAttn* attn = nullptr;
@@ -796,7 +802,9 @@ __device__ __forceinline__ void chain_consume(const ChainRing& rg, const ChainOp
     if constexpr (kMb > 0) msrc = static_cast<const char*>(p.scales) + t * kMb;
   };
   // chunk q <- the walk's next min(kChunk, left) tiles: lane 0 copies the tiles, lane 1 their meta
+#if QGEMV_CHAIN_STAMPS
   int waits = 0;  // lab (skip & 16): chunks waited for; only the first fill is copied (and waited for)
+#endif
   auto fill = [&](int q) {
     const int n = min(kChunk, wk.left);
 #if QGEMV_CHAIN_STAMPS
@@ -1633,6 +1641,10 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
   // writes its copy and poisons the other, which the next launch writes (chain_half_ready).
   const unsigned launch = __ldcg(sync + nops);
   const int par = static_cast<int>(launch & 1u);
+#if QGEMV_CHAIN_STAMPS
+  int kl_done = 0;  // lab, skip & 64: the downs this block has counted in this launch
+  if (sh.kl && blockIdx.x == 0 && threadIdx.x == 0) sh.kl[par ^ 1] = 0u;  // for the next launch
+#endif
   const long long t_begin = timed ? clock64() : 0;
 
   int i = -1;  // the op being consumed
@@ -1648,6 +1660,27 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
     csync();  // thread 0's spin is over; every warp is past the last op's reads of xs
     const long long p0 = timed ? clock64() : 0;
     if (timed) t_warps += p0 - b0;
+#if QGEMV_CHAIN_STAMPS
+    // lab, skip & 64: a k-local down's costs (dev/PERSISTENT.md, "Next device calls"), results wrong.
+    // Down (class 3) reads no input (its k-slice would be the block's own gate/up rows); the op after it
+    // (class 0) first waits until every block has counted its down, then reads the fp32 vector the
+    // partial sums went into, then its input as usual (standing in for the residual's read).
+    if ((sh.skip & 64) && sh.kl) {
+      if (cls == 3) return;
+      if (cls == 0 && kl_done > 0) {
+        if (threadIdx.x == 0) {
+          const unsigned want = static_cast<unsigned>(kl_done) * gridDim.x;
+          unsigned got = 0;
+          do asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(got) : "l"(sh.kl + par) : "memory");
+          while (got < want);
+        }
+        csync();
+        float a = 0.f;
+        for (int q = threadIdx.x; q < p.K; q += nthreads) a += __ldcg(reinterpret_cast<const float*>(sh.kl + 32) + q);
+        if (a == 1.f) xsum[0] = a;  // (kept: the vector holds zeros)
+      }
+    }
+#endif
     const int chunks = p.K / 8;
     // lab builds: skip bit 8 + c takes the inputs of op class c without waiting (one hand-off's wait)
     const bool nowait = (sh.skip & 1) || (kStamps && cls >= 0 && cls < 8 && ((sh.skip >> (8 + cls)) & 1));
@@ -1740,6 +1773,17 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
       }
       *sp = 0.f;
     }
+#if QGEMV_CHAIN_STAMPS
+    if ((sh.skip & 64) && sh.kl && o.cls == 3) {  // lab: down's partial sums into one vector, then a count
+      for (int q = threadIdx.x; q < p.N; q += nthreads) atomicAdd(reinterpret_cast<float*>(sh.kl + 32) + q, 0.f);
+      csync();
+      if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(sh.kl + par, 1u);
+      }
+      ++kl_done;
+    }
+#endif
     if (oi + 1 == nops && blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(sync + nops, 1u);  // the next parity
     if (timed) {
       const long long v = clock64() - f1;
