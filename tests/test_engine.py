@@ -534,6 +534,20 @@ def test_megakernel_odd_groups_and_sizes(fmt, heads, hidden, inter):
 
 
 @needs_sm90
+@pytest.mark.parametrize("fmt", [(4, 64, False), (8, None, True)])
+@pytest.mark.parametrize("hidden,heads,kv_heads,inter", [(896, 14, 2, 1216), (2880, 45, 9, 1536),
+                                                         (5120, 40, 8, 1280)])
+def test_megakernel_real_hidden_sizes(fmt, hidden, heads, kv_heads, inter):
+    """The hidden sizes issue 35 names, with their models' head shapes: 896 (Qwen2-0.5B: 14 query heads of 64
+    over 2 kv heads, GQA 7), 2880 (45 heads of 64 over 9, GQA 5; not a multiple of 128, so the int4 copies pad
+    it to whole tiles) and 5120 (Qwen2.5-14B: 40 heads of 128 over 8, GQA 5); intermediate sizes kept small
+    (1216 is not a multiple of 128 either), int4 G = 64 with zero points (G = 128 does not divide 2880) and
+    int8 (check_megakernel_logits)."""
+    model = megakernel_model("llama", heads, kv_heads, fmt, hidden_size=hidden, intermediate_size=inter)
+    check_megakernel_logits(model.half().cuda())
+
+
+@needs_sm90
 @pytest.mark.parametrize("fmt", [(4, 128, False), (4, None, True), (8, None, True)])
 def test_megakernel_runs_act_order_weights(fmt):
     """GPTQ desc_act weights: a random input perm shared by q/k/v, one for o, one shared by gate/up and one for
