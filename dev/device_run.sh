@@ -100,12 +100,12 @@ for step in "${@:-all}"; do
           2>&1 | grep -E "persist w|does not run"
       done ;;
     klocal)
-      # issue 35: the k-local down's costs emulated in the lab (skip 64: down waits for and reads no input,
-      # its ends add N fp32 partials a block into one vector and count, q/k/v's hand-off waits for the
-      # count and reads the vector) against the chain as it is, alternating, two rounds; after the persist
-      # step (PERSIST_ARGS=--probe-only NO_EXT=1 bash dev/device_run.sh persist klocal)
+      # issue 35: a k-local down's / o's costs emulated in the lab (skip 64 / 128: the op waits for and reads
+      # no input, its ends add N fp32 partials a block into one vector and count, the next op's hand-off
+      # waits for the count and reads the vector; 192 both) against the chain as it is, alternating, two
+      # rounds; after the persist step (PERSIST_ARGS=--probe-only NO_EXT=1 bash dev/device_run.sh persist klocal)
       for m in ${KLOCAL_MODELS:-llama2-7b llama3-8b llama3-70b}; do
-        timeout 150 /tmp/persist_lab --no-probe --norm --model $m --formats int4g128a,int4 --skip 0,64,0,64 \
+        timeout 200 /tmp/persist_lab --no-probe --norm --model $m --formats int4g128a,int4 --skip 0,64,128,192,0,64,128,192 \
           2>&1 | grep -E "persist w|failures" | sed "s/^/$m /"
       done ;;
     oplayout)
