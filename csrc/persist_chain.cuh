@@ -48,8 +48,8 @@ struct ChainShape {
   int M;            // tokens (1)
   int skip = 0;     // 0; lab timing experiments only (results wrong): 1 no waits (the polled halves taken as
                     //    they are), 2 no hand-off at all, 4 no tile math, 8 weights from L2, 16 no copies
-                    //    past the ring's first fill, 32 no flush, 64 / 128 a k-local down's / o's costs
-                    //    (kl), 256 << c no waits for the inputs of op class c only (lab builds)
+                    //    past the ring's first fill, 32 no flush, 256 << c no waits for the inputs of op
+                    //    class c only (lab builds)
   int sums = 0;     // fp32 values of the block's sum buffer (chain_sums)
   int stage = 0;    // 1: shared memory holds a second input buffer (x_cap fp16), for the ops with an input perm
   const int4* cursors = nullptr;  // chain_schedule's records (device memory)
@@ -63,11 +63,6 @@ struct ChainShape {
   // input was all read
   unsigned long long* stamps = nullptr;
   int rotate = 0;  // lab (QGEMV_CHAIN_STAMPS): block b runs the schedule of block (b + rotate) % blocks
-#if QGEMV_CHAIN_STAMPS
-  // lab, skip & 64 / 128 (a k-local down's / o's costs, timed only): [2][2] arrival counts (op, launch
-  // parity), then from word 32 one fp32 vector of the largest N
-  unsigned* kl = nullptr;
-#endif
   // kDecode: the layers' attention (device array, ChainOp::attn indexes it) and the token's cache slot,
   // which is also its rotary position (a device scalar, read at every launch)
   const ChainAttn* attn = nullptr;
@@ -1641,14 +1636,6 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
   // writes its copy and poisons the other, which the next launch writes (chain_half_ready).
   const unsigned launch = __ldcg(sync + nops);
   const int par = static_cast<int>(launch & 1u);
-#if QGEMV_CHAIN_STAMPS
-  // lab, skip & 64 / 128 (k = 0 / 1): a k-local down / o, the lab's layer classes 3 / 1 (0 q/k/v, 1 o,
-  // 2 gate/up, 3 down); the ones this block has counted in this launch, and the counts of the next launch
-  auto kl_producer = [](int k) { return k == 0 ? 3 : 1; };
-  auto kl_consumer = [](int k) { return k == 0 ? 0 : 2; };  // the op after it in the layer
-  int kl_done[2] = {0, 0};
-  if (sh.kl && blockIdx.x == 0 && threadIdx.x == 0) sh.kl[par ^ 1] = sh.kl[2 + (par ^ 1)] = 0u;
-#endif
   const long long t_begin = timed ? clock64() : 0;
 
   int i = -1;  // the op being consumed
@@ -1664,32 +1651,6 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
     csync();  // thread 0's spin is over; every warp is past the last op's reads of xs
     const long long p0 = timed ? clock64() : 0;
     if (timed) t_warps += p0 - b0;
-#if QGEMV_CHAIN_STAMPS
-    // lab, skip & 64 (down, class 3) / 128 (o, class 1): a k-local op's costs (dev/PERSISTENT.md, "Next
-    // device calls"), results wrong. The op reads no input (its k-slice would be made by the block itself
-    // or a neighbour); the op after it (class 0 / 2) first waits until every block has counted the k-local
-    // op, then reads the fp32 vector the partial sums went into, then its input as usual (standing in for
-    // the residual's read).
-    if (sh.kl) {
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        if (!(sh.skip & (64 << k))) continue;
-        if (cls == kl_producer(k)) return;
-        if (cls == kl_consumer(k) && kl_done[k] > 0) {
-          if (threadIdx.x == 0) {
-            const unsigned want = static_cast<unsigned>(kl_done[k]) * gridDim.x;
-            unsigned got = 0;
-            do asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(got) : "l"(sh.kl + 2 * k + par) : "memory");
-            while (got < want);
-          }
-          csync();
-          float a = 0.f;
-          for (int q = threadIdx.x; q < p.K; q += nthreads) a += __ldcg(reinterpret_cast<const float*>(sh.kl + 32) + q);
-          if (a == 1.f) xsum[0] = a;  // (kept: the vector holds zeros)
-        }
-      }
-    }
-#endif
     const int chunks = p.K / 8;
     // lab builds: skip bit 8 + c takes the inputs of op class c without waiting (one hand-off's wait)
     const bool nowait = (sh.skip & 1) || (kStamps && cls >= 0 && cls < 8 && ((sh.skip >> (8 + cls)) & 1));
@@ -1782,19 +1743,6 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
       }
       *sp = 0.f;
     }
-#if QGEMV_CHAIN_STAMPS
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {  // lab, skip & (64 << k): the k-local op's partial sums into one vector, a count
-      if (!(sh.kl && (sh.skip & (64 << k)) && o.cls == kl_producer(k))) continue;
-      for (int q = threadIdx.x; q < p.N; q += nthreads) atomicAdd(reinterpret_cast<float*>(sh.kl + 32) + q, 0.f);
-      csync();
-      if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(sh.kl + 2 * k + par, 1u);
-      }
-      ++kl_done[k];
-    }
-#endif
     if (oi + 1 == nops && blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(sync + nops, 1u);  // the next parity
     if (timed) {
       const long long v = clock64() - f1;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|decomp|klocal|stage2|attn|attnncu|attnstages|diag|bf16|gen|gen70|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|decomp|stage2|attn|attnncu|attnstages|diag|bf16|gen|gen70|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -98,15 +98,6 @@ for step in "${@:-all}"; do
         grep -E "persist w|failures" "$OUT/decomp_$m.txt"
         timeout 150 /tmp/persist_lab --no-probe --norm --model $m --formats int4g128a --stages ${DECOMP_STAGES:-4,6,8,10,8} \
           2>&1 | grep -E "persist w|does not run"
-      done ;;
-    klocal)
-      # issue 35: a k-local down's / o's costs emulated in the lab (skip 64 / 128: the op waits for and reads
-      # no input, its ends add N fp32 partials a block into one vector and count, the next op's hand-off
-      # waits for the count and reads the vector; 192 both) against the chain as it is, alternating, two
-      # rounds; after the persist step (PERSIST_ARGS=--probe-only NO_EXT=1 bash dev/device_run.sh persist klocal)
-      for m in ${KLOCAL_MODELS:-llama2-7b llama3-8b llama3-70b}; do
-        timeout 200 /tmp/persist_lab --no-probe --norm --model $m --formats int4g128a,int4 --skip 0,64,128,192,0,64,128,192 \
-          2>&1 | grep -E "persist w|failures" | sed "s/^/$m /"
       done ;;
     oplayout)
       # the int4 slowdown of 2026-12-05: the lab's chain with 128-byte op records (main), 112 (tpp and perm in

@@ -11,10 +11,7 @@
 //    --warps: warps per block; --stages: each warp's ring of 1 KB tiles, a multiple of 2 above 2;
 //    --skip 0,1,5,37: timing experiments, ChainShape::skip: 1 no waits (the polled halves taken as they
 //    are), 2 no hand-off at all, 4 no tile math, 8 the weights copied from L2, 16 no
-//    copies past the ring's first fill (the tile math's own rate), 32 no flush, 64 / 128 a k-local down's /
-//    o's costs (the op waits for and reads no input; each block ends it adding N fp32 partials into one
-//    vector and counting; the next op's hand-off (q/k/v's / gate/up's) waits for the count and reads the
-//    vector first: the timing of dev/PERSISTENT.md's k-local down, results wrong), 256 << c no
+//    copies past the ring's first fill (the tile math's own rate), 32 no flush, 256 << c no
 //    waits for op class c's inputs only (the layer's classes: 0 q/k/v, 1 o, 2 gate/up, 3 down);
 //    --no-ceiling: skip the 2 GB read that measures the ceiling, for runs under compute-sanitizer;
 //    --norm: an RMSNorm before q/k/v and before gate/up, in the reference (a kernel each) and in the
@@ -549,10 +546,6 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       unsigned* d_cnt;  // [nops + 1]: the last counts the launches (their parity)
       CK(cudaMalloc(&d_cnt, (nops + 1) * 4));
       CK(cudaMemset(d_cnt, 0, (nops + 1) * 4));
-      unsigned* d_kl;  // ChainShape::kl (skip 64 / 128): four counts, then from word 32 an fp32 vector of N
-      const size_t kl_words = 32 + static_cast<size_t>(std::max(m.H, m.I)) * M;
-      CK(cudaMalloc(&d_kl, kl_words * 4));
-      CK(cudaMemset(d_kl, 0, kl_words * 4));
       // --norm: each op's input RMSNorm gain (q/k/v: the layer's first, gate/up: its second)
       const void** d_norms = nullptr;
       if (norm) {
@@ -647,7 +640,6 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         sh.sums = qgemv::chain_sums(ops.data(), nops, blocks, M);
         sh.norms = norm ? d_norms : nullptr;
         sh.norm_eps = kNormEps;
-        sh.kl = d_kl;
         int4* d_tab = nullptr;  // the schedule for these blocks and warps
         const std::vector<int4> tab =
             classes > 0 ? qgemv::chain_schedule(ops.data(), nops, classes, blocks, v.warps) : std::vector<int4>{};
@@ -662,9 +654,8 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
         } free_tab{d_tab};  // at the end of this variant, or at its `continue`
         char form[48];
         std::string tag;
-        const char* bit_names[] = {" nowait", " noprep", " nomath", " l2feed", " nocopy", " noflush", " klocal-down",
-                                   " klocal-o"};
-        for (int bit = 0; bit < 8; ++bit)
+        const char* bit_names[] = {" nowait", " noprep", " nomath", " l2feed", " nocopy", " noflush"};
+        for (int bit = 0; bit < 6; ++bit)
           if (v.skip & (1 << bit)) tag += bit_names[bit];
         for (int c = 0; c < 8; ++c)
           if (v.skip & (256 << c)) tag += " nowait-c" + std::to_string(c);
@@ -892,7 +883,6 @@ int run_chain(const Model& m, int layers, const std::vector<Fmt>& fmts, const st
       CK(cudaFree(d_ops));
       for (void* q : halves) CK(cudaFree(q));
       CK(cudaFree(d_cnt));
-      CK(cudaFree(d_kl));
       if (d_norms) CK(cudaFree(d_norms));
       for (auto* p : X) CK(cudaFree(p));
       for (auto* p : rX) CK(cudaFree(p));

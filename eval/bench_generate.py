@@ -172,6 +172,7 @@ def prepare(model, variant: str):
 
 
 def run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown) -> list:
+    """One engine's rows, a row a batch size; breakdown: the batch sizes whose step is also profiled."""
     with gemv_gather_off() if variant == "int4g128a_act_first" else contextlib.nullcontext():
         return _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown)
 
@@ -196,11 +197,11 @@ def _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdow
                    decode_tokens_per_s=out.decode_tokens_per_s, weight_MB=wb / 1e6, floor_share=floor_ms / ms,
                    graphs=out.graphs, compiled_glue=engine.compile_glue,
                    megakernel=engine.megakernel and b == 1, megakernel_off=engine.megakernel_reason)
-        if breakdown and b == 1:
+        if b in breakdown:
             dev = engine.device
-            tok = torch.tensor([[1]], device=dev)
+            tok = torch.ones(b, 1, dtype=torch.long, device=dev)
             slot = torch.tensor([prompt], device=dev)
-            pad = torch.zeros(1, dtype=torch.long, device=dev)
+            pad = torch.zeros(b, dtype=torch.long, device=dev)
             step = engine.forward
             kinds, kernels = kernel_breakdown(lambda: step(tok, slot, pad), per_kernel=True)
             row["kernel_us_per_step"] = kinds
@@ -307,6 +308,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers generate() baselines")
     ap.add_argument("--decode-ref", action="store_true", help="also run bench_decode's 7b step at batch 1")
     ap.add_argument("--no-breakdown", action="store_true")
+    ap.add_argument("--breakdown-batches", default="1",
+                    help="batch sizes whose step is profiled kernel by kernel (torch.profiler), e.g. 1,16")
     ap.add_argument("--out", default="runs/bench_generate")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -316,7 +319,12 @@ def main(argv=None) -> int:
         if v not in VARIANTS:
             ap.error(f"--variants: unknown {v!r}; choose from {', '.join(VARIANTS)}")
     ceiling = read_ceiling(Timer())
-    batches = [int(b) for b in args.batches.split(",")]
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+        breakdown = {int(b) for b in args.breakdown_batches.split(",")}
+    except ValueError:
+        ap.error(f"--batches / --breakdown-batches: comma-separated integers, got {args.batches!r} / "
+                 f"{args.breakdown_batches!r}")
     rows, baselines = [], {}
     result = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   command=command_line("bench_generate", argv),
@@ -326,7 +334,7 @@ def main(argv=None) -> int:
             model = (build_streamed(mname, variant, args.layers) if mname in STREAMED
                      else prepare(build_model(mname, args.layers), variant))
             rows += run_engine(model, mname, variant, batches, args.prompt, args.gen, ceiling["read_GBps"],
-                               not args.no_breakdown)
+                               set() if args.no_breakdown else breakdown)
             if variant == "fp16" and mname == "llama2-7b" and not args.no_hf:
                 baselines.update(hf_baselines(model, args.prompt, args.gen))
             del model

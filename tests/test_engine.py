@@ -305,7 +305,7 @@ def test_bench_generate_runs_its_engine_rows_on_cpu(tmp_path):
             a = model.model.layers[0].self_attn
             assert a.q_proj.perm is a.v_proj.perm and not torch.equal(a.q_proj.perm, torch.arange(128))
             assert model.model.layers[0].mlp.down_proj.perm is None
-        rows += bg.run_engine(model, "tiny", variant, [1, 2], prompt=12, gen=6, read_gbps=1000.0, breakdown=False)
+        rows += bg.run_engine(model, "tiny", variant, [1, 2], prompt=12, gen=6, read_gbps=1000.0, breakdown=())
     assert [(r["variant"], r["batch"]) for r in rows] == [(v, b) for v in variants for b in (1, 2)]
     assert all(r["ms_per_step"] > 0 and r["decode_tokens_per_s"] > 0 and 0 < r["floor_share"] < 1 for r in rows)
     assert rows[0]["weight_MB"] > rows[2]["weight_MB"] > rows[4]["weight_MB"]  # fp16 > int8 > int4 bytes
@@ -335,7 +335,7 @@ def test_bench_generate_builds_a_large_model_quantized_a_layer_at_a_time():
     again = bg.build_streamed("tiny", "int4g128a", device="cpu")
     assert torch.equal(again.model.layers[1].mlp.down_proj.packed.qweight,
                        model.model.layers[1].mlp.down_proj.packed.qweight)
-    rows = bg.run_engine(model.float(), "tiny", "int4g128a", [1], prompt=12, gen=6, read_gbps=1000.0, breakdown=False)
+    rows = bg.run_engine(model.float(), "tiny", "int4g128a", [1], prompt=12, gen=6, read_gbps=1000.0, breakdown=())
     assert rows[0]["decode_tokens_per_s"] > 0
     for variant in ("fp16", "int4g128a_act"):
         with pytest.raises(SystemExit, match=f"variant {variant} needs the float model"):
