@@ -143,6 +143,29 @@ constexpr int kNormMaxWidth = 16384;  // two rows of it in shared memory: 128 KB
 Status add_rms_gather(ActType act, const void* x, const void* delta, const void* w, const int32_t* perm,
                       void* x_out, void* y, int rows, int H, float eps, cudaStream_t stream);
 
+// Decode attention for the engine's per-op step (csrc/decode_attention.cu): one query token a sequence
+// against the cache slots pad[b] .. slot only (not the whole cache), every query head of a kv head's GQA
+// group in one block; fp16 or bf16.  splits > 1 cuts each sequence's visible keys into that many shares
+// and merges them (part_o, part_ml: fp32 workspace), decode_attention_splits picks the count.
+constexpr int kDecodeAttnMaxGroup = 16;   // query heads a kv head (the MMA's 16 rows)
+constexpr int kDecodeAttnMaxSplits = 64;
+struct DecodeAttnParams {
+  const void* q;          // [batch, heads, head_dim]: element strides q_sb, q_sh, dims contiguous
+  const void* k;          // caches [batch, kv_heads, max_seq, head_dim]: element strides kv_sb, kv_sh,
+  const void* v;          //   rows contiguous; 16-byte aligned rows (pointers and strides)
+  void* out;              // [batch, heads, head_dim], contiguous
+  float* part_o;          // splits > 1: [batch, heads, splits, head_dim]
+  float* part_ml;         // splits > 1: [batch, heads, splits, 2] (max of the base-2 scores, denominator)
+  const int64_t* slot;    // device scalar: the query's cache slot (its key and value are written there)
+  const int64_t* pad;     // device [batch]: the slots before pad[b] are sequence b's left padding
+  long long q_sb, q_sh, kv_sb, kv_sh;
+  int batch, heads, kv_heads, head_dim, max_seq, splits;
+  float scale_log2;       // the softmax scale times log2(e)
+};
+bool decode_attention_supported(int head_dim, int heads, int kv_heads);  // head_dim 64 / 96 / 128, group <= 16
+int decode_attention_splits(int batch, int kv_heads, int max_seq);  // for the current device's SM count
+Status decode_attention(ActType act, const DecodeAttnParams& p, cudaStream_t stream);
+
 // The seed's fp32 SGEMV family: y[N] = A[N, K] @ x[K], all fp32, contiguous.
 enum class SgemvKernel : int { kAuto = 0, kK32 = 1, kK128 = 2, kK16 = 3 };
 SgemvKernel sgemv_choose(int N, int K, const float* A, const float* x);

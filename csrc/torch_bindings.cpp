@@ -381,13 +381,84 @@ std::tuple<at::Tensor, at::Tensor> add_rms_gather_cuda(const at::Tensor& x, cons
   return {x_out, y};
 }
 
+// The engine's per-op decode attention (csrc/decode_attention.cu): q [B, H, D] against the cache slots
+// pad[b] .. slot of k_cache / v_cache [B, Hkv, S, D].  The rules are qgemv/ops.py's check_decode_attention,
+// with its messages.
+at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 const at::Tensor& slot, const at::Tensor& pad, double scale, int64_t splits) {
+  const char* op = "decode_attention";
+  QG_CHECK(q.is_cuda(), op, "q must be a CUDA tensor, got ", q.device());
+  QG_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, op,
+           "q must be float16 or bfloat16, got ", q.scalar_type());
+  QG_CHECK(q.dim() == 3, op, "q must be [batch, heads, head_dim], got ", q.sizes());
+  QG_CHECK(k_cache.dim() == 4, op, "k_cache must be [batch, kv_heads, max_seq, head_dim], got ", k_cache.sizes());
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), S = k_cache.size(2);
+  QG_CHECK(k_cache.size(0) == B && k_cache.size(3) == D, op, "k_cache must be [", B, ", kv_heads, max_seq, ", D,
+           "] (q's batch and head_dim), got ", k_cache.sizes());
+  QG_CHECK(v_cache.sizes() == k_cache.sizes(), op, "v_cache must have k_cache's shape ", k_cache.sizes(), ", got ",
+           v_cache.sizes());
+  QG_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(), op,
+           "k_cache and v_cache must have q's dtype ", q.scalar_type(), ", got ", k_cache.scalar_type(), " and ",
+           v_cache.scalar_type());
+  QG_CHECK(B >= 1 && B <= 65535, op, "batch must be in 1..65535, got ", B);
+  QG_CHECK(D == 64 || D == 96 || D == 128, op, "head_dim must be 64, 96 or 128, got ", D);
+  QG_CHECK(Hkv >= 1 && H % Hkv == 0 && H / Hkv <= kDecodeAttnMaxGroup, op, "heads (", H,
+           ") must be kv_heads (", Hkv, ") times 1..", kDecodeAttnMaxGroup);
+  QG_CHECK(S >= 1, op, "max_seq must be >= 1, got ", S);
+  QG_CHECK(slot.scalar_type() == at::kLong && slot.numel() >= 1, op, "slot must be an int64 tensor of >= 1 element, got ",
+           slot.scalar_type(), " ", slot.sizes());
+  QG_CHECK(pad.scalar_type() == at::kLong && pad.dim() == 1 && pad.size(0) == B, op, "pad must be int64 [", B,
+           "], got ", pad.scalar_type(), " ", pad.sizes());
+  QG_CHECK(std::isfinite(scale) && scale > 0, op, "scale must be a finite number > 0, got ", scale);
+  QG_CHECK(splits >= 0 && splits <= kDecodeAttnMaxSplits, op, "splits must be 0 (chosen) or 1..",
+           kDecodeAttnMaxSplits, ", got ", splits);
+  check_same_device(q, k_cache, "k_cache", op);
+  check_same_device(q, v_cache, "v_cache", op);
+  check_same_device(q, slot, "slot", op);
+  check_same_device(q, pad, "pad", op);
+  QG_CHECK(q.stride(2) == 1, op, "q's head_dim must be contiguous (stride 1), got strides ", q.strides());
+  for (const at::Tensor* c : {&k_cache, &v_cache}) {
+    const char* name = c == &k_cache ? "k_cache" : "v_cache";
+    QG_CHECK(c->stride(3) == 1 && c->stride(2) == D && c->stride(1) % 8 == 0 && c->stride(0) % 8 == 0, op, name,
+             " must have contiguous rows and batch / head strides that are multiples of 8, got strides ",
+             c->strides());
+    QG_CHECK(reinterpret_cast<uintptr_t>(c->data_ptr()) % 16 == 0, op, name,
+             " must start on a 16-byte boundary (pass a contiguous cache)");
+  }
+  const c10::cuda::CUDAGuard guard(q.device());
+  const at::Tensor pad2 = pad.contiguous();
+  at::Tensor out = at::empty({B, H, D}, q.options());
+  const int n = splits > 0 ? static_cast<int>(splits)
+                           : decode_attention_splits(static_cast<int>(B), static_cast<int>(Hkv), static_cast<int>(S));
+  at::Tensor part_o, part_ml;
+  if (n > 1) {
+    part_o = at::empty({B, H, n, D}, q.options().dtype(at::kFloat));
+    part_ml = at::empty({B, H, n, 2}, q.options().dtype(at::kFloat));
+  }
+  DecodeAttnParams p{};
+  p.q = q.data_ptr(), p.k = k_cache.data_ptr(), p.v = v_cache.data_ptr(), p.out = out.data_ptr();
+  p.part_o = n > 1 ? part_o.data_ptr<float>() : nullptr;
+  p.part_ml = n > 1 ? part_ml.data_ptr<float>() : nullptr;
+  p.slot = slot.data_ptr<int64_t>(), p.pad = pad2.data_ptr<int64_t>();
+  p.q_sb = q.stride(0), p.q_sh = q.stride(1), p.kv_sb = k_cache.stride(0), p.kv_sh = k_cache.stride(1);
+  QG_CHECK(v_cache.stride(0) == p.kv_sb && v_cache.stride(1) == p.kv_sh, op,
+           "v_cache must have k_cache's strides ", k_cache.strides(), ", got ", v_cache.strides());
+  p.batch = static_cast<int>(B), p.heads = static_cast<int>(H), p.kv_heads = static_cast<int>(Hkv);
+  p.head_dim = static_cast<int>(D), p.max_seq = static_cast<int>(S), p.splits = n;
+  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  check_status(decode_attention(q.scalar_type() == at::kHalf ? ActType::kHalf : ActType::kBFloat16, p,
+                                c10::cuda::getCurrentCUDAStream()),
+               op);
+  return out;
+}
+
 // The op schemas live in qgemv/ops.py; this number changes with them, and
 // qgemv/_ext.py registers these kernels only when its own number matches.
 // (TORCH_LIBRARY_IMPL would register them while the library loads, and a
 // schema mismatch there, e.g. a stale build after an upgrade, aborts the
 // process; registered from a call, it is an exception the loader turns into
 // "rebuild the extension" and the reference backend.)
-constexpr int kOpsVersion = 4;
+constexpr int kOpsVersion = 5;
 
 void register_cuda_kernels() {
   static std::unique_ptr<torch::Library> lib;
@@ -399,6 +470,7 @@ void register_cuda_kernels() {
   l->impl("linear_int4_grouped", &linear_int4_grouped_cuda);
   l->impl("sgemv", &sgemv_cuda);
   l->impl("add_rms_gather", &add_rms_gather_cuda);
+  l->impl("decode_attention", &decode_attention_cuda);
   lib = std::move(l);
 }
 

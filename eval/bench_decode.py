@@ -213,6 +213,7 @@ def weight_bytes(model) -> int:
 
 
 KERNEL_KINDS = (  # (category, substrings of the kernel name), first match wins
+    ("attention", ("decode_attention",)),  # qgemv's own (qgemv.ops.decode_attention)
     ("qgemv", ("qgemv",)),
     ("cuBLAS", ("gemm", "nvjet", "xmma", "cutlass", "gemv")),
     ("attention", ("fmha", "attention", "flash", "attn")),

@@ -68,7 +68,10 @@ VARIANTS = {"fp16": None, "bf16": None, "int8": (8, None, True), "int4": (4, Non
             "int4g128a": (4, 128, False), "int4g128a_act": (4, 128, False), "int4g128a_act_sep": (4, 128, False),
             "int4g128a_act_first": (4, 128, False), "int4_mk": (4, None, True), "int4g128a_mk": (4, 128, False),
             "int8_mk": (8, None, True), "fp16_mk": None,
-            "bf16_mk": None, "int4g128a_bf16": (4, 128, False), "int4g128a_bf16_mk": (4, 128, False)}
+            "bf16_mk": None, "int4g128a_bf16": (4, 128, False), "int4g128a_bf16_mk": (4, 128, False),
+            "int4g128a_sdpa": (4, 128, False)}
+# int4g128a_sdpa: the per-op decode step's attention through SDPA over the whole cache (engine.decode_attention
+# off), the path before qgemv.ops.decode_attention
 # *_mk: the same weights with Engine(megakernel=True): each batch-1 decode step as one persistent launch
 # (qgemv.persist, issue 35); other batches run per-op
 # int4g128a_act: int4 g128a with act-order input permutations as an imported GPTQ checkpoint has them after
@@ -181,6 +184,8 @@ def _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdow
     rows = []
     wb = weight_bytes(model)
     engine = Engine(model, max_seq_len=prompt + gen + 8, megakernel=variant.endswith("_mk"))
+    if variant.endswith("_sdpa"):
+        engine.decode_attention = False
     if variant == "int4g128a_act_sep":  # the projections gather their own inputs
         for L in engine.layers:
             L.qkv.perm = L.gate_up.perm = None
@@ -196,7 +201,8 @@ def _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdow
                    prefill_tokens_per_s=out.prefill_tokens_per_s, ms_per_step=ms,
                    decode_tokens_per_s=out.decode_tokens_per_s, weight_MB=wb / 1e6, floor_share=floor_ms / ms,
                    graphs=out.graphs, compiled_glue=engine.compile_glue,
-                   megakernel=engine.megakernel and b == 1, megakernel_off=engine.megakernel_reason)
+                   megakernel=engine.megakernel and b == 1, megakernel_off=engine.megakernel_reason,
+                   decode_attention=engine.decode_attention)
         if b in breakdown:
             dev = engine.device
             tok = torch.ones(b, 1, dtype=torch.long, device=dev)

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.nn import functional as Fn
 
-from . import ops
+from . import _ext, ops
 from .arch import ARCHITECTURES, ATTN, DOWN, FUSE_GROUPS, IN_NORM, K_NORM, MLP, O, POST_NORM, Q_NORM
 from .nn import FusedSlice, QuantLinear, fuse_linears
 
@@ -308,6 +308,19 @@ def megakernel_memory_refusal(engine: "Engine", free: int) -> str:
             f"memory ({free / 2**30:.2f} GiB, 0.5 GiB kept spare)")
 
 
+def decode_attention_usable(engine: "Engine") -> bool:
+    """Whether the engine's per-op decode step can run qgemv.ops.decode_attention's CUDA kernel: a CUDA
+    device of compute capability 8.0 or later with the compiled extension, float16 / bfloat16
+    activations, head_dim 64 / 96 / 128 and up to 16 query heads a kv head.  Elsewhere it runs SDPA."""
+    if engine.device.type != "cuda" or _ext.BACKEND not in ("aot", "jit"):
+        return False
+    if engine.dtype not in (torch.float16, torch.bfloat16) or engine.head_dim not in ops.DECODE_ATTN_HEAD_DIMS:
+        return False
+    if engine.heads % engine.kv_heads or engine.heads // engine.kv_heads > ops.DECODE_ATTN_MAX_GROUP:
+        return False
+    return torch.cuda.get_device_capability(engine.device) >= (8, 0)
+
+
 class Engine:
     """Runs a Llama-family transformers model with a static KV cache (see the module docstring).
 
@@ -329,7 +342,10 @@ class Engine:
     9.x.  None (the default): wherever the model and the GPU allow it; True:
     asked for, so a refusal warns once; False: never.  Where it does not
     run, the per-op path does and ``megakernel_reason`` says why.  Prefill
-    and batches above 1 stay per-op.  The launch keeps its own copy of the
+    and batches above 1 stay per-op; the per-op decode step's attention
+    reads each sequence's visible cache slots only
+    (:func:`qgemv.ops.decode_attention`, attribute ``decode_attention``)
+    where its kernel runs, else SDPA over the whole cache.  The launch keeps its own copy of the
     weights it cannot read in place (:func:`megakernel_copy_bytes`: q/k/v,
     16-bit weights, grouped scales in tile order), built at the first
     batch-1 decode step, and falls back where that does not fit the GPU's
@@ -392,6 +408,9 @@ class Engine:
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self.compile_glue = bool(compile_glue) and self.device.type == "cuda"
         self._glue = _compiled_glue() if self.compile_glue else EAGER_GLUE
+        #: the per-op decode step's attention through qgemv.ops.decode_attention (each sequence's visible
+        #: cache slots only) instead of SDPA over the whole cache; set where its kernel runs
+        self.decode_attention = decode_attention_usable(self)
         if megakernel not in (None, True, False):
             raise TypeError(f"megakernel: expected None, True or False, got {megakernel!r}")
         self._megakernel_asked = megakernel is True
@@ -514,15 +533,18 @@ class Engine:
         k_cache, v_cache = self._kv(B)
         pos = (slots[None, :] - pad[:, None]).clamp(min=0)  # [B, T] rotary positions
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [B, 1, T, D]
-        keys = torch.arange(self.max_seq_len, device=ids.device)
-        q_slot = slots[None, :, None]  # [1, T, 1]
-        # a key is visible to a query when it is at or before the query's slot and
-        # past the sequence's padding; a padded query sees itself (its output is
-        # never used, and an all-masked row would be NaN)
-        visible = ((keys <= q_slot) & (keys >= pad[:, None, None])) | (keys == q_slot)  # [B, T, S]
-        # additive, built once per step: a boolean mask would be converted in every layer's SDPA call
-        mask = torch.zeros(visible.shape, device=ids.device, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
-        mask = mask[:, None]
+        decode_attn = T == 1 and self.decode_attention
+        if not decode_attn:
+            keys = torch.arange(self.max_seq_len, device=ids.device)
+            q_slot = slots[None, :, None]  # [1, T, 1]
+            # a key is visible to a query when it is at or before the query's slot and
+            # past the sequence's padding; a padded query sees itself (its output is
+            # never used, and an all-masked row would be NaN)
+            visible = ((keys <= q_slot) & (keys >= pad[:, None, None])) | (keys == q_slot)  # [B, T, S]
+            # additive, built once per step: a boolean mask would be converted in every layer's SDPA call
+            mask = torch.zeros(visible.shape, device=ids.device, dtype=self.dtype).masked_fill_(~visible,
+                                                                                                float("-inf"))
+            mask = mask[:, None]
         g = self._glue if T == 1 else EAGER_GLUE  # prefill runs eager: no compile per prompt length
         x = self.embed(ids)
         delta = torch.zeros_like(x)
@@ -531,9 +553,13 @@ class Engine:
             q, k, v = L.qkv(h, gathered=True)
             q = g["attention_in"](q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D), cos, sin,
                                   k_cache[i], v_cache[i], slots, L.q_norm, L.k_norm, self.eps)
-            a = Fn.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=mask, scale=self.scale,
-                                                enable_gqa=H != Hkv)
-            x, h = self._norm(g, x, L.o_proj(a.transpose(1, 2).reshape(B, T, H * D)), L.post_norm, L.gate_up.perm)
+            if decode_attn:  # the visible slots only (the inputs were checked by decode_attention_usable)
+                a = ops.decode_attention(q[:, :, 0], k_cache[i], v_cache[i], slots, pad, self.scale,
+                                         checked=True).view(B, T, H * D)
+            else:
+                a = Fn.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=mask, scale=self.scale,
+                                                    enable_gqa=H != Hkv).transpose(1, 2).reshape(B, T, H * D)
+            x, h = self._norm(g, x, L.o_proj(a), L.post_norm, L.gate_up.perm)
             gate, up = L.gate_up(h, gathered=True)
             delta = L.down_proj(g["swiglu"](gate, up))
         x = x[:, -1] + delta[:, -1]

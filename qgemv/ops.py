@@ -10,6 +10,9 @@ Every op lives in the ``qgemv`` torch.library namespace:
 * ``qgemv::add_rms_gather(Tensor x, Tensor delta, Tensor weight, Tensor perm, float eps) -> (Tensor, Tensor)``:
   the generation engine's residual add and RMSNorm with the normalized row
   gathered into an act-order linear's input order, in one kernel.
+* ``qgemv::decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slot, Tensor pad, float scale,
+  int splits=0) -> Tensor``: the engine's per-op decode attention, one query
+  token a sequence against its visible cache slots ``pad[b] .. slot`` only.
 
 ``in_features`` is the K the weight was packed for.  The packed rows are
 padded (to 16 k for int8, 32 k for int4), so the packed width alone cannot
@@ -43,7 +46,7 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 #: Version of the schemas below; csrc/torch_bindings.cpp's kOpsVersion must equal it
 #: for the compiled kernels to be registered (qgemv/_ext.py).
-OPS_VERSION = 4
+OPS_VERSION = 5
 
 torch.library.define(
     "qgemv::linear_int8", "(Tensor x, Tensor qweight, Tensor scales, int in_features, Tensor? perm=None) -> Tensor")
@@ -57,9 +60,16 @@ torch.library.define(
 torch.library.define("qgemv::sgemv", "(Tensor A, Tensor x, int kernel=0) -> Tensor")
 torch.library.define("qgemv::add_rms_gather",
                      "(Tensor x, Tensor delta, Tensor weight, Tensor perm, float eps) -> (Tensor, Tensor)")
+torch.library.define("qgemv::decode_attention",
+                     "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slot, Tensor pad, float scale, "
+                     "int splits=0) -> Tensor")
 
 #: Widest row qgemv::add_rms_gather takes (csrc/qgemv.h, kNormMaxWidth: the row sits in shared memory).
 NORM_MAX_WIDTH = 16384
+#: qgemv::decode_attention's limits (csrc/qgemv.h): head sizes, query heads a kv head, splits.
+DECODE_ATTN_HEAD_DIMS = (64, 96, 128)
+DECODE_ATTN_MAX_GROUP = 16
+DECODE_ATTN_MAX_SPLITS = 64
 
 
 # --------------------------------------------------------------------------
@@ -196,6 +206,44 @@ def check_add_rms_gather(x, delta, weight, perm, eps) -> None:
             _fail(op, f"{name} must be on the same device as x ({x.device}), got {t.device}")
 
 
+def check_decode_attention(q, k_cache, v_cache, slot, pad, scale, splits=0) -> None:
+    op = "decode_attention"
+    if q.dtype not in FLOAT_DTYPES:
+        _fail(op, f"q must be float16 or bfloat16 (float32 on the CPU), got {q.dtype}")
+    if q.dim() != 3:
+        _fail(op, f"q must be [batch, heads, head_dim], got {list(q.shape)}")
+    if k_cache.dim() != 4:
+        _fail(op, f"k_cache must be [batch, kv_heads, max_seq, head_dim], got {list(k_cache.shape)}")
+    B, H, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.shape[0] != B or k_cache.shape[3] != D:
+        _fail(op, f"k_cache must be [{B}, kv_heads, max_seq, {D}] (q's batch and head_dim), got "
+                  f"{list(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape:
+        _fail(op, f"v_cache must have k_cache's shape {list(k_cache.shape)}, got {list(v_cache.shape)}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        _fail(op, f"k_cache and v_cache must have q's dtype {q.dtype}, got {k_cache.dtype} and {v_cache.dtype}")
+    if not 1 <= B <= 65535:
+        _fail(op, f"batch must be in 1..65535, got {B}")
+    if D not in DECODE_ATTN_HEAD_DIMS:
+        _fail(op, f"head_dim must be 64, 96 or 128, got {D}")
+    if Hkv < 1 or H % Hkv or H // Hkv > DECODE_ATTN_MAX_GROUP:
+        _fail(op, f"heads ({H}) must be kv_heads ({Hkv}) times 1..{DECODE_ATTN_MAX_GROUP}")
+    if S < 1:
+        _fail(op, f"max_seq must be >= 1, got {S}")
+    if slot.dtype != torch.int64 or slot.numel() < 1:
+        _fail(op, f"slot must be an int64 tensor of >= 1 element, got {slot.dtype} {list(slot.shape)}")
+    if pad.dtype != torch.int64 or pad.dim() != 1 or pad.shape[0] != B:
+        _fail(op, f"pad must be int64 [{B}], got {pad.dtype} {list(pad.shape)}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+        _fail(op, f"scale must be a finite number > 0, got {scale!r}")
+    if isinstance(splits, bool) or not isinstance(splits, int) or not 0 <= splits <= DECODE_ATTN_MAX_SPLITS:
+        _fail(op, f"splits must be 0 (chosen) or 1..{DECODE_ATTN_MAX_SPLITS}, got {splits!r}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("slot", slot), ("pad", pad)):
+        if t.device != q.device:
+            _fail(op, f"{name} must be on the same device as q ({q.device}), got {t.device}")
+
+
 # --------------------------------------------------------------------------
 # References: dequantize in fp32, multiply in fp32, return x's dtype.
 # --------------------------------------------------------------------------
@@ -257,12 +305,33 @@ def ref_add_rms_gather(x, delta, weight, perm, eps):
     return s, (weight * n).index_select(-1, perm)
 
 
+def ref_decode_attention(q, k_cache, v_cache, slot, pad, scale, splits=0):
+    """Reference for qgemv::decode_attention, in fp32: softmax(q k^T scale) v over each sequence's visible
+    cache slots, pad[b] .. slot[0] (both clamped into the cache), each query head h against kv head
+    h // (heads / kv_heads).  The slots outside are never read into the result (a NaN there stays out).
+    splits only shapes the CUDA kernel's work.  Returns [batch, heads, head_dim] in q's dtype."""
+    check_decode_attention(q, k_cache, v_cache, slot, pad, scale, splits)
+    B, H, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    s = slot.reshape(-1)[:1].clamp(0, S - 1)  # a tensor: no read back, so a CUDA graph can hold it
+    p = torch.minimum(pad.clamp(min=0), s)
+    keys = torch.arange(S, device=q.device)
+    visible = (keys[None] <= s) & (keys[None] >= p[:, None])  # [B, S]
+    vis = visible[:, None, :, None]
+    k = k_cache.float().masked_fill(~vis, 0.0).repeat_interleave(H // Hkv, dim=1)  # [B, H, S, D]
+    v = v_cache.float().masked_fill(~vis, 0.0).repeat_interleave(H // Hkv, dim=1)
+    scores = torch.einsum("bhd,bhsd->bhs", q.float(), k) * scale
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    return torch.einsum("bhs,bhsd->bhd", scores.softmax(-1), v).to(q.dtype)
+
+
 for _name, _ref in (
     ("linear_int8", ref_linear_int8),
     ("linear_int4", ref_linear_int4),
     ("linear_int4_grouped", ref_linear_int4_grouped),
     ("sgemv", ref_sgemv),
     ("add_rms_gather", ref_add_rms_gather),
+    ("decode_attention", ref_decode_attention),
 ):
     torch.library.impl(f"qgemv::{_name}", "cpu")(_ref)
 
@@ -300,12 +369,19 @@ def _fake_add_rms_gather(x, delta, weight, perm, eps):
     return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
+@torch.library.register_fake("qgemv::decode_attention")
+def _fake_decode_attention(q, k_cache, v_cache, slot, pad, scale, splits=0):
+    check_decode_attention(q, k_cache, v_cache, slot, pad, scale, splits)
+    return q.new_empty(q.shape)
+
+
 REFERENCES = {
     "linear_int8": ref_linear_int8,
     "linear_int4": ref_linear_int4,
     "linear_int4_grouped": ref_linear_int4_grouped,
     "sgemv": ref_sgemv,
     "add_rms_gather": ref_add_rms_gather,
+    "decode_attention": ref_decode_attention,
 }
 
 
@@ -495,8 +571,61 @@ def add_rms_gather(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, p
     return torch.ops.qgemv.add_rms_gather(x, delta, weight, perm, eps)
 
 
+def _check_decode_attention_layout(q, k_cache, v_cache) -> None:
+    """The CUDA kernel's layout rules (its own checks, in Python first: see _precheck_cuda)."""
+    op = "decode_attention"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        _fail(op, f"q must be float16 or bfloat16, got {q.dtype}")
+    if q.stride(2) != 1:
+        _fail(op, f"q's head_dim must be contiguous (stride 1), got strides {list(q.stride())}")
+    D = q.shape[2]
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        st = c.stride()
+        if st[3] != 1 or st[2] != D or st[1] % 8 or st[0] % 8:
+            _fail(op, f"{name} must have contiguous rows and batch / head strides that are multiples of 8, got "
+                      f"strides {list(st)}")
+        if c.data_ptr() % 16:
+            _fail(op, f"{name} must start on a 16-byte boundary (pass a contiguous cache)")
+    if v_cache.stride() != k_cache.stride():
+        _fail(op, f"v_cache must have k_cache's strides {list(k_cache.stride())}, got {list(v_cache.stride())}")
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor,
+                     pad: torch.Tensor, scale: float, splits: int = 0, checked: bool = False) -> torch.Tensor:
+    """One decode step's attention: each sequence's query token against its visible cache slots only.
+
+    Args:
+        q: [batch, heads, head_dim] float16 or bfloat16 (float32 on the CPU),
+            the query rows after RoPE; head_dim 64, 96 or 128 and contiguous.
+        k_cache, v_cache: [batch, kv_heads, max_seq, head_dim] in q's dtype,
+            contiguous rows (the engine's per-layer cache views); heads must
+            be kv_heads times 1..16 (query head h reads kv head
+            h // (heads / kv_heads)).
+        slot: int64, >= 1 element on q's device: element 0 is the step's
+            cache slot, where its own key and value have been written.
+        pad: int64 [batch] on q's device: sequence b's slots before pad[b]
+            are left padding and not attended.
+        scale: the softmax scale (head_dim ** -0.5 for Llama).
+        splits: 0 chooses; 1..64 cuts each sequence's keys into that many
+            shares merged by a second kernel (tests force it).
+        checked: the caller has checked these inputs once already (the
+            engine): no Python checks, so the call can sit in a CUDA graph.
+    Returns:
+        [batch, heads, head_dim] in q's dtype.  The CUDA kernel reads only
+        slots pad[b] .. slot (slot and pad clamped into the cache), so its
+        cost follows the context, not max_seq; fp32 softmax, the
+        probabilities rounded to q's dtype before they meet V (flash
+        attention's rounding).
+    """
+    if not checked and _precheck_cuda(q, k_cache, v_cache):  # (the CPU reference checks the same itself)
+        check_decode_attention(q, k_cache, v_cache, slot, pad, scale, splits)
+        _check_decode_attention_layout(q, k_cache, v_cache)
+    return torch.ops.qgemv.decode_attention(q, k_cache, v_cache, slot, pad, scale, splits)
+
+
 __all__ = [
     "add_rms_gather",
+    "decode_attention",
     "check_linear",
     "linear",
     "op_for",
@@ -510,4 +639,5 @@ __all__ = [
     "ref_linear_int4_grouped",
     "ref_sgemv",
     "ref_add_rms_gather",
+    "ref_decode_attention",
 ]

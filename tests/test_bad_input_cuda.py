@@ -70,6 +70,16 @@ CASES = {
     "int8_x_on_cpu": "qw, s = formats.quantize_int8(torch.randn(64, 64, device='cuda'))\n"
         "expect(lambda: qgemv.linear_int8(torch.randn(1, 64, dtype=torch.float16), qw, s, 64), "
         "'must be on the same device as x')",
+    # decode attention's layout rules (the kernel's own, checked first by the wrapper)
+    "decode_attention_strided_cache": "q = torch.zeros(2, 4, 64, device='cuda', dtype=torch.float16)\n"
+        "k = torch.zeros(2, 2, 64, 10, device='cuda', dtype=torch.float16).transpose(2, 3)\n"
+        "slot, pad = torch.tensor([3], device='cuda'), torch.zeros(2, dtype=torch.long, device='cuda')\n"
+        "expect(lambda: qgemv.ops.decode_attention(q, k, k, slot, pad, 0.125), 'k_cache must have contiguous rows')",
+    "decode_attention_misaligned_cache": "q = torch.zeros(2, 4, 64, device='cuda', dtype=torch.float16)\n"
+        "buf = torch.zeros(2 * 2 * 10 * 64 + 8, device='cuda', dtype=torch.float16)\n"
+        "k = buf[1:1 + 2 * 2 * 10 * 64].view(2, 2, 10, 64)\n"
+        "slot, pad = torch.tensor([3], device='cuda'), torch.zeros(2, dtype=torch.long, device='cuda')\n"
+        "expect(lambda: qgemv.ops.decode_attention(q, k, k, slot, pad, 0.125), 'must start on a 16-byte boundary')",
 }
 
 

@@ -293,6 +293,33 @@ def test_cuda_kernels_give_the_cpu_reference_logits(bits, group, sym):
         assert len(engine._graphs) == int(graphs) and engine.compile_glue == compiled
 
 
+@requires_cuda
+@pytest.mark.parametrize("heads,kv_heads,hidden", [(4, 2, 256), (8, 1, 512), (4, 4, 512), (9, 3, 576)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_attention_gives_the_sdpa_steps_logits(heads, kv_heads, hidden, dtype):
+    """The per-op decode step through qgemv.ops.decode_attention (each sequence's visible cache slots
+    only) against the same engine with SDPA over the whole cache: prompts of three lengths (left
+    padding), teacher-forced for 24 steps, graphs and compiled glue on (head_dim 64 / 128, GQA 1-8)."""
+    model = tiny("llama", seed=4, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                 intermediate_size=512, vocab_size=512, initializer_range=0.02)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    qgemv.quantize_model(model, bits=4, group_size=128, symmetric=False)
+    model = model.to(device="cuda", dtype=dtype)
+    g = torch.Generator().manual_seed(hidden)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (13, 5, 30)]
+    fast = Engine(model, max_seq_len=96, megakernel=False)
+    if not fast.decode_attention:
+        pytest.skip("decode_attention's kernel does not run here (extension or compute capability)")
+    sdpa = Engine(model, max_seq_len=96, megakernel=False)
+    sdpa.decode_attention = False
+    want = sdpa.generate(prompts, max_new_tokens=24).tokens
+    ref, got = forced_logits(sdpa, prompts, want), forced_logits(fast, prompts, want)
+    err = (got.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
+    assert err < (1e-2 if dtype == torch.float16 else 4e-2), f"relative logit error {err:.2e}"
+    assert len(fast._graphs) == 1
+
+
 def test_bench_generate_runs_its_engine_rows_on_cpu(tmp_path):
     """The generation benchmark's pieces on the CPU with its tiny shapes: rows and the three outputs."""
     from qgemv.eval import bench_generate as bg

@@ -1,0 +1,319 @@
+// Decode attention for the generation engine's per-op step (qgemv::decode_attention; qgemv.h):
+// one query token a sequence against its own visible cache slots only.
+//
+// Why: the engine's per-op step ran torch's SDPA over the whole static cache
+// (max_seq_len slots) with an additive mask, so every step read max_seq_len
+// K / V rows a sequence whatever its context: at batch 16 on Llama-2-7B
+// shapes (H100, 2026-12-06, max_seq_len 776) attention was 2.48 ms of a
+// 5.37 ms step, and with the engine's default max_seq_len of 4096 it reads
+// up to 5x more.  This kernel reads the rows pad .. slot of each sequence.
+//
+// Flash-decoding with tensor cores: a block takes one (sequence, kv head)
+// and a share ("split") of the visible keys; its 4 warps take 16 keys each
+// of every 64-key tile, which the block copies into shared memory through
+// cp.async (2 stages; rows past the split's end are zero-filled).  The query
+// heads of the kv head's GQA group are the MMA's 16 rows (up to 16 heads;
+// rows past the group are zero), so S^T = Q K^T comes out as the A operand
+// of O = P V without a shuffle.  Online softmax in fp32 (base-2 exponents of
+// the scaled scores); P is rounded to the activation type for the second
+// MMA, as flash attention does.  The warps' partial results merge in shared
+// memory; with one split the block writes the output, with more it writes
+// (unnormalized sums, max, denominator) and a second kernel merges splits.
+#include <cfloat>
+#include <cstdint>
+
+#include "qgemv.h"
+#include "qgemv_common.cuh"
+
+namespace qgemv {
+namespace {
+
+constexpr int kDaThreads = 128;  // 4 warps
+constexpr int kDaWarpKeys = 16;  // keys a warp takes from each tile
+constexpr int kDaTileKeys = kDaWarpKeys * (kDaThreads / 32);
+constexpr int kDaStages = 2;  // 68 KB of shared memory at head_dim 128: three blocks an SM on sm_90, one on sm_86
+
+template <int D>
+struct DaLayout {
+  // a K or V row in shared memory, padded by 16 bytes: the 8 rows one ldmatrix phase reads start 4 banks apart
+  static constexpr int kRow = D * 2 + 16;
+  static constexpr int kTile = kDaTileKeys * kRow;
+  static constexpr int kStage = 2 * kTile;  // K's tile, then V's
+  static constexpr int kMerge = (4 * 16 * D + 4 * 16 * 2) * 4;  // the warps' sums, maxima and denominators
+  static constexpr int kSmem = kDaStages * kStage > kMerge ? kDaStages * kStage : kMerge;
+};
+
+__device__ __forceinline__ void cp_async_16_zfill(void* dst, const void* src, bool ok) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a)
+               : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a)
+               : "memory");
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kDaThreads) decode_attention_kernel(const DecodeAttnParams p) {
+  using L = DaLayout<D>;
+  constexpr int kSteps = D / 16;  // QK's k-steps; PV's pairs of 8-dim output tiles
+  extern __shared__ __align__(128) unsigned char da_smem[];
+  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int grp = p.heads / p.kv_heads, h0 = kvh * grp;
+  // the visible keys pad .. slot (both clamped into the cache), this split's share [lo, hi)
+  long long slot = *p.slot;
+  slot = slot < 0 ? 0 : (slot >= p.max_seq ? p.max_seq - 1 : slot);
+  long long pad = p.pad[b];
+  pad = pad < 0 ? 0 : (pad > slot ? slot : pad);
+  const int len = static_cast<int>(slot + 1 - pad), per = (len + p.splits - 1) / p.splits;
+  const int lo = static_cast<int>(pad) + split * per, hi = min(static_cast<int>(slot) + 1, lo + per);
+  const T* kb = static_cast<const T*>(p.k) + b * p.kv_sb + kvh * p.kv_sh;
+  const T* vb = static_cast<const T*>(p.v) + b * p.kv_sb + kvh * p.kv_sh;
+
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows (heads) g and g + 8
+  float o[2 * kSteps][4];  // output tile n: dims 8n .. 8n + 7 (C layout: rows g / g + 8, dims 2t, 2t + 1)
+#pragma unroll
+  for (int n = 0; n < 2 * kSteps; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+
+  if (lo < hi) {
+    // Q as the A operand (rows: the group's heads), k-step j: dims 16j .. 16j + 15
+    const unsigned short* qbits = static_cast<const unsigned short*>(p.q) + b * p.q_sb;
+    auto qpair = [&](int r, int d) -> uint32_t {
+      if (r >= grp) return 0u;
+      const unsigned short* row = qbits + static_cast<long long>(h0 + r) * p.q_sh + d;
+      return static_cast<uint32_t>(row[0]) | (static_cast<uint32_t>(row[1]) << 16);
+    };
+    uint32_t qa[kSteps][4];
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) {
+      qa[j][0] = qpair(g, 16 * j + 2 * t);
+      qa[j][1] = qpair(g + 8, 16 * j + 2 * t);
+      qa[j][2] = qpair(g, 16 * j + 2 * t + 8);
+      qa[j][3] = qpair(g + 8, 16 * j + 2 * t + 8);
+    }
+    const int tiles = (hi - lo + kDaTileKeys - 1) / kDaTileKeys;
+    auto load = [&](int tile) {
+      unsigned char* sk = da_smem + (tile % kDaStages) * L::kStage;
+      unsigned char* sv = sk + L::kTile;
+      const int k0 = lo + tile * kDaTileKeys;
+      constexpr int kPieces = D / 8;  // 16-byte pieces a row
+      for (int i = threadIdx.x; i < kDaTileKeys * kPieces; i += kDaThreads) {
+        const int r = i / kPieces, c = i % kPieces, key = k0 + r;
+        const bool ok = key < hi;
+        const long long off = static_cast<long long>(ok ? key : lo) * D + c * 8;
+        cp_async_16_zfill(sk + r * L::kRow + c * 16, kb + off, ok);
+        cp_async_16_zfill(sv + r * L::kRow + c * 16, vb + off, ok);
+      }
+    };
+#pragma unroll
+    for (int s = 0; s < kDaStages - 1; ++s) {
+      if (s < tiles) load(s);
+      cp_async_commit();
+    }
+    for (int tile = 0; tile < tiles; ++tile) {
+      cp_async_wait<kDaStages - 2>();
+      __syncthreads();  // the tile is in for every thread; every warp is past the stage the next load reuses
+      if (tile + kDaStages - 1 < tiles) load(tile + kDaStages - 1);
+      cp_async_commit();
+      const int kw = lo + tile * kDaTileKeys + warp * kDaWarpKeys;  // this warp's first key
+      if (kw >= hi) continue;  // (warp-uniform)
+      const unsigned char* sk = da_smem + (tile % kDaStages) * L::kStage + warp * kDaWarpKeys * L::kRow;
+      const unsigned char* sv = sk + L::kTile;
+      // S^T = Q K^T: s0 keys kw + 0..7, s1 keys kw + 8..15 (C layout: rows g / g + 8, keys 2t, 2t + 1)
+      float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
+      const unsigned char* ka = sk + ((lane & 7) + ((lane >> 4) << 3)) * L::kRow + ((lane >> 3) & 1) * 16;
+#pragma unroll
+      for (int j = 0; j < kSteps; ++j) {
+        uint32_t r[4];
+        ldsm_x4(r, ka + 32 * j);
+        ActTraits<T>::mma(s0, qa[j], r[0], r[1]);
+        ActTraits<T>::mma(s1, qa[j], r[2], r[3]);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = kw + 2 * t + (e & 1);
+        s0[e] = key < hi ? s0[e] * p.scale_log2 : -INFINITY;
+        s1[e] = key + 8 < hi ? s1[e] * p.scale_log2 : -INFINITY;
+      }
+      float x0 = fmaxf(fmaxf(s0[0], s0[1]), fmaxf(s1[0], s1[1]));
+      float x1 = fmaxf(fmaxf(s0[2], s0[3]), fmaxf(s1[2], s1[3]));
+      x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, 1));
+      x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, 2));
+      x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, 1));
+      x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, 2));
+      const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);
+      const float b0 = n0 == -INFINITY ? 0.f : n0, b1 = n1 == -INFINITY ? 0.f : n1;
+      const float c0 = exp2f(m0 - b0), c1 = exp2f(m1 - b1);  // (m = -inf: 0)
+      m0 = n0, m1 = n1;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s0[e] = exp2f(s0[e] - (e < 2 ? b0 : b1));
+        s1[e] = exp2f(s1[e] - (e < 2 ? b0 : b1));
+      }
+      l0 = l0 * c0 + (s0[0] + s0[1]) + (s1[0] + s1[1]);  // this lane's keys; the quad's are summed at the end
+      l1 = l1 * c1 + (s0[2] + s0[3]) + (s1[2] + s1[3]);
+#pragma unroll
+      for (int n = 0; n < 2 * kSteps; ++n) o[n][0] *= c0, o[n][1] *= c0, o[n][2] *= c1, o[n][3] *= c1;
+      // O += P V: P (rows: heads, k: the 16 keys) is S^T's two C tiles as one A operand
+      const uint32_t pa[4] = {pack2<T>(s0[0], s0[1]), pack2<T>(s0[2], s0[3]), pack2<T>(s1[0], s1[1]),
+                              pack2<T>(s1[2], s1[3])};
+      const unsigned char* va = sv + ((lane & 7) + ((lane >> 3) & 1) * 8) * L::kRow + (lane >> 4) * 16;
+#pragma unroll
+      for (int j = 0; j < kSteps; ++j) {
+        uint32_t r[4];
+        ldsm_x4_trans(r, va + 32 * j);
+        ActTraits<T>::mma(o[2 * j], pa, r[0], r[1]);
+        ActTraits<T>::mma(o[2 * j + 1], pa, r[2], r[3]);
+      }
+    }
+    cp_async_wait<0>();
+  }
+  __syncthreads();  // every warp is past the stages: the merge reuses them
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  float* so = reinterpret_cast<float*>(da_smem);  // [warp][row 16][D]
+  float* sml = so + 4 * 16 * D;                   // [warp][row 16][max, denominator]
+#pragma unroll
+  for (int n = 0; n < 2 * kSteps; ++n) {
+    float* r0 = so + (warp * 16 + g) * D + 8 * n + 2 * t;
+    r0[0] = o[n][0], r0[1] = o[n][1];
+    r0[8 * D] = o[n][2], r0[8 * D + 1] = o[n][3];
+  }
+  if (t == 0) {
+    sml[(warp * 16 + g) * 2] = m0, sml[(warp * 16 + g) * 2 + 1] = l0;
+    sml[(warp * 16 + g + 8) * 2] = m1, sml[(warp * 16 + g + 8) * 2 + 1] = l1;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < grp * D; i += kDaThreads) {
+    const int r = i / D, d = i % D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) mx = fmaxf(mx, sml[(w * 16 + r) * 2]);
+    const float base = mx == -INFINITY ? 0.f : mx;
+    float acc = 0.f, den = 0.f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const float f = exp2f(sml[(w * 16 + r) * 2] - base);
+      acc += f * so[(w * 16 + r) * D + d];
+      den += f * sml[(w * 16 + r) * 2 + 1];
+    }
+    const long long bh = static_cast<long long>(b) * p.heads + h0 + r;
+    if (p.splits == 1) {
+      static_cast<T*>(p.out)[bh * D + d] = from_float<T>(acc / den);
+    } else {
+      p.part_o[(bh * p.splits + split) * D + d] = acc;
+      if (d == 0) p.part_ml[(bh * p.splits + split) * 2] = mx, p.part_ml[(bh * p.splits + split) * 2 + 1] = den;
+    }
+  }
+}
+
+// The splits of one (sequence, head) into its output: their sums rescaled to the largest maximum.
+template <typename T, int D>
+__global__ void __launch_bounds__(D) decode_attention_merge(const DecodeAttnParams p) {
+  const long long bh = blockIdx.x;
+  const float* ml = p.part_ml + bh * p.splits * 2;
+  float mx = -INFINITY;
+  for (int s = 0; s < p.splits; ++s) mx = fmaxf(mx, ml[2 * s]);
+  const float base = mx == -INFINITY ? 0.f : mx;
+  const int d = threadIdx.x;
+  float acc = 0.f, den = 0.f;
+  for (int s = 0; s < p.splits; ++s) {
+    const float f = exp2f(ml[2 * s] - base);
+    acc += f * p.part_o[(bh * p.splits + s) * D + d];
+    den += f * ml[2 * s + 1];
+  }
+  static_cast<T*>(p.out)[bh * D + d] = from_float<T>(acc / den);
+}
+
+template <typename T, int D>
+Status launch(const DecodeAttnParams& p, cudaStream_t stream) {
+  using L = DaLayout<D>;
+  if (cudaFuncSetAttribute(decode_attention_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kSmem) !=
+      cudaSuccess)
+    return Status::kLaunchFailed;
+  const dim3 grid(p.splits, p.kv_heads, p.batch);
+  decode_attention_kernel<T, D><<<grid, kDaThreads, L::kSmem, stream>>>(p);
+  if (cudaGetLastError() != cudaSuccess) return Status::kLaunchFailed;
+  if (p.splits > 1) {
+    decode_attention_merge<T, D><<<p.batch * p.heads, D, 0, stream>>>(p);
+    if (cudaGetLastError() != cudaSuccess) return Status::kLaunchFailed;
+  }
+  return Status::kOk;
+}
+
+template <typename T>
+Status launch_d(const DecodeAttnParams& p, cudaStream_t stream) {
+  switch (p.head_dim) {
+    case 64:
+      return launch<T, 64>(p, stream);
+    case 96:
+      return launch<T, 96>(p, stream);
+    case 128:
+      return launch<T, 128>(p, stream);
+  }
+  return Status::kNoKernel;
+}
+
+}  // namespace
+
+bool decode_attention_supported(int head_dim, int heads, int kv_heads) {
+  return (head_dim == 64 || head_dim == 96 || head_dim == 128) && kv_heads > 0 && heads % kv_heads == 0 &&
+         heads / kv_heads <= kDecodeAttnMaxGroup;
+}
+
+int decode_attention_splits(int batch, int kv_heads, int max_seq) {
+  const int sms = device_sm_count() > 0 ? device_sm_count() : 132;
+  // about four blocks an SM (three run at once at head_dim 128 on sm_90), and no more splits than 64-key
+  // tiles of the whole cache
+  const long long pairs = static_cast<long long>(batch) * kv_heads;
+  const long long want = (4LL * sms + pairs - 1) / pairs;
+  const long long most = (max_seq + kDaTileKeys - 1) / kDaTileKeys;
+  long long s = want < most ? want : most;
+  if (s > kDecodeAttnMaxSplits) s = kDecodeAttnMaxSplits;
+  return s < 1 ? 1 : static_cast<int>(s);
+}
+
+Status decode_attention(ActType act, const DecodeAttnParams& p, cudaStream_t stream) {
+  if (p.batch < 1 || p.max_seq < 1 || p.splits < 1 || p.splits > kDecodeAttnMaxSplits ||
+      !decode_attention_supported(p.head_dim, p.heads, p.kv_heads) || p.batch > 65535 || p.kv_heads > 65535)
+    return Status::kBadShape;
+  if (p.splits > 1 && (p.part_o == nullptr || p.part_ml == nullptr)) return Status::kBadShape;
+  switch (act) {
+    case ActType::kHalf:
+      return launch_d<__half>(p, stream);
+    case ActType::kBFloat16:
+      return launch_d<__nv_bfloat16>(p, stream);
+    case ActType::kFloat32:
+      break;
+  }
+  return Status::kNoKernel;
+}
+
+}  // namespace qgemv

@@ -1,0 +1,145 @@
+"""qgemv.ops.decode_attention: the reference against SDPA with the engine's mask (CPU), its checks, and on a
+GPU the CUDA kernel against the reference on fresh random caches whose invisible slots hold NaN."""
+
+import pytest
+import torch
+from torch.nn import functional as Fn
+
+import qgemv
+from qgemv import ops
+
+from conftest import requires_cuda
+
+
+def caches(B, H, Hkv, S, D, dtype, device, seed, poison=False, slot=None, pad=None):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, D, generator=g)
+    k = torch.randn(B, Hkv, S, D, generator=g)
+    v = torch.randn(B, Hkv, S, D, generator=g)
+    if poison:  # the slots no query may see: past the step's slot and before each sequence's padding
+        keys = torch.arange(S)
+        hidden = (keys[None] > slot) | (keys[None] < pad[:, None])
+        k[hidden[:, None, :, None].expand_as(k)] = float("nan")
+        v[hidden[:, None, :, None].expand_as(v)] = float("nan")
+    return [t.to(device=device, dtype=dtype) for t in (q, k, v)]
+
+
+def sdpa_masked(q, k, v, slot, pad, scale):
+    """The engine's per-op attention before decode_attention: SDPA over the whole cache with an additive mask."""
+    S = k.shape[2]
+    keys = torch.arange(S)
+    visible = (keys <= slot) & (keys >= pad[:, None])
+    mask = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))[:, None, None]
+    return Fn.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, scale=scale,
+                                           enable_gqa=q.shape[1] != k.shape[1])[:, :, 0]
+
+
+@pytest.mark.parametrize("B,H,Hkv,S,D", [(1, 4, 4, 9, 64), (3, 8, 2, 40, 64), (2, 9, 3, 17, 96), (4, 16, 1, 33, 128)])
+def test_reference_equals_sdpa_with_the_engines_mask(B, H, Hkv, S, D):
+    q, k, v = caches(B, H, Hkv, S, D, torch.float32, "cpu", seed=B * S)
+    g = torch.Generator().manual_seed(S)
+    slot = int(torch.randint(0, S, (1,), generator=g))
+    pad = torch.randint(0, slot + 1, (B,), generator=g)
+    got = ops.decode_attention(q, k, v, torch.tensor([slot]), pad, D ** -0.5)
+    want = sdpa_masked(q, k, v, slot, pad, D ** -0.5)
+    assert got.shape == (B, H, D) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_never_reads_an_invisible_slot():
+    B, H, Hkv, S, D = 3, 4, 2, 24, 64
+    slot, pad = 15, torch.tensor([0, 4, 15])
+    q, k, v = caches(B, H, Hkv, S, D, torch.float32, "cpu", seed=1, poison=True, slot=slot, pad=pad)
+    out = ops.decode_attention(q, k, v, torch.tensor([slot]), pad, 0.125)
+    assert torch.isfinite(out).all()
+    # the last sequence sees its own slot alone: its output is that slot's value row
+    torch.testing.assert_close(out[2], v[2, :, slot].repeat_interleave(2, 0))
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(q=torch.zeros(2, 4, 48), k=torch.zeros(2, 2, 10, 48), v=torch.zeros(2, 2, 10, 48)),
+     "head_dim must be 64, 96 or 128"),
+    (dict(q=torch.zeros(2, 4, 64, 1)), r"q must be \[batch, heads, head_dim\]"),
+    (dict(k=torch.zeros(2, 3, 10, 64), v=torch.zeros(2, 3, 10, 64)), r"heads \(4\) must be kv_heads \(3\)"),
+    (dict(q=torch.zeros(2, 17 * 2, 64), k=torch.zeros(2, 2, 10, 64), v=torch.zeros(2, 2, 10, 64)), "times 1..16"),
+    (dict(v=torch.zeros(2, 2, 11, 64)), "v_cache must have k_cache's shape"),
+    (dict(k=torch.zeros(2, 2, 10, 64, dtype=torch.float16)), "must have q's dtype"),
+    (dict(slot=torch.tensor([3], dtype=torch.int32)), "slot must be an int64 tensor"),
+    (dict(pad=torch.zeros(3, dtype=torch.long)), r"pad must be int64 \[2\]"),
+    (dict(scale=0.0), "scale must be a finite number > 0"),
+    (dict(splits=65), "splits must be 0"),
+])
+def test_bad_arguments_are_named(change, match):
+    args = dict(q=torch.zeros(2, 4, 64), k=torch.zeros(2, 2, 10, 64), v=torch.zeros(2, 2, 10, 64),
+                slot=torch.tensor([3]), pad=torch.zeros(2, dtype=torch.long), scale=0.125, splits=0)
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        ops.decode_attention(args["q"], args["k"], args["v"], args["slot"], args["pad"], args["scale"],
+                             args["splits"])
+
+
+def _cuda_kernel_available():
+    return (torch.cuda.is_available() and qgemv._ext.BACKEND in ("aot", "jit")
+            and torch.cuda.get_device_capability() >= (8, 0))
+
+
+needs_kernel = pytest.mark.skipif(not _cuda_kernel_available(), reason="needs the compiled extension on sm_80+")
+
+# (B, H, Hkv, S, D): GQA 1 / 4 / 3 / 7 / 8 / 16, head sizes 64 / 96 / 128, caches shorter and longer than a tile
+CONFIGS = [(1, 8, 8, 70, 64), (3, 32, 8, 300, 128), (2, 9, 3, 129, 64), (5, 28, 4, 64, 128), (16, 32, 4, 200, 128),
+           (4, 16, 1, 1000, 96), (2, 14, 2, 777, 64), (7, 40, 8, 5, 128)]
+
+
+@requires_cuda
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("splits", [0, 1, 3, 64])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[f"B{c[0]}H{c[1]}kv{c[2]}S{c[3]}D{c[4]}" for c in CONFIGS])
+def test_cuda_kernel_matches_the_reference(cfg, splits, dtype):
+    B, H, Hkv, S, D = cfg
+    g = torch.Generator().manual_seed(sum(cfg) + splits)
+    for trial in range(3):
+        slot = [0, S - 1, int(torch.randint(0, S, (1,), generator=g))][trial]
+        pad = torch.randint(0, slot + 1, (B,), generator=g)
+        pad[0] = 0
+        q, k, v = caches(B, H, Hkv, S, D, dtype, "cuda", seed=trial + 7 * S, poison=True, slot=slot, pad=pad)
+        slot_t, pad_t = torch.tensor([slot], device="cuda"), pad.cuda()
+        got = ops.decode_attention(q, k, v, slot_t, pad_t, D ** -0.5, splits)
+        want = ops.ref_decode_attention(q.cpu(), k.cpu(), v.cpu(), slot_t.cpu(), pad, D ** -0.5).float()
+        assert got.shape == (B, H, D) and got.dtype == dtype
+        tol = 4e-3 if dtype == torch.float16 else 3e-2  # the probabilities meet V rounded to the dtype
+        err = (got.float().cpu() - want).abs().max().item()
+        assert err < tol, f"slot {slot}, pad {pad.tolist()}: max error {err:.2e}"
+
+
+@requires_cuda
+@needs_kernel
+def test_cuda_kernel_reads_q_through_its_strides_and_follows_the_slot_in_a_graph():
+    B, H, Hkv, S, D = 3, 16, 4, 256, 128
+    wide, k, v = torch.randn(B, H, 3 * D, device="cuda", dtype=torch.float16), *[
+        torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.float16) for _ in range(2)]
+    q = wide[:, :, D:2 * D]  # [B, H, D] rows 3 D apart
+    assert not q.is_contiguous()
+    slot, pad = torch.tensor([0], device="cuda"), torch.tensor([0, 0, 0], device="cuda")
+    out = ops.decode_attention(q, k, v, slot, pad, D ** -0.5, checked=True)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.decode_attention(q, k, v, slot, pad, D ** -0.5, checked=True)
+    for s, p in ((5, [0, 2, 5]), (100, [0, 60, 99]), (255, [3, 0, 200])):
+        slot.fill_(s)
+        pad.copy_(torch.tensor(p))
+        graph.replay()
+        want = ops.ref_decode_attention(q.cpu(), k.cpu(), v.cpu(), slot.cpu(), pad.cpu(), D ** -0.5).float()
+        assert (out.float().cpu() - want).abs().max().item() < 4e-3, f"slot {s}"
+
+
+@requires_cuda
+@needs_kernel
+def test_cuda_wrapper_refuses_what_the_kernel_cannot_read():
+    q = torch.zeros(2, 4, 64, device="cuda", dtype=torch.float16)
+    k = torch.zeros(2, 2, 10, 64, device="cuda", dtype=torch.float16)
+    slot, pad = torch.tensor([3], device="cuda"), torch.zeros(2, dtype=torch.long, device="cuda")
+    with pytest.raises(ValueError, match="k_cache must have contiguous rows"):  # (the kernel's own checks:
+        ops.decode_attention(q, k.transpose(2, 3).contiguous().transpose(2, 3), k, slot, pad, 0.1)  # bad_input_cuda)
+    with pytest.raises(ValueError, match="must be on the same device as q"):
+        ops.decode_attention(q, k, k, slot.cpu(), pad, 0.125)
