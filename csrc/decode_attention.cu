@@ -19,7 +19,9 @@
 // MMA, as flash attention does.  The warps' partial results merge in shared
 // memory; with one split the block writes the output, with more it writes
 // (unnormalized sums, max, denominator) and a second kernel merges splits.
+#include <atomic>
 #include <cfloat>
+#include <cmath>
 #include <cstdint>
 
 #include "qgemv.h"
@@ -288,16 +290,47 @@ bool decode_attention_supported(int head_dim, int heads, int kv_heads) {
          heads / kv_heads <= kDecodeAttnMaxGroup;
 }
 
-int decode_attention_splits(int batch, int kv_heads, int max_seq) {
-  const int sms = device_sm_count() > 0 ? device_sm_count() : 132;
-  // about four blocks an SM (three run at once at head_dim 128 on sm_90), and no more splits than 64-key
-  // tiles of the whole cache
+namespace {
+
+// Blocks of the head_dim's kernel an SM holds at once (asked once per device and head_dim).
+template <int D>
+int da_resident() {
+  static std::atomic<int> cache[kMaxDevices] = {};
+  return per_device(cache, [] {
+    int n = 0;
+    auto kernel = decode_attention_kernel<__half, D>;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, DaLayout<D>::kSmem) !=
+            cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kDaThreads, DaLayout<D>::kSmem) != cudaSuccess)
+      n = 1;
+    return n > 0 ? n : 1;
+  });
+}
+
+}  // namespace
+
+int decode_attention_splits(int batch, int kv_heads, int max_seq, int head_dim) {
+  // One split wherever the (sequence, kv head) pairs alone fill the GPU's resident blocks: H100, torch 2.11,
+  // 2026-12-06, dev/decode_attn_probe.py, batch 16 x 32 kv heads (512 pairs, 396 slots), context 640:
+  // 64.9 / 67.3 / 70.9 / 67.5 us with 1 / 2 / 3 / 5 splits (a split's merge costs more than the last
+  // wave's tail).  Fewer pairs: the count whose grid best fills whole waves (w / ceil(w) for w = blocks /
+  // slots, the fewest among equals); Llama-3-8B's batch 16 (128 pairs) takes 3 (the engine: 4039 / 4028
+  // tok/s against SDPA's 4038 / 4032; 5 splits, 1.6 waves, gave 3978 against 4014).  A split keeps at
+  // least two 64-key tiles of the whole cache; at most kDecodeAttnMaxSplits.
+  const int per_sm = head_dim <= 64 ? da_resident<64>() : head_dim <= 96 ? da_resident<96>() : da_resident<128>();
+  const long long slots = static_cast<long long>(per_sm) * (device_sm_count() > 0 ? device_sm_count() : 132);
   const long long pairs = static_cast<long long>(batch) * kv_heads;
-  const long long want = (4LL * sms + pairs - 1) / pairs;
-  const long long most = (max_seq + kDaTileKeys - 1) / kDaTileKeys;
-  long long s = want < most ? want : most;
-  if (s > kDecodeAttnMaxSplits) s = kDecodeAttnMaxSplits;
-  return s < 1 ? 1 : static_cast<int>(s);
+  if (pairs >= slots) return 1;
+  long long most = (max_seq + 2 * kDaTileKeys - 1) / (2 * kDaTileKeys);
+  most = most < 1 ? 1 : (most > kDecodeAttnMaxSplits ? kDecodeAttnMaxSplits : most);
+  int best = 1;
+  double best_fill = 0.0;
+  for (long long s = 1; s <= most; ++s) {
+    const double w = static_cast<double>(pairs * s) / static_cast<double>(slots);
+    const double fill = w / std::ceil(w);
+    if (fill > best_fill + 1e-9) best_fill = fill, best = static_cast<int>(s);
+  }
+  return best;
 }
 
 Status decode_attention(ActType act, const DecodeAttnParams& p, cudaStream_t stream) {

@@ -163,7 +163,7 @@ struct DecodeAttnParams {
   float scale_log2;       // the softmax scale times log2(e)
 };
 bool decode_attention_supported(int head_dim, int heads, int kv_heads);  // head_dim 64 / 96 / 128, group <= 16
-int decode_attention_splits(int batch, int kv_heads, int max_seq);  // for the current device's SM count
+int decode_attention_splits(int batch, int kv_heads, int max_seq, int head_dim);  // for the current device
 Status decode_attention(ActType act, const DecodeAttnParams& p, cudaStream_t stream);
 
 // The seed's fp32 SGEMV family: y[N] = A[N, K] @ x[K], all fp32, contiguous.

@@ -429,7 +429,8 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
   const at::Tensor pad2 = pad.contiguous();
   at::Tensor out = at::empty({B, H, D}, q.options());
   const int n = splits > 0 ? static_cast<int>(splits)
-                           : decode_attention_splits(static_cast<int>(B), static_cast<int>(Hkv), static_cast<int>(S));
+                           : decode_attention_splits(static_cast<int>(B), static_cast<int>(Hkv), static_cast<int>(S),
+                                                   static_cast<int>(D));
   at::Tensor part_o, part_ml;
   if (n > 1) {
     part_o = at::empty({B, H, n, D}, q.options().dtype(at::kFloat));

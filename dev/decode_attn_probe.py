@@ -1,11 +1,12 @@
 """qgemv.ops.decode_attention against the engine's former per-op attention (SDPA over the whole cache with an
 additive mask), one layer's call, on the GPU.
 
-    python dev/decode_attn_probe.py [--cases B:H:KV:D:S:CTX,...] [--dtype float16]
+    python dev/decode_attn_probe.py [--cases B:H:KV:D:S:CTX,...] [--dtype float16] [--splits 1,2,3]
 
-For each case: µs a call (CUDA events over 50 calls after 5 warm-ups; a layer's K / V of these sizes is far
-past L2), the bytes each reads (decode_attention: the visible rows; SDPA: the whole cache) and the rate of
-the visible bytes; the largest difference between the two outputs.  Exit 2 for a bad --cases.
+For each case: µs a call (20 calls in one CUDA graph, the best of 5 replays; a batch-16 layer's K / V is
+past L2, a batch-1 layer's is not: its numbers flatter both), the bytes each reads (decode_attention: the visible rows; SDPA: the whole cache) and the rate of
+the visible bytes; the largest difference between the two outputs; then decode_attention's µs with each
+count of --splits forced (0 is the kernel's own choice).  Exit 2 for a bad --cases.
 """
 import argparse
 import sys
@@ -19,56 +20,85 @@ from qgemv import ops
 CASES = "16:32:32:128:776:640,16:32:8:128:776:640,16:32:32:128:4096:640,1:32:32:128:776:640,4:32:8:128:4096:2000"
 
 
-def timed(fn, n=50):
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / n
+def timed(fn, n=20, reps=5):
+    """µs a call: n calls captured in one CUDA graph (no launch overhead: a short kernel timed in a Python
+    loop measured the host, ~20 µs a call), the graph replayed reps times, the best replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            fn()
+    best = float("inf")
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / n)
+    return best
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default=CASES, help="B:heads:kv_heads:head_dim:max_seq:context, comma-separated")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    ap.add_argument("--splits", default="1,2,3,4,5,6,8", help="split counts to time besides the chosen one")
     args = ap.parse_args(argv)
     try:
         cases = [tuple(int(v) for v in c.split(":")) for c in args.cases.split(",")]
         assert all(len(c) == 6 and 1 <= c[5] <= c[4] for c in cases)
+        splits = [int(v) for v in args.splits.split(",")] if args.splits else []
+        assert all(1 <= n <= ops.DECODE_ATTN_MAX_SPLITS for n in splits)
     except (ValueError, AssertionError):
-        print(f"decode_attn_probe: --cases wants B:H:KV:D:S:CTX with 1 <= CTX <= S, got {args.cases!r}",
-              file=sys.stderr)
+        print(f"decode_attn_probe: --cases wants B:H:KV:D:S:CTX with 1 <= CTX <= S, --splits counts in "
+              f"1..{ops.DECODE_ATTN_MAX_SPLITS}; got {args.cases!r}, {args.splits!r}", file=sys.stderr)
         return 2
     dt = getattr(torch, args.dtype)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}")
     print("B   H  KV   D     S   ctx | decode_attention us (GB/s of visible K/V) | SDPA us (its bytes) | x | max diff")
     for B, H, KV, D, S, ctx in cases:
         q = torch.randn(B, H, D, device="cuda", dtype=dt)
-        k = torch.randn(B, KV, S, D, device="cuda", dtype=dt)
-        v = torch.randn(B, KV, S, D, device="cuda", dtype=dt)
+        # copies of the cache, one call each in turn, so that the calls in a graph read past the 50-60 MB L2
+        copies = max(1, min(8, -(-(200 << 20) // (2 * B * KV * S * D * 2))))
+        kv = [(torch.randn(B, KV, S, D, device="cuda", dtype=dt), torch.randn(B, KV, S, D, device="cuda", dtype=dt))
+              for _ in range(copies)]
+        turn = [0]
+
+        def cache():
+            turn[0] = (turn[0] + 1) % copies
+            return kv[turn[0]]
         slot = torch.tensor([ctx - 1], device="cuda")
         pad = torch.zeros(B, dtype=torch.long, device="cuda")
         keys = torch.arange(S, device="cuda")
         mask = torch.zeros(B, 1, 1, S, device="cuda", dtype=dt).masked_fill_(~(keys <= ctx - 1), float("-inf"))
         scale = D ** -0.5
 
-        def ours():
-            return ops.decode_attention(q, k, v, slot, pad, scale, checked=True)
+        def ours(n=0):
+            k, v = cache()
+            return ops.decode_attention(q, k, v, slot, pad, scale, n, checked=True)
 
         def sdpa():
+            k, v = cache()
             return Fn.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, scale=scale,
                                                    enable_gqa=H != KV)
 
         t_ours, t_sdpa = timed(ours), timed(sdpa)
-        diff = (ours().float() - sdpa()[:, :, 0].float()).abs().max().item()
+        turn[0] = 0
+        a = ours()
+        turn[0] = 0
+        diff = (a.float() - sdpa()[:, :, 0].float()).abs().max().item()
         vis = 2 * B * KV * ctx * D * q.element_size()
         print(f"{B:<3d} {H:<3d} {KV:<3d} {D:<3d} {S:5d} {ctx:5d} | {t_ours:8.1f} ({vis / t_ours / 1e3:6.0f}) | "
               f"{t_sdpa:8.1f} ({2 * B * KV * S * D * q.element_size() / t_sdpa / 1e3:6.0f} GB/s) | "
               f"{t_sdpa / t_ours:4.2f} | {diff:.1e}")
+        if splits:
+            print("    forced splits: " + ", ".join(f"{n}: {timed(lambda: ours(n)):.1f}" for n in splits))
     return 0
 
 

@@ -22,10 +22,10 @@ For each (model, variant, batch): B prompts of --prompt random tokens, then
 compiles the glue and captures the batch size's CUDA graph.  Reported:
 prefill tok/s, decode ms/step and tok/s (all sequences), and the weight
 floor: weight bytes (all linears, lm_head included) / the read ceiling
-measured in this run, as a share of the step.  At batch 1 the step's GPU time
-is also split by kernel kind (torch.profiler over eager steps of the same
-kernels): qgemv GEMVs, cuBLAS, attention, the rest; the graph's time past
-their sum is gaps.
+measured in this run, as a share of the step.  At batch 1 (or the sizes in
+--breakdown-batches) the step's GPU time is also split by kernel kind
+(torch.profiler over eager steps of the same kernels): qgemv GEMVs, cuBLAS,
+attention, the rest; the graph's time past their sum is gaps.
 
 Against, in the same run (llama2-7b, batch 1, fp16): transformers'
 ``generate()`` eager with its dynamic cache, and its static cache with
