@@ -309,7 +309,7 @@ int da_resident() {
 
 }  // namespace
 
-int decode_attention_splits(int batch, int kv_heads, int max_seq, int head_dim) {
+int decode_attention_split_rule(long long pairs, long long slots, int max_seq) {
   // One split wherever the (sequence, kv head) pairs alone fill the GPU's resident blocks: H100, torch 2.11,
   // 2026-12-06, dev/decode_attn_probe.py, batch 16 x 32 kv heads (512 pairs, 396 slots), context 640:
   // 64.9 / 67.3 / 70.9 / 67.5 us with 1 / 2 / 3 / 5 splits (a split's merge costs more than the last
@@ -317,11 +317,8 @@ int decode_attention_splits(int batch, int kv_heads, int max_seq, int head_dim) 
   // slots, the fewest among equals); Llama-3-8B's batch 16 (128 pairs) takes 3 (the engine: 4039 / 4028
   // tok/s against SDPA's 4038 / 4032; 5 splits, 1.6 waves, gave 3978 against 4014).  A split keeps at
   // least two 64-key tiles of the whole cache; at most kDecodeAttnMaxSplits.
-  const int per_sm = head_dim <= 64 ? da_resident<64>() : head_dim <= 96 ? da_resident<96>() : da_resident<128>();
-  const long long slots = static_cast<long long>(per_sm) * (device_sm_count() > 0 ? device_sm_count() : 132);
-  const long long pairs = static_cast<long long>(batch) * kv_heads;
-  if (pairs >= slots) return 1;
-  long long most = (max_seq + 2 * kDaTileKeys - 1) / (2 * kDaTileKeys);
+  if (pairs < 1 || slots < 1 || pairs >= slots) return 1;
+  long long most = (static_cast<long long>(max_seq) + 2 * kDaTileKeys - 1) / (2 * kDaTileKeys);
   most = most < 1 ? 1 : (most > kDecodeAttnMaxSplits ? kDecodeAttnMaxSplits : most);
   int best = 1;
   double best_fill = 0.0;
@@ -331,6 +328,12 @@ int decode_attention_splits(int batch, int kv_heads, int max_seq, int head_dim) 
     if (fill > best_fill + 1e-9) best_fill = fill, best = static_cast<int>(s);
   }
   return best;
+}
+
+int decode_attention_splits(int batch, int kv_heads, int max_seq, int head_dim) {
+  const int per_sm = head_dim <= 64 ? da_resident<64>() : head_dim <= 96 ? da_resident<96>() : da_resident<128>();
+  const long long slots = static_cast<long long>(per_sm) * (device_sm_count() > 0 ? device_sm_count() : 132);
+  return decode_attention_split_rule(static_cast<long long>(batch) * kv_heads, slots, max_seq);
 }
 
 Status decode_attention(ActType act, const DecodeAttnParams& p, cudaStream_t stream) {

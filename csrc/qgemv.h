@@ -164,6 +164,8 @@ struct DecodeAttnParams {
 };
 bool decode_attention_supported(int head_dim, int heads, int kv_heads);  // head_dim 64 / 96 / 128, group <= 16
 int decode_attention_splits(int batch, int kv_heads, int max_seq, int head_dim);  // for the current device
+// Its rule: pairs = batch x kv_heads, slots = the GPU's resident blocks of the kernel (host only).
+int decode_attention_split_rule(long long pairs, long long slots, int max_seq);
 Status decode_attention(ActType act, const DecodeAttnParams& p, cudaStream_t stream);
 
 // The seed's fp32 SGEMV family: y[N] = A[N, K] @ x[K], all fp32, contiguous.

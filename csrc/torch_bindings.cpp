@@ -685,6 +685,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "GEMV; True (the default) restores the in-kernel gather.");
   t.def("gemv_gathers", &qgemv::gather_in_gemv,
         "Whether the GEMV gathers x[:, perm] itself for m tokens of an n x k weight (qgemv.h, gemv_gathers).");
+  t.def("decode_attention_split_rule", &qgemv::decode_attention_split_rule,
+        "decode_attention's split count for (sequence, kv head) pairs when `slots` of its blocks fit on the GPU "
+        "at once, for a cache of max_seq slots (host only).", pybind11::arg("pairs"), pybind11::arg("slots"),
+        pybind11::arg("max_seq"));
   t.def("wgmma_shape_count", &qgemv::testing::wgmma_shape_count);
   t.def("set_wgmma_shape", [](int v) {
           if (v < -1 || v >= qgemv::testing::wgmma_shape_count())

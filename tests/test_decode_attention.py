@@ -78,6 +78,21 @@ def test_bad_arguments_are_named(change, match):
                              args["splits"])
 
 
+@pytest.mark.skipif(qgemv._ext.MODULE is None, reason="needs the compiled extension (its host-side rule)")
+@pytest.mark.parametrize("pairs,slots,max_seq,want", [
+    (512, 396, 776, 1),    # Llama-2-7B batch 16 on an H100: the pairs fill the GPU
+    (396, 396, 4096, 1),
+    (128, 396, 776, 3),    # Llama-3-8B batch 16: 384 blocks, one wave
+    (32, 396, 776, 7),     # batch 1, Llama-2-7B: capped at two 64-key tiles of the 776-slot cache a split
+    (8, 396, 4096, 32),    # 256 blocks: the cap (two tiles of 4096) before a fuller wave
+    (8, 396, 100000, 49),  # 392 of 396 slots
+    (1, 396, 100000, 64),  # kDecodeAttnMaxSplits
+    (5, 0, 776, 1),        # no device to ask
+])
+def test_split_rule_fills_whole_waves(pairs, slots, max_seq, want):
+    assert qgemv._ext.MODULE.testing.decode_attention_split_rule(pairs, slots, max_seq) == want
+
+
 def _cuda_kernel_available():
     return (torch.cuda.is_available() and qgemv._ext.BACKEND in ("aot", "jit")
             and torch.cuda.get_device_capability() >= (8, 0))
