@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|decomp|stage2|attn|attnncu|attnstages|diag|bf16|gen|gen70|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|decomp|b16|stage2|attn|attnncu|attnstages|diag|bf16|gen|gen70|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -218,6 +218,13 @@ for step in "${@:-all}"; do
       timeout "${GEN_LIMIT:-420}" python3 -m qgemv.eval.bench_generate --models "${GEN_MODELS:-llama2-7b,llama3-8b}" --batches 1 \
         --no-hf --no-breakdown --variants "${GEN_VARIANTS:-int4g128a,int4g128a_mk,int4,int4_mk,int8,int8_mk,fp16,fp16_mk}" \
         --out "$OUT/generate" 2>&1 | grep -v -i warn | tail -30 ;;
+    b16)
+      # issue 35's batch-16 row: the per-op step with qgemv.ops.decode_attention against the SDPA step (variant
+      # int4g128a_sdpa), then one layer's attention in CUDA graphs with forced split counts (dev/decode_attn_probe.py)
+      timeout "${GEN_LIMIT:-400}" python3 -m qgemv.eval.bench_generate --models "${GEN_MODELS:-llama2-7b,llama3-8b}" \
+        --batches 16 --no-hf --no-breakdown --variants int4g128a,int4g128a_sdpa,int4g128a,int4g128a_sdpa \
+        --out "$OUT/generate16" 2>&1 | grep -v -i warn | grep "b=16"
+      timeout 150 python3 dev/decode_attn_probe.py --splits 1,2,3,4,6 2>&1 | grep -v -i warn | tee "$OUT/decode_attn.txt" ;;
     tpbench)
       # issue 36: the tensor-parallel shards of Llama-3-8B / 70B (TP 2 / 4 / 8) against fp16 cuBLAS
       python3 -m qgemv.eval.bench_gemv --tp-shapes --no-extras --ms ${TP_MS:-1,4,16} --out "$OUT/bench_tp" 2>&1 \
