@@ -308,17 +308,26 @@ def megakernel_memory_refusal(engine: "Engine", free: int) -> str:
             f"memory ({free / 2**30:.2f} GiB, 0.5 GiB kept spare)")
 
 
-def decode_attention_usable(engine: "Engine") -> bool:
-    """Whether the engine's per-op decode step can run qgemv.ops.decode_attention's CUDA kernel: a CUDA
-    device of compute capability 8.0 or later with the compiled extension, float16 / bfloat16
-    activations, head_dim 64 / 96 / 128 and up to 16 query heads a kv head.  Elsewhere it runs SDPA."""
-    if engine.device.type != "cuda" or _ext.BACKEND not in ("aot", "jit"):
-        return False
-    if engine.dtype not in (torch.float16, torch.bfloat16) or engine.head_dim not in ops.DECODE_ATTN_HEAD_DIMS:
-        return False
+def decode_attention_refusal(engine: "Engine") -> str:
+    """Why the engine's per-op decode step cannot run qgemv.ops.decode_attention's CUDA kernel ("" when it
+    can): it needs a CUDA device of compute capability 8.0 or later with the compiled extension, float16 /
+    bfloat16 activations, head_dim 64 / 96 / 128 and up to 16 query heads a kv head.  Elsewhere the step
+    runs SDPA over the whole cache."""
+    if engine.device.type != "cuda":
+        return f"the model is on {engine.device}, not a CUDA device"
+    if _ext.BACKEND not in ("aot", "jit"):
+        return f"the CUDA extension is not loaded ({_ext.REASON})"
+    if engine.dtype not in (torch.float16, torch.bfloat16):
+        return f"activations are {engine.dtype}, not float16 or bfloat16"
+    if engine.head_dim not in ops.DECODE_ATTN_HEAD_DIMS:
+        return f"head_dim is {engine.head_dim}, not one of {ops.DECODE_ATTN_HEAD_DIMS}"
     if engine.heads % engine.kv_heads or engine.heads // engine.kv_heads > ops.DECODE_ATTN_MAX_GROUP:
-        return False
-    return torch.cuda.get_device_capability(engine.device) >= (8, 0)
+        return (f"{engine.heads} query heads over {engine.kv_heads} kv heads: more than "
+                f"{ops.DECODE_ATTN_MAX_GROUP} a kv head")
+    cap = torch.cuda.get_device_capability(engine.device)
+    if cap < (8, 0):
+        return f"compute capability {cap[0]}.{cap[1]} (the kernel needs 8.0 or later)"
+    return ""
 
 
 class Engine:
@@ -344,9 +353,9 @@ class Engine:
     run, the per-op path does and ``megakernel_reason`` says why.  Prefill
     and batches above 1 stay per-op; the per-op decode step's attention
     reads each sequence's visible cache slots only
-    (:func:`qgemv.ops.decode_attention`, attribute ``decode_attention``)
-    where its kernel runs, else SDPA over the whole cache.  The launch keeps its own copy of the
-    weights it cannot read in place (:func:`megakernel_copy_bytes`: q/k/v,
+    (:func:`qgemv.ops.decode_attention`; attribute ``decode_attention``,
+    True where its kernel runs, else SDPA over the whole cache).  The
+    launch keeps its own copy of the weights it cannot read in place (:func:`megakernel_copy_bytes`: q/k/v,
     16-bit weights, grouped scales in tile order), built at the first
     batch-1 decode step, and falls back where that does not fit the GPU's
     free memory.
@@ -408,9 +417,7 @@ class Engine:
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self.compile_glue = bool(compile_glue) and self.device.type == "cuda"
         self._glue = _compiled_glue() if self.compile_glue else EAGER_GLUE
-        #: the per-op decode step's attention through qgemv.ops.decode_attention (each sequence's visible
-        #: cache slots only) instead of SDPA over the whole cache; set where its kernel runs
-        self.decode_attention = decode_attention_usable(self)
+        self._decode_attention = not decode_attention_refusal(self)
         if megakernel not in (None, True, False):
             raise TypeError(f"megakernel: expected None, True or False, got {megakernel!r}")
         self._megakernel_asked = megakernel is True
@@ -428,6 +435,23 @@ class Engine:
         if eos is None:
             eos = getattr(cfg, "eos_token_id", None)
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+
+    @property
+    def decode_attention(self) -> bool:
+        """Whether the per-op decode step runs qgemv.ops.decode_attention (each sequence's visible cache
+        slots only) instead of SDPA over the whole cache: True wherever its kernel runs.  Settable (to
+        compare the two; a batch size's CUDA graph keeps the one it was captured with); True where the
+        kernel cannot run is refused with the reason."""
+        return self._decode_attention
+
+    @decode_attention.setter
+    def decode_attention(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise TypeError(f"decode_attention: expected True or False, got {on!r}")
+        why = decode_attention_refusal(self) if on else ""
+        if why:
+            raise ValueError(f"decode_attention cannot run here: {why}")
+        self._decode_attention = on
 
     # ---------------------------------------------------------------- model
     def _kv(self, batch: int):
@@ -553,7 +577,7 @@ class Engine:
             q, k, v = L.qkv(h, gathered=True)
             q = g["attention_in"](q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D), cos, sin,
                                   k_cache[i], v_cache[i], slots, L.q_norm, L.k_norm, self.eps)
-            if decode_attn:  # the visible slots only (the inputs were checked by decode_attention_usable)
+            if decode_attn:  # the visible slots only (its inputs: decode_attention_refusal)
                 a = ops.decode_attention(q[:, :, 0], k_cache[i], v_cache[i], slots, pad, self.scale,
                                          checked=True).view(B, T, H * D)
             else:

@@ -293,6 +293,16 @@ def test_cuda_kernels_give_the_cpu_reference_logits(bits, group, sym):
         assert len(engine._graphs) == int(graphs) and engine.compile_glue == compiled
 
 
+def test_decode_attention_is_off_where_its_kernel_cannot_run_and_cannot_be_forced_on():
+    engine = Engine(tiny("llama"), max_seq_len=32)  # CPU, float32, head_dim 16
+    assert engine.decode_attention is False
+    with pytest.raises(ValueError, match="decode_attention cannot run here: the model is on cpu"):
+        engine.decode_attention = True
+    with pytest.raises(TypeError, match="expected True or False"):
+        engine.decode_attention = 1
+    engine.decode_attention = False  # (allowed: the SDPA step)
+
+
 @requires_cuda
 @pytest.mark.parametrize("heads,kv_heads,hidden", [(4, 2, 256), (8, 1, 512), (4, 4, 512), (9, 3, 576)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
