@@ -22,8 +22,10 @@ For each (model, variant, batch): B prompts of --prompt random tokens, then
 compiles the glue and captures the batch size's CUDA graph.  Reported:
 prefill tok/s, decode ms/step and tok/s (all sequences), and the weight
 floor: weight bytes (all linears, lm_head included) / the read ceiling
-measured in this run, as a share of the step.  At batch 1 (or the sizes in
---breakdown-batches) the step's GPU time is also split by kernel kind
+measured in this run, as a share of the step, and the step floor (issue
+35's): the weights plus the K / V a step must read at the run's mean
+context.  At batch 1 (or the sizes in --breakdown-batches) the step's GPU
+time is also split by kernel kind
 (torch.profiler over eager steps of the same kernels): qgemv GEMVs, cuBLAS,
 attention, the rest; the graph's time past their sum is gaps.
 
@@ -174,6 +176,14 @@ def prepare(model, variant: str):
     return model
 
 
+def kv_bytes_per_step(engine, batch: int, context: float) -> float:
+    """Bytes of K and V a decode step must read at least: every layer's keys and values of `context` positions
+    for each of `batch` sequences, in the cache's dtype.  The timed steps of a run with P prompt and G new
+    tokens read P + 1 .. P + G - 1 positions each: their mean is P + G / 2."""
+    itemsize = torch.empty(0, dtype=engine.dtype).element_size()
+    return 2.0 * len(engine.layers) * engine.kv_heads * engine.head_dim * itemsize * context * batch
+
+
 def run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown) -> list:
     """One engine's rows, a row a batch size; breakdown: the batch sizes whose step is also profiled."""
     with gemv_gather_off() if variant == "int4g128a_act_first" else contextlib.nullcontext():
@@ -197,9 +207,11 @@ def _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdow
         out = engine.generate(ids, max_new_tokens=gen)
         ms = out.ms_per_step
         floor_ms = wb / (read_gbps * 1e9) * 1e3
+        kv = kv_bytes_per_step(engine, b, prompt + gen / 2)
         row = dict(model=mname, variant=variant, batch=b, prompt=prompt, gen=gen,
                    prefill_tokens_per_s=out.prefill_tokens_per_s, ms_per_step=ms,
                    decode_tokens_per_s=out.decode_tokens_per_s, weight_MB=wb / 1e6, floor_share=floor_ms / ms,
+                   kv_MB=kv / 1e6, step_floor_share=(wb + kv) / (read_gbps * 1e9) * 1e3 / ms,
                    graphs=out.graphs, compiled_glue=engine.compile_glue,
                    megakernel=engine.megakernel and b == 1, megakernel_off=engine.megakernel_reason,
                    decode_attention=engine.decode_attention)
@@ -217,6 +229,7 @@ def _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdow
         rows.append(row)
         print(f"{mname:9s} {variant:9s} b={b:<2d} prefill {row['prefill_tokens_per_s']:8.0f} tok/s  "
               f"decode {ms:6.3f} ms/step {row['decode_tokens_per_s']:8.1f} tok/s  floor {100 * row['floor_share']:4.1f}%"
+              f" (with the KV cache {100 * row['step_floor_share']:4.1f}%)"
               + ("  kernels(us): " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(row["kernel_us_per_step"].items(),
                                                                                key=lambda kv: -kv[1]))
                  + f", gaps {row['gaps_us_per_step']:.0f}; {row['launches_per_step']} kernels (top 25)"
@@ -263,13 +276,15 @@ def write_outputs(result: dict, out: str) -> None:
         json.dump(result, f, indent=1)
     rows = result["rows"]
     lines = [f"{result['date']}, {result['gpu']}, torch {result['torch']}, `{result['command']}`", "",
-             "| model | variant | batch | prefill tok/s | decode ms/step | decode tok/s | × fp16 | weight floor |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| model | variant | batch | prefill tok/s | decode ms/step | decode tok/s | × fp16 | weight floor | "
+             "step floor |",
+             "|---|---|---|---|---|---|---|---|---|"]
     base = {(r["model"], r["batch"]): r["ms_per_step"] for r in rows if r["variant"] == "fp16"}
     for r in rows:
         x = base.get((r["model"], r["batch"]), float("nan")) / r["ms_per_step"]
         lines.append(f"| {r['model']} | {r['variant']} | {r['batch']} | {r['prefill_tokens_per_s']:.0f} | "
-                     f"{r['ms_per_step']:.3f} | {r['decode_tokens_per_s']:.1f} | {x:.2f} | {100 * r['floor_share']:.0f}% |")
+                     f"{r['ms_per_step']:.3f} | {r['decode_tokens_per_s']:.1f} | {x:.2f} | {100 * r['floor_share']:.0f}% | "
+                     f"{100 * r['step_floor_share']:.0f}% |")
     for k, v in result.get("baselines", {}).items():
         if "error" in v:
             lines.append(f"\n{k}: " + v["error"].replace("\n", " "))

@@ -346,11 +346,19 @@ def test_bench_generate_runs_its_engine_rows_on_cpu(tmp_path):
     assert [(r["variant"], r["batch"]) for r in rows] == [(v, b) for v in variants for b in (1, 2)]
     assert all(r["ms_per_step"] > 0 and r["decode_tokens_per_s"] > 0 and 0 < r["floor_share"] < 1 for r in rows)
     assert rows[0]["weight_MB"] > rows[2]["weight_MB"] > rows[4]["weight_MB"]  # fp16 > int8 > int4 bytes
+    # the step floor adds K and V at the mean context (12 + 6 / 2 positions): tiny's 2 layers x 2 kv heads x 32
+    # dims, float32 here, per sequence
+    cfg = bg.MODELS["tiny"]
+    per_seq = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * 32 * 4 * 15
+    assert cfg["hidden_size"] // cfg["num_attention_heads"] == 32
+    for r in rows:
+        assert r["kv_MB"] == pytest.approx(per_seq * r["batch"] / 1e6)
+        assert r["step_floor_share"] == pytest.approx(r["floor_share"] * (1 + r["kv_MB"] / r["weight_MB"]))
     out = str(tmp_path / "bg")
     bg.write_outputs(dict(date="today", gpu="cpu", torch=torch.__version__, command="test", rows=rows,
                           baselines={"hf_static_compiled_fp16": {"error": "RuntimeError: x"}}), out)
     md = open(out + ".md").read()
-    assert md.count("| tiny |") == 10 and "RuntimeError: x" in md
+    assert md.count("| tiny |") == 10 and "RuntimeError: x" in md and "step floor" in md
 
 
 def test_bench_generate_builds_a_large_model_quantized_a_layer_at_a_time():
