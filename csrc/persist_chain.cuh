@@ -48,8 +48,8 @@ struct ChainShape {
   int M;            // tokens (1)
   int skip = 0;     // 0; lab timing experiments only (results wrong): 1 no waits (the polled halves taken as
                     //    they are), 2 no hand-off at all, 4 no tile math, 8 weights from L2, 16 no copies
-                    //    past the ring's first fill, 32 no flush, 256 << c no waits for the inputs of op
-                    //    class c only (lab builds)
+                    //    past the ring's first fill, 32 no flush, 64 `slices` block barriers inside each op,
+                    //    256 << c no waits for the inputs of op class c only (lab builds)
   int sums = 0;     // fp32 values of the block's sum buffer (chain_sums)
   int stage = 0;    // 1: shared memory holds a second input buffer (x_cap fp16), for the ops with an input perm
   const int4* cursors = nullptr;  // chain_schedule's records (device memory)
@@ -63,6 +63,11 @@ struct ChainShape {
   // input was all read
   unsigned long long* stamps = nullptr;
   int rotate = 0;  // lab (QGEMV_CHAIN_STAMPS): block b runs the schedule of block (b + rotate) % blocks
+#if QGEMV_CHAIN_STAMPS
+  // lab, skip & 64: each warp meets the block's other warps `slices` times inside every op, at even shares of
+  // its run (named barrier 3): the barriers of "k-slices in time" (dev/PERSISTENT.md, M > 1), priced at M = 1
+  int slices = 0;
+#endif
   // kDecode: the layers' attention (device array, ChainOp::attn indexes it) and the token's cache slot,
   // which is also its rotary position (a device scalar, read at every launch)
   const ChainAttn* attn = nullptr;
@@ -643,6 +648,25 @@ struct ChainSeg {
   __device__ __forceinline__ void pass(int n) {
     left -= min(n, left);
   }
+  // Lab builds, skip & 64 (ChainShape::slices): the op's barriers.  Each warp arrives exactly `total` times an
+  // op (the rest at the op's end, before op_end's block barrier), so the generations of barrier 3 line up.
+  int sl_len = 0, sl_seen = 0, sl_done = 0, sl_total = 0;
+  __device__ __forceinline__ void slice_start(int run_tiles, int total) {
+    sl_len = run_tiles, sl_seen = 0, sl_done = 0, sl_total = total;
+  }
+  __device__ __forceinline__ void slice_sync() {
+    asm volatile("bar.sync 3, %0;" ::"r"(static_cast<int>(blockDim.x)) : "memory");
+    ++sl_done;
+  }
+  __device__ __forceinline__ void slice_check(int summed) {
+    sl_seen += summed;
+    while (sl_done < sl_total && static_cast<long long>(sl_seen) * (sl_total + 1) >=
+                                     static_cast<long long>(sl_done + 1) * sl_len)
+      slice_sync();
+  }
+  __device__ __forceinline__ void slice_finish() {
+    while (sl_done < sl_total) slice_sync();
+  }
 #endif
 
   // Past the segment's last tile: flush() its sums, the cursor past it.
@@ -833,10 +857,14 @@ __device__ __forceinline__ void chain_consume(const ChainRing& rg, const ChainOp
     ring.wait(c, phase, timed, waited);
 #endif
 #if QGEMV_CHAIN_STAMPS
+    const int sl_before = seg.left;
     if (skip & 4) seg.pass(kChunk);  // lab: no tile math (results wrong)
     else
 #endif
       ring.sum(c, seg);
+#if QGEMV_CHAIN_STAMPS
+    if (skip & 64) seg.slice_check(sl_before - seg.left);  // lab: the op's slice barriers
+#endif
     // Every lane's reads of the chunk are done (their values are in the sums) before lane 0 has the copy
     // engine overwrite it: the CTA's own ordering (no proxy fence: it compiled to MEMBAR.ALL.CTA, once a chunk).
     __syncwarp();
@@ -1766,9 +1794,15 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
   auto boundary = [&]() -> bool {
     seg.close(cur, seg_flush);
     while (cur.pos >= cur.end) {
+#if QGEMV_CHAIN_STAMPS
+      if (i >= 0 && (sh.skip & 64)) seg.slice_finish();  // lab: this op's barriers all met
+#endif
       if (i >= 0) op_end(i);
       if (++i >= nops) return false;
       chain_start(ops[i], rg.tab, warp, W, cur);
+#if QGEMV_CHAIN_STAMPS
+      if (sh.skip & 64) seg.slice_start(cur.end - cur.pos, sh.slices);
+#endif
       if constexpr (kDecode) {
         if (ops[i].flags & kChainAttnIn) {  // stage 2: the layer's attention writes this op's input
           const long long a0 = timed ? clock64() : 0;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|decomp|b16|stage2|attn|attnncu|attnstages|diag|bf16|gen|gen70|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|decomp|slices|b16|stage2|attn|attnncu|attnstages|diag|bf16|gen|gen70|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -98,6 +98,15 @@ for step in "${@:-all}"; do
         grep -E "persist w|failures" "$OUT/decomp_$m.txt"
         timeout 150 /tmp/persist_lab --no-probe --norm --model $m --formats int4g128a --stages ${DECOMP_STAGES:-4,6,8,10,8} \
           2>&1 | grep -E "persist w|does not run"
+      done ;;
+    slices)
+      # issue 35, M > 1's "k-slices in time" priced at M = 1: n block barriers inside every op at even shares of
+      # each warp's run (skip 64 + (n << 16); results stay right and are checked), n = 4 / 8 / 14 against none,
+      # two rounds; after the persist step (PERSIST_ARGS=--probe-only NO_EXT=1 bash dev/device_run.sh persist slices)
+      for m in ${SLICES_MODELS:-llama2-7b llama3-8b}; do
+        timeout 200 /tmp/persist_lab --no-probe --norm --model $m --formats int4g128a,int4 \
+          --skip 0,$((64 + (4 << 16))),$((64 + (8 << 16))),$((64 + (14 << 16))),0,$((64 + (4 << 16))),$((64 + (8 << 16))),$((64 + (14 << 16))) \
+          2>&1 | grep -E "persist w|failures" | sed "s/^/$m /"
       done ;;
     oplayout)
       # the int4 slowdown of 2026-12-05: the lab's chain with 128-byte op records (main), 112 (tpp and perm in
