@@ -288,9 +288,11 @@ __global__ void __launch_bounds__(kGemmWarps * 32, tuning::kGemmMinBlocks)
                                             [&](int rt, int n, int i) { return s.acc[rt][n][i]; });
 }
 
-// Tokens per block: 32 when that pads M less than 64 does (M <= 32, 65..96,
-// ...), else 64 (fewer weight reads).  The MMA work grows with the padded M.
+// Tokens per block: 16 for at most 16 tokens; else 32 when that pads M less
+// than 64 does (M <= 32, 65..96, ...), else 64 (fewer weight reads).  The
+// MMA work grows with the padded M.
 inline int gemm_tokens(int M) {
+  if (M <= 16) return 16;
   const int pad32 = (M + 31) / 32 * 32, pad64 = (M + 63) / 64 * 64;
   return pad32 < pad64 ? 32 : 64;
 }
@@ -351,7 +353,7 @@ Status run_instance(const GemvParams& p, float* workspace, int splits, int* spli
 // -> a row of QGEMV_GEMM_INSTANCES (instances.h).
 Status run_gemm(const GemvParams& p, int bits, float* workspace, int splits, int* splits_out, cudaStream_t stream) {
   const bool grouped = p.group_size != 0;
-  const int nt = gemm_tokens(p.M) == 64 ? 8 : 4;
+  const int nt = gemm_tokens(p.M) / 8;
 #define QGEMV_ROW(B, GR, NT)                                                                             \
   if (bits == B && grouped == GR && nt == NT) {                                                          \
     if (p.act == ActType::kHalf) return run_instance<__half, B, GR, NT>(p, workspace, splits, splits_out, stream); \

@@ -196,6 +196,35 @@ def test_tiled_gemm_odd_shapes(kind, dtype, name, k, n, m):
         _check_m(name, n, k, m, dtype)
 
 
+class _GemvTiled:
+    """1..16 tokens through the tiled GEMM's 16-token blocks instead of the GEMV (testing.set_gemv_tiled)."""
+
+    def __enter__(self):
+        from qgemv import _C
+
+        self.C = _C
+        _C.testing.set_gemv_tiled(1)
+
+    def __exit__(self, *exc):
+        self.C.testing.set_gemv_tiled(0)
+
+
+@requires_cuda
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("n", [7, 130, 4097])
+@pytest.mark.parametrize("name,k", _fitting(CFGS, ODD_K + [4096]), ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_tiled_gemm_16_token_blocks(dtype, name, k, n, m):
+    """The tiled GEMM's 16-token instances (reached only through testing.set_gemv_tiled, the batch-16 A/B
+    against the GEMV) on the odd shapes: a partial panel, a 2-row panel past a 128-row block, an edge tile;
+    group-wise scales round the weight first, as on the tiled GEMM's other instances."""
+    cfg = CFGS[name]
+    qw, s, z = _weights(name, n, k)
+    with _GemvTiled():
+        _check(cfg, torch.randn(m, k, device="cuda", dtype=dtype), qw, s, z, k,
+               dense=cfg.bits == 4 and cfg.group_size is not None)
+
+
 @requires_cuda
 @pytest.mark.parametrize("shape", [0, 1])
 @pytest.mark.parametrize("name", ["int8", "int4", "int4g32a", "int4g128"])
@@ -288,6 +317,10 @@ def test_prefill_dispatch_rule():
     assert _C.testing.get_prefill_path() == -1
     with pytest.raises(ValueError, match="set_prefill_path"):
         _C.testing.set_prefill_path(4)
+    assert _C.testing.get_gemv_tiled() == 0
+    for bad in (-1, _C.testing.max_gemv_tokens + 1):
+        with pytest.raises(ValueError, match="set_gemv_tiled"):
+            _C.testing.set_gemv_tiled(bad)
 
 
 @requires_cuda

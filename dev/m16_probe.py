@@ -1,0 +1,107 @@
+"""The per-op GEMV at 16 tokens against 1, on a model's decode shapes, in CUDA graphs over rotated weight copies.
+
+    python dev/m16_probe.py [--model llama2-7b] [--variants int4g128a,int4,int8] [--ms 1,16] [--tiled]
+
+Batch 16's per-op step spends half its time in the GEMVs at 50% of the read ceiling (dev/PERSISTENT.md, "Batch 16
+today").  This prints, for each of the model's linears, µs a call and the share of the read ceiling measured in the
+same run (the weight's bytes only), at each M; --tiled adds the tiled GEMM (gemm_mma.cu) at 16 tokens through
+testing.set_gemv_tiled (its 16-token blocks stage x in shared memory once a block of 128 rows, where the GEMV's
+blocks of 16 or 32 rows each read all of x through L1) and forced at 17 (32-token blocks).
+Each call's weight is one of enough copies to pass 4x the L2 (60 MB on the H200); 20 calls in a graph, best of 5.
+"""
+import argparse
+
+import torch
+
+import qgemv
+from qgemv import formats
+from qgemv.eval.bench_gemv import QCFG
+
+SHAPES = {  # (name, N, K): fused q/k/v, o, fused gate/up, down
+    "llama2-7b": [("qkv", 12288, 4096), ("o", 4096, 4096), ("gate_up", 22016, 4096), ("down", 4096, 11008)],
+    "llama3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
+}
+
+
+def timed(fns, x, reps=5):
+    """µs a call: one call on each of fns in one CUDA graph, best replay of reps."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns[:2]:
+            f(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f(x)
+    best = float("inf")
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        best = min(best, a.elapsed_time(b) * 1e3 / len(fns))
+    return best
+
+
+def ceiling_gbps():
+    """Read rate of torch's sum over 4 GiB (GB/s), best of 5."""
+    buf = torch.empty(1 << 31, dtype=torch.float16, device="cuda").fill_(1)
+    best = float("inf")
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        buf.sum()
+        b.record()
+        torch.cuda.synchronize()
+        best = min(best, a.elapsed_time(b))
+    del buf
+    torch.cuda.empty_cache()
+    return (1 << 32) / best / 1e6
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="llama2-7b", choices=sorted(SHAPES))
+    ap.add_argument("--variants", default="int4g128a,int4,int8")
+    ap.add_argument("--ms", default="1,16")
+    ap.add_argument("--tiled", action="store_true")
+    a = ap.parse_args(argv)
+    from qgemv import _C
+
+    ceil = ceiling_gbps()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, read ceiling {ceil:.0f} GB/s")
+    ms = [int(v) for v in a.ms.split(",")]
+    for var in a.variants.split(","):
+        cfg = QCFG[var]
+        for name, n, k in SHAPES[a.model]:
+            qw, s, z = formats.quantize(torch.randn(n, k, device="cuda") * 0.02, cfg)
+            nbytes = formats.nbytes(qw, s, z)
+            copies = max(2, -(-240 * 2**20 // nbytes))
+            fns = []
+            for _ in range(copies):
+                lin = qgemv.QuantLinear.from_quantized(torch.nn.Linear(k, n, bias=False, device="meta"), cfg,
+                                                       qw.clone(), s.clone(), None if z is None else z.clone())
+                fns.append(lin)
+            cells = []
+            runs = [(m, -1) for m in ms] + ([(16, 0), (17, _C.testing.PREFILL_TILED)] if a.tiled else [])
+            for m, path in runs:
+                x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+                _C.testing.set_prefill_path(path if m > 16 else -1)
+                _C.testing.set_gemv_tiled(1 if path >= 0 else 0)
+                try:
+                    us = timed(fns, x)
+                finally:
+                    _C.testing.set_prefill_path(-1)
+                    _C.testing.set_gemv_tiled(0)
+                tag = f"M={m}" + (" tiled" if path >= 0 else "")
+                cells.append(f"{tag} {us:7.1f} us ({100 * nbytes / us / 1e3 / ceil:4.1f}%)")
+            print(f"{a.model} {var:10s} {name:8s} {n:6d}x{k:<6d} " + "  ".join(cells), flush=True)
+            del fns, qw, s, z
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
