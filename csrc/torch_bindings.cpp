@@ -696,6 +696,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Run min_tokens..16 tokens through the tiled GEMM (16-token blocks) instead of the GEMV; 0 (the "
         "default) restores the GEMV.", pybind11::arg("min_tokens"));
   t.def("get_gemv_tiled", []() { return qgemv::gemv_tiled_min.load(); });
+  t.def("set_gemm16_cluster", &qgemv::set_gemm16_cluster,
+        "True (the default): on compute capability 9.0 the tiled GEMM's 16-token blocks add their K splits' "
+        "sums through a thread-block cluster's shared memory; False: through a workspace and a second kernel.",
+        pybind11::arg("on"));
+  t.def("gemm16_cluster", &qgemv::gemm16_cluster);
   t.def("set_gemv_gather", [](bool on) { qgemv::gemv_gather_enabled.store(on); },
         "False: an act-order perm is applied by gathering x first (one more kernel) instead of inside the "
         "GEMV; True (the default) restores the in-kernel gather.");

@@ -6,7 +6,8 @@ Batch 16's per-op step spends half its time in the GEMVs at 50% of the read ceil
 today").  This prints, for each of the model's linears, µs a call and the share of the read ceiling measured in the
 same run (the weight's bytes only), at each M; --tiled adds the tiled GEMM (gemm_mma.cu) at 16 tokens through
 testing.set_gemv_tiled (its 16-token blocks stage x in shared memory once a block of 128 rows, where the GEMV's
-blocks of 16 or 32 rows each read all of x through L1) and forced at 17 (32-token blocks).
+blocks of 16 or 32 rows each read all of x through L1), its K splits added in a cluster or ("ws") by a second
+kernel, and forced at 17 (32-token blocks).
 Each call's weight is one of enough copies to pass 4x the L2 (60 MB on the H200); 20 calls in a graph, best of 5.
 """
 import argparse
@@ -86,17 +87,22 @@ def main(argv=None):
                                                        qw.clone(), s.clone(), None if z is None else z.clone())
                 fns.append(lin)
             cells = []
-            runs = [(m, -1) for m in ms] + ([(16, 0), (17, _C.testing.PREFILL_TILED)] if a.tiled else [])
-            for m, path in runs:
+            # (M, label, tiled, cluster): the GEMV; the tiled GEMM's 16-token blocks with their K splits added
+            # in a cluster or by a second kernel; its 32-token blocks at 17 tokens
+            runs = [(m, f"M={m}", False, True) for m in ms]
+            if a.tiled:
+                runs += [(16, "tiled16", True, True), (16, "tiled16 ws", True, False), (17, "tiled17", True, True)]
+            for m, tag, tiled, cluster in runs:
                 x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-                _C.testing.set_prefill_path(path if m > 16 else -1)
-                _C.testing.set_gemv_tiled(1 if path >= 0 else 0)
+                _C.testing.set_prefill_path(_C.testing.PREFILL_TILED if m > 16 else -1)
+                _C.testing.set_gemv_tiled(1 if tiled else 0)
+                _C.testing.set_gemm16_cluster(cluster)
                 try:
                     us = timed(fns, x)
                 finally:
                     _C.testing.set_prefill_path(-1)
                     _C.testing.set_gemv_tiled(0)
-                tag = f"M={m}" + (" tiled" if path >= 0 else "")
+                    _C.testing.set_gemm16_cluster(True)
                 cells.append(f"{tag} {us:7.1f} us ({100 * nbytes / us / 1e3 / ceil:4.1f}%)")
             print(f"{a.model} {var:10s} {name:8s} {n:6d}x{k:<6d} " + "  ".join(cells), flush=True)
             del fns, qw, s, z
