@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|decomp|slices|b16|m16|stage2|attn|attnncu|attnstages|diag|bf16|gen|gen70|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|decomp|slices|b16|m16|t16|stage2|attn|attnncu|attnstages|diag|bf16|gen|gen70|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -237,8 +237,10 @@ for step in "${@:-all}"; do
     m16)
       # batch 16's GEMVs: the per-op GEMV at M = 1 / 16 and the tiled GEMM forced at 17 on the models' decode
       # shapes (dev/m16_probe.py), then ncu's bytes of the M = 16 GEMV (DRAM, L2 -> L1, L1 hit rate) on Llama-2-7B's
-      timeout 200 python3 dev/m16_probe.py --model llama2-7b --tiled 2>&1 | grep -v -i warn | tee "$OUT/m16.txt"
-      timeout 120 python3 dev/m16_probe.py --model llama3-8b --variants int4g128a 2>&1 | grep -v -i warn | tee -a "$OUT/m16.txt"
+      timeout 200 python3 dev/m16_probe.py --model llama2-7b --tiled --variants "${M16_VARIANTS:-int4g128a,int4,int8}" 2>&1 \
+        | grep -v -i warn | tee "$OUT/m16.txt"
+      [ -n "${M16_L3-1}" ] && timeout 120 python3 dev/m16_probe.py --model llama3-8b --tiled --variants int4g128a 2>&1 \
+        | grep -v -i warn | tee -a "$OUT/m16.txt"
       for nk in 12288:4096 4096:4096 22016:4096 4096:11008; do
         timeout 60 ncu --kernel-name regex:gemv_mma --launch-skip 2 --launch-count 1 --metrics \
 gpu__time_duration.sum,dram__bytes_read.sum,lts__t_sectors_srcunit_tex_op_read.sum,l1tex__t_sector_hit_rate.pct,\
@@ -247,6 +249,12 @@ launch__registers_per_thread,launch__grid_size,launch__block_size \
           python3 dev/profile_one.py --variant int4g128a --n ${nk%:*} --k ${nk#*:} --m 16 > "$OUT/ncu_m16_$nk.txt" 2>&1
         echo "== $nk"; grep -E "^\s+(gpu__|dram__|lts__|l1tex__|sm__|smsp__|launch__)" "$OUT/ncu_m16_$nk.txt"
       done ;;
+    t16)
+      # batch 16 in the engine with 9-16 tokens through the tiled GEMM's 16-token blocks (variant int4g128a_t16)
+      # against the GEMV, two rounds
+      timeout "${GEN_LIMIT:-300}" python3 -m qgemv.eval.bench_generate --models "${GEN_MODELS:-llama2-7b}" --batches 16 \
+        --no-hf --no-breakdown --variants int4g128a,int4g128a_t16,int4g128a,int4g128a_t16 --out "$OUT/generate_t16" 2>&1 \
+        | grep -v -i warn | grep "b=16" ;;
     tpbench)
       # issue 36: the tensor-parallel shards of Llama-3-8B / 70B (TP 2 / 4 / 8) against fp16 cuBLAS
       python3 -m qgemv.eval.bench_gemv --tp-shapes --no-extras --ms ${TP_MS:-1,4,16} --out "$OUT/bench_tp" 2>&1 \

@@ -71,9 +71,11 @@ VARIANTS = {"fp16": None, "bf16": None, "int8": (8, None, True), "int4": (4, Non
             "int4g128a_act_first": (4, 128, False), "int4_mk": (4, None, True), "int4g128a_mk": (4, 128, False),
             "int8_mk": (8, None, True), "fp16_mk": None,
             "bf16_mk": None, "int4g128a_bf16": (4, 128, False), "int4g128a_bf16_mk": (4, 128, False),
-            "int4g128a_sdpa": (4, 128, False)}
+            "int4g128a_sdpa": (4, 128, False), "int4g128a_t16": (4, 128, False)}
 # int4g128a_sdpa: the per-op decode step's attention through SDPA over the whole cache (engine.decode_attention
 # off), the path before qgemv.ops.decode_attention
+# int4g128a_t16: 9-16 tokens through the tiled GEMM's 16-token blocks instead of the GEMV (testing.set_gemv_tiled,
+# the batch-16 A/B of dev/m16_probe.py in the engine)
 # *_mk: the same weights with Engine(megakernel=True): each batch-1 decode step as one persistent launch
 # (qgemv.persist, issue 35); other batches run per-op
 # int4g128a_act: int4 g128a with act-order input permutations as an imported GPTQ checkpoint has them after
@@ -184,9 +186,25 @@ def kv_bytes_per_step(engine, batch: int, context: float) -> float:
     return 2.0 * len(engine.layers) * engine.kv_heads * engine.head_dim * itemsize * context * batch
 
 
+@contextlib.contextmanager
+def gemv_tiled(min_tokens: int):
+    """min_tokens..16 tokens through the tiled GEMM's 16-token blocks instead of the GEMV
+    (qgemv._C.testing.set_gemv_tiled) inside the with block."""
+    mod = qgemv._ext.MODULE
+    if mod is None:
+        raise SystemExit(f"needs the compiled extension: {qgemv._ext.REASON}")
+    mod.testing.set_gemv_tiled(min_tokens)
+    try:
+        yield
+    finally:
+        mod.testing.set_gemv_tiled(0)
+
+
 def run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown) -> list:
     """One engine's rows, a row a batch size; breakdown: the batch sizes whose step is also profiled."""
-    with gemv_gather_off() if variant == "int4g128a_act_first" else contextlib.nullcontext():
+    ctx = (gemv_gather_off() if variant == "int4g128a_act_first" else gemv_tiled(9) if variant.endswith("_t16")
+           else contextlib.nullcontext())
+    with ctx:
         return _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown)
 
 
