@@ -120,29 +120,64 @@ struct GemmWarp {
   __device__ __forceinline__ void tile(const unsigned char* xs, int tile_idx, const uint4 (&w0)[kGemmRT],
                                        const uint4 (&w1)[kGemmRT], int c) {
     if constexpr (kBits == 4) {
+      // 16-token blocks keep the group's scales and zero points of this lane's
+      // rows from the sub-tile that starts the group (every sub-tile at G =
+      // 32, every other at 64, once a tile at 128: sub-tile j starts a group
+      // when 32 j is a multiple of G): at 16 tokens a sub-tile is only 4 MMAs
+      // a row tile, and each reload is a scattered L1 read a row.  The prefill
+      // instances load them every sub-tile, as measured in the prefill sweep.
+      __half ksc0[kGemmRT], ksc1[kGemmRT];
+      uint32_t kzp0[kGemmRT], kzp1[kGemmRT];
+#pragma unroll
+      for (int rt = 0; rt < kGemmRT; ++rt) {
+        ksc0[rt] = ksc1[rt] = __float2half(1.f);
+        kzp0[rt] = kzp1[rt] = magic_zero_pair<T>(8);
+      }
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         if (kEdge && j >= c) break;
         uint32_t s0[kGemmRT][4], s1[kGemmRT][4];  // MMA A fragments of steps 0 and 1
-#pragma unroll
-        for (int rt = 0; rt < kGemmRT; ++rt) {
-          const uint32_t u0 = word_of(w0[rt], j), u1 = word_of(w1[rt], j);
-          uint32_t z0 = 8, z1 = 8;
-          __half sc0 = __float2half(1.f), sc1 = sc0;
-          if constexpr (kGrouped) {
+        if constexpr (kNT == 2) {
+          if (kGrouped && (j == 0 || ((32 * j) & ((1 << gshift) - 1)) == 0)) {
             const int ng = p.K >> gshift;
             const int gi = (tile_idx * Tile::kTileK + 32 * j) >> gshift;
             const __half* sc = static_cast<const __half*>(p.scales);
-            sc0 = sc[rows0[rt] * ng + gi];
-            sc1 = sc[rows1[rt] * ng + gi];
-            if (p.zeros != nullptr) {
-              z0 = p.zeros[rows0[rt] * ng + gi];
-              z1 = p.zeros[rows1[rt] * ng + gi];
+#pragma unroll
+            for (int rt = 0; rt < kGemmRT; ++rt) {
+              ksc0[rt] = sc[rows0[rt] * ng + gi];
+              ksc1[rt] = sc[rows1[rt] * ng + gi];
+              if (p.zeros != nullptr) {
+                kzp0[rt] = magic_zero_pair<T>(p.zeros[rows0[rt] * ng + gi]);
+                kzp1[rt] = magic_zero_pair<T>(p.zeros[rows1[rt] * ng + gi]);
+              }
             }
           }
-          const uint32_t zp0 = magic_zero_pair<T>(z0), zp1 = magic_zero_pair<T>(z1);
-          int4_fragments<T, kGrouped>(u0, u1, zp0, magic_zero_pair_16<T>(zp0), zp1, magic_zero_pair_16<T>(zp1),
-                                      s0[rt], s1[rt], sc0, sc1);
+#pragma unroll
+          for (int rt = 0; rt < kGemmRT; ++rt)
+            int4_fragments<T, kGrouped>(word_of(w0[rt], j), word_of(w1[rt], j), kzp0[rt],
+                                        magic_zero_pair_16<T>(kzp0[rt]), kzp1[rt], magic_zero_pair_16<T>(kzp1[rt]),
+                                        s0[rt], s1[rt], ksc0[rt], ksc1[rt]);
+        } else {
+#pragma unroll
+          for (int rt = 0; rt < kGemmRT; ++rt) {
+            const uint32_t u0 = word_of(w0[rt], j), u1 = word_of(w1[rt], j);
+            uint32_t z0 = 8, z1 = 8;
+            __half sc0 = __float2half(1.f), sc1 = sc0;
+            if constexpr (kGrouped) {
+              const int ng = p.K >> gshift;
+              const int gi = (tile_idx * Tile::kTileK + 32 * j) >> gshift;
+              const __half* sc = static_cast<const __half*>(p.scales);
+              sc0 = sc[rows0[rt] * ng + gi];
+              sc1 = sc[rows1[rt] * ng + gi];
+              if (p.zeros != nullptr) {
+                z0 = p.zeros[rows0[rt] * ng + gi];
+                z1 = p.zeros[rows1[rt] * ng + gi];
+              }
+            }
+            const uint32_t zp0 = magic_zero_pair<T>(z0), zp1 = magic_zero_pair<T>(z1);
+            int4_fragments<T, kGrouped>(u0, u1, zp0, magic_zero_pair_16<T>(zp0), zp1, magic_zero_pair_16<T>(zp1),
+                                        s0[rt], s1[rt], sc0, sc1);
+          }
         }
 #pragma unroll
         for (int n = 0; n < kNT; ++n) {
