@@ -357,7 +357,9 @@ __global__ void __launch_bounds__(kGemmWarps * 32, tuning::kGemmMinBlocks)
         const int row = prow0[rt] + r;
         const float sc = kGrouped ? 1.f : __half2float(scales[row]);
         float v = 0.f;
-        for (int z = 0; z < splits; ++z) v += cl.map_shared_rank(red, z)[q * kThreads + threadIdx.x] * sc;
+        // (rounded product, then the sum: no fused multiply-add, as the workspace stores each product)
+        for (int z = 0; z < splits; ++z)
+          v = __fadd_rn(v, __fmul_rn(cl.map_shared_rank(red, z)[q * kThreads + threadIdx.x], sc));
         ActTraits<T>::store(y + static_cast<size_t>(tok) * p.ldy + row, v);
       }
       cl.sync();  // this block's sums stay until every split has read them
