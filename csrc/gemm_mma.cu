@@ -383,18 +383,6 @@ inline int gemm_tokens(int M) {
 
 std::atomic<bool> gemm16_cluster_on{true};
 
-// Whether the kernel's machine code for this device can run as clusters
-// (sm_90 or later: the cluster finish is compiled only there), asked once
-// per kernel and device.
-template <typename Kernel>
-bool cluster_ok(Kernel kernel) {
-  static std::atomic<int> ok[kMaxDevices] = {};  // 1 yes, 2 no
-  return per_device(ok, [&] {
-           cudaFuncAttributes a;
-           return cudaFuncGetAttributes(&a, kernel) == cudaSuccess && a.binaryVersion >= 90 ? 1 : 2;
-         }) == 1;
-}
-
 // Resident blocks per SM of one instance, asked once per instance and device
 // (the shared-memory attribute is set first: the occupancy query honours it).
 template <typename T, int kBits, bool kGrouped, int kNT>
@@ -431,7 +419,7 @@ Status launch_gemm(const GemvParams& p, float* workspace, int splits, cudaStream
   int per = 0;
   splits = split_tiles(p.K / GemmTile<kBits, kNT>::kTileK, splits, workspace != nullptr, &per);
   const dim3 grid((p.M + kNT * 8 - 1) / (kNT * 8), row_blocks, splits);
-  if (kNT == 2 && splits > 1 && splits <= 8 && gemm16_cluster() && cluster_ok(kernel)) {
+  if (kNT == 2 && splits > 1 && splits <= 8 && gemm16_cluster() && sm90_code(kernel)) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = dim3(kGemmWarps * 32);

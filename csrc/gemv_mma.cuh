@@ -661,17 +661,8 @@ inline int choose_warps(int N, int K, int Kp, int tile_k, int row_tiles) {
 // plain grid.
 
 // A programmatic launch is safe only for machine code that waits (pdl_wait):
-// code built for sm_90 or later.  An sm_80 build running on a Hopper GPU
-// would read x before the kernel that writes it has finished.  Asked once per
-// device (every GEMV instance of a build has the same targets).
-template <typename Kernel>
-bool gemv_pdl_ok(Kernel kernel) {
-  static std::atomic<int> ok[kMaxDevices] = {};  // 1 yes, 2 no
-  return per_device(ok, [&] {
-           cudaFuncAttributes a;
-           return cudaFuncGetAttributes(&a, kernel) == cudaSuccess && a.binaryVersion >= 90 ? 1 : 2;
-         }) == 1;
-}
+// code built for sm_90 or later (sm90_code).  An sm_80 build running on a
+// Hopper GPU would read x before the kernel that writes it has finished.
 
 template <typename T, int kBits, int kGroup, bool kZeros, int kNT, int kRT, bool kGather>
 Status launch_gemv_mma(const GemvParams& p, cudaStream_t stream) {
@@ -713,7 +704,7 @@ Status launch_gemv_mma(const GemvParams& p, cudaStream_t stream) {
           cudaSuccess)
     return Status::kLaunchFailed;
   const int pdl = gemv_pdl_flags();
-  if (pdl != 0 && gemv_pdl_ok(kernel)) {
+  if (pdl != 0 && sm90_code(kernel)) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(grid);
     cfg.blockDim = dim3(w * kWarpSize);

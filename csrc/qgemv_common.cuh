@@ -101,7 +101,7 @@ __device__ __forceinline__ void cp_async_wait() {
 // every block of this one has called it; pdl_wait returns once the kernel
 // before has completed and its writes are visible.  Without a programmatic
 // launch the last two return at once; below sm_90 all three are empty (the
-// host never asks for the launch there, see gemv_pdl_ok).
+// host never asks for the launch there, see sm90_code).
 __device__ __forceinline__ void pdl_prefetch_l2(const void* ptr, uint32_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(ptr), "r"(bytes) : "memory");
@@ -467,6 +467,20 @@ int per_device(std::atomic<int> (&cache)[kMaxDevices], Compute compute) {
     if (v > 0) cache[dev].store(v);
   }
   return v;
+}
+
+// Whether a kernel's machine code for the current device is sm_90 or later,
+// asked once per kernel signature and device (every kernel of one signature
+// in a build has the same targets).  Hopper-only launches check it: a
+// programmatic launch (only sm_90 code waits for the kernel before it) and a
+// cluster launch (the cluster code is compiled only for sm_90).
+template <typename Kernel>
+bool sm90_code(Kernel kernel) {
+  static std::atomic<int> ok[kMaxDevices] = {};  // 1 yes, 2 no
+  return per_device(ok, [&] {
+           cudaFuncAttributes a;
+           return cudaFuncGetAttributes(&a, kernel) == cudaSuccess && a.binaryVersion >= 90 ? 1 : 2;
+         }) == 1;
 }
 
 // Multiprocessors of the current device (0 if it cannot be asked).
