@@ -8,7 +8,8 @@ same run (the weight's bytes only), at each M; --tiled adds the tiled GEMM (gemm
 testing.set_gemv_tiled (its 16-token blocks stage x in shared memory once a block of 128 rows, where the GEMV's
 blocks of 16 or 32 rows each read all of x through L1), its K splits added in a cluster or ("ws") by a second
 kernel, and forced at 17 (32-token blocks).
-Each call's weight is one of enough copies to pass 4x the L2 (60 MB on the H200); 20 calls in a graph, best of 5.
+Each call's weight is one of enough copies to pass 4x the L2 (60 MB on the H200), one call on each in a CUDA
+graph (decode_attn_probe.timed), best of 5.
 """
 import argparse
 
@@ -16,7 +17,9 @@ import torch
 
 import qgemv
 from qgemv import formats
-from qgemv.eval.bench_gemv import QCFG
+from qgemv.eval.bench_gemv import QCFG, Timer, read_ceiling
+
+from decode_attn_probe import timed  # dev/, beside this script
 
 SHAPES = {  # (name, N, K): fused q/k/v, o, fused gate/up, down
     "llama2-7b": [("qkv", 12288, 4096), ("o", 4096, 4096), ("gate_up", 22016, 4096), ("down", 4096, 11008)],
@@ -24,43 +27,14 @@ SHAPES = {  # (name, N, K): fused q/k/v, o, fused gate/up, down
 }
 
 
-def timed(fns, x, reps=5):
-    """µs a call: one call on each of fns in one CUDA graph, best replay of reps."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns[:2]:
-            f(x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f(x)
-    best = float("inf")
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / len(fns))
-    return best
+def rotating(fns, x):
+    """A call that runs the next of fns on x each time: n = len(fns) calls in one graph touch every copy."""
+    state = {"i": 0}
 
-
-def ceiling_gbps():
-    """Read rate of torch's sum over 4 GiB (GB/s), best of 5."""
-    buf = torch.empty(1 << 31, dtype=torch.float16, device="cuda").fill_(1)
-    best = float("inf")
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        buf.sum()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b))
-    del buf
-    torch.cuda.empty_cache()
-    return (1 << 32) / best / 1e6
+    def call():
+        fns[state["i"] % len(fns)](x)
+        state["i"] += 1
+    return call
 
 
 def main(argv=None):
@@ -72,7 +46,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     from qgemv import _C
 
-    ceil = ceiling_gbps()
+    ceil = read_ceiling(Timer())["read_GBps"]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, read ceiling {ceil:.0f} GB/s")
     ms = [int(v) for v in a.ms.split(",")]
     for var in a.variants.split(","):
@@ -98,7 +72,7 @@ def main(argv=None):
                 _C.testing.set_gemv_tiled(1 if tiled else 0)
                 _C.testing.set_gemm16_cluster(cluster)
                 try:
-                    us = timed(fns, x)
+                    us = timed(rotating(fns, x), n=len(fns))
                 finally:
                     _C.testing.set_prefill_path(-1)
                     _C.testing.set_gemv_tiled(0)
