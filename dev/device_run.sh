@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|decomp|slices|b16|m16|t16|stage2|attn|attnncu|attnstages|diag|bf16|gen|gen70|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|decomp|slices|b16|m16|m16lab|t16|stage2|attn|attnncu|attnstages|diag|bf16|gen|gen70|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -249,6 +249,12 @@ launch__registers_per_thread,launch__grid_size,launch__block_size \
           python3 dev/profile_one.py --variant int4g128a --n ${nk%:*} --k ${nk#*:} --m 16 > "$OUT/ncu_m16_$nk.txt" 2>&1
         echo "== $nk"; grep -E "^\s+(gpu__|dram__|lts__|l1tex__|sm__|smsp__|launch__)" "$OUT/ncu_m16_$nk.txt"
       done ;;
+    m16lab)
+      # lab A/B of the GEMV at 16 tokens on Llama-2-7B / Llama-3-8B decode shapes (dev/make_lab.py): today's
+      # csrc/, four row tiles a warp (rt4), two row tiles on every N (wide0); the lab checks every result
+      python3 dev/make_lab.py rt4 /tmp/lab_rt4 && python3 dev/make_lab.py wide0 /tmp/lab_wide0 || exit 1
+      VARIANTS="new=csrc: rt4=/tmp/lab_rt4: wide0=/tmp/lab_wide0:" OUT="$OUT" timeout 400 bash dev/lab_ab.sh --ms 9,16 \
+        --shapes 12288x4096,4096x4096,22016x4096,4096x11008,6144x4096,28672x4096,4096x14336 2>&1 | tail -150 ;;
     t16)
       # batch 16 in the engine with 9-16 tokens through the tiled GEMM's 16-token blocks (variant int4g128a_t16)
       # against the GEMV, two rounds
