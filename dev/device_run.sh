@@ -241,7 +241,7 @@ for step in "${@:-all}"; do
         | grep -v -i warn | tee "$OUT/m16.txt"
       [ -n "${M16_L3-1}" ] && timeout 120 python3 dev/m16_probe.py --model llama3-8b --tiled --variants int4g128a 2>&1 \
         | grep -v -i warn | tee -a "$OUT/m16.txt"
-      for nk in 12288:4096 4096:4096 22016:4096 4096:11008; do
+      [ -n "${M16_NCU-1}" ] && for nk in 12288:4096 4096:4096 22016:4096 4096:11008; do  # M16_NCU= skips ncu
         timeout 60 ncu --kernel-name regex:gemv_mma --launch-skip 2 --launch-count 1 --metrics \
 gpu__time_duration.sum,dram__bytes_read.sum,lts__t_sectors_srcunit_tex_op_read.sum,l1tex__t_sector_hit_rate.pct,\
 sm__warps_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,\
