@@ -33,16 +33,21 @@ namespace {
 constexpr int kDaThreads = 128;  // 4 warps
 constexpr int kDaWarpKeys = 16;  // keys a warp takes from each tile
 constexpr int kDaTileKeys = kDaWarpKeys * (kDaThreads / 32);
-constexpr int kDaStages = 2;  // 68 KB of shared memory at head_dim 128: three blocks an SM on sm_90, one on sm_86
+// K / V tiles in flight: kStages - 1 a block while it sums one (2: 68 KB of shared memory at head_dim 128,
+// three blocks an SM on sm_90, one on sm_86; 3: 102 KB, two blocks; 4: 136 KB, one).  set_decode_attention_stages
+// picks the count (the A/B of 2026-12-06: at batch 16 the grid is 1.3 waves of 3-block SMs, and in the last wave
+// one block an SM holds only one tile, 32 KB, in flight).
+constexpr int kDaMinStages = 2, kDaMaxStages = 4;
+std::atomic<int> da_stages{2};
 
-template <int D>
+template <int D, int kStages>
 struct DaLayout {
   // a K or V row in shared memory, padded by 16 bytes: the 8 rows one ldmatrix phase reads start 4 banks apart
   static constexpr int kRow = D * 2 + 16;
   static constexpr int kTile = kDaTileKeys * kRow;
   static constexpr int kStage = 2 * kTile;  // K's tile, then V's
   static constexpr int kMerge = (4 * 16 * D + 4 * 16 * 2) * 4;  // the warps' sums, maxima and denominators
-  static constexpr int kSmem = kDaStages * kStage > kMerge ? kDaStages * kStage : kMerge;
+  static constexpr int kSmem = kStages * kStage > kMerge ? kStages * kStage : kMerge;
 };
 
 __device__ __forceinline__ void cp_async_16_zfill(void* dst, const void* src, bool ok) {
@@ -79,9 +84,9 @@ __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-template <typename T, int D>
+template <typename T, int D, int kStages>
 __global__ void __launch_bounds__(kDaThreads) decode_attention_kernel(const DecodeAttnParams p) {
-  using L = DaLayout<D>;
+  using L = DaLayout<D, kStages>;
   constexpr int kSteps = D / 16;  // QK's k-steps; PV's pairs of 8-dim output tiles
   extern __shared__ __align__(128) unsigned char da_smem[];
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
@@ -103,6 +108,26 @@ __global__ void __launch_bounds__(kDaThreads) decode_attention_kernel(const Deco
   for (int n = 0; n < 2 * kSteps; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
 
   if (lo < hi) {
+    const int tiles = (hi - lo + kDaTileKeys - 1) / kDaTileKeys;
+    auto load = [&](int tile) {
+      unsigned char* sk = da_smem + (tile % kStages) * L::kStage;
+      unsigned char* sv = sk + L::kTile;
+      const int k0 = lo + tile * kDaTileKeys;
+      constexpr int kPieces = D / 8;  // 16-byte pieces a row
+      for (int i = threadIdx.x; i < kDaTileKeys * kPieces; i += kDaThreads) {
+        const int r = i / kPieces, c = i % kPieces, key = k0 + r;
+        const bool ok = key < hi;
+        const long long off = static_cast<long long>(ok ? key : lo) * D + c * 8;
+        cp_async_16_zfill(sk + r * L::kRow + c * 16, kb + off, ok);
+        cp_async_16_zfill(sv + r * L::kRow + c * 16, vb + off, ok);
+      }
+    };
+    // the first tiles' copies fly while q is read (q's loads would otherwise hold them back a round trip)
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < tiles) load(s);
+      cp_async_commit();
+    }
     // Q as the A operand (rows: the group's heads), k-step j: dims 16j .. 16j + 15
     const unsigned short* qbits = static_cast<const unsigned short*>(p.q) + b * p.q_sb;
     auto qpair = [&](int r, int d) -> uint32_t {
@@ -118,33 +143,14 @@ __global__ void __launch_bounds__(kDaThreads) decode_attention_kernel(const Deco
       qa[j][2] = qpair(g, 16 * j + 2 * t + 8);
       qa[j][3] = qpair(g + 8, 16 * j + 2 * t + 8);
     }
-    const int tiles = (hi - lo + kDaTileKeys - 1) / kDaTileKeys;
-    auto load = [&](int tile) {
-      unsigned char* sk = da_smem + (tile % kDaStages) * L::kStage;
-      unsigned char* sv = sk + L::kTile;
-      const int k0 = lo + tile * kDaTileKeys;
-      constexpr int kPieces = D / 8;  // 16-byte pieces a row
-      for (int i = threadIdx.x; i < kDaTileKeys * kPieces; i += kDaThreads) {
-        const int r = i / kPieces, c = i % kPieces, key = k0 + r;
-        const bool ok = key < hi;
-        const long long off = static_cast<long long>(ok ? key : lo) * D + c * 8;
-        cp_async_16_zfill(sk + r * L::kRow + c * 16, kb + off, ok);
-        cp_async_16_zfill(sv + r * L::kRow + c * 16, vb + off, ok);
-      }
-    };
-#pragma unroll
-    for (int s = 0; s < kDaStages - 1; ++s) {
-      if (s < tiles) load(s);
-      cp_async_commit();
-    }
     for (int tile = 0; tile < tiles; ++tile) {
-      cp_async_wait<kDaStages - 2>();
+      cp_async_wait<kStages - 2>();
       __syncthreads();  // the tile is in for every thread; every warp is past the stage the next load reuses
-      if (tile + kDaStages - 1 < tiles) load(tile + kDaStages - 1);
+      if (tile + kStages - 1 < tiles) load(tile + kStages - 1);
       cp_async_commit();
       const int kw = lo + tile * kDaTileKeys + warp * kDaWarpKeys;  // this warp's first key
       if (kw >= hi) continue;  // (warp-uniform)
-      const unsigned char* sk = da_smem + (tile % kDaStages) * L::kStage + warp * kDaWarpKeys * L::kRow;
+      const unsigned char* sk = da_smem + (tile % kStages) * L::kStage + warp * kDaWarpKeys * L::kRow;
       const unsigned char* sv = sk + L::kTile;
       // S^T = Q K^T: s0 keys kw + 0..7, s1 keys kw + 8..15 (C layout: rows g / g + 8, keys 2t, 2t + 1)
       float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
@@ -254,14 +260,14 @@ __global__ void __launch_bounds__(D) decode_attention_merge(const DecodeAttnPara
   static_cast<T*>(p.out)[bh * D + d] = from_float<T>(acc / den);
 }
 
-template <typename T, int D>
+template <typename T, int D, int kStages>
 Status launch(const DecodeAttnParams& p, cudaStream_t stream) {
-  using L = DaLayout<D>;
-  if (cudaFuncSetAttribute(decode_attention_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kSmem) !=
-      cudaSuccess)
+  using L = DaLayout<D, kStages>;
+  if (cudaFuncSetAttribute(decode_attention_kernel<T, D, kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           L::kSmem) != cudaSuccess)
     return Status::kLaunchFailed;
   const dim3 grid(p.splits, p.kv_heads, p.batch);
-  decode_attention_kernel<T, D><<<grid, kDaThreads, L::kSmem, stream>>>(p);
+  decode_attention_kernel<T, D, kStages><<<grid, kDaThreads, L::kSmem, stream>>>(p);
   if (cudaGetLastError() != cudaSuccess) return Status::kLaunchFailed;
   if (p.splits > 1) {
     decode_attention_merge<T, D><<<p.batch * p.heads, D, 0, stream>>>(p);
@@ -270,17 +276,28 @@ Status launch(const DecodeAttnParams& p, cudaStream_t stream) {
   return Status::kOk;
 }
 
-template <typename T>
+template <typename T, int kStages>
 Status launch_d(const DecodeAttnParams& p, cudaStream_t stream) {
   switch (p.head_dim) {
     case 64:
-      return launch<T, 64>(p, stream);
+      return launch<T, 64, kStages>(p, stream);
     case 96:
-      return launch<T, 96>(p, stream);
+      return launch<T, 96, kStages>(p, stream);
     case 128:
-      return launch<T, 128>(p, stream);
+      return launch<T, 128, kStages>(p, stream);
   }
   return Status::kNoKernel;
+}
+
+template <typename T>
+Status launch_s(const DecodeAttnParams& p, cudaStream_t stream) {
+  switch (da_stages.load()) {
+    case 3:
+      return launch_d<T, 3>(p, stream);
+    case 4:
+      return launch_d<T, 4>(p, stream);
+  }
+  return launch_d<T, 2>(p, stream);
 }
 
 }  // namespace
@@ -292,19 +309,25 @@ bool decode_attention_supported(int head_dim, int heads, int kv_heads) {
 
 namespace {
 
-// Blocks of the head_dim's kernel an SM holds at once (asked once per device and head_dim).
-template <int D>
+// Blocks of the head_dim's kernel an SM holds at once (asked once per device, head_dim and stage count).
+template <int D, int kStages>
 int da_resident() {
   static std::atomic<int> cache[kMaxDevices] = {};
   return per_device(cache, [] {
     int n = 0;
-    auto kernel = decode_attention_kernel<__half, D>;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, DaLayout<D>::kSmem) !=
-            cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kDaThreads, DaLayout<D>::kSmem) != cudaSuccess)
+    auto kernel = decode_attention_kernel<__half, D, kStages>;
+    constexpr int smem = DaLayout<D, kStages>::kSmem;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kDaThreads, smem) != cudaSuccess)
       n = 1;
     return n > 0 ? n : 1;
   });
+}
+
+template <int kStages>
+int da_resident_d(int head_dim) {
+  return head_dim <= 64 ? da_resident<64, kStages>() : head_dim <= 96 ? da_resident<96, kStages>()
+                                                                      : da_resident<128, kStages>();
 }
 
 }  // namespace
@@ -331,7 +354,9 @@ int decode_attention_split_rule(long long pairs, long long slots, int max_seq) {
 }
 
 int decode_attention_splits(int batch, int kv_heads, int max_seq, int head_dim) {
-  const int per_sm = head_dim <= 64 ? da_resident<64>() : head_dim <= 96 ? da_resident<96>() : da_resident<128>();
+  const int stages = da_stages.load();
+  const int per_sm = stages == 3 ? da_resident_d<3>(head_dim) : stages == 4 ? da_resident_d<4>(head_dim)
+                                                                          : da_resident_d<2>(head_dim);
   const long long slots = static_cast<long long>(per_sm) * (device_sm_count() > 0 ? device_sm_count() : 132);
   return decode_attention_split_rule(static_cast<long long>(batch) * kv_heads, slots, max_seq);
 }
@@ -343,13 +368,20 @@ Status decode_attention(ActType act, const DecodeAttnParams& p, cudaStream_t str
   if (p.splits > 1 && (p.part_o == nullptr || p.part_ml == nullptr)) return Status::kBadShape;
   switch (act) {
     case ActType::kHalf:
-      return launch_d<__half>(p, stream);
+      return launch_s<__half>(p, stream);
     case ActType::kBFloat16:
-      return launch_d<__nv_bfloat16>(p, stream);
+      return launch_s<__nv_bfloat16>(p, stream);
     case ActType::kFloat32:
       break;
   }
   return Status::kNoKernel;
 }
+
+bool set_decode_attention_stages(int stages) {
+  if (stages < kDaMinStages || stages > kDaMaxStages) return false;
+  da_stages.store(stages);
+  return true;
+}
+int decode_attention_stages() { return da_stages.load(); }
 
 }  // namespace qgemv

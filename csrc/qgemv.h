@@ -175,6 +175,10 @@ int decode_attention_splits(int batch, int kv_heads, int max_seq, int head_dim);
 // Its rule: pairs = batch x kv_heads, slots = the GPU's resident blocks of the kernel (host only).
 int decode_attention_split_rule(long long pairs, long long slots, int max_seq);
 Status decode_attention(ActType act, const DecodeAttnParams& p, cudaStream_t stream);
+// K / V tiles a block holds: 2 (the default), 3 or 4 (stages - 1 in flight while one is summed; more stages,
+// fewer blocks an SM).  Returns false, changing nothing, for another count.  Process-wide, for the A/B.
+bool set_decode_attention_stages(int stages);
+int decode_attention_stages();
 
 // The seed's fp32 SGEMV family: y[N] = A[N, K] @ x[K], all fp32, contiguous.
 enum class SgemvKernel : int { kAuto = 0, kK32 = 1, kK128 = 2, kK16 = 3 };

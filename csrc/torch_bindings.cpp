@@ -710,6 +710,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode_attention's split count for (sequence, kv head) pairs when `slots` of its blocks fit on the GPU "
         "at once, for a cache of max_seq slots (host only).", pybind11::arg("pairs"), pybind11::arg("slots"),
         pybind11::arg("max_seq"));
+  t.def("set_decode_attention_stages", [](int v) {
+          if (!qgemv::set_decode_attention_stages(v))
+            throw pybind11::value_error("qgemv.set_decode_attention_stages: stages must be 2, 3 or 4, got " +
+                                        std::to_string(v));
+        },
+        "decode_attention's K / V tiles a block holds (2, the default; 3 or 4: more in flight, fewer blocks an "
+        "SM); the split count chosen for splits=0 follows the blocks an SM holds.", pybind11::arg("stages"));
+  t.def("decode_attention_stages", &qgemv::decode_attention_stages);
   t.def("wgmma_shape_count", &qgemv::testing::wgmma_shape_count);
   t.def("set_wgmma_shape", [](int v) {
           if (v < -1 || v >= qgemv::testing::wgmma_shape_count())

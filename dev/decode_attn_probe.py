@@ -1,12 +1,14 @@
 """qgemv.ops.decode_attention against the engine's former per-op attention (SDPA over the whole cache with an
 additive mask), one layer's call, on the GPU.
 
-    python dev/decode_attn_probe.py [--cases B:H:KV:D:S:CTX,...] [--dtype float16] [--splits 1,2,3]
+    python dev/decode_attn_probe.py [--cases B:H:KV:D:S:CTX,...] [--dtype float16] [--splits 1,2,3] [--stages 2,3,4]
 
 For each case: µs a call (20 calls in one CUDA graph, the best of 5 replays; a batch-16 layer's K / V is
 past L2, a batch-1 layer's is not: its numbers flatter both), the bytes each reads (decode_attention: the visible rows; SDPA: the whole cache) and the rate of
 the visible bytes; the largest difference between the two outputs; then decode_attention's µs with each
-count of --splits forced (0 is the kernel's own choice).  Exit 2 for a bad --cases.
+count of --splits forced (0 is the kernel's own choice); with --stages, each stage count's µs (the kernel's K / V
+tiles a block, testing.set_decode_attention_stages) at its chosen split count and at the forced ones, each
+checked equal to the default's output bit for bit.  Exit 2 for a bad --cases.
 """
 import argparse
 import sys
@@ -49,16 +51,21 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default=CASES, help="B:heads:kv_heads:head_dim:max_seq:context, comma-separated")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     ap.add_argument("--splits", default="1,2,3,4,5,6,8", help="split counts to time besides the chosen one")
+    ap.add_argument("--stages", default="", help="stage counts (2..4) to time, e.g. 2,3,4 (empty: the default only)")
     args = ap.parse_args(argv)
     try:
         cases = [tuple(int(v) for v in c.split(":")) for c in args.cases.split(",")]
         assert all(len(c) == 6 and 1 <= c[5] <= c[4] for c in cases)
         splits = [int(v) for v in args.splits.split(",")] if args.splits else []
         assert all(1 <= n <= ops.DECODE_ATTN_MAX_SPLITS for n in splits)
+        stages = [int(v) for v in args.stages.split(",")] if args.stages else []
+        assert all(2 <= n <= 4 for n in stages)
     except (ValueError, AssertionError):
         print(f"decode_attn_probe: --cases wants B:H:KV:D:S:CTX with 1 <= CTX <= S, --splits counts in "
-              f"1..{ops.DECODE_ATTN_MAX_SPLITS}; got {args.cases!r}, {args.splits!r}", file=sys.stderr)
+              f"1..{ops.DECODE_ATTN_MAX_SPLITS}, --stages counts in 2..4; got {args.cases!r}, {args.splits!r}, "
+              f"{args.stages!r}", file=sys.stderr)
         return 2
+    testing = qgemv._ext.MODULE.testing if stages else None
     dt = getattr(torch, args.dtype)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}")
     print("B   H  KV   D     S   ctx | decode_attention us (GB/s of visible K/V) | SDPA us (its bytes) | x | max diff")
@@ -99,6 +106,18 @@ def main(argv=None) -> int:
               f"{t_sdpa / t_ours:4.2f} | {diff:.1e}")
         if splits:
             print("    forced splits: " + ", ".join(f"{n}: {timed(lambda: ours(n)):.1f}" for n in splits))
+        for st in stages:  # each stage count after the default, the same calls; the outputs compared bit for bit
+            try:
+                turn[0] = 0
+                base = ours(1)  # (one forced split: the chosen count may differ between stage counts)
+                testing.set_decode_attention_stages(st)
+                turn[0] = 0
+                same = torch.equal(ours(1), base)
+                row = [f"chosen {vis / timed(ours) / 1e3:.0f} GB/s"] + [f"{n}: {timed(lambda: ours(n)):.1f}"
+                                                                         for n in splits]
+                print(f"    stages {st}: " + ", ".join(row) + ("" if same else "  OUTPUT DIFFERS FROM STAGES 2"))
+            finally:
+                testing.set_decode_attention_stages(2)
     return 0
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|decomp|slices|b16|m16|m16lab|t16|stage2|attn|attnncu|attnstages|diag|bf16|gen|gen70|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|decomp|slices|b16|m16|m16lab|t16|da|stage2|attn|attnncu|attnstages|diag|bf16|gen|gen70|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -257,10 +257,15 @@ launch__registers_per_thread,launch__grid_size,launch__block_size \
         --shapes 12288x4096,4096x4096,22016x4096,4096x11008,6144x4096,28672x4096,4096x14336 2>&1 | tail -150 ;;
     t16)
       # batch 16 in the engine with 9-16 tokens through the tiled GEMM's 16-token blocks (variant int4g128a_t16)
-      # against the GEMV, two rounds
+      # and with decode_attention's 3 K / V tiles a block (int4g128a_da3) against today's step, two rounds
       timeout "${GEN_LIMIT:-300}" python3 -m qgemv.eval.bench_generate --models "${GEN_MODELS:-llama2-7b}" --batches 16 \
-        --no-hf --no-breakdown --variants int4g128a,int4g128a_t16,int4g128a,int4g128a_t16 --out "$OUT/generate_t16" 2>&1 \
-        | grep -v -i warn | grep "b=16" ;;
+        --no-hf --no-breakdown --variants "${T16_VARIANTS:-int4g128a,int4g128a_t16,int4g128a_da3,int4g128a,int4g128a_t16,int4g128a_da3}" \
+        --out "$OUT/generate_t16" 2>&1 | grep -v -i warn | grep "b=16" ;;
+    da)
+      # decode_attention's stage counts: one layer's call with 2 (today), 3 and 4 K / V tiles a block at the
+      # chosen and forced split counts, outputs compared bit for bit (dev/decode_attn_probe.py --stages)
+      timeout 150 python3 dev/decode_attn_probe.py --splits 1,2,3 --stages 3,4 2>&1 | grep -v -i warn \
+        | tee "$OUT/decode_attn_stages.txt" ;;
     tpbench)
       # issue 36: the tensor-parallel shards of Llama-3-8B / 70B (TP 2 / 4 / 8) against fp16 cuBLAS
       python3 -m qgemv.eval.bench_gemv --tp-shapes --no-extras --ms ${TP_MS:-1,4,16} --out "$OUT/bench_tp" 2>&1 \

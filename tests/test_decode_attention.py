@@ -143,6 +143,40 @@ def test_cuda_kernel_matches_the_reference(cfg, splits, dtype):
 
 @requires_cuda
 @needs_kernel
+@pytest.mark.parametrize("cfg", [(16, 32, 32, 700, 128), (3, 32, 8, 300, 128), (2, 14, 2, 777, 64), (4, 16, 1, 1000, 96)])
+def test_cuda_kernel_gives_the_same_bits_with_every_stage_count(cfg):
+    """testing.set_decode_attention_stages (2, 3 or 4 K / V tiles a block) changes how many copies fly, not
+    which keys a warp sums in what order: every count's output equals the default's bit for bit, at forced
+    splits and at the chosen count (which follows the blocks an SM holds), and matches the reference."""
+    B, H, Hkv, S, D = cfg
+    t = qgemv._ext.MODULE.testing
+    slot = S - 3
+    pad = torch.randint(0, slot + 1, (B,), generator=torch.Generator().manual_seed(S))
+    pad[0] = 0
+    q, k, v = caches(B, H, Hkv, S, D, torch.float16, "cuda", seed=S, poison=True, slot=slot, pad=pad)
+    slot_t, pad_t = torch.tensor([slot], device="cuda"), pad.cuda()
+    want = ops.ref_decode_attention(q.cpu(), k.cpu(), v.cpu(), slot_t.cpu(), pad, D ** -0.5).float()
+    with pytest.raises(ValueError, match="stages must be 2, 3 or 4, got 5"):
+        t.set_decode_attention_stages(5)
+    assert t.decode_attention_stages() == 2
+    try:
+        for splits in (1, 3):
+            outs = {}
+            for stages in (2, 3, 4):
+                t.set_decode_attention_stages(stages)
+                outs[stages] = ops.decode_attention(q, k, v, slot_t, pad_t, D ** -0.5, splits)
+            for stages in (3, 4):
+                assert torch.equal(outs[stages], outs[2]), f"splits {splits}, stages {stages}"
+            assert (outs[2].float().cpu() - want).abs().max().item() < 4e-3
+        t.set_decode_attention_stages(3)
+        chosen = ops.decode_attention(q, k, v, slot_t, pad_t, D ** -0.5)
+        assert torch.isfinite(chosen).all() and (chosen.float().cpu() - want).abs().max().item() < 4e-3
+    finally:
+        t.set_decode_attention_stages(2)
+
+
+@requires_cuda
+@needs_kernel
 def test_cuda_kernel_reads_q_through_its_strides_and_follows_the_slot_in_a_graph():
     B, H, Hkv, S, D = 3, 16, 4, 256, 128
     wide, k, v = torch.randn(B, H, 3 * D, device="cuda", dtype=torch.float16), *[
