@@ -23,6 +23,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "qgemv.h"
 #include "qgemv_common.cuh"
@@ -40,14 +41,18 @@ constexpr int kDaTileKeys = kDaWarpKeys * (kDaThreads / 32);
 constexpr int kDaMinStages = 2, kDaMaxStages = 4;
 std::atomic<int> da_stages{2};
 
-template <int D, int kStages>
+template <int D, int kStages, bool kRope>
 struct DaLayout {
   // a K or V row in shared memory, padded by 16 bytes: the 8 rows one ldmatrix phase reads start 4 banks apart
   static constexpr int kRow = D * 2 + 16;
   static constexpr int kTile = kDaTileKeys * kRow;
   static constexpr int kStage = 2 * kTile;  // K's tile, then V's
+  // rope_decode_attention, after the stages: the group's rotated queries [16][D] and the token's rotated key
+  // and value [2][D] (the activation type), then each query / key row's RMSNorm factor [17]
+  static constexpr int kRopeAt = kStages * kStage;
+  static constexpr int kRopeBytes = kRope ? (16 + 2) * D * 2 + 32 * 4 : 0;
   static constexpr int kMerge = (4 * 16 * D + 4 * 16 * 2) * 4;  // the warps' sums, maxima and denominators
-  static constexpr int kSmem = kStages * kStage > kMerge ? kStages * kStage : kMerge;
+  static constexpr int kSmem = kRopeAt + kRopeBytes > kMerge ? kRopeAt + kRopeBytes : kMerge;
 };
 
 __device__ __forceinline__ void cp_async_16_zfill(void* dst, const void* src, bool ok) {
@@ -84,9 +89,62 @@ __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-template <typename T, int D, int kStages>
-__global__ void __launch_bounds__(kDaThreads) decode_attention_kernel(const DecodeAttnParams p) {
-  using L = DaLayout<D, kStages>;
+// rope_decode_attention's input (kRope): the token's query heads of this kv head's group and its key, each
+// normalized by q_norm / k_norm when given (transformers' RMSNorm: fp32 statistics, the normalized value
+// rounded to T, times the gain rounded to T), rotated at position pos (x cos + rotate_half(x) sin in fp32,
+// rounded once to T, as the engine's compiled glue computes it: within one rounding of the eager glue's fp16
+// steps), into qs [grp][D], kn [D] and vn [D] (the value as it is).  Every thread of the block; ends with a block barrier.
+template <typename T, int D>
+__device__ __forceinline__ void rope_input(const DecodeAttnParams& p, const DecodeAttnRope& ro, int b, int kvh,
+                                           int grp, int pos, T* qs, T* kn, T* vn, float* inv) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, h0 = kvh * grp;
+  const T* qrow = static_cast<const T*>(p.q) + b * p.q_sb + static_cast<long long>(h0) * p.q_sh;
+  const T* krow = static_cast<const T*>(ro.knew) + b * ro.kn_sb + static_cast<long long>(kvh) * ro.kn_sh;
+  const T* vrow = static_cast<const T*>(ro.vnew) + b * ro.kn_sb + static_cast<long long>(kvh) * ro.kn_sh;
+  auto row = [&](int r) { return r < grp ? qrow + static_cast<long long>(r) * p.q_sh : krow; };
+  const bool norm = ro.q_norm != nullptr;
+  if (norm) {  // rows 0 .. grp - 1: the queries, grp: the key; a warp a row
+    for (int r = warp; r <= grp; r += kDaThreads / 32) {
+      const T* x = row(r);
+      float ss = 0.f;
+      for (int d = lane; d < D; d += 32) {
+        const float v = to_float(x[d]);
+        ss = fmaf(v, v, ss);
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      if (lane == 0) inv[r] = rsqrtf(ss / D + ro.norm_eps);
+    }
+    __syncthreads();
+  }
+  const T* cs = static_cast<const T*>(ro.cos) + static_cast<long long>(pos) * D;
+  const T* sn = static_cast<const T*>(ro.sin) + static_cast<long long>(pos) * D;
+  for (int i = threadIdx.x; i < (grp + 2) * D; i += kDaThreads) {
+    const int r = i / D, d = i % D;
+    if (r == grp + 1) {  // the value: written as it is
+      vn[d] = vrow[d];
+      continue;
+    }
+    const T* x = row(r);
+    const T* w = static_cast<const T*>(r < grp ? ro.q_norm : ro.k_norm);
+    const int e = d < D / 2 ? d + D / 2 : d - D / 2;  // rotate_half's partner
+    auto normed = [&](int j) {
+      if (!norm) return to_float(x[j]);
+      return to_float(from_float<T>(to_float(w[j]) * to_float(from_float<T>(to_float(x[j]) * inv[r]))));
+    };
+    const float a = normed(d), rot = d < D / 2 ? -normed(e) : normed(e);
+    // (two rounded products and their rounded sum, no fused multiply-add: torch's elementwise ops on the GPU)
+    const T out = from_float<T>(__fadd_rn(__fmul_rn(a, to_float(cs[d])), __fmul_rn(rot, to_float(sn[d]))));
+    if (r < grp) qs[r * D + d] = out;
+    else kn[d] = out;
+  }
+  __syncthreads();
+}
+
+template <typename T, int D, int kStages, bool kRope>
+__global__ void __launch_bounds__(kDaThreads) decode_attention_kernel(const DecodeAttnParams p,
+                                                                      const DecodeAttnRope ro) {
+  using L = DaLayout<D, kStages, kRope>;
   constexpr int kSteps = D / 16;  // QK's k-steps; PV's pairs of 8-dim output tiles
   extern __shared__ __align__(128) unsigned char da_smem[];
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
@@ -101,6 +159,11 @@ __global__ void __launch_bounds__(kDaThreads) decode_attention_kernel(const Deco
   const int lo = static_cast<int>(pad) + split * per, hi = min(static_cast<int>(slot) + 1, lo + per);
   const T* kb = static_cast<const T*>(p.k) + b * p.kv_sb + kvh * p.kv_sh;
   const T* vb = static_cast<const T*>(p.v) + b * p.kv_sb + kvh * p.kv_sh;
+  // kRope: the token's rotated query / key / value (rope_input), and whether this split holds its slot
+  T* qs = reinterpret_cast<T*>(da_smem + L::kRopeAt);
+  T* kn = qs + 16 * D;
+  T* vn = kn + D;
+  const bool holds = kRope && lo <= slot && slot < hi;
 
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows (heads) g and g + 8
   float o[2 * kSteps][4];  // output tile n: dims 8n .. 8n + 7 (C layout: rows g / g + 8, dims 2t, 2t + 1)
@@ -116,7 +179,7 @@ __global__ void __launch_bounds__(kDaThreads) decode_attention_kernel(const Deco
       constexpr int kPieces = D / 8;  // 16-byte pieces a row
       for (int i = threadIdx.x; i < kDaTileKeys * kPieces; i += kDaThreads) {
         const int r = i / kPieces, c = i % kPieces, key = k0 + r;
-        const bool ok = key < hi;
+        const bool ok = key < hi && !(holds && key == slot);  // kRope: the slot's row is the token's (below)
         const long long off = static_cast<long long>(ok ? key : lo) * D + c * 8;
         cp_async_16_zfill(sk + r * L::kRow + c * 16, kb + off, ok);
         cp_async_16_zfill(sv + r * L::kRow + c * 16, vb + off, ok);
@@ -128,11 +191,21 @@ __global__ void __launch_bounds__(kDaThreads) decode_attention_kernel(const Deco
       if (s < tiles) load(s);
       cp_async_commit();
     }
+    if constexpr (kRope) {
+      rope_input<T, D>(p, ro, b, kvh, grp, static_cast<int>(slot - pad), qs, kn, vn,
+                       reinterpret_cast<float*>(vn + D));
+      if (holds) {  // the token's key and value into the caches at its slot (for the steps after this one)
+        T* kw = static_cast<T*>(p.k) + b * p.kv_sb + kvh * p.kv_sh + slot * D;
+        T* vw = static_cast<T*>(p.v) + b * p.kv_sb + kvh * p.kv_sh + slot * D;
+        for (int d = threadIdx.x; d < D; d += kDaThreads) kw[d] = kn[d], vw[d] = vn[d];
+      }
+    }
     // Q as the A operand (rows: the group's heads), k-step j: dims 16j .. 16j + 15
-    const unsigned short* qbits = static_cast<const unsigned short*>(p.q) + b * p.q_sb;
+    const unsigned short* qbits = kRope ? reinterpret_cast<const unsigned short*>(qs)
+                                        : static_cast<const unsigned short*>(p.q) + b * p.q_sb;
     auto qpair = [&](int r, int d) -> uint32_t {
       if (r >= grp) return 0u;
-      const unsigned short* row = qbits + static_cast<long long>(h0 + r) * p.q_sh + d;
+      const unsigned short* row = qbits + (kRope ? static_cast<long long>(r) * D : (h0 + r) * p.q_sh) + d;
       return static_cast<uint32_t>(row[0]) | (static_cast<uint32_t>(row[1]) << 16);
     };
     uint32_t qa[kSteps][4];
@@ -148,6 +221,14 @@ __global__ void __launch_bounds__(kDaThreads) decode_attention_kernel(const Deco
       __syncthreads();  // the tile is in for every thread; every warp is past the stage the next load reuses
       if (tile + kStages - 1 < tiles) load(tile + kStages - 1);
       cp_async_commit();
+      if (holds && slot - (lo + tile * kDaTileKeys) < kDaTileKeys) {  // kRope: the slot's row is the token's
+        unsigned char* row = da_smem + (tile % kStages) * L::kStage + (slot - lo - tile * kDaTileKeys) * L::kRow;
+        for (int d = threadIdx.x; d < D; d += kDaThreads) {
+          reinterpret_cast<T*>(row)[d] = kn[d];
+          reinterpret_cast<T*>(row + L::kTile)[d] = vn[d];
+        }
+        __syncthreads();
+      }
       const int kw = lo + tile * kDaTileKeys + warp * kDaWarpKeys;  // this warp's first key
       if (kw >= hi) continue;  // (warp-uniform)
       const unsigned char* sk = da_smem + (tile % kStages) * L::kStage + warp * kDaWarpKeys * L::kRow;
@@ -260,14 +341,14 @@ __global__ void __launch_bounds__(D) decode_attention_merge(const DecodeAttnPara
   static_cast<T*>(p.out)[bh * D + d] = from_float<T>(acc / den);
 }
 
-template <typename T, int D, int kStages>
-Status launch(const DecodeAttnParams& p, cudaStream_t stream) {
-  using L = DaLayout<D, kStages>;
-  if (cudaFuncSetAttribute(decode_attention_kernel<T, D, kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           L::kSmem) != cudaSuccess)
+template <typename T, int D, int kStages, bool kRope>
+Status launch(const DecodeAttnParams& p, const DecodeAttnRope& ro, cudaStream_t stream) {
+  using L = DaLayout<D, kStages, kRope>;
+  auto kernel = decode_attention_kernel<T, D, kStages, kRope>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kSmem) != cudaSuccess)
     return Status::kLaunchFailed;
   const dim3 grid(p.splits, p.kv_heads, p.batch);
-  decode_attention_kernel<T, D, kStages><<<grid, kDaThreads, L::kSmem, stream>>>(p);
+  kernel<<<grid, kDaThreads, L::kSmem, stream>>>(p, ro);
   if (cudaGetLastError() != cudaSuccess) return Status::kLaunchFailed;
   if (p.splits > 1) {
     decode_attention_merge<T, D><<<p.batch * p.heads, D, 0, stream>>>(p);
@@ -276,29 +357,32 @@ Status launch(const DecodeAttnParams& p, cudaStream_t stream) {
   return Status::kOk;
 }
 
-template <typename T, int kStages>
-Status launch_d(const DecodeAttnParams& p, cudaStream_t stream) {
-  switch (p.head_dim) {
-    case 64:
-      return launch<T, 64, kStages>(p, stream);
-    case 96:
-      return launch<T, 96, kStages>(p, stream);
-    case 128:
-      return launch<T, 128, kStages>(p, stream);
-  }
-  return Status::kNoKernel;
+// The (head_dim, stage count, rope) instance: F<D, kStages, kRope>::run(args...).
+template <template <int, int, bool> class F, typename... Args>
+auto da_dispatch(int head_dim, int stages, bool rope, Args&&... args) {
+  auto by_d = [&](auto s, auto r) {
+    constexpr int kS = decltype(s)::value;
+    constexpr bool kR = decltype(r)::value;
+    return head_dim <= 64 ? F<64, kS, kR>::run(args...) : head_dim <= 96 ? F<96, kS, kR>::run(args...)
+                                                                         : F<128, kS, kR>::run(args...);
+  };
+  auto by_s = [&](auto r) {
+    return stages == 3 ? by_d(std::integral_constant<int, 3>{}, r)
+           : stages == 4 ? by_d(std::integral_constant<int, 4>{}, r)
+                         : by_d(std::integral_constant<int, 2>{}, r);
+  };
+  return rope ? by_s(std::true_type{}) : by_s(std::false_type{});
 }
 
 template <typename T>
-Status launch_s(const DecodeAttnParams& p, cudaStream_t stream) {
-  switch (da_stages.load()) {
-    case 3:
-      return launch_d<T, 3>(p, stream);
-    case 4:
-      return launch_d<T, 4>(p, stream);
-  }
-  return launch_d<T, 2>(p, stream);
-}
+struct Launch {
+  template <int D, int kStages, bool kRope>
+  struct At {
+    static Status run(const DecodeAttnParams& p, const DecodeAttnRope& ro, cudaStream_t stream) {
+      return launch<T, D, kStages, kRope>(p, ro, stream);
+    }
+  };
+};
 
 }  // namespace
 
@@ -309,26 +393,22 @@ bool decode_attention_supported(int head_dim, int heads, int kv_heads) {
 
 namespace {
 
-// Blocks of the head_dim's kernel an SM holds at once (asked once per device, head_dim and stage count).
-template <int D, int kStages>
-int da_resident() {
-  static std::atomic<int> cache[kMaxDevices] = {};
-  return per_device(cache, [] {
-    int n = 0;
-    auto kernel = decode_attention_kernel<__half, D, kStages>;
-    constexpr int smem = DaLayout<D, kStages>::kSmem;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kDaThreads, smem) != cudaSuccess)
-      n = 1;
-    return n > 0 ? n : 1;
-  });
-}
-
-template <int kStages>
-int da_resident_d(int head_dim) {
-  return head_dim <= 64 ? da_resident<64, kStages>() : head_dim <= 96 ? da_resident<96, kStages>()
-                                                                      : da_resident<128, kStages>();
-}
+// Blocks of an instance an SM holds at once (asked once per device and instance).
+template <int D, int kStages, bool kRope>
+struct Resident {
+  static int run() {
+    static std::atomic<int> cache[kMaxDevices] = {};
+    return per_device(cache, [] {
+      int n = 0;
+      auto kernel = decode_attention_kernel<__half, D, kStages, kRope>;
+      constexpr int smem = DaLayout<D, kStages, kRope>::kSmem;
+      if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kDaThreads, smem) != cudaSuccess)
+        n = 1;
+      return n > 0 ? n : 1;
+    });
+  }
+};
 
 }  // namespace
 
@@ -353,24 +433,28 @@ int decode_attention_split_rule(long long pairs, long long slots, int max_seq) {
   return best;
 }
 
-int decode_attention_splits(int batch, int kv_heads, int max_seq, int head_dim) {
-  const int stages = da_stages.load();
-  const int per_sm = stages == 3 ? da_resident_d<3>(head_dim) : stages == 4 ? da_resident_d<4>(head_dim)
-                                                                          : da_resident_d<2>(head_dim);
+int decode_attention_splits(int batch, int kv_heads, int max_seq, int head_dim, bool rope) {
+  const int per_sm = da_dispatch<Resident>(head_dim, da_stages.load(), rope);
   const long long slots = static_cast<long long>(per_sm) * (device_sm_count() > 0 ? device_sm_count() : 132);
   return decode_attention_split_rule(static_cast<long long>(batch) * kv_heads, slots, max_seq);
 }
 
-Status decode_attention(ActType act, const DecodeAttnParams& p, cudaStream_t stream) {
+Status decode_attention(ActType act, const DecodeAttnParams& p, const DecodeAttnRope* rope, cudaStream_t stream) {
   if (p.batch < 1 || p.max_seq < 1 || p.splits < 1 || p.splits > kDecodeAttnMaxSplits ||
       !decode_attention_supported(p.head_dim, p.heads, p.kv_heads) || p.batch > 65535 || p.kv_heads > 65535)
     return Status::kBadShape;
   if (p.splits > 1 && (p.part_o == nullptr || p.part_ml == nullptr)) return Status::kBadShape;
+  if (rope != nullptr && (rope->knew == nullptr || rope->vnew == nullptr || rope->cos == nullptr ||
+                          rope->sin == nullptr || (rope->q_norm == nullptr) != (rope->k_norm == nullptr)))
+    return Status::kBadShape;
+  const DecodeAttnRope none{};
   switch (act) {
     case ActType::kHalf:
-      return launch_s<__half>(p, stream);
+      return da_dispatch<Launch<__half>::At>(p.head_dim, da_stages.load(), rope != nullptr, p, rope ? *rope : none,
+                                             stream);
     case ActType::kBFloat16:
-      return launch_s<__nv_bfloat16>(p, stream);
+      return da_dispatch<Launch<__nv_bfloat16>::At>(p.head_dim, da_stages.load(), rope != nullptr, p,
+                                                    rope ? *rope : none, stream);
     case ActType::kFloat32:
       break;
   }

@@ -159,8 +159,8 @@ constexpr int kDecodeAttnMaxGroup = 16;   // query heads a kv head (the MMA's 16
 constexpr int kDecodeAttnMaxSplits = 64;
 struct DecodeAttnParams {
   const void* q;          // [batch, heads, head_dim]: element strides q_sb, q_sh, dims contiguous
-  const void* k;          // caches [batch, kv_heads, max_seq, head_dim]: element strides kv_sb, kv_sh,
-  const void* v;          //   rows contiguous; 16-byte aligned rows (pointers and strides)
+  void* k;                // caches [batch, kv_heads, max_seq, head_dim]: element strides kv_sb, kv_sh,
+  void* v;                //   rows contiguous; 16-byte aligned rows (pointers and strides); written by rope only
   void* out;              // [batch, heads, head_dim], contiguous
   float* part_o;          // splits > 1: [batch, heads, splits, head_dim]
   float* part_ml;         // splits > 1: [batch, heads, splits, 2] (max of the base-2 scores, denominator)
@@ -170,11 +170,28 @@ struct DecodeAttnParams {
   int batch, heads, kv_heads, head_dim, max_seq, splits;
   float scale_log2;       // the softmax scale times log2(e)
 };
+// rope_decode_attention's inputs (decode_attention with rope): q above is then the token's query before its
+// norm and rotation; knew / vnew [batch, kv_heads, head_dim] (element strides kn_sb, kn_sh, dims contiguous)
+// its key and value.  The kernel normalizes q and k per head by q_norm / k_norm ([head_dim] of the activation
+// type, both or neither; epsilon norm_eps), rotates them by cos / sin ([max_seq, head_dim] rows of the
+// activation type) at position max(slot - pad[b], 0), writes k and v into the caches at the slot, and
+// attends with them.
+struct DecodeAttnRope {
+  const void* knew;
+  const void* vnew;
+  long long kn_sb, kn_sh;
+  const void* cos;
+  const void* sin;
+  const void* q_norm;
+  const void* k_norm;
+  float norm_eps;
+};
 bool decode_attention_supported(int head_dim, int heads, int kv_heads);  // head_dim 64 / 96 / 128, group <= 16
-int decode_attention_splits(int batch, int kv_heads, int max_seq, int head_dim);  // for the current device
+int decode_attention_splits(int batch, int kv_heads, int max_seq, int head_dim, bool rope = false);  // this device
 // Its rule: pairs = batch x kv_heads, slots = the GPU's resident blocks of the kernel (host only).
 int decode_attention_split_rule(long long pairs, long long slots, int max_seq);
-Status decode_attention(ActType act, const DecodeAttnParams& p, cudaStream_t stream);
+// rope: nullptr for plain decode attention.
+Status decode_attention(ActType act, const DecodeAttnParams& p, const DecodeAttnRope* rope, cudaStream_t stream);
 // K / V tiles a block holds: 2 (the default), 3 or 4 (stages - 1 in flight while one is summed; more stages,
 // fewer blocks an SM).  Returns false, changing nothing, for another count.  Process-wide, for the A/B.
 bool set_decode_attention_stages(int stages);

@@ -389,11 +389,22 @@ std::tuple<at::Tensor, at::Tensor> add_rms_gather_cuda(const at::Tensor& x, cons
 }
 
 // The engine's per-op decode attention (csrc/decode_attention.cu): q [B, H, D] against the cache slots
-// pad[b] .. slot of k_cache / v_cache [B, Hkv, S, D].  The rules are qgemv/ops.py's check_decode_attention,
-// with its messages.
-at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                 const at::Tensor& slot, const at::Tensor& pad, double scale, int64_t splits) {
-  const char* op = "decode_attention";
+// pad[b] .. slot of k_cache / v_cache [B, Hkv, S, D].  The rules are qgemv/ops.py's check_decode_attention
+// (check_rope_decode_attention for the rope form), with its messages.  rope: the token's raw key and value
+// [B, Hkv, D], the rotary tables, the optional per-head norms (rope_decode_attention), else nullptr.
+struct RopeInputs {
+  const at::Tensor& k;
+  const at::Tensor& v;
+  const at::Tensor& cos;
+  const at::Tensor& sin;
+  const c10::optional<at::Tensor>& q_norm;
+  const c10::optional<at::Tensor>& k_norm;
+  double eps;
+};
+
+at::Tensor decode_attention_any(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
+                                const at::Tensor& v_cache, const at::Tensor& slot, const at::Tensor& pad, double scale,
+                                int64_t splits, const RopeInputs* rope) {
   QG_CHECK(q.is_cuda(), op, "q must be a CUDA tensor, got ", q.device());
   QG_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, op,
            "q must be float16 or bfloat16, got ", q.scalar_type());
@@ -432,12 +443,52 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
     QG_CHECK(reinterpret_cast<uintptr_t>(c->data_ptr()) % 16 == 0, op, name,
              " must start on a 16-byte boundary (pass a contiguous cache)");
   }
+  DecodeAttnRope ro{};
+  if (rope != nullptr) {
+    for (const at::Tensor* t : {&rope->k, &rope->v}) {
+      const char* name = t == &rope->k ? "k" : "v";
+      QG_CHECK(t->dim() == 3 && t->size(0) == B && t->size(1) == Hkv && t->size(2) == D, op, name, " must be [", B,
+               ", ", Hkv, ", ", D, "] (the token's ", name, " heads), got ", t->sizes());
+      QG_CHECK(t->scalar_type() == q.scalar_type(), op, name, " must have q's dtype ", q.scalar_type(), ", got ",
+               t->scalar_type());
+      check_same_device(q, *t, name, op);
+      QG_CHECK(t->stride(2) == 1, op, name, "'s head_dim must be contiguous (stride 1), got strides ", t->strides());
+    }
+    QG_CHECK(rope->v.strides() == rope->k.strides(), op, "v must have k's strides ", rope->k.strides(), ", got ",
+             rope->v.strides());
+    for (const at::Tensor* t : {&rope->cos, &rope->sin}) {
+      const char* name = t == &rope->cos ? "cos" : "sin";
+      QG_CHECK(t->dim() == 2 && t->size(0) >= S && t->size(1) == D, op, name, " must be [>= ", S, ", ", D,
+               "] (a row a cache slot's position), got ", t->sizes());
+      QG_CHECK(t->scalar_type() == q.scalar_type(), op, name, " must have q's dtype ", q.scalar_type(), ", got ",
+               t->scalar_type());
+      QG_CHECK(t->is_contiguous(), op, name, " must be contiguous");
+      check_same_device(q, *t, name, op);
+    }
+    QG_CHECK(rope->q_norm.has_value() == rope->k_norm.has_value(), op, "q_norm and k_norm must be given together");
+    if (rope->q_norm.has_value()) {
+      for (const at::Tensor* t : {&*rope->q_norm, &*rope->k_norm}) {
+        const char* name = t == &*rope->q_norm ? "q_norm" : "k_norm";
+        QG_CHECK(t->dim() == 1 && t->size(0) == D && t->scalar_type() == q.scalar_type() && t->is_contiguous(), op,
+                 name, " must be a contiguous [", D, "] tensor of q's dtype ", q.scalar_type(), ", got ",
+                 t->scalar_type(), " ", t->sizes());
+        check_same_device(q, *t, name, op);
+      }
+    }
+    QG_CHECK(std::isfinite(rope->eps) && rope->eps >= 0, op, "eps must be a finite number >= 0, got ", rope->eps);
+    ro.knew = rope->k.data_ptr(), ro.vnew = rope->v.data_ptr();
+    ro.kn_sb = rope->k.stride(0), ro.kn_sh = rope->k.stride(1);
+    ro.cos = rope->cos.data_ptr(), ro.sin = rope->sin.data_ptr();
+    ro.q_norm = rope->q_norm.has_value() ? rope->q_norm->data_ptr() : nullptr;
+    ro.k_norm = rope->k_norm.has_value() ? rope->k_norm->data_ptr() : nullptr;
+    ro.norm_eps = static_cast<float>(rope->eps);
+  }
   const c10::cuda::CUDAGuard guard(q.device());
   const at::Tensor pad2 = pad.contiguous();
   at::Tensor out = at::empty({B, H, D}, q.options());
   const int n = splits > 0 ? static_cast<int>(splits)
                            : decode_attention_splits(static_cast<int>(B), static_cast<int>(Hkv), static_cast<int>(S),
-                                                   static_cast<int>(D));
+                                                     static_cast<int>(D), rope != nullptr);
   at::Tensor part_o, part_ml;
   if (n > 1) {
     part_o = at::empty({B, H, n, D}, q.options().dtype(at::kFloat));
@@ -455,9 +506,25 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
   p.head_dim = static_cast<int>(D), p.max_seq = static_cast<int>(S), p.splits = n;
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   check_status(decode_attention(q.scalar_type() == at::kHalf ? ActType::kHalf : ActType::kBFloat16, p,
-                                c10::cuda::getCurrentCUDAStream()),
+                                rope != nullptr ? &ro : nullptr, c10::cuda::getCurrentCUDAStream()),
                op);
   return out;
+}
+
+at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 const at::Tensor& slot, const at::Tensor& pad, double scale, int64_t splits) {
+  return decode_attention_any("decode_attention", q, k_cache, v_cache, slot, pad, scale, splits, nullptr);
+}
+
+// rope_decode_attention: the token's q / k norms and rotation and its cache write, then decode_attention
+// (one kernel where the engine ran two).  k_cache and v_cache are written in place.
+at::Tensor rope_decode_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                                      at::Tensor& v_cache, const at::Tensor& slot, const at::Tensor& pad,
+                                      const at::Tensor& cos, const at::Tensor& sin,
+                                      const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+                                      double eps, double scale, int64_t splits) {
+  const RopeInputs rope{k, v, cos, sin, q_norm, k_norm, eps};
+  return decode_attention_any("rope_decode_attention", q, k_cache, v_cache, slot, pad, scale, splits, &rope);
 }
 
 // The op schemas live in qgemv/ops.py; this number changes with them, and
@@ -466,7 +533,7 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
 // schema mismatch there, e.g. a stale build after an upgrade, aborts the
 // process; registered from a call, it is an exception the loader turns into
 // "rebuild the extension" and the reference backend.)
-constexpr int kOpsVersion = 5;
+constexpr int kOpsVersion = 6;
 
 void register_cuda_kernels() {
   static std::unique_ptr<torch::Library> lib;
@@ -479,6 +546,7 @@ void register_cuda_kernels() {
   l->impl("sgemv", &sgemv_cuda);
   l->impl("add_rms_gather", &add_rms_gather_cuda);
   l->impl("decode_attention", &decode_attention_cuda);
+  l->impl("rope_decode_attention", &rope_decode_attention_cuda);
   lib = std::move(l);
 }
 

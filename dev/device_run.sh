@@ -256,10 +256,11 @@ launch__registers_per_thread,launch__grid_size,launch__block_size \
       VARIANTS="new=csrc: rt4=/tmp/lab_rt4: wide0=/tmp/lab_wide0:" OUT="$OUT" timeout 400 bash dev/lab_ab.sh --ms 9,16 \
         --shapes 12288x4096,4096x4096,22016x4096,4096x11008,6144x4096,28672x4096,4096x14336 2>&1 | tail -150 ;;
     t16)
-      # batch 16 in the engine with 9-16 tokens through the tiled GEMM's 16-token blocks (variant int4g128a_t16)
-      # and with decode_attention's 3 K / V tiles a block (int4g128a_da3) against today's step, two rounds
+      # batch 16 in the engine with 9-16 tokens through the tiled GEMM's 16-token blocks (variant int4g128a_t16),
+      # with decode_attention's 3 K / V tiles a block (int4g128a_da3) and with the rotation and cache write inside
+      # the attention kernel (int4g128a_rope) against today's step, two rounds
       timeout "${GEN_LIMIT:-300}" python3 -m qgemv.eval.bench_generate --models "${GEN_MODELS:-llama2-7b}" --batches 16 \
-        --no-hf --no-breakdown --variants "${T16_VARIANTS:-int4g128a,int4g128a_t16,int4g128a_da3,int4g128a,int4g128a_t16,int4g128a_da3}" \
+        --no-hf --no-breakdown --variants "${T16_VARIANTS:-int4g128a,int4g128a_t16,int4g128a_da3,int4g128a_rope,int4g128a,int4g128a_t16,int4g128a_da3,int4g128a_rope}" \
         --out "$OUT/generate_t16" 2>&1 | grep -v -i warn | grep "b=16" ;;
     da)
       # decode_attention's stage counts: one layer's call with 2 (today), 3 and 4 K / V tiles a block at the

@@ -72,13 +72,15 @@ VARIANTS = {"fp16": None, "bf16": None, "int8": (8, None, True), "int4": (4, Non
             "int8_mk": (8, None, True), "fp16_mk": None,
             "bf16_mk": None, "int4g128a_bf16": (4, 128, False), "int4g128a_bf16_mk": (4, 128, False),
             "int4g128a_sdpa": (4, 128, False), "int4g128a_t16": (4, 128, False), "int4g128a_da3": (4, 128, False),
-            "int4g128a_da4": (4, 128, False)}
+            "int4g128a_da4": (4, 128, False), "int4g128a_rope": (4, 128, False)}
 # int4g128a_sdpa: the per-op decode step's attention through SDPA over the whole cache (engine.decode_attention
 # off), the path before qgemv.ops.decode_attention
 # int4g128a_t16: 9-16 tokens through the tiled GEMM's 16-token blocks instead of the GEMV (testing.set_gemv_tiled,
 # the batch-16 A/B of dev/m16_probe.py in the engine)
 # int4g128a_da3 / _da4: decode_attention with 3 / 4 K-V tiles a block instead of 2
 # (testing.set_decode_attention_stages; dev/decode_attn_probe.py --stages times one layer's call)
+# int4g128a_rope: each layer's q / k norms, rotation and cache write inside its attention kernel
+# (Engine.rope_attention, qgemv.ops.rope_decode_attention) instead of the glue's kernel before decode_attention
 # *_mk: the same weights with Engine(megakernel=True): each batch-1 decode step as one persistent launch
 # (qgemv.persist, issue 35); other batches run per-op
 # int4g128a_act: int4 g128a with act-order input permutations as an imported GPTQ checkpoint has them after
@@ -221,6 +223,8 @@ def _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdow
     engine = Engine(model, max_seq_len=prompt + gen + 8, megakernel=variant.endswith("_mk"))
     if variant.endswith("_sdpa"):
         engine.decode_attention = False
+    if variant.endswith("_rope"):
+        engine.rope_attention = True
     if variant == "int4g128a_act_sep":  # the projections gather their own inputs
         for L in engine.layers:
             L.qkv.perm = L.gate_up.perm = None

@@ -418,6 +418,7 @@ class Engine:
         self.compile_glue = bool(compile_glue) and self.device.type == "cuda"
         self._glue = _compiled_glue() if self.compile_glue else EAGER_GLUE
         self._decode_attention = not decode_attention_refusal(self)
+        self._rope_attention = False
         if megakernel not in (None, True, False):
             raise TypeError(f"megakernel: expected None, True or False, got {megakernel!r}")
         self._megakernel_asked = megakernel is True
@@ -452,6 +453,29 @@ class Engine:
         if why:
             raise ValueError(f"decode_attention cannot run here: {why}")
         self._decode_attention = on
+
+    @property
+    def rope_attention(self) -> bool:
+        """Whether the per-op decode step runs each layer's q / k norms, RoPE and cache write inside its attention
+        kernel (qgemv.ops.rope_decode_attention: one kernel a layer where the glue and decode_attention are two).
+        Off by default until the device A/B measures it (dev/PERSISTENT.md); settable where decode_attention
+        runs and every q / k norm has the activations' dtype.  A batch size's CUDA graph keeps the form it was
+        captured with."""
+        return self._rope_attention
+
+    @rope_attention.setter
+    def rope_attention(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise TypeError(f"rope_attention: expected True or False, got {on!r}")
+        if on:
+            why = decode_attention_refusal(self) or ("decode_attention is off" if not self._decode_attention else "")
+            odd = [i for i, L in enumerate(self.layers) if L.q_norm is not None and
+                   (L.q_norm.dtype != self.dtype or L.k_norm.dtype != self.dtype)]
+            if odd and not why:
+                why = f"layer {odd[0]}'s q / k norm weights are not {self.dtype}"
+            if why:
+                raise ValueError(f"rope_attention cannot run here: {why}")
+        self._rope_attention = on
 
     # ---------------------------------------------------------------- model
     def _kv(self, batch: int):
@@ -575,14 +599,19 @@ class Engine:
         for i, L in enumerate(self.layers):
             x, h = self._norm(g, x, delta, L.in_norm, L.qkv.perm)
             q, k, v = L.qkv(h, gathered=True)
-            q = g["attention_in"](q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D), cos, sin,
-                                  k_cache[i], v_cache[i], slots, L.q_norm, L.k_norm, self.eps)
-            if decode_attn:  # the visible slots only (its inputs: decode_attention_refusal)
-                a = ops.decode_attention(q[:, :, 0], k_cache[i], v_cache[i], slots, pad, self.scale,
-                                         checked=True).view(B, T, H * D)
+            if decode_attn and self._rope_attention:  # norms, rotation, cache write and attention: one kernel
+                a = ops.rope_decode_attention(q.view(B, H, D), k.view(B, Hkv, D), v.view(B, Hkv, D), k_cache[i],
+                                              v_cache[i], slots, pad, self.cos, self.sin, L.q_norm, L.k_norm,
+                                              self.eps, self.scale, checked=True).view(B, T, H * D)
             else:
-                a = Fn.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=mask, scale=self.scale,
-                                                    enable_gqa=H != Hkv).transpose(1, 2).reshape(B, T, H * D)
+                q = g["attention_in"](q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D), cos, sin,
+                                      k_cache[i], v_cache[i], slots, L.q_norm, L.k_norm, self.eps)
+                if decode_attn:  # the visible slots only (its inputs: decode_attention_refusal)
+                    a = ops.decode_attention(q[:, :, 0], k_cache[i], v_cache[i], slots, pad, self.scale,
+                                             checked=True).view(B, T, H * D)
+                else:
+                    a = Fn.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=mask, scale=self.scale,
+                                                        enable_gqa=H != Hkv).transpose(1, 2).reshape(B, T, H * D)
             x, h = self._norm(g, x, L.o_proj(a), L.post_norm, L.gate_up.perm)
             gate, up = L.gate_up(h, gathered=True)
             delta = L.down_proj(g["swiglu"](gate, up))

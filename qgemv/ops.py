@@ -13,6 +13,10 @@ Every op lives in the ``qgemv`` torch.library namespace:
 * ``qgemv::decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slot, Tensor pad, float scale,
   int splits=0) -> Tensor``: the engine's per-op decode attention, one query
   token a sequence against its visible cache slots ``pad[b] .. slot`` only.
+* ``qgemv::rope_decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache,
+  Tensor slot, Tensor pad, Tensor cos, Tensor sin, Tensor? q_norm, Tensor? k_norm, float eps, float scale,
+  int splits=0) -> Tensor``: the token's q / k norms (Qwen3), its rotation
+  and its cache write, then decode_attention, in one kernel.
 
 ``in_features`` is the K the weight was packed for.  The packed rows are
 padded (to 16 k for int8, 32 k for int4), so the packed width alone cannot
@@ -46,7 +50,7 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 #: Version of the schemas below; csrc/torch_bindings.cpp's kOpsVersion must equal it
 #: for the compiled kernels to be registered (qgemv/_ext.py).
-OPS_VERSION = 5
+OPS_VERSION = 6
 
 torch.library.define(
     "qgemv::linear_int8", "(Tensor x, Tensor qweight, Tensor scales, int in_features, Tensor? perm=None) -> Tensor")
@@ -62,6 +66,10 @@ torch.library.define("qgemv::add_rms_gather",
                      "(Tensor x, Tensor delta, Tensor weight, Tensor perm, float eps) -> (Tensor, Tensor)")
 torch.library.define("qgemv::decode_attention",
                      "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slot, Tensor pad, float scale, "
+                     "int splits=0) -> Tensor")
+torch.library.define("qgemv::rope_decode_attention",
+                     "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot, Tensor pad, "
+                     "Tensor cos, Tensor sin, Tensor? q_norm, Tensor? k_norm, float eps, float scale, "
                      "int splits=0) -> Tensor")
 
 #: Widest row qgemv::add_rms_gather takes (csrc/qgemv.h, kNormMaxWidth: the row sits in shared memory).
@@ -206,8 +214,7 @@ def check_add_rms_gather(x, delta, weight, perm, eps) -> None:
             _fail(op, f"{name} must be on the same device as x ({x.device}), got {t.device}")
 
 
-def check_decode_attention(q, k_cache, v_cache, slot, pad, scale, splits=0) -> None:
-    op = "decode_attention"
+def check_decode_attention(q, k_cache, v_cache, slot, pad, scale, splits=0, op="decode_attention") -> None:
     if q.dtype not in FLOAT_DTYPES:
         _fail(op, f"q must be float16 or bfloat16 (float32 on the CPU), got {q.dtype}")
     if q.dim() != 3:
@@ -241,6 +248,35 @@ def check_decode_attention(q, k_cache, v_cache, slot, pad, scale, splits=0) -> N
         _fail(op, f"splits must be 0 (chosen) or 1..{DECODE_ATTN_MAX_SPLITS}, got {splits!r}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("slot", slot), ("pad", pad)):
         if t.device != q.device:
+            _fail(op, f"{name} must be on the same device as q ({q.device}), got {t.device}")
+
+
+def check_rope_decode_attention(q, k, v, k_cache, v_cache, slot, pad, cos, sin, q_norm, k_norm, eps, scale,
+                                splits=0) -> None:
+    op = "rope_decode_attention"
+    check_decode_attention(q, k_cache, v_cache, slot, pad, scale, splits, op=op)
+    B, _, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != 3 or tuple(t.shape) != (B, Hkv, D):
+            _fail(op, f"{name} must be [{B}, {Hkv}, {D}] (the token's {name} heads), got {list(t.shape)}")
+        if t.dtype != q.dtype:
+            _fail(op, f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dim() != 2 or t.shape[0] < S or t.shape[1] != D:
+            _fail(op, f"{name} must be [>= {S}, {D}] (a row a cache slot's position), got {list(t.shape)}")
+        if t.dtype != q.dtype:
+            _fail(op, f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+    if (q_norm is None) != (k_norm is None):
+        _fail(op, "q_norm and k_norm must be given together")
+    for name, t in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if t is not None and (t.dim() != 1 or t.shape[0] != D or t.dtype != q.dtype):
+            _fail(op, f"{name} must be a contiguous [{D}] tensor of q's dtype {q.dtype}, got {t.dtype} "
+                      f"{list(t.shape)}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
+        _fail(op, f"eps must be a finite number >= 0, got {eps!r}")
+    for name, t in (("k", k), ("v", v), ("cos", cos), ("sin", sin), ("q_norm", q_norm), ("k_norm", k_norm)):
+        if t is not None and t.device != q.device:
             _fail(op, f"{name} must be on the same device as q ({q.device}), got {t.device}")
 
 
@@ -325,6 +361,34 @@ def ref_decode_attention(q, k_cache, v_cache, slot, pad, scale, splits=0):
     return torch.einsum("bhs,bhsd->bhd", scores.softmax(-1), v).to(q.dtype)
 
 
+def ref_rope_decode_attention(q, k, v, k_cache, v_cache, slot, pad, cos, sin, q_norm, k_norm, eps, scale,
+                              splits=0):
+    """Reference for qgemv::rope_decode_attention: the token's query / key heads normalized by q_norm / k_norm
+    when given (transformers' RMSNorm: fp32 statistics, rounded to the dtype, times the gain), rotated at
+    position max(slot - pad[b], 0) (x cos + rotate_half(x) sin in fp32, rounded once), its key and value
+    written into k_cache / v_cache at the slot (in place), then :func:`ref_decode_attention` with them."""
+    check_rope_decode_attention(q, k, v, k_cache, v_cache, slot, pad, cos, sin, q_norm, k_norm, eps, scale, splits)
+    S, D = k_cache.shape[2], q.shape[2]
+    s = slot.reshape(-1)[:1].clamp(0, S - 1)
+    pos = s - torch.minimum(pad.clamp(min=0), s)  # [B]
+
+    def norm(x, w):
+        if w is None:
+            return x
+        f = x.float()
+        return w * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    c, sn = cos[pos].float()[:, None], sin[pos].float()[:, None]  # [B, 1, D]
+
+    def rope(x):
+        f = x.float()
+        return (f * c + torch.cat((-f[..., D // 2:], f[..., :D // 2]), -1) * sn).to(x.dtype)
+
+    k_cache.index_copy_(2, s, rope(norm(k, k_norm))[:, :, None])
+    v_cache.index_copy_(2, s, v[:, :, None])
+    return ref_decode_attention(rope(norm(q, q_norm)), k_cache, v_cache, slot, pad, scale, splits)
+
+
 for _name, _ref in (
     ("linear_int8", ref_linear_int8),
     ("linear_int4", ref_linear_int4),
@@ -332,6 +396,7 @@ for _name, _ref in (
     ("sgemv", ref_sgemv),
     ("add_rms_gather", ref_add_rms_gather),
     ("decode_attention", ref_decode_attention),
+    ("rope_decode_attention", ref_rope_decode_attention),
 ):
     torch.library.impl(f"qgemv::{_name}", "cpu")(_ref)
 
@@ -375,6 +440,13 @@ def _fake_decode_attention(q, k_cache, v_cache, slot, pad, scale, splits=0):
     return q.new_empty(q.shape)
 
 
+@torch.library.register_fake("qgemv::rope_decode_attention")
+def _fake_rope_decode_attention(q, k, v, k_cache, v_cache, slot, pad, cos, sin, q_norm, k_norm, eps, scale,
+                                splits=0):
+    check_rope_decode_attention(q, k, v, k_cache, v_cache, slot, pad, cos, sin, q_norm, k_norm, eps, scale, splits)
+    return q.new_empty(q.shape)
+
+
 REFERENCES = {
     "linear_int8": ref_linear_int8,
     "linear_int4": ref_linear_int4,
@@ -382,6 +454,7 @@ REFERENCES = {
     "sgemv": ref_sgemv,
     "add_rms_gather": ref_add_rms_gather,
     "decode_attention": ref_decode_attention,
+    "rope_decode_attention": ref_rope_decode_attention,
 }
 
 
@@ -571,9 +644,8 @@ def add_rms_gather(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, p
     return torch.ops.qgemv.add_rms_gather(x, delta, weight, perm, eps)
 
 
-def _check_decode_attention_layout(q, k_cache, v_cache) -> None:
+def _check_decode_attention_layout(q, k_cache, v_cache, op="decode_attention") -> None:
     """The CUDA kernel's layout rules (its own checks, in Python first: see _precheck_cuda)."""
-    op = "decode_attention"
     if q.dtype not in (torch.float16, torch.bfloat16):
         _fail(op, f"q must be float16 or bfloat16, got {q.dtype}")
     if q.stride(2) != 1:
@@ -623,9 +695,49 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return torch.ops.qgemv.decode_attention(q, k_cache, v_cache, slot, pad, scale, splits)
 
 
+def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot: torch.Tensor, pad: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor, q_norm: Optional[torch.Tensor], k_norm: Optional[torch.Tensor],
+                          eps: float, scale: float, splits: int = 0, checked: bool = False) -> torch.Tensor:
+    """One decode step's attention from the token's projections: what the engine's glue and
+    :func:`decode_attention` did in two kernels, in one.
+
+    Args:
+        q: [batch, heads, head_dim], k / v: [batch, kv_heads, head_dim], the token's query, key and value
+            heads as the q/k/v projection wrote them (before any norm or rotation); float16 or bfloat16
+            (float32 on the CPU), head_dim contiguous (views of the fused projection's output are fine;
+            k and v with the same strides).
+        k_cache, v_cache: as :func:`decode_attention`; the token's rotated key and its value are written
+            at the slot, in place.
+        slot, pad, scale, splits, checked: as :func:`decode_attention`.
+        cos, sin: [>= max_seq, head_dim] in q's dtype, contiguous: row p is the rotation at position p;
+            sequence b's token sits at position max(slot - pad[b], 0).
+        q_norm, k_norm: [head_dim] in q's dtype, both or neither: each query / key head's RMSNorm gain
+            (Qwen3), applied before the rotation with epsilon ``eps``.
+    Returns:
+        [batch, heads, head_dim] in q's dtype.  The rotation is x cos + rotate_half(x) sin in fp32, rounded
+        once to the dtype (as the engine's compiled glue computes it); the norms as transformers'
+        RMSNorm.
+    """
+    if not checked and _precheck_cuda(q, k_cache, v_cache):
+        check_rope_decode_attention(q, k, v, k_cache, v_cache, slot, pad, cos, sin, q_norm, k_norm, eps, scale,
+                                    splits)
+        op = "rope_decode_attention"
+        _check_decode_attention_layout(q, k_cache, v_cache, op=op)
+        if k.stride(2) != 1 or v.stride() != k.stride():
+            _fail(op, f"k and v must have a contiguous head_dim and the same strides, got {list(k.stride())} and "
+                      f"{list(v.stride())}")
+        for name, t in (("cos", cos), ("sin", sin), ("q_norm", q_norm), ("k_norm", k_norm)):
+            if t is not None and not t.is_contiguous():
+                _fail(op, f"{name} must be contiguous")
+    return torch.ops.qgemv.rope_decode_attention(q, k, v, k_cache, v_cache, slot, pad, cos, sin, q_norm, k_norm,
+                                                 eps, scale, splits)
+
+
 __all__ = [
     "add_rms_gather",
     "decode_attention",
+    "rope_decode_attention",
     "check_linear",
     "linear",
     "op_for",
@@ -640,4 +752,5 @@ __all__ = [
     "ref_sgemv",
     "ref_add_rms_gather",
     "ref_decode_attention",
+    "ref_rope_decode_attention",
 ]

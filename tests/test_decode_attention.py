@@ -206,3 +206,138 @@ def test_cuda_wrapper_refuses_what_the_kernel_cannot_read():
         ops.decode_attention(q, k.transpose(2, 3).contiguous().transpose(2, 3), k, slot, pad, 0.1)  # bad_input_cuda)
     with pytest.raises(ValueError, match="must be on the same device as q"):
         ops.decode_attention(q, k, k, slot.cpu(), pad, 0.125)
+
+
+# ---- rope_decode_attention: the token's norms, rotation and cache write, then decode attention, one kernel
+def rope_inputs(B, H, Hkv, S, D, dtype, device, seed, norms=False):
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.randn(B, (H + 2 * Hkv) * D, generator=g)  # the fused q/k/v projection's output
+    pos = torch.arange(S)[:, None] / 10000 ** (torch.arange(D // 2) / (D // 2))
+    cos = torch.cat((pos.cos(), pos.cos()), -1)
+    sin = torch.cat((pos.sin(), pos.sin()), -1)
+    qn = 1 + 0.1 * torch.randn(D, generator=g) if norms else None
+    kn = 1 + 0.1 * torch.randn(D, generator=g) if norms else None
+    to = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
+    wide = to(wide)
+    q = wide[:, :H * D].view(B, H, D)
+    k = wide[:, H * D:(H + Hkv) * D].view(B, Hkv, D)
+    v = wide[:, (H + Hkv) * D:].view(B, Hkv, D)
+    return q, k, v, to(cos), to(sin), to(qn), to(kn)
+
+
+@pytest.mark.parametrize("norms", [False, True])
+def test_rope_reference_is_the_engines_glue_then_decode_attention(norms):
+    """In float32 on the CPU the op's reference is exactly what the engine's per-op step computed in two
+    calls: glue_attention_in (q / k norms, RoPE, the cache write) and decode_attention."""
+    from qgemv.engine import glue_attention_in
+    B, H, Hkv, S, D = 3, 8, 2, 24, 64
+    q, k, v, cos, sin, qn, kn = rope_inputs(B, H, Hkv, S, D, torch.float32, "cpu", seed=5, norms=norms)
+    kc, vc = (torch.randn(B, Hkv, S, D, generator=torch.Generator().manual_seed(i)) for i in (1, 2))
+    slot, pad = torch.tensor([17]), torch.tensor([0, 4, 17])
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = ops.rope_decode_attention(q, k, v, kc, vc, slot, pad, cos, sin, qn, kn, 1e-6, D ** -0.5)
+    pos = (slot - pad).clamp(min=0)
+    qr = glue_attention_in(q[:, None], k[:, None], v[:, None], cos[pos][:, None, None], sin[pos][:, None, None],
+                           kc2, vc2, slot, qn, kn, 1e-6)
+    want = ops.decode_attention(qr[:, :, 0], kc2, vc2, slot, pad, D ** -0.5)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert torch.equal(got, want)
+
+
+def test_rope_bad_arguments_are_named():
+    B, H, Hkv, S, D = 2, 4, 2, 10, 64
+    q, k, v, cos, sin, _, _ = rope_inputs(B, H, Hkv, S, D, torch.float32, "cpu", seed=1)
+    kc, vc = torch.zeros(B, Hkv, S, D), torch.zeros(B, Hkv, S, D)
+    base = dict(q=q, k=k, v=v, k_cache=kc, v_cache=vc, slot=torch.tensor([3]), pad=torch.zeros(B, dtype=torch.long),
+                cos=cos, sin=sin, q_norm=None, k_norm=None, eps=1e-6, scale=0.125)
+    for change, match in [
+        (dict(k=torch.zeros(B, Hkv + 1, D)), r"k must be \[2, 2, 64\]"),
+        (dict(v=torch.zeros(B, Hkv, D, dtype=torch.float16)), "v must have q's dtype"),
+        (dict(cos=cos[:S - 1]), r"cos must be \[>= 10, 64\]"),
+        (dict(q_norm=torch.ones(D)), "q_norm and k_norm must be given together"),
+        (dict(q_norm=torch.ones(D + 1), k_norm=torch.ones(D)), r"q_norm must be a contiguous \[64\]"),
+        (dict(eps=-1.0), "eps must be a finite number >= 0"),
+        (dict(k_cache=torch.zeros(B, Hkv, S, 32)), r"k_cache must be \[2, kv_heads, max_seq, 64\]"),
+    ]:
+        args = dict(base, **change)
+        with pytest.raises(ValueError, match="rope_decode_attention: " + match):
+            ops.rope_decode_attention(**args)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_rope_opcheck(device):
+    """torch.library.opcheck on the mutating op: its schema's (a!) / (b!) caches, the fake and the kernel."""
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    B, H, Hkv, S, D = 2, 8, 2, 40, 64
+    q, k, v, cos, sin, qn, kn = rope_inputs(B, H, Hkv, S, D, dtype, device, seed=3, norms=True)
+    kc, vc = (torch.randn(B, Hkv, S, D, device=device, dtype=dtype) for _ in range(2))
+    slot, pad = torch.tensor([30], device=device), torch.tensor([0, 7], device=device)
+    for splits in (0, 2):
+        torch.library.opcheck(torch.ops.qgemv.rope_decode_attention.default,
+                              (q, k, v, kc, vc, slot, pad, cos, sin, qn, kn, 1e-6, 0.125, splits))
+
+
+@requires_cuda
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("splits", [0, 1, 3])
+@pytest.mark.parametrize("norms", [False, True])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[f"B{c[0]}H{c[1]}kv{c[2]}S{c[3]}D{c[4]}" for c in CONFIGS])
+def test_rope_cuda_kernel_matches_the_reference(cfg, norms, splits, dtype):
+    """The fused kernel against the reference on fresh random inputs: the output, and the caches' rows at the
+    slot (the rotated key, the value) with every other row untouched; invisible slots hold NaN."""
+    B, H, Hkv, S, D = cfg
+    g = torch.Generator().manual_seed(sum(cfg) + splits + norms)
+    for trial in range(3):
+        slot = [0, S - 1, int(torch.randint(0, S, (1,), generator=g))][trial]
+        pad = torch.randint(0, slot + 1, (B,), generator=g)
+        pad[0] = 0
+        _, kc, vc = caches(B, H, Hkv, S, D, dtype, "cuda", seed=trial + 7 * S, poison=True, slot=slot, pad=pad)
+        q, k, v, cos, sin, qn, kn = rope_inputs(B, H, Hkv, S, D, dtype, "cuda", seed=trial + S, norms=norms)
+        slot_t, pad_t = torch.tensor([slot], device="cuda"), pad.cuda()
+        kc_ref, vc_ref = kc.cpu().clone(), vc.cpu().clone()
+        got = ops.rope_decode_attention(q, k, v, kc, vc, slot_t, pad_t, cos, sin, qn, kn, 1e-6, D ** -0.5, splits)
+        want = ops.ref_rope_decode_attention(
+            q.cpu(), k.cpu(), v.cpu(), kc_ref, vc_ref, slot_t.cpu(), pad, cos.cpu(), sin.cpu(),
+            None if qn is None else qn.cpu(), None if kn is None else kn.cpu(), 1e-6, D ** -0.5).float()
+        assert got.shape == (B, H, D) and got.dtype == dtype
+        tol = 4e-3 if dtype == torch.float16 else 3e-2  # (test_cuda_kernel_matches_the_reference's bound)
+        err = (got.float().cpu() - want).abs().max().item()
+        assert err < tol, f"slot {slot}, pad {pad.tolist()}: max error {err:.2e}"
+        # the caches: the value row as it was given, the key row within one rounding of the reference's, the
+        # rest (NaN-poisoned rows included) untouched
+        assert torch.equal(vc.cpu()[:, :, slot], vc_ref[:, :, slot])
+        step = 2 ** -10 if dtype == torch.float16 else 2 ** -7
+        kdiff = (kc.cpu()[:, :, slot].float() - kc_ref[:, :, slot].float()).abs()
+        assert (kdiff <= step * kc_ref[:, :, slot].float().abs().clamp(min=1)).all(), kdiff.max()
+        rest = torch.ones(S, dtype=torch.bool)
+        rest[slot] = False
+        assert torch.equal(kc.cpu()[:, :, rest].isnan(), kc_ref[:, :, rest].isnan())
+        assert torch.equal(torch.nan_to_num(kc.cpu()[:, :, rest]), torch.nan_to_num(kc_ref[:, :, rest]))
+
+
+@requires_cuda
+@needs_kernel
+def test_rope_cuda_kernel_equals_its_two_kernel_form_with_each_stage_count():
+    """Without q / k norms the fused kernel's output equals, bit for bit and at every stage count,
+    decode_attention's on the query rotated by torch on the GPU (x cos + rotate_half(x) sin: two rounded fp32
+    products, their rounded sum, rounded to fp16, as the kernel computes it) and on the caches the fused kernel
+    wrote: the fusion changes where q, k and v come from, not the sums."""
+    B, H, Hkv, S, D = 16, 32, 8, 300, 128
+    t = qgemv._ext.MODULE.testing
+    q, k, v, cos, sin, _, _ = rope_inputs(B, H, Hkv, S, D, torch.float16, "cuda", seed=11)
+    slot, pad = torch.tensor([250], device="cuda"), torch.randint(0, 200, (B,)).cuda()
+    pos = (slot - pad).clamp(min=0)
+    c, sn, f = cos[pos].float()[:, None], sin[pos].float()[:, None], q.float()
+    q_rot = (f * c + torch.cat((-f[..., D // 2:], f[..., :D // 2]), -1) * sn).half()
+    try:
+        for stages in (2, 3, 4):
+            t.set_decode_attention_stages(stages)
+            _, kc, vc = caches(B, H, Hkv, S, D, torch.float16, "cuda", seed=stages)
+            for splits in (1, 3):
+                got = ops.rope_decode_attention(q, k, v, kc, vc, slot, pad, cos, sin, None, None, 1e-6,
+                                                D ** -0.5, splits)
+                two = ops.decode_attention(q_rot, kc, vc, slot, pad, D ** -0.5, splits)
+                assert torch.equal(got, two), f"stages {stages}, splits {splits}"
+    finally:
+        t.set_decode_attention_stages(2)

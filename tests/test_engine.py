@@ -330,6 +330,45 @@ def test_decode_attention_gives_the_sdpa_steps_logits(heads, kv_heads, hidden, d
     assert len(fast._graphs) == 1
 
 
+def test_rope_attention_is_off_by_default_and_refused_where_decode_attention_cannot_run():
+    engine = Engine(tiny("llama"), max_seq_len=32)  # CPU
+    assert engine.rope_attention is False
+    with pytest.raises(ValueError, match="rope_attention cannot run here: the model is on cpu"):
+        engine.rope_attention = True
+    with pytest.raises(TypeError, match="expected True or False"):
+        engine.rope_attention = "yes"
+    engine.rope_attention = False
+
+
+@requires_cuda
+@pytest.mark.parametrize("family,heads,kv_heads", [("llama", 4, 2), ("llama", 8, 8), ("qwen3-qk-norm", 4, 2),
+                                                   ("qwen2-bias", 4, 1)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rope_attention_gives_the_two_kernel_steps_logits(family, heads, kv_heads, dtype):
+    """The per-op decode step with each layer's norms, rotation and cache write inside its attention kernel
+    (Engine.rope_attention) against the glue + decode_attention step: prompts of three lengths (left padding),
+    teacher-forced for 24 steps, graphs and compiled glue on; batch 1 too (per-op: megakernel off)."""
+    model = tiny(family, seed=6, hidden_size=64 * heads, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                 intermediate_size=512, vocab_size=512, initializer_range=0.02,
+                 **(dict(head_dim=64) if family == "qwen3-qk-norm" else {}))  # (decode_attention's head sizes)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    qgemv.quantize_model(model, bits=4, group_size=64, symmetric=False)
+    model = model.to(device="cuda", dtype=dtype)
+    g = torch.Generator().manual_seed(heads)
+    two = Engine(model, max_seq_len=96, megakernel=False)
+    if not two.decode_attention:
+        pytest.skip("decode_attention's kernel does not run here (extension or compute capability)")
+    one = Engine(model, max_seq_len=96, megakernel=False)
+    one.rope_attention = True
+    for lengths in ((13, 5, 30), (9,)):
+        prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
+        want = two.generate(prompts, max_new_tokens=24).tokens
+        ref, got = forced_logits(two, prompts, want), forced_logits(one, prompts, want)
+        err = (got.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
+        assert err < (1e-2 if dtype == torch.float16 else 4e-2), f"{lengths}: relative logit error {err:.2e}"
+
+
 def test_bench_generate_runs_its_engine_rows_on_cpu(tmp_path):
     """The generation benchmark's pieces on the CPU with its tiny shapes: rows and the three outputs."""
     from qgemv.eval import bench_generate as bg
