@@ -309,7 +309,9 @@ def test_rope_cuda_kernel_matches_the_reference(cfg, norms, splits, dtype):
         assert torch.equal(vc.cpu()[:, :, slot], vc_ref[:, :, slot])
         step = 2 ** -10 if dtype == torch.float16 else 2 ** -7
         kdiff = (kc.cpu()[:, :, slot].float() - kc_ref[:, :, slot].float()).abs()
-        assert (kdiff <= step * kc_ref[:, :, slot].float().abs().clamp(min=1)).all(), kdiff.max()
+        # (a few roundings apart: with the norms, rsqrtf against torch's rsqrt can move the normalized value, its
+        # product with the gain and the rotation each by one step)
+        assert (kdiff <= 4 * step * kc_ref[:, :, slot].float().abs().clamp(min=1)).all(), kdiff.max()
         rest = torch.ones(S, dtype=torch.bool)
         rest[slot] = False
         assert torch.equal(kc.cpu()[:, :, rest].isnan(), kc_ref[:, :, rest].isnan())
