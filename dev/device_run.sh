@@ -252,8 +252,8 @@ launch__registers_per_thread,launch__grid_size,launch__block_size \
     m16lab)
       # lab A/B of the GEMV at 16 tokens on Llama-2-7B / Llama-3-8B decode shapes (dev/make_lab.py): today's
       # csrc/, four row tiles a warp (rt4), two row tiles on every N (wide0); the lab checks every result
-      python3 dev/make_lab.py rt4 /tmp/lab_rt4 && python3 dev/make_lab.py wide0 /tmp/lab_wide0 || exit 1
-      VARIANTS="new=csrc: rt4=/tmp/lab_rt4: wide0=/tmp/lab_wide0:" OUT="$OUT" timeout 400 bash dev/lab_ab.sh --ms 9,16 \
+      python3 dev/make_lab.py rt4 /tmp/mk_rt4 && python3 dev/make_lab.py wide0 /tmp/mk_wide0 || exit 1  # (lab_ab.sh builds /tmp/lab_NAME)
+      VARIANTS="new=csrc: rt4=/tmp/mk_rt4: wide0=/tmp/mk_wide0:" OUT="$OUT" timeout 400 bash dev/lab_ab.sh --ms 9,16 \
         --shapes 12288x4096,4096x4096,22016x4096,4096x11008,6144x4096,28672x4096,4096x14336 2>&1 | tail -150 ;;
     t16)
       # batch 16 in the engine with 9-16 tokens through the tiled GEMM's 16-token blocks (variant int4g128a_t16),

@@ -1083,8 +1083,8 @@ bool parse(char* text, const char* flag, std::vector<int>& out) {
   for (char* tok = std::strtok(text, ","); tok; tok = std::strtok(nullptr, ",")) {
     char* end;
     const long v = std::strtol(tok, &end, 10);
-    if (*end || v < 0 || v > 65535) {
-      std::fprintf(stderr, "%s: expected small non-negative integers, got %s\n", flag, tok);
+    if (*end || v < 0 || v > (1L << 24)) {  // (--skip's slices: 64 + (n << 16))
+      std::fprintf(stderr, "%s: expected non-negative integers up to 2^24, got %s\n", flag, tok);
       return false;
     }
     out.push_back(static_cast<int>(v));
