@@ -45,9 +45,6 @@
 // != 0) is run once after the loop with its activations zero-filled past K
 // and its weight words read directly (the stored edge tile is shorter).
 #include <algorithm>
-#include <atomic>
-
-#include <cooperative_groups.h>
 
 #include "instances.h"
 #include "qgemv_common.cuh"
@@ -74,8 +71,7 @@ struct GemmTile {
   static constexpr int kWSlot = kGemmRT * 64;  // uint4 per warp: kGemmRT x (r0, r1) x 32 lanes
   static constexpr int kWBytes = kGemmWarps * kWSlot * 16;
   static constexpr int kStageBytes = kXBytes + kWBytes;
-  static constexpr int kStages = kNT == 2 ? tuning::kGemm16Stages : kGemmStages;
-  static constexpr int kSmemBytes = kStages * kStageBytes;
+  static constexpr int kSmemBytes = kGemmStages * kStageBytes;
 };
 
 // Activation copy (16 bytes, L2 only, default eviction: every row block of
@@ -120,64 +116,29 @@ struct GemmWarp {
   __device__ __forceinline__ void tile(const unsigned char* xs, int tile_idx, const uint4 (&w0)[kGemmRT],
                                        const uint4 (&w1)[kGemmRT], int c) {
     if constexpr (kBits == 4) {
-      // 16-token blocks keep the group's scales and zero points of this lane's
-      // rows from the sub-tile that starts the group (every sub-tile at G =
-      // 32, every other at 64, once a tile at 128: sub-tile j starts a group
-      // when 32 j is a multiple of G): at 16 tokens a sub-tile is only 4 MMAs
-      // a row tile, and each reload is a scattered L1 read a row.  The prefill
-      // instances load them every sub-tile, as measured in the prefill sweep.
-      __half ksc0[kGemmRT], ksc1[kGemmRT];
-      uint32_t kzp0[kGemmRT], kzp1[kGemmRT];
-#pragma unroll
-      for (int rt = 0; rt < kGemmRT; ++rt) {
-        ksc0[rt] = ksc1[rt] = __float2half(1.f);
-        kzp0[rt] = kzp1[rt] = magic_zero_pair<T>(8);
-      }
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         if (kEdge && j >= c) break;
         uint32_t s0[kGemmRT][4], s1[kGemmRT][4];  // MMA A fragments of steps 0 and 1
-        if constexpr (kNT == 2) {
-          if (kGrouped && (j == 0 || ((32 * j) & ((1 << gshift) - 1)) == 0)) {
+#pragma unroll
+        for (int rt = 0; rt < kGemmRT; ++rt) {
+          const uint32_t u0 = word_of(w0[rt], j), u1 = word_of(w1[rt], j);
+          uint32_t z0 = 8, z1 = 8;
+          __half sc0 = __float2half(1.f), sc1 = sc0;
+          if constexpr (kGrouped) {
             const int ng = p.K >> gshift;
             const int gi = (tile_idx * Tile::kTileK + 32 * j) >> gshift;
             const __half* sc = static_cast<const __half*>(p.scales);
-#pragma unroll
-            for (int rt = 0; rt < kGemmRT; ++rt) {
-              ksc0[rt] = sc[rows0[rt] * ng + gi];
-              ksc1[rt] = sc[rows1[rt] * ng + gi];
-              if (p.zeros != nullptr) {
-                kzp0[rt] = magic_zero_pair<T>(p.zeros[rows0[rt] * ng + gi]);
-                kzp1[rt] = magic_zero_pair<T>(p.zeros[rows1[rt] * ng + gi]);
-              }
+            sc0 = sc[rows0[rt] * ng + gi];
+            sc1 = sc[rows1[rt] * ng + gi];
+            if (p.zeros != nullptr) {
+              z0 = p.zeros[rows0[rt] * ng + gi];
+              z1 = p.zeros[rows1[rt] * ng + gi];
             }
           }
-#pragma unroll
-          for (int rt = 0; rt < kGemmRT; ++rt)
-            int4_fragments<T, kGrouped>(word_of(w0[rt], j), word_of(w1[rt], j), kzp0[rt],
-                                        magic_zero_pair_16<T>(kzp0[rt]), kzp1[rt], magic_zero_pair_16<T>(kzp1[rt]),
-                                        s0[rt], s1[rt], ksc0[rt], ksc1[rt]);
-        } else {
-#pragma unroll
-          for (int rt = 0; rt < kGemmRT; ++rt) {
-            const uint32_t u0 = word_of(w0[rt], j), u1 = word_of(w1[rt], j);
-            uint32_t z0 = 8, z1 = 8;
-            __half sc0 = __float2half(1.f), sc1 = sc0;
-            if constexpr (kGrouped) {
-              const int ng = p.K >> gshift;
-              const int gi = (tile_idx * Tile::kTileK + 32 * j) >> gshift;
-              const __half* sc = static_cast<const __half*>(p.scales);
-              sc0 = sc[rows0[rt] * ng + gi];
-              sc1 = sc[rows1[rt] * ng + gi];
-              if (p.zeros != nullptr) {
-                z0 = p.zeros[rows0[rt] * ng + gi];
-                z1 = p.zeros[rows1[rt] * ng + gi];
-              }
-            }
-            const uint32_t zp0 = magic_zero_pair<T>(z0), zp1 = magic_zero_pair<T>(z1);
-            int4_fragments<T, kGrouped>(u0, u1, zp0, magic_zero_pair_16<T>(zp0), zp1, magic_zero_pair_16<T>(zp1),
-                                        s0[rt], s1[rt], sc0, sc1);
-          }
+          const uint32_t zp0 = magic_zero_pair<T>(z0), zp1 = magic_zero_pair<T>(z1);
+          int4_fragments<T, kGrouped>(u0, u1, zp0, magic_zero_pair_16<T>(zp0), zp1, magic_zero_pair_16<T>(zp1),
+                                      s0[rt], s1[rt], sc0, sc1);
         }
 #pragma unroll
         for (int n = 0; n < kNT; ++n) {
@@ -216,13 +177,9 @@ struct GemmWarp {
 // partial[z][M][N] (reduced in a fixed order by reduce_splits_kernel, so the
 // result does not depend on scheduling).  The edge tile belongs to the last
 // split.
-//
-// cluster: launched as clusters of the gridDim.z splits of a row block
-// (compute capability 9.0, 16-token instances): the splits meet in
-// distributed shared memory instead (cluster_finish).
 template <typename T, int kBits, bool kGrouped, int kNT>
 __global__ void __launch_bounds__(kGemmWarps * 32, tuning::kGemmMinBlocks)
-    gemm_mma_kernel(const GemvParams p, float* __restrict__ partial, int tiles_per_split, int cluster) {
+    gemm_mma_kernel(const GemvParams p, float* __restrict__ partial, int tiles_per_split) {
   using Tile = GemmTile<kBits, kNT>;
   constexpr int kTileK = Tile::kTileK;
   constexpr int kTokens = Tile::kTokens;
@@ -269,7 +226,7 @@ __global__ void __launch_bounds__(kGemmWarps * 32, tuning::kGemmMinBlocks)
   };
   auto issue = [&](int tile) {
     if (tile < tile1) {
-      unsigned char* st = smem + (tile % Tile::kStages) * Tile::kStageBytes;
+      unsigned char* st = smem + (tile % kGemmStages) * Tile::kStageBytes;
 #pragma unroll
       for (int i = 0; i < kTokens * kChunks / (kGemmWarps * 32); ++i)
         copy_x(st, tile * kTileK, i * kGemmWarps * 32 + threadIdx.x);
@@ -285,12 +242,12 @@ __global__ void __launch_bounds__(kGemmWarps * 32, tuning::kGemmMinBlocks)
 
   GemmWarp<T, kBits, kGrouped, kNT> s(p, lane, prow0, prows);
 #pragma unroll
-  for (int i = 0; i < Tile::kStages - 1; ++i) issue(tile0 + i);
+  for (int i = 0; i < kGemmStages - 1; ++i) issue(tile0 + i);
   for (int tile = tile0; tile < tile1; ++tile) {
-    cp_async_wait<Tile::kStages - 2>();
+    cp_async_wait<kGemmStages - 2>();
     __syncthreads();  // tile's activations visible; slot (tile - 1) free for the copy below
-    issue(tile + Tile::kStages - 1);
-    const unsigned char* st = smem + (tile % Tile::kStages) * Tile::kStageBytes;
+    issue(tile + kGemmStages - 1);
+    const unsigned char* st = smem + (tile % kGemmStages) * Tile::kStageBytes;
     const uint4* ws = reinterpret_cast<const uint4*>(st + Tile::kXBytes) + warp * Tile::kWSlot + lane;
     uint4 w0[kGemmRT], w1[kGemmRT];
 #pragma unroll
@@ -326,62 +283,17 @@ __global__ void __launch_bounds__(kGemmWarps * 32, tuning::kGemmMinBlocks)
   }
   cp_async_wait<0>();
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if constexpr (kNT == 2) {
-    if (cluster) {
-      // Every split of this row block stores its sums as red[q][thread] (q = the
-      // fragment value (rt, n, i)) in its own shared memory; split r then adds
-      // the values q = r, r + S, ... of every split in split order, each scaled
-      // first as the workspace's partials are, and stores them.
-      namespace cg = cooperative_groups;
-      constexpr int kQ = kGemmRT * kNT * 4;
-      constexpr int kThreads = kGemmWarps * 32;
-      static_assert(kQ * kThreads * 4 <= Tile::kSmemBytes, "the partial sums fit the ring");
-      __syncthreads();  // every warp is done with the ring
-      float* red = reinterpret_cast<float*>(smem);
-#pragma unroll
-      for (int rt = 0; rt < kGemmRT; ++rt)
-#pragma unroll
-        for (int n = 0; n < kNT; ++n)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) red[((rt * kNT + n) * 4 + i) * kThreads + threadIdx.x] = s.acc[rt][n][i];
-      cg::cluster_group cl = cg::this_cluster();
-      cl.sync();
-      const int splits = gridDim.z;
-      const __half* scales = static_cast<const __half*>(p.scales);
-      T* y = static_cast<T*>(p.y);
-      for (int q = blockIdx.z; q < kQ; q += splits) {
-        const int rt = q / (kNT * 4), n = (q / 4) % kNT, i = q % 4;
-        const int r = g + 8 * (i >> 1), tok = m0 + n * 8 + 2 * t + (i & 1);
-        if (!live[rt] || r >= prows[rt] || tok >= p.M) continue;
-        const int row = prow0[rt] + r;
-        const float sc = kGrouped ? 1.f : __half2float(scales[row]);
-        float v = 0.f;
-        // (rounded product, then the sum: no fused multiply-add, as the workspace stores each product)
-        for (int z = 0; z < splits; ++z)
-          v = __fadd_rn(v, __fmul_rn(cl.map_shared_rank(red, z)[q * kThreads + threadIdx.x], sc));
-        ActTraits<T>::store(y + static_cast<size_t>(tok) * p.ldy + row, v);
-      }
-      cl.sync();  // this block's sums stay until every split has read them
-      return;
-    }
-  }
-#endif
   float* part = partial ? partial + static_cast<size_t>(blockIdx.z) * p.M * p.N : nullptr;
   store_fragments<T, kGrouped, kGemmRT, kNT>(p, part, m0, g, t, prow0, prows, live,
                                             [&](int rt, int n, int i) { return s.acc[rt][n][i]; });
 }
 
-// Tokens per block: 16 for at most 16 tokens; else 32 when that pads M less
-// than 64 does (M <= 32, 65..96, ...), else 64 (fewer weight reads).  The
-// MMA work grows with the padded M.
+// Tokens per block: 32 when that pads M less than 64 does (M <= 32, 65..96,
+// ...), else 64 (fewer weight reads).  The MMA work grows with the padded M.
 inline int gemm_tokens(int M) {
-  if (M <= 16) return 16;
   const int pad32 = (M + 31) / 32 * 32, pad64 = (M + 63) / 64 * 64;
   return pad32 < pad64 ? 32 : 64;
 }
-
-std::atomic<bool> gemm16_cluster_on{true};
 
 // Resident blocks per SM of one instance, asked once per instance and device
 // (the shared-memory attribute is set first: the occupancy query honours it).
@@ -419,24 +331,7 @@ Status launch_gemm(const GemvParams& p, float* workspace, int splits, cudaStream
   int per = 0;
   splits = split_tiles(p.K / GemmTile<kBits, kNT>::kTileK, splits, workspace != nullptr, &per);
   const dim3 grid((p.M + kNT * 8 - 1) / (kNT * 8), row_blocks, splits);
-  if (kNT == 2 && splits > 1 && splits <= 8 && gemm16_cluster() && sm90_code(kernel)) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(kGemmWarps * 32);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 1;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = splits;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    if (cudaLaunchKernelEx(&cfg, kernel, p, static_cast<float*>(nullptr), per, 1) != cudaSuccess)
-      return Status::kLaunchFailed;
-    return cudaGetLastError() == cudaSuccess ? Status::kOk : Status::kLaunchFailed;
-  }
-  kernel<<<grid, kGemmWarps * 32, smem, stream>>>(p, splits > 1 ? workspace : nullptr, per, 0);
+  kernel<<<grid, kGemmWarps * 32, smem, stream>>>(p, splits > 1 ? workspace : nullptr, per);
   if (cudaGetLastError() != cudaSuccess) return Status::kLaunchFailed;
   return splits > 1 ? reduce_splits(p, workspace, splits, stream) : Status::kOk;
 }
@@ -456,7 +351,7 @@ Status run_instance(const GemvParams& p, float* workspace, int splits, int* spli
 // -> a row of QGEMV_GEMM_INSTANCES (instances.h).
 Status run_gemm(const GemvParams& p, int bits, float* workspace, int splits, int* splits_out, cudaStream_t stream) {
   const bool grouped = p.group_size != 0;
-  const int nt = gemm_tokens(p.M) / 8;
+  const int nt = gemm_tokens(p.M) == 64 ? 8 : 4;
 #define QGEMV_ROW(B, GR, NT)                                                                             \
   if (bits == B && grouped == GR && nt == NT) {                                                          \
     if (p.act == ActType::kHalf) return run_instance<__half, B, GR, NT>(p, workspace, splits, splits_out, stream); \
@@ -470,9 +365,6 @@ Status run_gemm(const GemvParams& p, int bits, float* workspace, int splits, int
 }
 
 }  // namespace
-
-void set_gemm16_cluster(bool on) { gemm16_cluster_on.store(on); }
-bool gemm16_cluster() { return gemm16_cluster_on.load(); }
 
 Status check_int4_gemm(const GemvParams& p) {
   if (p.M < 1 || p.Kp % 32 != 0 || p.K % 8 != 0 || p.K > p.Kp) return Status::kBadShape;

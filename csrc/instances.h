@@ -42,13 +42,9 @@
 // Tiled tensor-core GEMM, any M (gemm_mma.cu; used for 17..tuning::
 // kTiledMaxTokens tokens where the wgmma GEMM does not run):
 //   bits, grouped (group size and zero points are runtime values there),
-//   n-tiles per block (2: 16 tokens, 4: 32, 8: 64; gemm_tokens() picks the
-//   one that pads M least; 16 only for at most 16 tokens, which reach this
-//   GEMM only through testing.set_gemv_tiled: an A/B against the GEMV).
+//   n-tiles per block (4: 32 tokens, 8: 64 tokens; gemm_tokens() picks the
+//   one that pads M least).
 #define QGEMV_GEMM_INSTANCES(X) \
-  X(8, false, 2)                \
-  X(4, false, 2)                \
-  X(4, true, 2)                 \
   X(8, false, 4)                \
   X(8, false, 8)                \
   X(4, false, 4)                \

@@ -103,17 +103,9 @@ Status gemv_int8(const GemvParams& p, cudaStream_t stream);
 // K is split: gemm_splits(p, bits) says into how many parts, and the caller
 // passes that count with a float workspace of splits x M x N elements
 // (workspace nullptr or splits 1: no split).
-// At most 16 tokens (16-token blocks) on compute capability 9.0, the K
-// splits of one row block form a thread-block cluster and add their partial
-// sums through distributed shared memory, in split order (the same sums as
-// the workspace's reduction), instead of a second kernel; the workspace is
-// then left untouched.  set_gemm16_cluster(false) turns that off (tests and
-// the batch-16 A/B compare the two).
 int gemm_splits(const GemvParams& p, int bits);
 Status gemm_int4(const GemvParams& p, float* workspace, int splits, cudaStream_t stream);
 Status gemm_int8(const GemvParams& p, float* workspace, int splits, cudaStream_t stream);
-void set_gemm16_cluster(bool on);
-bool gemm16_cluster();
 
 // Hopper GEMM for prefill (csrc/gemm_wgmma.cu): the tiled GEMM's weight
 // stream and register dequantization feeding wgmma (sm_90a; H100 / H200).

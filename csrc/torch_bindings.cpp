@@ -55,10 +55,6 @@ namespace {
 enum class Prefill : int { kChunks = 0, kTiled = 1, kDense = 2, kWgmma = 3 };
 std::atomic<int> forced_prefill_path{-1};  // -1: the measured rule
 
-// Tests and benchmarks send M in [gemv_tiled_min, kMaxGemvTokens] tokens through the tiled GEMM's
-// 16-token instances instead of the GEMV (0: never, the product's rule): an A/B of the two at batch 16.
-std::atomic<int> gemv_tiled_min{0};
-
 // Tests and benchmarks turn the GEMV's own gather off to compare it with gathering first.
 std::atomic<bool> gemv_gather_enabled{true};
 
@@ -176,17 +172,14 @@ at::Tensor run_linear(const at::Tensor& x, GemvParams p, int bits, GemvFn gemv, 
   p.act = act_type(x, op);
   p.perm = nullptr;
   if (M == 0) return y.reshape(out_shape(x, p.N));
-  const int tiled_min = gemv_tiled_min.load();
-  const Prefill path = M > kMaxGemvTokens                  ? prefill_path(p.N, p.K, M)
-                       : tiled_min > 0 && M >= tiled_min ? Prefill::kTiled
-                                                         : Prefill::kChunks;
   if (perm.has_value()) {
-    if (p.act != ActType::kFloat32 && path == Prefill::kChunks && gather_in_gemv(M, p.N, p.K))
+    if (p.act != ActType::kFloat32 && gather_in_gemv(M, p.N, p.K))
       p.perm = perm->data_ptr<int32_t>();
     else
       x2 = x2.index_select(1, *perm);  // contiguous, freshly allocated: 16-byte aligned rows
   }
 
+  const Prefill path = M <= kMaxGemvTokens ? Prefill::kChunks : prefill_path(p.N, p.K, M);
   GemvParams c = p;  // the whole batch, for the GEMMs
   c.M = static_cast<int>(M);
   c.x = x2.data_ptr();
@@ -755,20 +748,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         "Path the dispatch takes for mt tokens of an n x k weight on the current device: 0 chunks, 1 tiled, "
         "2 dense, 3 wgmma; -1 one GEMV launch.");
-  t.def("set_gemv_tiled", [](int v) {
-          if (v < 0 || v > qgemv::kMaxGemvTokens)
-            throw pybind11::value_error("qgemv.set_gemv_tiled: min_tokens must be 0 (off) or 1.." +
-                                        std::to_string(qgemv::kMaxGemvTokens) + ", got " + std::to_string(v));
-          qgemv::gemv_tiled_min.store(v);
-        },
-        "Run min_tokens..16 tokens through the tiled GEMM (16-token blocks) instead of the GEMV; 0 (the "
-        "default) restores the GEMV.", pybind11::arg("min_tokens"));
-  t.def("get_gemv_tiled", []() { return qgemv::gemv_tiled_min.load(); });
-  t.def("set_gemm16_cluster", &qgemv::set_gemm16_cluster,
-        "True (the default): on compute capability 9.0 the tiled GEMM's 16-token blocks add their K splits' "
-        "sums through a thread-block cluster's shared memory; False: through a workspace and a second kernel.",
-        pybind11::arg("on"));
-  t.def("gemm16_cluster", &qgemv::gemm16_cluster);
   t.def("set_gemv_gather", [](bool on) { qgemv::gemv_gather_enabled.store(on); },
         "False: an act-order perm is applied by gathering x first (one more kernel) instead of inside the "
         "GEMV; True (the default) restores the in-kernel gather.");

@@ -85,11 +85,6 @@ constexpr int kPersistMinWaves = 1;
 // 2 stages with 3 blocks per SM (median 1.03x slower).
 constexpr int kGemmStages = 3;
 constexpr int kGemmMinBlocks = 1;
-// The same for the 16-token instances (batch 16's A/B against the GEMV,
-// testing.set_gemv_tiled): a stage is 13 KB there, not 21-37, and a block
-// of 128 rows needs ~40 KB of weights in flight where only one block a SM
-// runs (o and down: 32 row blocks x 4 K splits).  Not yet measured.
-constexpr int kGemm16Stages = 6;
 
 // Split-K when a GEMM's grid is under one wave: at most kMaxSplits parts,
 // each of at least kMinTilesPerSplit K tiles.  These two were set with the

@@ -196,58 +196,6 @@ def test_tiled_gemm_odd_shapes(kind, dtype, name, k, n, m):
         _check_m(name, n, k, m, dtype)
 
 
-class _GemvTiled:
-    """1..16 tokens through the tiled GEMM's 16-token blocks instead of the GEMV (testing.set_gemv_tiled),
-    their K splits added in a cluster's shared memory or by a second kernel (testing.set_gemm16_cluster)."""
-
-    def __init__(self, cluster=True):
-        self.cluster = cluster
-
-    def __enter__(self):
-        from qgemv import _C
-
-        self.C = _C
-        _C.testing.set_gemv_tiled(1)
-        _C.testing.set_gemm16_cluster(self.cluster)
-
-    def __exit__(self, *exc):
-        self.C.testing.set_gemv_tiled(0)
-        self.C.testing.set_gemm16_cluster(True)
-
-
-@requires_cuda
-@pytest.mark.parametrize("m", [1, 16])
-@pytest.mark.parametrize("n", [7, 130, 4097])
-@pytest.mark.parametrize("name,k", _fitting(CFGS, ODD_K + [4096]), ids=lambda v: str(v))
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_tiled_gemm_16_token_blocks(dtype, name, k, n, m):
-    """The tiled GEMM's 16-token instances (reached only through testing.set_gemv_tiled, the batch-16 A/B
-    against the GEMV) on the odd shapes: a partial panel, a 2-row panel past a 128-row block, an edge tile;
-    group-wise scales round the weight first, as on the tiled GEMM's other instances.  K = 4096 and 5128 are
-    split (N = 7 and 130: a row block or two), so on an H100 / H200 their splits meet in a cluster."""
-    cfg = CFGS[name]
-    qw, s, z = _weights(name, n, k)
-    with _GemvTiled():
-        _check(cfg, torch.randn(m, k, device="cuda", dtype=dtype), qw, s, z, k,
-               dense=cfg.bits == 4 and cfg.group_size is not None)
-
-
-@requires_cuda
-@pytest.mark.parametrize("name", ["int8", "int4", "int4g128a"])
-def test_tiled_gemm_16_cluster_equals_workspace(name):
-    """The 16-token blocks' K splits added in a cluster's shared memory give the bits the workspace and its
-    second kernel give (both add the scaled partial sums in split order)."""
-    cfg = CFGS[name]
-    qw, s, z = _weights(name, 130, 4096)
-    x = torch.randn(16, 4096, device="cuda", dtype=torch.float16)
-    with _GemvTiled(cluster=True):
-        a = _call(cfg, x, qw, s, z)
-    with _GemvTiled(cluster=False):
-        b = _call(cfg, x, qw, s, z)
-    assert not torch.isnan(a).any()
-    assert torch.equal(a, b)
-
-
 @requires_cuda
 @pytest.mark.parametrize("shape", [0, 1])
 @pytest.mark.parametrize("name", ["int8", "int4", "int4g32a", "int4g128"])
@@ -340,10 +288,6 @@ def test_prefill_dispatch_rule():
     assert _C.testing.get_prefill_path() == -1
     with pytest.raises(ValueError, match="set_prefill_path"):
         _C.testing.set_prefill_path(4)
-    assert _C.testing.get_gemv_tiled() == 0
-    for bad in (-1, _C.testing.max_gemv_tokens + 1):
-        with pytest.raises(ValueError, match="set_gemv_tiled"):
-            _C.testing.set_gemv_tiled(bad)
 
 
 @requires_cuda
