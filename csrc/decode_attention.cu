@@ -35,11 +35,14 @@ constexpr int kDaThreads = 128;  // 4 warps
 constexpr int kDaWarpKeys = 16;  // keys a warp takes from each tile
 constexpr int kDaTileKeys = kDaWarpKeys * (kDaThreads / 32);
 // K / V tiles in flight: kStages - 1 a block while it sums one (2: 68 KB of shared memory at head_dim 128,
-// three blocks an SM on sm_90, one on sm_86; 3: 102 KB, two blocks; 4: 136 KB, one).  set_decode_attention_stages
-// picks the count (the A/B of 2026-12-06: at batch 16 the grid is 1.3 waves of 3-block SMs, and in the last wave
-// one block an SM holds only one tile, 32 KB, in flight).
-constexpr int kDaMinStages = 2, kDaMaxStages = 4;
-std::atomic<int> da_stages{2};
+// three blocks an SM on sm_90, one on sm_86; 3: 102 KB, two blocks; 4: 136 KB, one).  3 by default: H100,
+// torch 2.11, 2026-12-06, one layer (dev/decode_attn_probe.py --stages 3,4; GB/s of the visible K / V at the
+// chosen split count, 2 / 3 / 4 stages): Llama-2-7B batch 16 2576 / 2636 / 2576, Llama-3-8B batch 16
+// 1763 / 1871 / 2112, batch 1 894 / 910 / 1041, batch 4 at 2000 positions 1626 / 1697 / 1778; the engine,
+// Llama-2-7B batch 16: 5.067 / 5.069 -> 5.024 / 5.028 ms a step with 3.  set_decode_attention_stages changes it
+// (the A/B).
+constexpr int kDaMinStages = 2, kDaMaxStages = 4, kDaDefaultStages = 3;
+std::atomic<int> da_stages{kDaDefaultStages};
 
 template <int D, int kStages, bool kRope>
 struct DaLayout {
@@ -48,9 +51,9 @@ struct DaLayout {
   static constexpr int kTile = kDaTileKeys * kRow;
   static constexpr int kStage = 2 * kTile;  // K's tile, then V's
   // rope_decode_attention, after the stages: the group's rotated queries [16][D] and the token's rotated key
-  // and value [2][D] (the activation type), then each query / key row's RMSNorm factor [17]
+  // and value [2][D] (the activation type)
   static constexpr int kRopeAt = kStages * kStage;
-  static constexpr int kRopeBytes = kRope ? (16 + 2) * D * 2 + 32 * 4 : 0;
+  static constexpr int kRopeBytes = kRope ? (16 + 2) * D * 2 : 0;
   static constexpr int kMerge = (4 * 16 * D + 4 * 16 * 2) * 4;  // the warps' sums, maxima and denominators
   static constexpr int kSmem = kRopeAt + kRopeBytes > kMerge ? kRopeAt + kRopeBytes : kMerge;
 };
@@ -91,52 +94,78 @@ __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
 
 // rope_decode_attention's input (kRope): the token's query heads of this kv head's group and its key, each
 // normalized by q_norm / k_norm when given (transformers' RMSNorm: fp32 statistics, the normalized value
-// rounded to T, times the gain rounded to T), rotated at position pos (x cos + rotate_half(x) sin in fp32,
-// rounded once to T, as the engine's compiled glue computes it: within one rounding of the eager glue's fp16
-// steps), into qs [grp][D], kn [D] and vn [D] (the value as it is).  Every thread of the block; ends with a block barrier.
+// rounded to T, times the gain rounded to T), rotated at position pos (x cos + rotate_half(x) sin: two rounded
+// fp32 products and their rounded sum, rounded to T, as torch's elementwise ops compute it; the engine's
+// compiled glue within a rounding of it), into qs [grp][D], kn [D] and vn [D] (the value as it is).
+// A thread takes 8 dims of a row and their rotate_half partners (D / 2 apart) in 16-byte loads, all issued
+// before any is used: one round trip to L2 (a second, after the block's first K / V copies are already in
+// flight, where a block has more rows than threads take at once); a row's RMSNorm statistics are summed across
+// its kG lanes by shuffles.  Every thread of the block; ends with a block barrier.  16-byte aligned rows
+// (the wrapper's rule).
 template <typename T, int D>
 __device__ __forceinline__ void rope_input(const DecodeAttnParams& p, const DecodeAttnRope& ro, int b, int kvh,
-                                           int grp, int pos, T* qs, T* kn, T* vn, float* inv) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, h0 = kvh * grp;
-  const T* qrow = static_cast<const T*>(p.q) + b * p.q_sb + static_cast<long long>(h0) * p.q_sh;
-  const T* krow = static_cast<const T*>(ro.knew) + b * ro.kn_sb + static_cast<long long>(kvh) * ro.kn_sh;
-  const T* vrow = static_cast<const T*>(ro.vnew) + b * ro.kn_sb + static_cast<long long>(kvh) * ro.kn_sh;
-  auto row = [&](int r) { return r < grp ? qrow + static_cast<long long>(r) * p.q_sh : krow; };
+                                           int grp, int pos, T* qs, T* kn, T* vn) {
+  constexpr int kHalf = D / 2, kChunks = kHalf / 8;                 // 8-dim chunks of a half row: 4, 6 or 8
+  constexpr int kG = kChunks <= 4 ? 4 : 8;                          // lanes a row (a power of two)
+  const int h0 = kvh * grp, rows = grp + 2;                         // grp queries, the key, the value
   const bool norm = ro.q_norm != nullptr;
-  if (norm) {  // rows 0 .. grp - 1: the queries, grp: the key; a warp a row
-    for (int r = warp; r <= grp; r += kDaThreads / 32) {
-      const T* x = row(r);
-      float ss = 0.f;
-      for (int d = lane; d < D; d += 32) {
-        const float v = to_float(x[d]);
-        ss = fmaf(v, v, ss);
+  const T* q0 = static_cast<const T*>(p.q) + b * p.q_sb + static_cast<long long>(h0) * p.q_sh;
+  const T* kr = static_cast<const T*>(ro.knew) + b * ro.kn_sb + static_cast<long long>(kvh) * ro.kn_sh;
+  const T* vr = static_cast<const T*>(ro.vnew) + b * ro.kn_sb + static_cast<long long>(kvh) * ro.kn_sh;
+  const uint4* cs = reinterpret_cast<const uint4*>(static_cast<const T*>(ro.cos) + static_cast<long long>(pos) * D);
+  const uint4* sn = reinterpret_cast<const uint4*>(static_cast<const T*>(ro.sin) + static_cast<long long>(pos) * D);
+  for (int base = 0; base < rows * kG; base += kDaThreads) {  // (uniform trip count: every lane shuffles)
+    const int item = base + static_cast<int>(threadIdx.x), r = item / kG, c = item % kG;
+    const bool on = r < rows && c < kChunks;
+    const T* x = r < grp ? q0 + static_cast<long long>(r) * p.q_sh : r == grp ? kr : vr;
+    uint4 lo = {}, hi = {}, clo = {}, chi = {}, slo = {}, shi = {}, glo = {}, ghi = {};
+    if (on) {
+      lo = *reinterpret_cast<const uint4*>(x + 8 * c);
+      hi = *reinterpret_cast<const uint4*>(x + kHalf + 8 * c);
+      if (r <= grp) {
+        clo = cs[c], chi = cs[kChunks + c], slo = sn[c], shi = sn[kChunks + c];
+        if (norm) {
+          const uint4* w = reinterpret_cast<const uint4*>(static_cast<const T*>(r < grp ? ro.q_norm : ro.k_norm));
+          glo = w[c], ghi = w[kChunks + c];
+        }
       }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-      if (lane == 0) inv[r] = rsqrtf(ss / D + ro.norm_eps);
     }
-    __syncthreads();
-  }
-  const T* cs = static_cast<const T*>(ro.cos) + static_cast<long long>(pos) * D;
-  const T* sn = static_cast<const T*>(ro.sin) + static_cast<long long>(pos) * D;
-  for (int i = threadIdx.x; i < (grp + 2) * D; i += kDaThreads) {
-    const int r = i / D, d = i % D;
-    if (r == grp + 1) {  // the value: written as it is
-      vn[d] = vrow[d];
+    const T* xl = reinterpret_cast<const T*>(&lo);
+    const T* xh = reinterpret_cast<const T*>(&hi);
+    float inv = 0.f;
+    if (norm) {  // the row's sum of squares over its kG lanes
+      float ss = 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ss = fmaf(to_float(xl[e]), to_float(xl[e]), fmaf(to_float(xh[e]), to_float(xh[e]), ss));
+#pragma unroll
+      for (int o = kG / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      inv = rsqrtf(ss / D + ro.norm_eps);
+    }
+    if (!on) continue;
+    if (r == grp + 1) {  // the value: as it is
+      *reinterpret_cast<uint4*>(vn + 8 * c) = lo;
+      *reinterpret_cast<uint4*>(vn + kHalf + 8 * c) = hi;
       continue;
     }
-    const T* x = row(r);
-    const T* w = static_cast<const T*>(r < grp ? ro.q_norm : ro.k_norm);
-    const int e = d < D / 2 ? d + D / 2 : d - D / 2;  // rotate_half's partner
-    auto normed = [&](int j) {
-      if (!norm) return to_float(x[j]);
-      return to_float(from_float<T>(to_float(w[j]) * to_float(from_float<T>(to_float(x[j]) * inv[r]))));
+    const T *gl = reinterpret_cast<const T*>(&glo), *gh = reinterpret_cast<const T*>(&ghi);
+    const T *cl = reinterpret_cast<const T*>(&clo), *ch = reinterpret_cast<const T*>(&chi);
+    const T *sl = reinterpret_cast<const T*>(&slo), *sh = reinterpret_cast<const T*>(&shi);
+    auto normed = [&](T v, T g) {
+      if (!norm) return to_float(v);
+      return to_float(from_float<T>(to_float(g) * to_float(from_float<T>(to_float(v) * inv))));
     };
-    const float a = normed(d), rot = d < D / 2 ? -normed(e) : normed(e);
-    // (two rounded products and their rounded sum, no fused multiply-add: torch's elementwise ops on the GPU)
-    const T out = from_float<T>(__fadd_rn(__fmul_rn(a, to_float(cs[d])), __fmul_rn(rot, to_float(sn[d]))));
-    if (r < grp) qs[r * D + d] = out;
-    else kn[d] = out;
+    uint4 olo, ohi;
+    T* ol = reinterpret_cast<T*>(&olo);
+    T* oh = reinterpret_cast<T*>(&ohi);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float a = normed(xl[e], gl[e]), z = normed(xh[e], gh[e]);  // dims 8c + e and D / 2 + 8c + e
+      ol[e] = from_float<T>(__fadd_rn(__fmul_rn(a, to_float(cl[e])), __fmul_rn(-z, to_float(sl[e]))));
+      oh[e] = from_float<T>(__fadd_rn(__fmul_rn(z, to_float(ch[e])), __fmul_rn(a, to_float(sh[e]))));
+    }
+    T* out = r < grp ? qs + r * D : kn;
+    *reinterpret_cast<uint4*>(out + 8 * c) = olo;
+    *reinterpret_cast<uint4*>(out + kHalf + 8 * c) = ohi;
   }
   __syncthreads();
 }
@@ -192,8 +221,7 @@ __global__ void __launch_bounds__(kDaThreads) decode_attention_kernel(const Deco
       cp_async_commit();
     }
     if constexpr (kRope) {
-      rope_input<T, D>(p, ro, b, kvh, grp, static_cast<int>(slot - pad), qs, kn, vn,
-                       reinterpret_cast<float*>(vn + D));
+      rope_input<T, D>(p, ro, b, kvh, grp, static_cast<int>(slot - pad), qs, kn, vn);
       if (holds) {  // the token's key and value into the caches at its slot (for the steps after this one)
         T* kw = static_cast<T*>(p.k) + b * p.kv_sb + kvh * p.kv_sh + slot * D;
         T* vw = static_cast<T*>(p.v) + b * p.kv_sb + kvh * p.kv_sh + slot * D;

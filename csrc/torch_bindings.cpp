@@ -449,13 +449,21 @@ at::Tensor decode_attention_any(const char* op, const at::Tensor& q, const at::T
     }
     QG_CHECK(rope->v.strides() == rope->k.strides(), op, "v must have k's strides ", rope->k.strides(), ", got ",
              rope->v.strides());
+    // the kernel reads 8 dims at a time in 16-byte loads
+    for (const at::Tensor* t : {&q, &rope->k, &rope->v}) {
+      const char* name = t == &q ? "q" : t == &rope->k ? "k" : "v";
+      QG_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0 && t->stride(0) % 8 == 0 && t->stride(1) % 8 == 0,
+               op, name, " must start on a 16-byte boundary with batch / head strides that are multiples of 8, got "
+               "strides ", t->strides());
+    }
     for (const at::Tensor* t : {&rope->cos, &rope->sin}) {
       const char* name = t == &rope->cos ? "cos" : "sin";
       QG_CHECK(t->dim() == 2 && t->size(0) >= S && t->size(1) == D, op, name, " must be [>= ", S, ", ", D,
                "] (a row a cache slot's position), got ", t->sizes());
       QG_CHECK(t->scalar_type() == q.scalar_type(), op, name, " must have q's dtype ", q.scalar_type(), ", got ",
                t->scalar_type());
-      QG_CHECK(t->is_contiguous(), op, name, " must be contiguous");
+      QG_CHECK(t->is_contiguous() && reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, op, name,
+               " must be contiguous and start on a 16-byte boundary");
       check_same_device(q, *t, name, op);
     }
     QG_CHECK(rope->q_norm.has_value() == rope->k_norm.has_value(), op, "q_norm and k_norm must be given together");
@@ -465,6 +473,7 @@ at::Tensor decode_attention_any(const char* op, const at::Tensor& q, const at::T
         QG_CHECK(t->dim() == 1 && t->size(0) == D && t->scalar_type() == q.scalar_type() && t->is_contiguous(), op,
                  name, " must be a contiguous [", D, "] tensor of q's dtype ", q.scalar_type(), ", got ",
                  t->scalar_type(), " ", t->sizes());
+        QG_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, op, name, " must start on a 16-byte boundary");
         check_same_device(q, *t, name, op);
       }
     }
@@ -762,7 +771,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             throw pybind11::value_error("qgemv.set_decode_attention_stages: stages must be 2, 3 or 4, got " +
                                         std::to_string(v));
         },
-        "decode_attention's K / V tiles a block holds (2, the default; 3 or 4: more in flight, fewer blocks an "
+        "decode_attention's K / V tiles a block holds (2, 3 (the default) or 4: more in flight, fewer blocks an "
         "SM); the split count chosen for splits=0 follows the blocks an SM holds.", pybind11::arg("stages"));
   t.def("decode_attention_stages", &qgemv::decode_attention_stages);
   t.def("wgmma_shape_count", &qgemv::testing::wgmma_shape_count);

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|decomp|slices|b16|m16|m16lab|t16|da|stage2|attn|attnncu|attnstages|diag|bf16|gen|gen70|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|decomp|slices|b16|m16|e16|da|stage2|attn|attnncu|attnstages|diag|bf16|gen|gen70|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -249,19 +249,12 @@ launch__registers_per_thread,launch__grid_size,launch__block_size \
           python3 dev/profile_one.py --variant int4g128a --n ${nk%:*} --k ${nk#*:} --m 16 > "$OUT/ncu_m16_$nk.txt" 2>&1
         echo "== $nk"; grep -E "^\s+(gpu__|dram__|lts__|l1tex__|sm__|smsp__|launch__)" "$OUT/ncu_m16_$nk.txt"
       done ;;
-    m16lab)
-      # lab A/B of the GEMV at 16 tokens on Llama-2-7B / Llama-3-8B decode shapes (dev/make_lab.py): today's
-      # csrc/, four row tiles a warp (rt4), two row tiles on every N (wide0); the lab checks every result
-      python3 dev/make_lab.py rt4 /tmp/mk_rt4 && python3 dev/make_lab.py wide0 /tmp/mk_wide0 || exit 1  # (lab_ab.sh builds /tmp/lab_NAME)
-      VARIANTS="new=csrc: rt4=/tmp/mk_rt4: wide0=/tmp/mk_wide0:" OUT="$OUT" timeout 400 bash dev/lab_ab.sh --ms 9,16 \
-        --shapes 12288x4096,4096x4096,22016x4096,4096x11008,6144x4096,28672x4096,4096x14336 2>&1 | tail -150 ;;
-    t16)
-      # batch 16 in the engine with 9-16 tokens through the tiled GEMM's 16-token blocks (variant int4g128a_t16),
-      # with decode_attention's 3 K / V tiles a block (int4g128a_da3) and with the rotation and cache write inside
-      # the attention kernel (int4g128a_rope) against today's step, two rounds
-      timeout "${GEN_LIMIT:-300}" python3 -m qgemv.eval.bench_generate --models "${GEN_MODELS:-llama2-7b}" --batches 16 \
-        --no-hf --no-breakdown --variants "${T16_VARIANTS:-int4g128a,int4g128a_t16,int4g128a_da3,int4g128a_rope,int4g128a,int4g128a_t16,int4g128a_da3,int4g128a_rope}" \
-        --out "$OUT/generate_t16" 2>&1 | grep -v -i warn | grep "b=16" ;;
+    e16)
+      # batch 16 in the engine: decode_attention with 2 / 4 K / V tiles a block (int4g128a_da2 / _da4; 3 by
+      # default) and the glue's rotation and cache write before it (int4g128a_norope) against today's step, two rounds
+      timeout "${GEN_LIMIT:-300}" python3 -m qgemv.eval.bench_generate --models "${GEN_MODELS:-llama2-7b,llama3-8b}" --batches 16 \
+        --no-hf --no-breakdown --variants "${E16_VARIANTS:-int4g128a,int4g128a_da2,int4g128a_da4,int4g128a_norope,int4g128a,int4g128a_da2,int4g128a_da4,int4g128a_norope}" \
+        --out "$OUT/generate_e16" 2>&1 | grep -v -i warn | grep "b=16" ;;
     da)
       # decode_attention's stage counts: one layer's call with 2 (today), 3 and 4 K / V tiles a block at the
       # chosen and forced split counts, outputs compared bit for bit (dev/decode_attn_probe.py --stages)

@@ -4,10 +4,9 @@
 
 Batch 16's per-op step spends half its time in the GEMVs at 50% of the read ceiling (dev/PERSISTENT.md, "Batch 16
 today").  This prints, for each of the model's linears, µs a call and the share of the read ceiling measured in the
-same run (the weight's bytes only), at each M; --tiled adds the tiled GEMM (gemm_mma.cu) at 16 tokens through
-testing.set_gemv_tiled (its 16-token blocks stage x in shared memory once a block of 128 rows, where the GEMV's
-blocks of 16 or 32 rows each read all of x through L1), its K splits added in a cluster or ("ws") by a second
-kernel, and forced at 17 (32-token blocks).
+same run (the weight's bytes only), at each M; --tiled adds the tiled GEMM (gemm_mma.cu) forced at 17 tokens
+(32-token blocks).  (Its 16-token blocks, reached through a testing knob, ran 1.0-1.8x slower than the GEMV at 16
+tokens on the H100, 2026-12-06, and left the product: git show 79d7e7d:dev/m16_probe.py.)
 Each call's weight is one of enough copies to pass 4x the L2 (60 MB on the H200), one call on each in a CUDA
 graph (decode_attn_probe.timed), best of 5.
 """
@@ -42,7 +41,7 @@ def main(argv=None):
     ap.add_argument("--model", default="llama2-7b", choices=sorted(SHAPES))
     ap.add_argument("--variants", default="int4g128a,int4,int8")
     ap.add_argument("--ms", default="1,16")
-    ap.add_argument("--tiled", action="store_true")
+    ap.add_argument("--tiled", action="store_true", help="add the tiled GEMM's 32-token blocks at 17 tokens")
     a = ap.parse_args(argv)
     from qgemv import _C
 
@@ -61,22 +60,15 @@ def main(argv=None):
                                                        qw.clone(), s.clone(), None if z is None else z.clone())
                 fns.append(lin)
             cells = []
-            # (M, label, tiled, cluster): the GEMV; the tiled GEMM's 16-token blocks with their K splits added
-            # in a cluster or by a second kernel; its 32-token blocks at 17 tokens
-            runs = [(m, f"M={m}", False, True) for m in ms]
-            if a.tiled:
-                runs += [(16, "tiled16", True, True), (16, "tiled16 ws", True, False), (17, "tiled17", True, True)]
-            for m, tag, tiled, cluster in runs:
+            # (M, label): the GEMV at each M; with --tiled the tiled GEMM's 32-token blocks at 17 tokens
+            runs = [(m, f"M={m}") for m in ms] + ([(17, "tiled17")] if a.tiled else [])
+            for m, tag in runs:
                 x = torch.randn(m, k, device="cuda", dtype=torch.float16)
                 _C.testing.set_prefill_path(_C.testing.PREFILL_TILED if m > 16 else -1)
-                _C.testing.set_gemv_tiled(1 if tiled else 0)
-                _C.testing.set_gemm16_cluster(cluster)
                 try:
                     us = timed(rotating(fns, x), n=len(fns))
                 finally:
                     _C.testing.set_prefill_path(-1)
-                    _C.testing.set_gemv_tiled(0)
-                    _C.testing.set_gemm16_cluster(True)
                 cells.append(f"{tag} {us:7.1f} us ({100 * nbytes / us / 1e3 / ceil:4.1f}%)")
             print(f"{a.model} {var:10s} {name:8s} {n:6d}x{k:<6d} " + "  ".join(cells), flush=True)
             del fns, qw, s, z

@@ -71,16 +71,14 @@ VARIANTS = {"fp16": None, "bf16": None, "int8": (8, None, True), "int4": (4, Non
             "int4g128a_act_first": (4, 128, False), "int4_mk": (4, None, True), "int4g128a_mk": (4, 128, False),
             "int8_mk": (8, None, True), "fp16_mk": None,
             "bf16_mk": None, "int4g128a_bf16": (4, 128, False), "int4g128a_bf16_mk": (4, 128, False),
-            "int4g128a_sdpa": (4, 128, False), "int4g128a_t16": (4, 128, False), "int4g128a_da3": (4, 128, False),
-            "int4g128a_da4": (4, 128, False), "int4g128a_rope": (4, 128, False)}
+            "int4g128a_sdpa": (4, 128, False), "int4g128a_da2": (4, 128, False),
+            "int4g128a_da4": (4, 128, False), "int4g128a_norope": (4, 128, False)}
 # int4g128a_sdpa: the per-op decode step's attention through SDPA over the whole cache (engine.decode_attention
 # off), the path before qgemv.ops.decode_attention
-# int4g128a_t16: 9-16 tokens through the tiled GEMM's 16-token blocks instead of the GEMV (testing.set_gemv_tiled,
-# the batch-16 A/B of dev/m16_probe.py in the engine)
-# int4g128a_da3 / _da4: decode_attention with 3 / 4 K-V tiles a block instead of 2
+# int4g128a_da2 / _da4: decode_attention with 2 / 4 K-V tiles a block instead of 3
 # (testing.set_decode_attention_stages; dev/decode_attn_probe.py --stages times one layer's call)
-# int4g128a_rope: each layer's q / k norms, rotation and cache write inside its attention kernel
-# (Engine.rope_attention, qgemv.ops.rope_decode_attention) instead of the glue's kernel before decode_attention
+# int4g128a_norope: each layer's q / k norms, rotation and cache write in the glue's kernel before decode_attention
+# (Engine.rope_attention off), not inside the attention kernel (qgemv.ops.rope_decode_attention)
 # *_mk: the same weights with Engine(megakernel=True): each batch-1 decode step as one persistent launch
 # (qgemv.persist, issue 35); other batches run per-op
 # int4g128a_act: int4 g128a with act-order input permutations as an imported GPTQ checkpoint has them after
@@ -192,26 +190,24 @@ def kv_bytes_per_step(engine, batch: int, context: float) -> float:
 
 
 @contextlib.contextmanager
-def testing_knob(name: str, value: int, default: int):
-    """qgemv._C.testing's set_<name>(value) inside the with block, set_<name>(default) after it: set_gemv_tiled
-    (min_tokens..16 tokens through the tiled GEMM's 16-token blocks instead of the GEMV; default 0) and
-    set_decode_attention_stages (K / V tiles a decode_attention block; default 2)."""
+def testing_knob(name: str, value: int):
+    """qgemv._C.testing's set_<name>(value) inside the with block, the value <name>() had before after it (e.g.
+    set_decode_attention_stages: K / V tiles a decode_attention block)."""
     mod = qgemv._ext.MODULE
     if mod is None:
         raise SystemExit(f"needs the compiled extension: {qgemv._ext.REASON}")
-    setter = getattr(mod.testing, "set_" + name)
-    setter(value)
+    before = getattr(mod.testing, name)()
+    getattr(mod.testing, "set_" + name)(value)
     try:
         yield
     finally:
-        setter(default)
+        getattr(mod.testing, "set_" + name)(before)
 
 
 def run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown) -> list:
     """One engine's rows, a row a batch size; breakdown: the batch sizes whose step is also profiled."""
     ctx = (gemv_gather_off() if variant == "int4g128a_act_first"
-           else testing_knob("gemv_tiled", 9, 0) if variant.endswith("_t16")
-           else testing_knob("decode_attention_stages", int(variant[-1]), 2) if variant[:-1].endswith("_da")
+           else testing_knob("decode_attention_stages", int(variant[-1])) if variant[:-1].endswith("_da")
            else contextlib.nullcontext())
     with ctx:
         return _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown)
@@ -223,8 +219,8 @@ def _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdow
     engine = Engine(model, max_seq_len=prompt + gen + 8, megakernel=variant.endswith("_mk"))
     if variant.endswith("_sdpa"):
         engine.decode_attention = False
-    if variant.endswith("_rope"):
-        engine.rope_attention = True
+    if variant.endswith("_norope"):
+        engine.rope_attention = False
     if variant == "int4g128a_act_sep":  # the projections gather their own inputs
         for L in engine.layers:
             L.qkv.perm = L.gate_up.perm = None

@@ -705,8 +705,9 @@ def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
     Args:
         q: [batch, heads, head_dim], k / v: [batch, kv_heads, head_dim], the token's query, key and value
             heads as the q/k/v projection wrote them (before any norm or rotation); float16 or bfloat16
-            (float32 on the CPU), head_dim contiguous (views of the fused projection's output are fine;
-            k and v with the same strides).
+            (float32 on the CPU), head_dim contiguous, each starting on a 16-byte boundary with batch and
+            head strides that are multiples of 8 (views of the fused projection's output are fine; k and v
+            with the same strides).
         k_cache, v_cache: as :func:`decode_attention`; the token's rotated key and its value are written
             at the slot, in place.
         slot, pad, scale, splits, checked: as :func:`decode_attention`.
@@ -727,9 +728,13 @@ def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
         if k.stride(2) != 1 or v.stride() != k.stride():
             _fail(op, f"k and v must have a contiguous head_dim and the same strides, got {list(k.stride())} and "
                       f"{list(v.stride())}")
+        for name, t in (("q", q), ("k", k), ("v", v)):  # (16-byte loads of 8 dims)
+            if t.data_ptr() % 16 or t.stride(0) % 8 or t.stride(1) % 8:
+                _fail(op, f"{name} must start on a 16-byte boundary with batch / head strides that are multiples "
+                          f"of 8, got strides {list(t.stride())}")
         for name, t in (("cos", cos), ("sin", sin), ("q_norm", q_norm), ("k_norm", k_norm)):
-            if t is not None and not t.is_contiguous():
-                _fail(op, f"{name} must be contiguous")
+            if t is not None and (not t.is_contiguous() or t.data_ptr() % 16):
+                _fail(op, f"{name} must be contiguous and start on a 16-byte boundary")
     return torch.ops.qgemv.rope_decode_attention(q, k, v, k_cache, v_cache, slot, pad, cos, sin, q_norm, k_norm,
                                                  eps, scale, splits)
 

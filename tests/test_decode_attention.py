@@ -158,7 +158,7 @@ def test_cuda_kernel_gives_the_same_bits_with_every_stage_count(cfg):
     want = ops.ref_decode_attention(q.cpu(), k.cpu(), v.cpu(), slot_t.cpu(), pad, D ** -0.5).float()
     with pytest.raises(ValueError, match="stages must be 2, 3 or 4, got 5"):
         t.set_decode_attention_stages(5)
-    assert t.decode_attention_stages() == 2
+    assert t.decode_attention_stages() == 3  # (the default)
     try:
         for splits in (1, 3):
             outs = {}
@@ -168,11 +168,11 @@ def test_cuda_kernel_gives_the_same_bits_with_every_stage_count(cfg):
             for stages in (3, 4):
                 assert torch.equal(outs[stages], outs[2]), f"splits {splits}, stages {stages}"
             assert (outs[2].float().cpu() - want).abs().max().item() < 4e-3
-        t.set_decode_attention_stages(3)
+        t.set_decode_attention_stages(4)
         chosen = ops.decode_attention(q, k, v, slot_t, pad_t, D ** -0.5)
         assert torch.isfinite(chosen).all() and (chosen.float().cpu() - want).abs().max().item() < 4e-3
     finally:
-        t.set_decode_attention_stages(2)
+        t.set_decode_attention_stages(3)
 
 
 @requires_cuda
@@ -206,6 +206,14 @@ def test_cuda_wrapper_refuses_what_the_kernel_cannot_read():
         ops.decode_attention(q, k.transpose(2, 3).contiguous().transpose(2, 3), k, slot, pad, 0.1)  # bad_input_cuda)
     with pytest.raises(ValueError, match="must be on the same device as q"):
         ops.decode_attention(q, k, k, slot.cpu(), pad, 0.125)
+    # rope_decode_attention reads 8 dims at a time in 16-byte loads
+    qr, kr, vr, cos, sin, _, _ = rope_inputs(2, 4, 2, 10, 64, torch.float16, "cuda", seed=2)
+    odd = torch.zeros(2 * 4 * 64 + 1, device="cuda", dtype=torch.float16)[1:].view(2, 4, 64)
+    with pytest.raises(ValueError, match="q must start on a 16-byte boundary"):
+        ops.rope_decode_attention(odd, kr, vr, k, k.clone(), slot, pad, cos, sin, None, None, 1e-6, 0.125)
+    with pytest.raises(ValueError, match="cos must be contiguous and start on a 16-byte boundary"):
+        ops.rope_decode_attention(qr, kr, vr, k, k.clone(), slot, pad, cos.t().contiguous().t(), sin, None, None,
+                                  1e-6, 0.125)
 
 
 # ---- rope_decode_attention: the token's norms, rotation and cache write, then decode attention, one kernel
@@ -342,4 +350,4 @@ def test_rope_cuda_kernel_equals_its_two_kernel_form_with_each_stage_count():
                 two = ops.decode_attention(q_rot, kc, vc, slot, pad, D ** -0.5, splits)
                 assert torch.equal(got, two), f"stages {stages}, splits {splits}"
     finally:
-        t.set_decode_attention_stages(2)
+        t.set_decode_attention_stages(3)

@@ -330,7 +330,7 @@ def test_decode_attention_gives_the_sdpa_steps_logits(heads, kv_heads, hidden, d
     assert len(fast._graphs) == 1
 
 
-def test_rope_attention_is_off_by_default_and_refused_where_decode_attention_cannot_run():
+def test_rope_attention_is_off_and_refused_where_decode_attention_cannot_run():
     engine = Engine(tiny("llama"), max_seq_len=32)  # CPU
     assert engine.rope_attention is False
     with pytest.raises(ValueError, match="rope_attention cannot run here: the model is on cpu"):
@@ -356,11 +356,12 @@ def test_rope_attention_gives_the_two_kernel_steps_logits(family, heads, kv_head
     qgemv.quantize_model(model, bits=4, group_size=64, symmetric=False)
     model = model.to(device="cuda", dtype=dtype)
     g = torch.Generator().manual_seed(heads)
-    two = Engine(model, max_seq_len=96, megakernel=False)
-    if not two.decode_attention:
-        pytest.skip("decode_attention's kernel does not run here (extension or compute capability)")
     one = Engine(model, max_seq_len=96, megakernel=False)
-    one.rope_attention = True
+    if not one.decode_attention:
+        pytest.skip("decode_attention's kernel does not run here (extension or compute capability)")
+    assert one.rope_attention  # (the default wherever decode_attention runs)
+    two = Engine(model, max_seq_len=96, megakernel=False)
+    two.rope_attention = False
     for lengths in ((13, 5, 30), (9,)):
         prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
         want = two.generate(prompts, max_new_tokens=24).tokens
