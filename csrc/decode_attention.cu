@@ -438,6 +438,26 @@ struct Resident {
   }
 };
 
+template <int D, int kStages, bool kRope>
+struct SmemOf {
+  static int run() { return DaLayout<D, kStages, kRope>::kSmem; }
+};
+
+// The stage count to run: the one asked for, or fewer where its shared memory exceeds what a block may
+// have on this device (sm_86 / sm_89: 99 KB, so 2 stages at head_dim 128; sm_80: 163 KB; sm_90: 227 KB).
+int da_fit_stages(int head_dim, bool rope, int stages) {
+  static std::atomic<int> optin[kMaxDevices] = {};
+  const int most = per_device(optin, [] {
+    int dev = 0, n = 0;
+    return cudaGetDevice(&dev) == cudaSuccess &&
+                   cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess
+               ? n
+               : 48 * 1024;
+  });
+  while (stages > kDaMinStages && da_dispatch<SmemOf>(head_dim, stages, rope) > most) --stages;
+  return stages;
+}
+
 }  // namespace
 
 int decode_attention_split_rule(long long pairs, long long slots, int max_seq) {
@@ -462,7 +482,7 @@ int decode_attention_split_rule(long long pairs, long long slots, int max_seq) {
 }
 
 int decode_attention_splits(int batch, int kv_heads, int max_seq, int head_dim, bool rope) {
-  const int per_sm = da_dispatch<Resident>(head_dim, da_stages.load(), rope);
+  const int per_sm = da_dispatch<Resident>(head_dim, da_fit_stages(head_dim, rope, da_stages.load()), rope);
   const long long slots = static_cast<long long>(per_sm) * (device_sm_count() > 0 ? device_sm_count() : 132);
   return decode_attention_split_rule(static_cast<long long>(batch) * kv_heads, slots, max_seq);
 }
@@ -476,13 +496,13 @@ Status decode_attention(ActType act, const DecodeAttnParams& p, const DecodeAttn
                           rope->sin == nullptr || (rope->q_norm == nullptr) != (rope->k_norm == nullptr)))
     return Status::kBadShape;
   const DecodeAttnRope none{};
+  const int stages = da_fit_stages(p.head_dim, rope != nullptr, da_stages.load());
   switch (act) {
     case ActType::kHalf:
-      return da_dispatch<Launch<__half>::At>(p.head_dim, da_stages.load(), rope != nullptr, p, rope ? *rope : none,
-                                             stream);
+      return da_dispatch<Launch<__half>::At>(p.head_dim, stages, rope != nullptr, p, rope ? *rope : none, stream);
     case ActType::kBFloat16:
-      return da_dispatch<Launch<__nv_bfloat16>::At>(p.head_dim, da_stages.load(), rope != nullptr, p,
-                                                    rope ? *rope : none, stream);
+      return da_dispatch<Launch<__nv_bfloat16>::At>(p.head_dim, stages, rope != nullptr, p, rope ? *rope : none,
+                                                    stream);
     case ActType::kFloat32:
       break;
   }

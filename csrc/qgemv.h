@@ -185,7 +185,8 @@ int decode_attention_split_rule(long long pairs, long long slots, int max_seq);
 // rope: nullptr for plain decode attention.
 Status decode_attention(ActType act, const DecodeAttnParams& p, const DecodeAttnRope* rope, cudaStream_t stream);
 // K / V tiles a block holds: 2, 3 (the default) or 4 (stages - 1 in flight while one is summed; more stages,
-// fewer blocks an SM).  Returns false, changing nothing, for another count.  Process-wide, for the A/B.
+// fewer blocks an SM); a device whose blocks may not have that much shared memory runs fewer (sm_86 / sm_89,
+// head_dim 128: 2).  Returns false, changing nothing, for another count.  Process-wide, for the A/B.
 bool set_decode_attention_stages(int stages);
 int decode_attention_stages();
 
