@@ -35,14 +35,16 @@ constexpr int kDaThreads = 128;  // 4 warps
 constexpr int kDaWarpKeys = 16;  // keys a warp takes from each tile
 constexpr int kDaTileKeys = kDaWarpKeys * (kDaThreads / 32);
 // K / V tiles in flight: kStages - 1 a block while it sums one (2: 68 KB of shared memory at head_dim 128,
-// three blocks an SM on sm_90, one on sm_86; 3: 102 KB, two blocks; 4: 136 KB, one).  3 by default: H100,
-// torch 2.11, 2026-12-06, one layer (dev/decode_attn_probe.py --stages 3,4; GB/s of the visible K / V at the
-// chosen split count, 2 / 3 / 4 stages): Llama-2-7B batch 16 2576 / 2636 / 2576, Llama-3-8B batch 16
-// 1763 / 1871 / 2112, batch 1 894 / 910 / 1041, batch 4 at 2000 positions 1626 / 1697 / 1778; the engine,
-// Llama-2-7B batch 16: 5.067 / 5.069 -> 5.024 / 5.028 ms a step with 3.  set_decode_attention_stages changes it
-// (the A/B).
-constexpr int kDaMinStages = 2, kDaMaxStages = 4, kDaDefaultStages = 3;
-std::atomic<int> da_stages{kDaDefaultStages};
+// three blocks an SM on sm_90, one on sm_86; 3: 102 KB, two blocks; 4: 136 KB, one).  The rule
+// (decode_attention_stage_rule): 3 where the (sequence, kv head) pairs fill the 3-stage blocks an SM holds at
+// once, else 4 (the context split over fewer, deeper blocks).  H100, torch 2.11, 2026-12-06, one layer
+// (dev/decode_attn_probe.py --stages 3,4; GB/s of the visible K / V at the chosen split count, 2 / 3 / 4
+// stages): Llama-2-7B batch 16 (512 pairs) 2576 / 2636 / 2576, Llama-3-8B batch 16 (128) 1763 / 1871 / 2112,
+// batch 1 (32) 894 / 910 / 1041, batch 4 at 2000 positions (32) 1626 / 1697 / 1778; the engine at batch 16
+// (ms a step, two rounds, 2 / 3 / 4 stages): Llama-2-7B 5.056 / 5.059, 4.971 / 4.987, 5.063 / 5.068;
+// Llama-3-8B 3.882 / 3.884, 3.858 / 3.850, 3.776 / 3.771.  set_decode_attention_stages forces a count (the A/B).
+constexpr int kDaMinStages = 2, kDaMaxStages = 4;
+std::atomic<int> da_stages{0};  // 0: the rule
 
 template <int D, int kStages, bool kRope>
 struct DaLayout {
@@ -136,7 +138,10 @@ __device__ __forceinline__ void rope_input(const DecodeAttnParams& p, const Deco
     if (norm) {  // the row's sum of squares over its kG lanes
       float ss = 0.f;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) ss = fmaf(to_float(xl[e]), to_float(xl[e]), fmaf(to_float(xh[e]), to_float(xh[e]), ss));
+      for (int e = 0; e < 8; ++e) {
+        const float a = to_float(xl[e]), z = to_float(xh[e]);
+        ss = fmaf(a, a, fmaf(z, z, ss));
+      }
 #pragma unroll
       for (int o = kG / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
       inv = rsqrtf(ss / D + ro.norm_eps);
@@ -481,10 +486,29 @@ int decode_attention_split_rule(long long pairs, long long slots, int max_seq) {
   return best;
 }
 
+int decode_attention_stage_rule(long long pairs, long long slots3) { return pairs >= slots3 ? 3 : 4; }
+
+namespace {
+
+// The stage count a call of `pairs` (sequence, kv head) pairs runs: the forced one, else the rule's, each cut
+// to what the device holds.
+int da_stages_for(long long pairs, int head_dim, bool rope) {
+  int stages = da_stages.load();
+  if (stages == 0) {
+    const long long slots3 = static_cast<long long>(da_dispatch<Resident>(head_dim, 3, rope)) *
+                             (device_sm_count() > 0 ? device_sm_count() : 132);
+    stages = decode_attention_stage_rule(pairs, slots3);
+  }
+  return da_fit_stages(head_dim, rope, stages);
+}
+
+}  // namespace
+
 int decode_attention_splits(int batch, int kv_heads, int max_seq, int head_dim, bool rope) {
-  const int per_sm = da_dispatch<Resident>(head_dim, da_fit_stages(head_dim, rope, da_stages.load()), rope);
+  const long long pairs = static_cast<long long>(batch) * kv_heads;
+  const int per_sm = da_dispatch<Resident>(head_dim, da_stages_for(pairs, head_dim, rope), rope);
   const long long slots = static_cast<long long>(per_sm) * (device_sm_count() > 0 ? device_sm_count() : 132);
-  return decode_attention_split_rule(static_cast<long long>(batch) * kv_heads, slots, max_seq);
+  return decode_attention_split_rule(pairs, slots, max_seq);
 }
 
 Status decode_attention(ActType act, const DecodeAttnParams& p, const DecodeAttnRope* rope, cudaStream_t stream) {
@@ -496,7 +520,7 @@ Status decode_attention(ActType act, const DecodeAttnParams& p, const DecodeAttn
                           rope->sin == nullptr || (rope->q_norm == nullptr) != (rope->k_norm == nullptr)))
     return Status::kBadShape;
   const DecodeAttnRope none{};
-  const int stages = da_fit_stages(p.head_dim, rope != nullptr, da_stages.load());
+  const int stages = da_stages_for(static_cast<long long>(p.batch) * p.kv_heads, p.head_dim, rope != nullptr);
   switch (act) {
     case ActType::kHalf:
       return da_dispatch<Launch<__half>::At>(p.head_dim, stages, rope != nullptr, p, rope ? *rope : none, stream);
@@ -510,7 +534,7 @@ Status decode_attention(ActType act, const DecodeAttnParams& p, const DecodeAttn
 }
 
 bool set_decode_attention_stages(int stages) {
-  if (stages < kDaMinStages || stages > kDaMaxStages) return false;
+  if (stages != 0 && (stages < kDaMinStages || stages > kDaMaxStages)) return false;
   da_stages.store(stages);
   return true;
 }

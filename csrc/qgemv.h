@@ -184,11 +184,15 @@ int decode_attention_splits(int batch, int kv_heads, int max_seq, int head_dim, 
 int decode_attention_split_rule(long long pairs, long long slots, int max_seq);
 // rope: nullptr for plain decode attention.
 Status decode_attention(ActType act, const DecodeAttnParams& p, const DecodeAttnRope* rope, cudaStream_t stream);
-// K / V tiles a block holds: 2, 3 (the default) or 4 (stages - 1 in flight while one is summed; more stages,
-// fewer blocks an SM); a device whose blocks may not have that much shared memory runs fewer (sm_86 / sm_89,
-// head_dim 128: 2).  Returns false, changing nothing, for another count.  Process-wide, for the A/B.
+// K / V tiles a block holds: 0 (the default) follows decode_attention_stage_rule, 2 / 3 / 4 force a count
+// (stages - 1 in flight while one is summed; more stages, fewer blocks an SM); a device whose blocks may not
+// have that much shared memory runs fewer (sm_86 / sm_89, head_dim 128: 2).  Returns false, changing nothing,
+// for another value.  Process-wide, for the A/B.
 bool set_decode_attention_stages(int stages);
 int decode_attention_stages();
+// The rule (host only): 3 stages where the (sequence, kv head) pairs fill the GPU's resident 3-stage blocks
+// (slots3), else 4.
+int decode_attention_stage_rule(long long pairs, long long slots3);
 
 // The seed's fp32 SGEMV family: y[N] = A[N, K] @ x[K], all fp32, contiguous.
 enum class SgemvKernel : int { kAuto = 0, kK32 = 1, kK128 = 2, kK16 = 3 };

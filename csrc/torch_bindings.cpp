@@ -416,7 +416,8 @@ at::Tensor decode_attention_any(const char* op, const at::Tensor& q, const at::T
   QG_CHECK(Hkv >= 1 && H % Hkv == 0 && H / Hkv <= kDecodeAttnMaxGroup, op, "heads (", H,
            ") must be kv_heads (", Hkv, ") times 1..", kDecodeAttnMaxGroup);
   QG_CHECK(S >= 1, op, "max_seq must be >= 1, got ", S);
-  QG_CHECK(slot.scalar_type() == at::kLong && slot.numel() >= 1, op, "slot must be an int64 tensor of >= 1 element, got ",
+  QG_CHECK(slot.scalar_type() == at::kLong && slot.numel() >= 1, op,
+           "slot must be an int64 tensor of >= 1 element, got ",
            slot.scalar_type(), " ", slot.sizes());
   QG_CHECK(pad.scalar_type() == at::kLong && pad.dim() == 1 && pad.size(0) == B, op, "pad must be int64 [", B,
            "], got ", pad.scalar_type(), " ", pad.sizes());
@@ -520,8 +521,9 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
 
 // rope_decode_attention: the token's q / k norms and rotation and its cache write, then decode_attention
 // (one kernel where the engine ran two).  k_cache and v_cache are written in place.
-at::Tensor rope_decode_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
-                                      at::Tensor& v_cache, const at::Tensor& slot, const at::Tensor& pad,
+at::Tensor rope_decode_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot,
+                                      const at::Tensor& pad,
                                       const at::Tensor& cos, const at::Tensor& sin,
                                       const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
                                       double eps, double scale, int64_t splits) {
@@ -768,12 +770,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("max_seq"));
   t.def("set_decode_attention_stages", [](int v) {
           if (!qgemv::set_decode_attention_stages(v))
-            throw pybind11::value_error("qgemv.set_decode_attention_stages: stages must be 2, 3 or 4, got " +
-                                        std::to_string(v));
+            throw pybind11::value_error(
+                "qgemv.set_decode_attention_stages: stages must be 0 (the rule), 2, 3 or 4, got " + std::to_string(v));
         },
-        "decode_attention's K / V tiles a block holds (2, 3 (the default) or 4: more in flight, fewer blocks an "
-        "SM); the split count chosen for splits=0 follows the blocks an SM holds.", pybind11::arg("stages"));
+        "decode_attention's K / V tiles a block holds: 0 (the default) follows the rule, 2, 3 or 4 force a count "
+        "(more in flight, fewer blocks an SM); the split count chosen for splits=0 follows the blocks an SM holds.",
+        pybind11::arg("stages"));
   t.def("decode_attention_stages", &qgemv::decode_attention_stages);
+  t.def("decode_attention_stage_rule", &qgemv::decode_attention_stage_rule,
+        "decode_attention's stage count for (sequence, kv head) pairs when `slots3` of its 3-stage blocks fit on "
+        "the GPU at once (host only).", pybind11::arg("pairs"), pybind11::arg("slots3"));
   t.def("wgmma_shape_count", &qgemv::testing::wgmma_shape_count);
   t.def("set_wgmma_shape", [](int v) {
           if (v < -1 || v >= qgemv::testing::wgmma_shape_count())

@@ -250,10 +250,10 @@ launch__registers_per_thread,launch__grid_size,launch__block_size \
         echo "== $nk"; grep -E "^\s+(gpu__|dram__|lts__|l1tex__|sm__|smsp__|launch__)" "$OUT/ncu_m16_$nk.txt"
       done ;;
     e16)
-      # batch 16 in the engine: decode_attention with 2 / 4 K / V tiles a block (int4g128a_da2 / _da4; 3 by
-      # default) and the glue's rotation and cache write before it (int4g128a_norope) against today's step, two rounds
+      # batch 16 in the engine: decode_attention with 3 / 4 K / V tiles a block forced (int4g128a_da3 / _da4; the
+      # rule picks one) and the glue's rotation and cache write before it (int4g128a_norope) against today's step
       timeout "${GEN_LIMIT:-300}" python3 -m qgemv.eval.bench_generate --models "${GEN_MODELS:-llama2-7b,llama3-8b}" --batches 16 \
-        --no-hf --no-breakdown --variants "${E16_VARIANTS:-int4g128a,int4g128a_da2,int4g128a_da4,int4g128a_norope,int4g128a,int4g128a_da2,int4g128a_da4,int4g128a_norope}" \
+        --no-hf --no-breakdown --variants "${E16_VARIANTS:-int4g128a,int4g128a_da3,int4g128a_da4,int4g128a_norope,int4g128a,int4g128a_da3,int4g128a_da4,int4g128a_norope}" \
         --out "$OUT/generate_e16" 2>&1 | grep -v -i warn | grep "b=16" ;;
     da)
       # decode_attention's stage counts: one layer's call with 2 (today), 3 and 4 K / V tiles a block at the

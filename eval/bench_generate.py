@@ -71,11 +71,11 @@ VARIANTS = {"fp16": None, "bf16": None, "int8": (8, None, True), "int4": (4, Non
             "int4g128a_act_first": (4, 128, False), "int4_mk": (4, None, True), "int4g128a_mk": (4, 128, False),
             "int8_mk": (8, None, True), "fp16_mk": None,
             "bf16_mk": None, "int4g128a_bf16": (4, 128, False), "int4g128a_bf16_mk": (4, 128, False),
-            "int4g128a_sdpa": (4, 128, False), "int4g128a_da2": (4, 128, False),
+            "int4g128a_sdpa": (4, 128, False), "int4g128a_da2": (4, 128, False), "int4g128a_da3": (4, 128, False),
             "int4g128a_da4": (4, 128, False), "int4g128a_norope": (4, 128, False)}
 # int4g128a_sdpa: the per-op decode step's attention through SDPA over the whole cache (engine.decode_attention
 # off), the path before qgemv.ops.decode_attention
-# int4g128a_da2 / _da4: decode_attention with 2 / 4 K-V tiles a block instead of 3
+# int4g128a_da2 / _da3 / _da4: decode_attention with 2 / 3 / 4 K-V tiles a block forced, not its rule's count
 # (testing.set_decode_attention_stages; dev/decode_attn_probe.py --stages times one layer's call)
 # int4g128a_norope: each layer's q / k norms, rotation and cache write in the glue's kernel before decode_attention
 # (Engine.rope_attention off), not inside the attention kernel (qgemv.ops.rope_decode_attention)

@@ -93,6 +93,17 @@ def test_split_rule_fills_whole_waves(pairs, slots, max_seq, want):
     assert qgemv._ext.MODULE.testing.decode_attention_split_rule(pairs, slots, max_seq) == want
 
 
+@pytest.mark.skipif(qgemv._ext.MODULE is None, reason="needs the compiled extension (its host-side rule)")
+@pytest.mark.parametrize("pairs,slots3,want", [
+    (512, 264, 3),  # Llama-2-7B batch 16 on an H100 (two 3-stage blocks an SM): the pairs fill the GPU
+    (264, 264, 3),
+    (128, 264, 4),  # Llama-3-8B batch 16: split over fewer, deeper blocks
+    (32, 264, 4),   # batch 1
+])
+def test_stage_rule_deepens_the_blocks_where_the_pairs_leave_slots_free(pairs, slots3, want):
+    assert qgemv._ext.MODULE.testing.decode_attention_stage_rule(pairs, slots3) == want
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
 def test_opcheck(device):
     """torch.library.opcheck: the schema, the fake kernel and each device's kernel agree (the CUDA kernel
@@ -143,7 +154,8 @@ def test_cuda_kernel_matches_the_reference(cfg, splits, dtype):
 
 @requires_cuda
 @needs_kernel
-@pytest.mark.parametrize("cfg", [(16, 32, 32, 700, 128), (3, 32, 8, 300, 128), (2, 14, 2, 777, 64), (4, 16, 1, 1000, 96)])
+@pytest.mark.parametrize("cfg", [(16, 32, 32, 700, 128), (3, 32, 8, 300, 128), (2, 14, 2, 777, 64),
+                                 (4, 16, 1, 1000, 96)])
 def test_cuda_kernel_gives_the_same_bits_with_every_stage_count(cfg):
     """testing.set_decode_attention_stages (2, 3 or 4 K / V tiles a block) changes how many copies fly, not
     which keys a warp sums in what order: every count's output equals the default's bit for bit, at forced
@@ -156,9 +168,9 @@ def test_cuda_kernel_gives_the_same_bits_with_every_stage_count(cfg):
     q, k, v = caches(B, H, Hkv, S, D, torch.float16, "cuda", seed=S, poison=True, slot=slot, pad=pad)
     slot_t, pad_t = torch.tensor([slot], device="cuda"), pad.cuda()
     want = ops.ref_decode_attention(q.cpu(), k.cpu(), v.cpu(), slot_t.cpu(), pad, D ** -0.5).float()
-    with pytest.raises(ValueError, match="stages must be 2, 3 or 4, got 5"):
+    with pytest.raises(ValueError, match=r"stages must be 0 \(the rule\), 2, 3 or 4, got 5"):
         t.set_decode_attention_stages(5)
-    assert t.decode_attention_stages() == 3  # (the default)
+    assert t.decode_attention_stages() == 0  # (the default: the rule)
     try:
         for splits in (1, 3):
             outs = {}
@@ -168,11 +180,12 @@ def test_cuda_kernel_gives_the_same_bits_with_every_stage_count(cfg):
             for stages in (3, 4):
                 assert torch.equal(outs[stages], outs[2]), f"splits {splits}, stages {stages}"
             assert (outs[2].float().cpu() - want).abs().max().item() < 4e-3
-        t.set_decode_attention_stages(4)
-        chosen = ops.decode_attention(q, k, v, slot_t, pad_t, D ** -0.5)
-        assert torch.isfinite(chosen).all() and (chosen.float().cpu() - want).abs().max().item() < 4e-3
+        for stages in (0, 4):  # the rule's count, then a forced one, at the split count each chooses
+            t.set_decode_attention_stages(stages)
+            chosen = ops.decode_attention(q, k, v, slot_t, pad_t, D ** -0.5)
+            assert torch.isfinite(chosen).all() and (chosen.float().cpu() - want).abs().max().item() < 4e-3
     finally:
-        t.set_decode_attention_stages(3)
+        t.set_decode_attention_stages(0)
 
 
 @requires_cuda
@@ -350,4 +363,4 @@ def test_rope_cuda_kernel_equals_its_two_kernel_form_with_each_stage_count():
                 two = ops.decode_attention(q_rot, kc, vc, slot, pad, D ** -0.5, splits)
                 assert torch.equal(got, two), f"stages {stages}, splits {splits}"
     finally:
-        t.set_decode_attention_stages(3)
+        t.set_decode_attention_stages(0)
