@@ -582,9 +582,11 @@ class Engine:
             return self._forward_megakernel(ids, slots)
         H, Hkv, D = self.heads, self.kv_heads, self.head_dim
         k_cache, v_cache = self._kv(B)
-        pos = (slots[None, :] - pad[:, None]).clamp(min=0)  # [B, T] rotary positions
-        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [B, 1, T, D]
         decode_attn = T == 1 and self.decode_attention
+        fused = decode_attn and self._rope_attention  # rope_decode_attention: the kernel rotates by position itself
+        if not fused:
+            pos = (slots[None, :] - pad[:, None]).clamp(min=0)  # [B, T] rotary positions
+            cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [B, 1, T, D]
         if not decode_attn:
             keys = torch.arange(self.max_seq_len, device=ids.device)
             q_slot = slots[None, :, None]  # [1, T, 1]
@@ -602,7 +604,7 @@ class Engine:
         for i, L in enumerate(self.layers):
             x, h = self._norm(g, x, delta, L.in_norm, L.qkv.perm)
             q, k, v = L.qkv(h, gathered=True)
-            if decode_attn and self._rope_attention:  # norms, rotation, cache write and attention: one kernel
+            if fused:  # norms, rotation, cache write and attention: one kernel
                 a = ops.rope_decode_attention(q.view(B, H, D), k.view(B, Hkv, D), v.view(B, Hkv, D), k_cache[i],
                                               v_cache[i], slots, pad, self.cos, self.sin, L.q_norm, L.k_norm,
                                               self.eps, self.scale, checked=True).view(B, T, H * D)
