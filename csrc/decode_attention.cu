@@ -177,22 +177,42 @@ __device__ __forceinline__ void rope_input(const DecodeAttnParams& p, const Deco
 
 template <typename T, int D, int kStages, bool kRope>
 __global__ void __launch_bounds__(kDaThreads) decode_attention_kernel(const DecodeAttnParams p,
-                                                                      const DecodeAttnRope ro) {
+                                                                      const DecodeAttnRope ro, const int pdl) {
   using L = DaLayout<D, kStages, kRope>;
   constexpr int kSteps = D / 16;  // QK's k-steps; PV's pairs of 8-dim output tiles
   extern __shared__ __align__(128) unsigned char da_smem[];
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int grp = p.heads / p.kv_heads, h0 = kvh * grp;
-  // the visible keys pad .. slot (both clamped into the cache), this split's share [lo, hi)
-  long long slot = *p.slot;
-  slot = slot < 0 ? 0 : (slot >= p.max_seq ? p.max_seq - 1 : slot);
-  long long pad = p.pad[b];
-  pad = pad < 0 ? 0 : (pad > slot ? slot : pad);
-  const int len = static_cast<int>(slot + 1 - pad), per = (len + p.splits - 1) / p.splits;
-  const int lo = static_cast<int>(pad) + split * per, hi = min(static_cast<int>(slot) + 1, lo + per);
   const T* kb = static_cast<const T*>(p.k) + b * p.kv_sb + kvh * p.kv_sh;
   const T* vb = static_cast<const T*>(p.v) + b * p.kv_sb + kvh * p.kv_sh;
+  // the visible keys pad .. slot (both clamped into the cache), this split's share [lo, hi)
+  auto share = [&](int& lo, int& hi, long long& slot, long long& pad) {
+    slot = *p.slot;
+    slot = slot < 0 ? 0 : (slot >= p.max_seq ? p.max_seq - 1 : slot);
+    pad = p.pad[b];
+    pad = pad < 0 ? 0 : (pad > slot ? slot : pad);
+    const int len = static_cast<int>(slot + 1 - pad), per = (len + p.splits - 1) / p.splits;
+    lo = static_cast<int>(pad) + split * per, hi = min(static_cast<int>(slot) + 1, lo + per);
+  };
+  int lo, hi;
+  long long slot, pad;
+  if (pdl & kPdlLaunch) {  // a programmatic launch (set_gemv_pdl): the kernel before may still run
+    if (pdl & kPdlPrefetch) {
+      // the first tiles' K / V rows into L2 while it runs: the cache's older rows depend on no kernel of this
+      // step, and a prefetch never makes a later read stale (L2 is where writes land); slot and pad are read
+      // again after the wait for everything else
+      share(lo, hi, slot, pad);
+      if (threadIdx.x < 2 && lo < hi) {
+        const int rows = min(hi - lo, (kStages - 1) * kDaTileKeys);
+        pdl_prefetch_l2((threadIdx.x == 0 ? kb : vb) + static_cast<long long>(lo) * D,
+                        static_cast<uint32_t>(rows) * D * static_cast<uint32_t>(sizeof(T)));
+      }
+    }
+    if (pdl & kPdlRelease) pdl_release();
+    pdl_wait();
+  }
+  share(lo, hi, slot, pad);
   // kRope: the token's rotated query / key / value (rope_input), and whether this split holds its slot
   T* qs = reinterpret_cast<T*>(da_smem + L::kRopeAt);
   T* kn = qs + 16 * D;
@@ -381,7 +401,22 @@ Status launch(const DecodeAttnParams& p, const DecodeAttnRope& ro, cudaStream_t 
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kSmem) != cudaSuccess)
     return Status::kLaunchFailed;
   const dim3 grid(p.splits, p.kv_heads, p.batch);
-  kernel<<<grid, kDaThreads, L::kSmem, stream>>>(p, ro);
+  const int pdl = gemv_pdl_flags();  // the GEMVs' programmatic-launch setting (set_gemv_pdl) applies here too
+  if (pdl != 0 && sm90_code(kernel)) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(kDaThreads);
+    cfg.dynamicSmemBytes = L::kSmem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    if (cudaLaunchKernelEx(&cfg, kernel, p, ro, pdl) != cudaSuccess) return Status::kLaunchFailed;
+  } else {
+    kernel<<<grid, kDaThreads, L::kSmem, stream>>>(p, ro, 0);
+  }
   if (cudaGetLastError() != cudaSuccess) return Status::kLaunchFailed;
   if (p.splits > 1) {
     decode_attention_merge<T, D><<<p.batch * p.heads, D, 0, stream>>>(p);

@@ -128,6 +128,8 @@ def set_gemv_pdl(mode: int = 7) -> None:
     The GEMV may then start while the kernel before it finishes: it prefetches the
     start of its weights into L2 (mode bit 2), lets the next kernel launch early
     (bit 4), and waits for the kernel before it before it reads x or writes y.
+    ``qgemv.ops.decode_attention`` / ``rope_decode_attention`` follow the same
+    setting (bit 2: the first K / V rows of each block into L2 before the wait).
     It pays off only when the kernels around the GEMVs take part too: with
     ``TORCHINDUCTOR_ENABLE_PDL=1`` (torch.compile'd glue) a Llama-2-7B decode
     step on the H200 went from 2.27 to 2.16 ms/token (int4, batch 1); with

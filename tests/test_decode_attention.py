@@ -364,3 +364,68 @@ def test_rope_cuda_kernel_equals_its_two_kernel_form_with_each_stage_count():
                 assert torch.equal(got, two), f"stages {stages}, splits {splits}"
     finally:
         t.set_decode_attention_stages(0)
+
+
+def _pdl_steps(qkv_src, kc, vc, slot, pad, cos, sin, steps, D):
+    """Steps of rope_decode_attention whose inputs the kernels just before it write: the fused q / k / v
+    (an elementwise kernel from the last output), then the slot (slot + 1); each step's cache write is read by
+    the next. Returns every step's output."""
+    B, H = qkv_src.shape[0], qkv_src.shape[1] // D - 2 * kc.shape[1]
+    Hkv = kc.shape[1]
+    wide = torch.empty_like(qkv_src)
+    outs, last = [], torch.zeros(B, H * D, device=qkv_src.device, dtype=qkv_src.dtype)
+    for _ in range(steps):
+        torch.add(qkv_src, torch.cat((last, last[:, :2 * Hkv * D]), 1), alpha=0.25, out=wide)
+        slot.add_(1)
+        q = wide[:, :H * D].view(B, H, D)
+        k = wide[:, H * D:(H + Hkv) * D].view(B, Hkv, D)
+        v = wide[:, (H + Hkv) * D:].view(B, Hkv, D)
+        out = ops.rope_decode_attention(q, k, v, kc, vc, slot, pad, cos, sin, None, None, 1e-6, D ** -0.5)
+        outs.append(out)
+        last = out.reshape(B, H * D)
+    return outs
+
+
+@requires_cuda
+@needs_kernel
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_rope_cuda_kernel_as_a_programmatic_launch_reads_what_the_kernels_before_wrote(graph):
+    """Under qgemv.set_gemv_pdl(7) decode_attention is a programmatic launch too: it may start (and prefetch
+    its first K / V rows into L2) while the kernel before it runs, which here writes its q / k / v and its slot.
+    Five chained steps equal the ordinary launches' bit for bit, outputs and caches, eager and in a graph."""
+    B, H, Hkv, S, D = 16, 32, 8, 300, 128
+    C = qgemv._ext.MODULE
+    q, k, v, cos, sin, _, _ = rope_inputs(B, H, Hkv, S, D, torch.float16, "cuda", seed=5)
+    src = torch.cat((q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1)), 1)
+    pad = torch.randint(0, 100, (B,), generator=torch.Generator().manual_seed(5)).cuda()
+    _, kc0, vc0 = caches(B, H, Hkv, S, D, torch.float16, "cuda", seed=6)
+    results = {}
+    for mode in (0, 7):
+        C.set_gemv_pdl(mode)
+        try:
+            if mode and not C.gemv_pdl_flags():
+                pytest.skip("programmatic dependent launch needs compute capability 9.0 and an sm_90 build")
+            kc, vc, slot = kc0.clone(), vc0.clone(), torch.tensor([200], device="cuda")
+            if not graph:
+                outs = _pdl_steps(src, kc, vc, slot, pad, cos, sin, 5, D)
+            else:
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):  # warm-up outside the capture
+                    _pdl_steps(src, kc.clone(), vc.clone(), slot.clone(), pad, cos, sin, 1, D)
+                torch.cuda.current_stream().wait_stream(stream)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    outs = _pdl_steps(src, kc, vc, slot, pad, cos, sin, 5, D)
+                kc.copy_(kc0), vc.copy_(vc0), slot.fill_(200)
+                for o in outs:
+                    o.fill_(float("nan"))
+                g.replay()
+            torch.cuda.synchronize()
+            results[mode] = ([o.clone() for o in outs], kc, vc)
+        finally:
+            C.set_gemv_pdl(-1)
+    (o0, k0, v0), (o7, k7, v7) = results[0], results[7]
+    for i, (a, b) in enumerate(zip(o0, o7)):
+        assert torch.isfinite(a).all() and torch.equal(a, b), f"step {i}: the programmatic launch changed it"
+    assert torch.equal(k0, k7) and torch.equal(v0, v7)
