@@ -403,17 +403,8 @@ Status launch(const DecodeAttnParams& p, const DecodeAttnRope& ro, cudaStream_t 
   const dim3 grid(p.splits, p.kv_heads, p.batch);
   const int pdl = gemv_pdl_flags();  // the GEMVs' programmatic-launch setting (set_gemv_pdl) applies here too
   if (pdl != 0 && sm90_code(kernel)) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(kDaThreads);
-    cfg.dynamicSmemBytes = L::kSmem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    if (cudaLaunchKernelEx(&cfg, kernel, p, ro, pdl) != cudaSuccess) return Status::kLaunchFailed;
+    if (pdl_launch(kernel, grid, dim3(kDaThreads), L::kSmem, stream, p, ro, pdl) != cudaSuccess)
+      return Status::kLaunchFailed;
   } else {
     kernel<<<grid, kDaThreads, L::kSmem, stream>>>(p, ro, 0);
   }

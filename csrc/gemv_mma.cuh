@@ -705,17 +705,8 @@ Status launch_gemv_mma(const GemvParams& p, cudaStream_t stream) {
     return Status::kLaunchFailed;
   const int pdl = gemv_pdl_flags();
   if (pdl != 0 && sm90_code(kernel)) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(grid);
-    cfg.blockDim = dim3(w * kWarpSize);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    if (cudaLaunchKernelEx(&cfg, kernel, p, pdl) != cudaSuccess) return Status::kLaunchFailed;
+    if (pdl_launch(kernel, dim3(grid), dim3(w * kWarpSize), smem, stream, p, pdl) != cudaSuccess)
+      return Status::kLaunchFailed;
   } else {
     kernel<<<grid, w * kWarpSize, smem, stream>>>(p, 0);
   }

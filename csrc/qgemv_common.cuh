@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -481,6 +482,24 @@ bool sm90_code(Kernel kernel) {
            cudaFuncAttributes a;
            return cudaFuncGetAttributes(&a, kernel) == cudaSuccess && a.binaryVersion >= 90 ? 1 : 2;
          }) == 1;
+}
+
+// A programmatic dependent launch of `kernel` (the next kernel in the stream may start before it ends; the
+// kernel must pdl_wait before it reads what the kernel before it wrote; check sm90_code first).
+template <typename... KArgs, typename... Args>
+cudaError_t pdl_launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                       Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
 // Multiprocessors of the current device (0 if it cannot be asked).
