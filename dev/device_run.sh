@@ -260,7 +260,7 @@ launch__registers_per_thread,launch__grid_size,launch__block_size \
       # glue plain and then with TORCHINDUCTOR_ENABLE_PDL=1 (a process each: inductor's setting is read at compile)
       for env in 0 1; do
         TORCHINDUCTOR_ENABLE_PDL=$env timeout "${GEN_LIMIT:-200}" python3 -m qgemv.eval.bench_generate \
-          --models "${GEN_MODELS:-llama2-7b,llama3-8b}" --batches ${PDL_BATCHES:-16} --no-hf --no-breakdown \
+          --models "${GEN_MODELS:-llama2-7b,llama3-8b}" --batches ${PDL_BATCHES:-1,16} --no-hf --no-breakdown \
           --variants int4g128a,int4g128a_pdl,int4g128a,int4g128a_pdl --out "$OUT/generate_pdl$env" 2>&1 \
           | grep -v -i warn | grep "b=" | sed "s/^/inductor_pdl=$env /"
       done ;;
