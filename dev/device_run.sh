@@ -256,14 +256,12 @@ launch__registers_per_thread,launch__grid_size,launch__block_size \
         --no-hf --no-breakdown --variants "${E16_VARIANTS:-int4g128a,int4g128a_da3,int4g128a_da4,int4g128a_norope,int4g128a,int4g128a_da3,int4g128a_da4,int4g128a_norope}" \
         --out "$OUT/generate_e16" 2>&1 | grep -v -i warn | grep "b=16" ;;
     pdl16)
-      # the per-op step with the GEMVs as programmatic launches (int4g128a_pdl) against today's, with the compiled
-      # glue plain and then with TORCHINDUCTOR_ENABLE_PDL=1 (a process each: inductor's setting is read at compile)
-      for env in 0 1; do
-        TORCHINDUCTOR_ENABLE_PDL=$env timeout "${GEN_LIMIT:-200}" python3 -m qgemv.eval.bench_generate \
-          --models "${GEN_MODELS:-llama2-7b,llama3-8b}" --batches ${PDL_BATCHES:-1,16} --no-hf --no-breakdown \
-          --variants int4g128a,int4g128a_pdl,int4g128a,int4g128a_pdl --out "$OUT/generate_pdl$env" 2>&1 \
-          | grep -v -i warn | grep "b=" | sed "s/^/inductor_pdl=$env /"
-      done ;;
+      # the per-op step as programmatic dependent launches: Engine.pdl (the GEMVs, decode_attention and the
+      # compiled glue; int4g128a_pdl) and our kernels alone (int4g128a_pdlk) against today's, two rounds
+      timeout "${GEN_LIMIT:-300}" python3 -m qgemv.eval.bench_generate --models "${GEN_MODELS:-llama2-7b,llama3-8b}" \
+        --batches ${PDL_BATCHES:-1,16} --no-hf --no-breakdown \
+        --variants int4g128a,int4g128a_pdl,int4g128a_pdlk,int4g128a,int4g128a_pdl,int4g128a_pdlk \
+        --out "$OUT/generate_pdl" 2>&1 | grep -v -i warn | grep "b=" ;;
     da)
       # decode_attention's stage counts: one layer's call with 2 (today), 3 and 4 K / V tiles a block at the
       # chosen and forced split counts, outputs compared bit for bit (dev/decode_attn_probe.py --stages)

@@ -72,15 +72,16 @@ VARIANTS = {"fp16": None, "bf16": None, "int8": (8, None, True), "int4": (4, Non
             "int8_mk": (8, None, True), "fp16_mk": None,
             "bf16_mk": None, "int4g128a_bf16": (4, 128, False), "int4g128a_bf16_mk": (4, 128, False),
             "int4g128a_sdpa": (4, 128, False), "int4g128a_da2": (4, 128, False), "int4g128a_da3": (4, 128, False),
-            "int4g128a_da4": (4, 128, False), "int4g128a_norope": (4, 128, False), "int4g128a_pdl": (4, 128, False)}
+            "int4g128a_da4": (4, 128, False), "int4g128a_norope": (4, 128, False), "int4g128a_pdl": (4, 128, False),
+            "int4g128a_pdlk": (4, 128, False)}
 # int4g128a_sdpa: the per-op decode step's attention through SDPA over the whole cache (engine.decode_attention
 # off), the path before qgemv.ops.decode_attention
 # int4g128a_da2 / _da3 / _da4: decode_attention with 2 / 3 / 4 K-V tiles a block forced, not its rule's count
 # (testing.set_decode_attention_stages; dev/decode_attn_probe.py --stages times one layer's call)
 # int4g128a_norope: each layer's q / k norms, rotation and cache write in the glue's kernel before decode_attention
 # (Engine.rope_attention off), not inside the attention kernel (qgemv.ops.rope_decode_attention)
-# int4g128a_pdl: the GEMVs as programmatic dependent launches (qgemv.set_gemv_pdl(7)); the glue takes part only where
-# the process runs with TORCHINDUCTOR_ENABLE_PDL=1 (each row records it)
+# int4g128a_pdl: the per-op step as programmatic dependent launches (Engine.pdl: the GEMVs, decode_attention and the
+# compiled glue); int4g128a_pdlk: the GEMVs and decode_attention only (qgemv.set_gemv_pdl(7)), the glue as it is
 # *_mk: the same weights with Engine(megakernel=True): each batch-1 decode step as one persistent launch
 # (qgemv.persist, issue 35); other batches run per-op
 # int4g128a_act: int4 g128a with act-order input permutations as an imported GPTQ checkpoint has them after
@@ -220,7 +221,7 @@ def run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown
     """One engine's rows, a row a batch size; breakdown: the batch sizes whose step is also profiled."""
     ctx = (gemv_gather_off() if variant == "int4g128a_act_first"
            else testing_knob("decode_attention_stages", int(variant[-1])) if variant[:-1].endswith("_da")
-           else gemv_pdl(7) if variant.endswith("_pdl") else contextlib.nullcontext())
+           else gemv_pdl(7) if variant.endswith("_pdlk") else contextlib.nullcontext())
     with ctx:
         return _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown)
 
@@ -233,6 +234,8 @@ def _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdow
         engine.decode_attention = False
     if variant.endswith("_norope"):
         engine.rope_attention = False
+    if variant.endswith("_pdl"):
+        engine.pdl = True
     if variant == "int4g128a_act_sep":  # the projections gather their own inputs
         for L in engine.layers:
             L.qkv.perm = L.gate_up.perm = None
@@ -252,7 +255,7 @@ def _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdow
                    graphs=out.graphs, compiled_glue=engine.compile_glue,
                    megakernel=engine.megakernel and b == 1, megakernel_off=engine.megakernel_reason,
                    decode_attention=engine.decode_attention,
-                   inductor_pdl=os.environ.get("TORCHINDUCTOR_ENABLE_PDL", "0") == "1")
+                   pdl=engine.pdl)
         if b in breakdown:
             dev = engine.device
             tok = torch.ones(b, 1, dtype=torch.long, device=dev)

@@ -34,8 +34,10 @@ batched kernels).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -134,21 +136,32 @@ def glue_swiglu(gate, up):
 
 
 EAGER_GLUE = dict(add_rms=glue_add_rms, attention_in=glue_attention_in, swiglu=glue_swiglu)
-_COMPILED = {}
+_COMPILED = {}  # pdl (bool) -> the glue's compiled functions
 
 
-def _compiled_glue() -> dict:
-    """EAGER_GLUE through torch.compile (static shapes; compiled on first call per shape)."""
-    if not _COMPILED:
+def _compiled_glue(pdl: bool = False) -> dict:
+    """EAGER_GLUE through torch.compile (static shapes; compiled on first call per shape).  pdl: Triton kernels
+    that take part in programmatic dependent launch (inductor's triton.enable_pdl: each waits for the kernel
+    before it where it reads what that one wrote, and lets the next one launch early); compiled from copies of
+    the functions, since dynamo keeps its compiled code on the function's code object."""
+    if pdl not in _COMPILED:
         # one compile per (batch size, dtype, model width): more than dynamo's default of 8 in a process
         # that runs several models (the benchmark); past the limit it would fall back to eager silently
         cfg = torch._dynamo.config
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(cfg, name):
                 setattr(cfg, name, max(getattr(cfg, name), 64))
+        glue = {}
         for k, fn in EAGER_GLUE.items():
-            _COMPILED[k] = torch.compile(fn, dynamic=False, fullgraph=True)
-    return _COMPILED
+            if pdl:
+                if not hasattr(torch._inductor.config.triton, "enable_pdl"):
+                    raise RuntimeError(f"torch {torch.__version__}'s inductor has no triton.enable_pdl")
+                fn = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
+                                        fn.__closure__)
+            glue[k] = torch.compile(fn, dynamic=False, fullgraph=True,
+                                    options={"triton.enable_pdl": True} if pdl else None)
+        _COMPILED[pdl] = glue
+    return _COMPILED[pdl]
 
 
 @dataclass
@@ -330,6 +343,19 @@ def decode_attention_refusal(engine: "Engine") -> str:
     return ""
 
 
+def pdl_refusal(engine: "Engine") -> str:
+    """Why ``engine``'s per-op decode step cannot run as programmatic dependent launches ("" when it can): a
+    CUDA device of compute capability 9.0 or later with the compiled extension."""
+    if engine.device.type != "cuda":
+        return f"the model is on {engine.device}, not a CUDA device"
+    if _ext.BACKEND not in ("aot", "jit"):
+        return f"the CUDA extension is not loaded ({_ext.REASON})"
+    cap = torch.cuda.get_device_capability(engine.device)
+    if cap < (9, 0):
+        return f"compute capability {cap[0]}.{cap[1]} (programmatic launches need 9.0 or later)"
+    return ""
+
+
 class Engine:
     """Runs a Llama-family transformers model with a static KV cache (see the module docstring).
 
@@ -416,7 +442,8 @@ class Engine:
         self.cos, self.sin = cos[0], sin[0]
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self.compile_glue = bool(compile_glue) and self.device.type == "cuda"
-        self._glue = _compiled_glue() if self.compile_glue else EAGER_GLUE
+        self._pdl = False  # (measured before it becomes the default: see the pdl property)
+        self._glue = _compiled_glue(self._pdl) if self.compile_glue else EAGER_GLUE
         self._decode_attention = not decode_attention_refusal(self)
         self._rope_attention = self._decode_attention and not self._rope_refusal()
         if megakernel not in (None, True, False):
@@ -479,6 +506,39 @@ class Engine:
         if why:
             raise ValueError(f"rope_attention cannot run here: {why}")
         self._rope_attention = on
+
+    @property
+    def pdl(self) -> bool:
+        """Whether the per-op decode step runs as programmatic dependent launches: the GEMVs and decode_attention
+        (qgemv.set_gemv_pdl(7) while the step is captured or run) and the compiled glue's Triton kernels
+        (inductor's triton.enable_pdl), so that each kernel launches while the one before it ends.  Off by
+        default (not yet measured in the engine); settable (the A/B), where :func:`pdl_refusal` allows it
+        (compute capability 9.0 or later).  A batch size's CUDA graph keeps the mode it was captured with."""
+        return self._pdl
+
+    @pdl.setter
+    def pdl(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise TypeError(f"pdl: expected True or False, got {on!r}")
+        why = pdl_refusal(self) if on else ""
+        if why:
+            raise ValueError(f"pdl cannot run here: {why}")
+        self._pdl = on
+        if self.compile_glue and self._glue is not EAGER_GLUE:
+            self._glue = _compiled_glue(on)
+
+    @contextlib.contextmanager
+    def _launch_mode(self):
+        """The step's kernels launched as the pdl property says (the GEMVs' and decode_attention's mode is
+        process-wide: set here, the library's default after)."""
+        if not self._pdl:
+            yield
+            return
+        _ext.set_gemv_pdl(7)
+        try:
+            yield
+        finally:
+            _ext.set_gemv_pdl(-1)
 
     # ---------------------------------------------------------------- model
     def _kv(self, batch: int):
@@ -633,6 +693,10 @@ class Engine:
 
     def _decode(self, ids: torch.Tensor, slot: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         """One decode step (ids [B, 1]); through the batch size's CUDA graph where graphs are on."""
+        with self._launch_mode():
+            return self._decode_step(ids, slot, pad)
+
+    def _decode_step(self, ids: torch.Tensor, slot: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         if self._glue is not EAGER_GLUE and ids.shape[0] not in self._graphs:
             try:  # the first call per batch size compiles the glue
                 self.forward(ids, slot, pad)

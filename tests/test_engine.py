@@ -370,6 +370,45 @@ def test_rope_attention_gives_the_two_kernel_steps_logits(family, heads, kv_head
         assert err < (1e-2 if dtype == torch.float16 else 4e-2), f"{lengths}: relative logit error {err:.2e}"
 
 
+def test_pdl_is_off_and_refused_where_programmatic_launches_cannot_run():
+    engine = Engine(tiny("llama"), max_seq_len=32)  # CPU
+    assert engine.pdl is False
+    with pytest.raises(ValueError, match="pdl cannot run here: the model is on cpu"):
+        engine.pdl = True
+    with pytest.raises(TypeError, match="expected True or False"):
+        engine.pdl = 1
+    engine.pdl = False
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_pdl_gives_the_ordinary_launches_tokens_and_logits(dtype):
+    """The per-op decode step as programmatic dependent launches (Engine.pdl: each kernel may start while the
+    one before it ends) against ordinary launches on the same weights: prompts of three lengths and one
+    alone, teacher-forced for 24 steps, graphs and compiled glue on; the launch mode is restored after."""
+    model = tiny("llama", seed=8, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=512, vocab_size=512, initializer_range=0.02)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    qgemv.quantize_model(model, bits=4, group_size=128, symmetric=False)
+    model = model.to(device="cuda", dtype=dtype)
+    plain = Engine(model, max_seq_len=96, megakernel=False)
+    fast = Engine(model, max_seq_len=96, megakernel=False)
+    try:
+        fast.pdl = True
+    except ValueError as e:
+        pytest.skip(str(e))
+    g = torch.Generator().manual_seed(8)
+    for lengths in ((13, 5, 30), (9,)):
+        prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
+        want = plain.generate(prompts, max_new_tokens=24).tokens
+        assert fast.generate(prompts, max_new_tokens=24).tokens == want, lengths
+        ref, got = forced_logits(plain, prompts, want), forced_logits(fast, prompts, want)
+        err = (got.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
+        assert err < 1e-3, f"{lengths}: relative logit error {err:.2e}"
+    assert qgemv._ext.MODULE.gemv_pdl_flags() == 0  # (the library's default again)
+
+
 def test_bench_generate_runs_its_engine_rows_on_cpu(tmp_path):
     """The generation benchmark's pieces on the CPU with its tiny shapes: rows and the three outputs."""
     from qgemv.eval import bench_generate as bg
