@@ -530,15 +530,16 @@ class Engine:
     @contextlib.contextmanager
     def _launch_mode(self):
         """The step's kernels launched as the pdl property says (the GEMVs' and decode_attention's mode is
-        process-wide: set here, the library's default after)."""
+        process-wide: set here, the mode in force before restored after)."""
         if not self._pdl:
             yield
             return
+        before = _ext.MODULE.gemv_pdl_flags()  # (0: the default, off)
         _ext.set_gemv_pdl(7)
         try:
             yield
         finally:
-            _ext.set_gemv_pdl(-1)
+            _ext.set_gemv_pdl(before or -1)
 
     # ---------------------------------------------------------------- model
     def _kv(self, batch: int):
