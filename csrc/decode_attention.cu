@@ -187,11 +187,9 @@ __global__ void __launch_bounds__(kDaThreads) decode_attention_kernel(const Deco
   const T* kb = static_cast<const T*>(p.k) + b * p.kv_sb + kvh * p.kv_sh;
   const T* vb = static_cast<const T*>(p.v) + b * p.kv_sb + kvh * p.kv_sh;
   // the visible keys pad .. slot (both clamped into the cache), this split's share [lo, hi)
-  auto share = [&](int& lo, int& hi, long long& slot, long long& pad) {
-    slot = *p.slot;
-    slot = slot < 0 ? 0 : (slot >= p.max_seq ? p.max_seq - 1 : slot);
-    pad = p.pad[b];
-    pad = pad < 0 ? 0 : (pad > slot ? slot : pad);
+  auto share = [&](int& lo, int& hi, long long& slot, long long& pad, long long raw_slot, long long raw_pad) {
+    slot = raw_slot < 0 ? 0 : (raw_slot >= p.max_seq ? p.max_seq - 1 : raw_slot);
+    pad = raw_pad < 0 ? 0 : (raw_pad > slot ? slot : raw_pad);
     const int len = static_cast<int>(slot + 1 - pad), per = (len + p.splits - 1) / p.splits;
     lo = static_cast<int>(pad) + split * per, hi = min(static_cast<int>(slot) + 1, lo + per);
   };
@@ -201,8 +199,8 @@ __global__ void __launch_bounds__(kDaThreads) decode_attention_kernel(const Deco
     if (pdl & kPdlPrefetch) {
       // the first tiles' K / V rows into L2 while it runs: the cache's older rows depend on no kernel of this
       // step, and a prefetch never makes a later read stale (L2 is where writes land); slot and pad are read
-      // again after the wait for everything else
-      share(lo, hi, slot, pad);
+      // again after the wait for everything else (read here past L1, so no line of them is held there)
+      share(lo, hi, slot, pad, __ldcg(p.slot), __ldcg(p.pad + b));
       if (threadIdx.x < 2 && lo < hi) {
         const int rows = min(hi - lo, (kStages - 1) * kDaTileKeys);
         pdl_prefetch_l2((threadIdx.x == 0 ? kb : vb) + static_cast<long long>(lo) * D,
@@ -212,7 +210,7 @@ __global__ void __launch_bounds__(kDaThreads) decode_attention_kernel(const Deco
     if (pdl & kPdlRelease) pdl_release();
     pdl_wait();
   }
-  share(lo, hi, slot, pad);
+  share(lo, hi, slot, pad, *p.slot, p.pad[b]);
   // kRope: the token's rotated query / key / value (rope_input), and whether this split holds its slot
   T* qs = reinterpret_cast<T*>(da_smem + L::kRopeAt);
   T* kn = qs + 16 * D;
