@@ -153,9 +153,7 @@ def _compiled_glue(pdl: bool = False) -> dict:
                 setattr(cfg, name, max(getattr(cfg, name), 64))
         glue = {}
         for k, fn in EAGER_GLUE.items():
-            if pdl:
-                if not hasattr(torch._inductor.config.triton, "enable_pdl"):
-                    raise RuntimeError(f"torch {torch.__version__}'s inductor has no triton.enable_pdl")
+            if pdl:  # (pdl_refusal: this torch's inductor has triton.enable_pdl)
                 fn = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
                                         fn.__closure__)
             glue[k] = torch.compile(fn, dynamic=False, fullgraph=True,
@@ -353,6 +351,11 @@ def pdl_refusal(engine: "Engine") -> str:
     cap = torch.cuda.get_device_capability(engine.device)
     if cap < (9, 0):
         return f"compute capability {cap[0]}.{cap[1]} (programmatic launches need 9.0 or later)"
+    if engine.compile_glue:
+        import torch._inductor.config as inductor
+
+        if not hasattr(inductor.triton, "enable_pdl"):
+            return f"torch {torch.__version__}'s inductor has no triton.enable_pdl (the compiled glue's part)"
     return ""
 
 
@@ -443,7 +446,7 @@ class Engine:
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self.compile_glue = bool(compile_glue) and self.device.type == "cuda"
         self._pdl = False  # (measured before it becomes the default: see the pdl property)
-        self._glue = _compiled_glue(self._pdl) if self.compile_glue else EAGER_GLUE
+        self._glue = _compiled_glue() if self.compile_glue else EAGER_GLUE
         self._decode_attention = not decode_attention_refusal(self)
         self._rope_attention = self._decode_attention and not self._rope_refusal()
         if megakernel not in (None, True, False):
