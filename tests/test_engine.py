@@ -293,14 +293,17 @@ def test_cuda_kernels_give_the_cpu_reference_logits(bits, group, sym):
         assert len(engine._graphs) == int(graphs) and engine.compile_glue == compiled
 
 
-def test_decode_attention_is_off_where_its_kernel_cannot_run_and_cannot_be_forced_on():
-    engine = Engine(tiny("llama"), max_seq_len=32)  # CPU, float32, head_dim 16
-    assert engine.decode_attention is False
-    with pytest.raises(ValueError, match="decode_attention cannot run here: the model is on cpu"):
-        engine.decode_attention = True
+@pytest.mark.parametrize("knob,bad", [("decode_attention", 1), ("rope_attention", "yes"), ("pdl", 1)])
+def test_gpu_only_step_knobs_are_off_and_refused_on_the_cpu(knob, bad):
+    """decode_attention, rope_attention and pdl: off on the CPU (float32, head_dim 16); True is refused with the
+    reason, a non-bool with a TypeError, False (the per-op / SDPA step) is allowed."""
+    engine = Engine(tiny("llama"), max_seq_len=32)
+    assert getattr(engine, knob) is False
+    with pytest.raises(ValueError, match=f"{knob} cannot run here: the model is on cpu"):
+        setattr(engine, knob, True)
     with pytest.raises(TypeError, match="expected True or False"):
-        engine.decode_attention = 1
-    engine.decode_attention = False  # (allowed: the SDPA step)
+        setattr(engine, knob, bad)
+    setattr(engine, knob, False)
 
 
 @requires_cuda
@@ -328,16 +331,6 @@ def test_decode_attention_gives_the_sdpa_steps_logits(heads, kv_heads, hidden, d
     err = (got.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
     assert err < (1e-2 if dtype == torch.float16 else 4e-2), f"relative logit error {err:.2e}"
     assert len(fast._graphs) == 1
-
-
-def test_rope_attention_is_off_and_refused_where_decode_attention_cannot_run():
-    engine = Engine(tiny("llama"), max_seq_len=32)  # CPU
-    assert engine.rope_attention is False
-    with pytest.raises(ValueError, match="rope_attention cannot run here: the model is on cpu"):
-        engine.rope_attention = True
-    with pytest.raises(TypeError, match="expected True or False"):
-        engine.rope_attention = "yes"
-    engine.rope_attention = False
 
 
 @requires_cuda
@@ -368,16 +361,6 @@ def test_rope_attention_gives_the_two_kernel_steps_logits(family, heads, kv_head
         ref, got = forced_logits(two, prompts, want), forced_logits(one, prompts, want)
         err = (got.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
         assert err < (1e-2 if dtype == torch.float16 else 4e-2), f"{lengths}: relative logit error {err:.2e}"
-
-
-def test_pdl_is_off_and_refused_where_programmatic_launches_cannot_run():
-    engine = Engine(tiny("llama"), max_seq_len=32)  # CPU
-    assert engine.pdl is False
-    with pytest.raises(ValueError, match="pdl cannot run here: the model is on cpu"):
-        engine.pdl = True
-    with pytest.raises(TypeError, match="expected True or False"):
-        engine.pdl = 1
-    engine.pdl = False
 
 
 @requires_cuda
