@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|decomp|slices|b16|m16|e16|pdl16|da|stage2|attn|attnncu|attnstages|diag|bf16|gen|gen70|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|decomp|slices|b16|m16|e16|pdl16|xpf16|da|stage2|attn|attnncu|attnstages|diag|bf16|gen|gen70|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -262,6 +262,14 @@ launch__registers_per_thread,launch__grid_size,launch__block_size \
         --batches ${PDL_BATCHES:-1,16} --no-hf --no-breakdown \
         --variants int4g128a,int4g128a_pdl,int4g128a_pdlk,int4g128a,int4g128a_pdl,int4g128a_pdlk \
         --out "$OUT/generate_pdl" 2>&1 | grep -v -i warn | grep "b=" ;;
+    xpf16)
+      # the GEMVs' L1 prefetch of x (testing.set_gemv_x_prefetch): the M = 16 GEMVs alone (dev/m16_probe.py), then
+      # the engine's batch-16 step with it one / two tiles ahead against today's, two rounds
+      timeout 100 python3 dev/m16_probe.py --model llama2-7b --variants int4g128a,int4 --ms 16 --xpf 0,1,2,0,1,2 2>&1 \
+        | grep -v -i warn | tee "$OUT/m16_xpf.txt"
+      timeout "${GEN_LIMIT:-200}" python3 -m qgemv.eval.bench_generate --models "${GEN_MODELS:-llama2-7b,llama3-8b}" --batches 16 \
+        --no-hf --no-breakdown --variants int4g128a,int4g128a_xpf1,int4g128a_xpf2,int4g128a,int4g128a_xpf1,int4g128a_xpf2 \
+        --out "$OUT/generate_xpf" 2>&1 | grep -v -i warn | grep "b=16" ;;
     da)
       # decode_attention's stage counts: one layer's call with 2 (today), 3 and 4 K / V tiles a block at the
       # chosen and forced split counts, outputs compared bit for bit (dev/decode_attn_probe.py --stages)
