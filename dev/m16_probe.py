@@ -6,8 +6,8 @@ Batch 16's per-op step spends half its time in the GEMVs at 50% of the read ceil
 today").  This prints, for each of the model's linears, µs a call and the share of the read ceiling measured in the
 same run (the weight's bytes only), at each M; --tiled adds the tiled GEMM (gemm_mma.cu) forced at 17 tokens
 (32-token blocks); --xpf runs each M at each L1 prefetch distance of x (qgemv._C.testing.set_gemv_x_prefetch,
-0 = today's kernel), the distances interleaved, so that every row compares them in one run.  (Its 16-token blocks, reached through a testing knob, ran 1.0-1.8x slower than the GEMV at 16
-tokens on the H100, 2026-12-06, and left the product: git show 79d7e7d:dev/m16_probe.py.)
+0 = today's kernel), the distances interleaved, so that every row compares them in one run.  (Its 16-token
+blocks, reached through a testing knob, ran 1.0-1.8x slower than the GEMV at 16 tokens on the H100, 2026-12-06, and left the product: git show 79d7e7d:dev/m16_probe.py.)
 Each call's weight is one of enough copies to pass 4x the L2 (60 MB on the H200), one call on each in a CUDA
 graph (decode_attn_probe.timed), best of 5.
 """
@@ -50,6 +50,7 @@ def main(argv=None):
     ceil = read_ceiling(Timer())["read_GBps"]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, read ceiling {ceil:.0f} GB/s")
     ms = [int(v) for v in a.ms.split(",")]
+    xpfs = [int(v) for v in a.xpf.split(",")]
     for var in a.variants.split(","):
         cfg = QCFG[var]
         for name, n, k in SHAPES[a.model]:
@@ -63,7 +64,6 @@ def main(argv=None):
                 fns.append(lin)
             cells = []
             # (M, label): the GEMV at each M; with --tiled the tiled GEMM's 32-token blocks at 17 tokens
-            xpfs = [int(v) for v in a.xpf.split(",")]
             runs = [(m, d, f"M={m}" + (f" x{d}" if len(xpfs) > 1 else "")) for m in ms for d in xpfs]
             runs += [(17, 0, "tiled17")] if a.tiled else []
             for m, d, tag in runs:
