@@ -188,21 +188,6 @@ struct GemvMma {
     sym_y = ActTraits<T>::splat(ActTraits<T>::kMagicValue / 16.f + 8.f);
   }
 
-  // A tile's activations: kNT x 8 tokens (clamped to M - 1) x kTileK values,
-  // one or two 128-byte lines a token.  prefetch_x asks L1 for those of tile
-  // `tile` (a clean tile: every k < K) so that its loads hit there: the four
-  // lanes of token g's quad take its lines of both n-tiles (lane t: n-tile
-  // t / 2 where there are two, line t % 2 where there are two), from the
-  // pointers the loads use, so that it costs no register when it is off.
-  static constexpr int kXLinesPerToken = kTileK * static_cast<int>(sizeof(T)) / 128;
-  static_assert(kNT * kXLinesPerToken <= 4, "a quad's four lanes cover a token's lines");
-  __device__ __forceinline__ void prefetch_x(int tile) const {
-    const T* row = kNT == 2 && (t & 2) ? xl[kNT - 1] : xl[0];
-    const int line = kXLinesPerToken == 2 ? (t & 1) : 0;
-    const T* a = row - kLaneK * t + tile * kTileK + line * (128 / static_cast<int>(sizeof(T)));
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(a));
-  }
-
   // 8 activations of this lane's token of n-tile nt at tile-relative k (the
   // lane offset is in xl).  Checked: zero where the lane's k >= K.
   template <bool kChecked>
@@ -416,8 +401,6 @@ __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvPa
   }
   if (pdl & kPdlRelease) pdl_release();
   if (pdl & kPdlLaunch) pdl_wait();
-  // set_gemv_x_prefetch: prefetch the activations of the warp's tile d ahead (global x only).
-  const int xpf_d = kGather ? 0 : pdl >> kXPrefetchShift;
   // Row tile rt reads one panel: rows [pan_row0, pan_row0 + pan_rows) with
   // each tile's pan_rows x 64 bytes stored together (formats.to_panels), so
   // that the r0 half of a warp's tile is 512 contiguous bytes, and so is the
@@ -549,10 +532,6 @@ __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvPa
       cp_async_wait<kStages - 2>();
       read_slot(wb0, wb1);
       issue();
-      if (xpf_d > 0) {
-        if (j + xpf_d < count) s.prefetch_x(tile_a + xpf_d * nwarps);
-        if (j + 1 + xpf_d < count) s.prefetch_x(tile_b + xpf_d * nwarps);
-      }
       TileMeta meta_b[kRT];
       if (grouped) s.template load_meta<false>(tile_b, meta_b);
       if (grouped && j + 2 < count) s.template load_meta<false>(tile_b + nwarps, meta_next);
@@ -576,7 +555,6 @@ __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvPa
       cp_async_wait<kStages - 2>();
       read_slot(w0, w1);
       issue();
-      if (xpf_d > 0 && j + xpf_d < count) s.prefetch_x(tile_a + xpf_d * nwarps);
       if (grouped && j + 1 < count) s.template load_meta<false>(tile_a + nwarps, meta_next);
       s.template tile<0, false>(tile_a, w0, w1, meta_cur);
 #pragma unroll
@@ -726,12 +704,11 @@ Status launch_gemv_mma(const GemvParams& p, cudaStream_t stream) {
           cudaSuccess)
     return Status::kLaunchFailed;
   const int pdl = gemv_pdl_flags();
-  const int flags = (pdl != 0 && sm90_code(kernel) ? pdl : 0) | gemv_x_prefetch() << kXPrefetchShift;
-  if (flags & kPdlLaunch) {
-    if (pdl_launch(kernel, dim3(grid), dim3(w * kWarpSize), smem, stream, p, flags) != cudaSuccess)
+  if (pdl != 0 && sm90_code(kernel)) {
+    if (pdl_launch(kernel, dim3(grid), dim3(w * kWarpSize), smem, stream, p, pdl) != cudaSuccess)
       return Status::kLaunchFailed;
   } else {
-    kernel<<<grid, w * kWarpSize, smem, stream>>>(p, flags);
+    kernel<<<grid, w * kWarpSize, smem, stream>>>(p, 0);
   }
   return cudaGetLastError() == cudaSuccess ? Status::kOk : Status::kLaunchFailed;
 }

@@ -93,15 +93,6 @@ constexpr int kGemvPdlDefault = 0;
 void set_gemv_pdl(int mode);
 int gemv_pdl_flags();
 
-// The GEMV's L1 prefetch of the activations `d` of a warp's tiles ahead (0:
-// none, the default; 1..4).  A testing knob while it is measured: with 9..16
-// tokens x (M x K x 2 bytes) outgrows L1 and a tile's activation loads may
-// wait on L2 (dev/PERSISTENT.md, "Batch 16 today").
-void set_gemv_x_prefetch(int d);
-int gemv_x_prefetch();
-// Bits of the GEMV kernel's flags word above the pdl flags: the prefetch distance.
-constexpr int kXPrefetchShift = 8;
-
 Status gemv_int4(const GemvParams& p, cudaStream_t stream);
 Status gemv_int8(const GemvParams& p, cudaStream_t stream);
 

@@ -10,11 +10,7 @@ namespace qgemv {
 
 namespace {
 std::atomic<int> g_gemv_pdl{-1};
-std::atomic<int> g_gemv_x_prefetch{0};
 }  // namespace
-
-void set_gemv_x_prefetch(int d) { g_gemv_x_prefetch.store(d); }
-int gemv_x_prefetch() { return g_gemv_x_prefetch.load(); }
 
 void set_gemv_pdl(int mode) { g_gemv_pdl.store(mode); }
 

@@ -759,15 +759,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         "Path the dispatch takes for mt tokens of an n x k weight on the current device: 0 chunks, 1 tiled, "
         "2 dense, 3 wgmma; -1 one GEMV launch.");
-  t.def("set_gemv_x_prefetch", [](int d) {
-          if (d < 0 || d > 4)
-            throw pybind11::value_error("qgemv.set_gemv_x_prefetch: d must be 0 (off, the default) .. 4, got " +
-                                        std::to_string(d));
-          qgemv::set_gemv_x_prefetch(d);
-        },
-        "The GEMV's L1 prefetch of its activations d of a warp's tiles ahead (0: off, the default); being "
-        "measured at 9..16 tokens.", pybind11::arg("d"));
-  t.def("gemv_x_prefetch", &qgemv::gemv_x_prefetch);
   t.def("set_gemv_gather", [](bool on) { qgemv::gemv_gather_enabled.store(on); },
         "False: an act-order perm is applied by gathering x first (one more kernel) instead of inside the "
         "GEMV; True (the default) restores the in-kernel gather.");

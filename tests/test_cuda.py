@@ -427,40 +427,6 @@ def test_gemv_pdl_knob_rejects_bad_mode():
 
 
 @requires_cuda
-@pytest.mark.parametrize("name", ["int8", "int4", "int4g128a", "int4g32"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_gemv_x_prefetch_changes_no_bit(name, dtype):
-    """The L1 prefetch of x (qgemv._C.testing.set_gemv_x_prefetch) reads ahead and computes nothing: at every
-    distance, with or without the programmatic launch (whose flags share the kernel's word), the GEMV's
-    outputs equal the plain kernel's bit for bit and are all written. Shapes: an edge tile (K = 2880), two
-    row tiles a warp at 9-16 tokens (N 12288), the persistent grid at 1-8 (N 28672 int4)."""
-    from qgemv import _C
-
-    cfg = CFGS[name]
-    for n, k in ((12288, 2944), (28672, 1024), (100, 2880)):
-        if not _fits(cfg, k):
-            continue
-        qw, s, z = _quantized(cfg, n, k)
-        for m in (1, 8, 9, 16):
-            x = torch.randn(m, k, device="cuda", dtype=dtype)
-            ref = _call(cfg, x, qw, s, z)
-            for d, pdl in ((1, 0), (2, 0), (4, 0), (2, 7)):
-                with _GemvPdl(pdl):
-                    _C.testing.set_gemv_x_prefetch(d)
-                    try:
-                        poison_like((m, n), dtype)
-                        y = _call(cfg, x, qw, s, z)
-                        torch.cuda.synchronize()
-                    finally:
-                        _C.testing.set_gemv_x_prefetch(0)
-                assert torch.equal(y, ref), f"{n}x{k} M={m} d={d} pdl={pdl}: the prefetch changed the outputs"
-    for bad in (-1, 5):
-        with pytest.raises(ValueError, match="set_gemv_x_prefetch"):
-            _C.testing.set_gemv_x_prefetch(bad)
-    assert _C.testing.gemv_x_prefetch() == 0
-
-
-@requires_cuda
 def test_runs_on_current_stream_and_device_guard():
     cfg = CFGS["int4g128"]
     qw, s, z = _quantized(cfg, 512, 512)
