@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|decomp|slices|b16|m16|e16|pdl16|xpf16|da|stage2|attn|attnncu|attnstages|diag|bf16|gen|gen70|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|decomp|slices|b16|m16|e16|pdl16|da|stage2|attn|attnncu|attnstages|diag|bf16|gen|gen70|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -256,20 +256,13 @@ launch__registers_per_thread,launch__grid_size,launch__block_size \
         --no-hf --no-breakdown --variants "${E16_VARIANTS:-int4g128a,int4g128a_da3,int4g128a_da4,int4g128a_norope,int4g128a,int4g128a_da3,int4g128a_da4,int4g128a_norope}" \
         --out "$OUT/generate_e16" 2>&1 | grep -v -i warn | grep "b=16" ;;
     pdl16)
-      # the per-op step as programmatic dependent launches: Engine.pdl (the GEMVs, decode_attention and the
-      # compiled glue; int4g128a_pdl) and our kernels alone (int4g128a_pdlk) against today's, two rounds
+      # the per-op step's launch modes, two rounds: Engine.pdl's default (the GEMVs, decode_attention and the
+      # compiled glue as programmatic launches) against ordinary launches (_nopdl), the glue's alone (_pdlg) and
+      # our kernels at set_gemv_pdl mode 5 (_pdl5)
       timeout "${GEN_LIMIT:-300}" python3 -m qgemv.eval.bench_generate --models "${GEN_MODELS:-llama2-7b,llama3-8b}" \
         --batches ${PDL_BATCHES:-1,16} --no-hf --no-breakdown \
-        --variants int4g128a,int4g128a_pdl,int4g128a_pdlk,int4g128a,int4g128a_pdl,int4g128a_pdlk \
+        --variants int4g128a,int4g128a_nopdl,int4g128a_pdlg,int4g128a_pdl5,int4g128a,int4g128a_nopdl,int4g128a_pdlg,int4g128a_pdl5 \
         --out "$OUT/generate_pdl" 2>&1 | grep -v -i warn | grep "b=" ;;
-    xpf16)
-      # the GEMVs' L1 prefetch of x (testing.set_gemv_x_prefetch): the M = 16 GEMVs alone (dev/m16_probe.py), then
-      # the engine's batch-16 step with it one / two tiles ahead against today's, two rounds
-      timeout 100 python3 dev/m16_probe.py --model llama2-7b --variants int4g128a,int4 --ms 16 --xpf 0,1,2,0,1,2 2>&1 \
-        | grep -v -i warn | tee "$OUT/m16_xpf.txt"
-      timeout "${GEN_LIMIT:-200}" python3 -m qgemv.eval.bench_generate --models "${GEN_MODELS:-llama2-7b,llama3-8b}" --batches 16 \
-        --no-hf --no-breakdown --variants int4g128a,int4g128a_xpf1,int4g128a_xpf2,int4g128a,int4g128a_xpf1,int4g128a_xpf2 \
-        --out "$OUT/generate_xpf" 2>&1 | grep -v -i warn | grep "b=16" ;;
     da)
       # decode_attention's stage counts: one layer's call with 2 (today), 3 and 4 K / V tiles a block at the
       # chosen and forced split counts, outputs compared bit for bit (dev/decode_attn_probe.py --stages)

@@ -72,18 +72,18 @@ VARIANTS = {"fp16": None, "bf16": None, "int8": (8, None, True), "int4": (4, Non
             "int8_mk": (8, None, True), "fp16_mk": None,
             "bf16_mk": None, "int4g128a_bf16": (4, 128, False), "int4g128a_bf16_mk": (4, 128, False),
             "int4g128a_sdpa": (4, 128, False), "int4g128a_da2": (4, 128, False), "int4g128a_da3": (4, 128, False),
-            "int4g128a_da4": (4, 128, False), "int4g128a_norope": (4, 128, False), "int4g128a_pdl": (4, 128, False),
-            "int4g128a_pdlk": (4, 128, False), "int4g128a_xpf1": (4, 128, False), "int4g128a_xpf2": (4, 128, False)}
+            "int4g128a_da4": (4, 128, False), "int4g128a_norope": (4, 128, False), "int4g128a_nopdl": (4, 128, False),
+            "int4g128a_pdlg": (4, 128, False), "int4g128a_pdl5": (4, 128, False)}
 # int4g128a_sdpa: the per-op decode step's attention through SDPA over the whole cache (engine.decode_attention
 # off), the path before qgemv.ops.decode_attention
 # int4g128a_da2 / _da3 / _da4: decode_attention with 2 / 3 / 4 K-V tiles a block forced, not its rule's count
 # (testing.set_decode_attention_stages; dev/decode_attn_probe.py --stages times one layer's call)
 # int4g128a_norope: each layer's q / k norms, rotation and cache write in the glue's kernel before decode_attention
 # (Engine.rope_attention off), not inside the attention kernel (qgemv.ops.rope_decode_attention)
-# int4g128a_pdl: the per-op step as programmatic dependent launches (Engine.pdl: the GEMVs, decode_attention and the
-# compiled glue); int4g128a_pdlk: the GEMVs and decode_attention only (qgemv.set_gemv_pdl(7)), the glue as it is
-# int4g128a_xpf1 / _xpf2: the GEMVs prefetch x into L1 one / two of a warp's tiles ahead
-# (testing.set_gemv_x_prefetch; dev/m16_probe.py --xpf times the GEMVs alone)
+# int4g128a_nopdl: the per-op step as ordinary launches (Engine.pdl off; on by default: the GEMVs, decode_attention
+# and the compiled glue as programmatic dependent launches); int4g128a_pdlg: the compiled glue's kernels only
+# (the GEMVs' and decode_attention's set_gemv_pdl mode 0); int4g128a_pdl5: their mode 5 (no L2 prefetch before
+# the wait) in place of 7
 # *_mk: the same weights with Engine(megakernel=True): each batch-1 decode step as one persistent launch
 # (qgemv.persist, issue 35); other batches run per-op
 # int4g128a_act: int4 g128a with act-order input permutations as an imported GPTQ checkpoint has them after
@@ -209,22 +209,11 @@ def testing_knob(name: str, value: int):
         getattr(mod.testing, "set_" + name)(before)
 
 
-@contextlib.contextmanager
-def gemv_pdl(mode: int):
-    """qgemv.set_gemv_pdl(mode) inside the with block, the default after it (a captured graph keeps its mode)."""
-    qgemv.set_gemv_pdl(mode)
-    try:
-        yield
-    finally:
-        qgemv.set_gemv_pdl(-1)
-
-
 def run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown) -> list:
     """One engine's rows, a row a batch size; breakdown: the batch sizes whose step is also profiled."""
     ctx = (gemv_gather_off() if variant == "int4g128a_act_first"
            else testing_knob("decode_attention_stages", int(variant[-1])) if variant[:-1].endswith("_da")
-           else testing_knob("gemv_x_prefetch", int(variant[-1])) if variant[:-1].endswith("_xpf")
-           else gemv_pdl(7) if variant.endswith("_pdlk") else contextlib.nullcontext())
+           else contextlib.nullcontext())
     with ctx:
         return _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown)
 
@@ -237,8 +226,10 @@ def _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdow
         engine.decode_attention = False
     if variant.endswith("_norope"):
         engine.rope_attention = False
-    if variant.endswith("_pdl"):
-        engine.pdl = True
+    if variant.endswith("_nopdl"):
+        engine.pdl = False
+    elif variant.endswith(("_pdlg", "_pdl5")):
+        engine._pdl_mode = 0 if variant.endswith("_pdlg") else 5
     if variant == "int4g128a_act_sep":  # the projections gather their own inputs
         for L in engine.layers:
             L.qkv.perm = L.gate_up.perm = None

@@ -134,7 +134,8 @@ def set_gemv_pdl(mode: int = 7) -> None:
     ``TORCHINDUCTOR_ENABLE_PDL=1`` (torch.compile'd glue) a Llama-2-7B decode
     step on the H200 went from 2.27 to 2.16 ms/token (int4, batch 1); with
     ordinary torch kernels around it, every mode cost about 2.8%. So it is off
-    by default (BENCHMARKS.md, "Decode").
+    by default; ``qgemv.Engine`` turns it on inside its decode step, whose
+    compiled glue takes part (``Engine.pdl``; BENCHMARKS.md, "Generation engine").
 
     mode: 7 (all), 1 / 3 / 5 (parts), 0 off, -1 the default. Process-wide; it
     takes effect at the next launch (a CUDA graph keeps the mode it was

@@ -445,8 +445,10 @@ class Engine:
         self.cos, self.sin = cos[0], sin[0]
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self.compile_glue = bool(compile_glue) and self.device.type == "cuda"
-        self._pdl = False  # (measured before it becomes the default: see the pdl property)
-        self._glue = _compiled_glue() if self.compile_glue else EAGER_GLUE
+        # on where it can run, with the glue compiled (beside eager torch kernels it cost ~3%: the pdl property)
+        self._pdl = self.compile_glue and not pdl_refusal(self)
+        self._pdl_mode = 7  # the GEMVs' and decode_attention's set_gemv_pdl mode while pdl is on (0: the glue only)
+        self._glue = _compiled_glue(self._pdl) if self.compile_glue else EAGER_GLUE
         self._decode_attention = not decode_attention_refusal(self)
         self._rope_attention = self._decode_attention and not self._rope_refusal()
         if megakernel not in (None, True, False):
@@ -514,9 +516,12 @@ class Engine:
     def pdl(self) -> bool:
         """Whether the per-op decode step runs as programmatic dependent launches: the GEMVs and decode_attention
         (qgemv.set_gemv_pdl(7) while the step is captured or run) and the compiled glue's Triton kernels
-        (inductor's triton.enable_pdl), so that each kernel launches while the one before it ends.  Off by
-        default (not yet measured in the engine); settable (the A/B), where :func:`pdl_refusal` allows it
-        (compute capability 9.0 or later).  A batch size's CUDA graph keeps the mode it was captured with."""
+        (inductor's triton.enable_pdl), so that each kernel launches while the one before it ends.  On by
+        default where :func:`pdl_refusal` allows it (compute capability 9.0 or later, the extension loaded) and
+        the glue is compiled: on the H100 it took 1-4% off a per-op step at batch 1 and 16 (BENCHMARKS.md,
+        "Generation engine"); our kernels alone as programmatic launches among eager torch kernels cost 1-3%,
+        so it is off where the glue is not compiled.  Settable (False: ordinary launches).  A batch size's CUDA
+        graph keeps the mode it was captured with."""
         return self._pdl
 
     @pdl.setter
@@ -538,7 +543,7 @@ class Engine:
             yield
             return
         before = _ext.MODULE.gemv_pdl_flags()  # (0: the default, off)
-        _ext.set_gemv_pdl(7)
+        _ext.set_gemv_pdl(self._pdl_mode)
         try:
             yield
         finally:
@@ -709,6 +714,9 @@ class Engine:
                               f"{str(e)[:200]}); running it eagerly")
                 self._glue = EAGER_GLUE
                 self.compile_glue = False
+                if self._pdl:  # (our kernels alone as programmatic launches: a loss; see the pdl property)
+                    self._pdl = False
+                    _ext.set_gemv_pdl(-1)  # (for this call too; _launch_mode restores the mode after it)
         if not self.cuda_graphs:
             return self.forward(ids, slot, pad)
         B = ids.shape[0]

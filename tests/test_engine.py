@@ -366,21 +366,25 @@ def test_rope_attention_gives_the_two_kernel_steps_logits(family, heads, kv_head
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_pdl_gives_the_ordinary_launches_tokens_and_logits(dtype):
-    """The per-op decode step as programmatic dependent launches (Engine.pdl: each kernel may start while the
-    one before it ends) against ordinary launches on the same weights: prompts of three lengths and one
-    alone, teacher-forced for 24 steps, graphs and compiled glue on; the launch mode is restored after."""
+    """The per-op decode step as programmatic dependent launches (Engine.pdl, the default where it can run:
+    each kernel may start while the one before it ends) against ordinary launches on the same weights: prompts
+    of three lengths and one alone, teacher-forced for 24 steps, graphs and compiled glue on; the launch mode
+    is restored after.  With the glue left eager, pdl is off by default."""
     model = tiny("llama", seed=8, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=512, vocab_size=512, initializer_range=0.02)
     with torch.no_grad():
         model.lm_head.weight.mul_(20)
     qgemv.quantize_model(model, bits=4, group_size=128, symmetric=False)
     model = model.to(device="cuda", dtype=dtype)
-    plain = Engine(model, max_seq_len=96, megakernel=False)
     fast = Engine(model, max_seq_len=96, megakernel=False)
-    try:
-        fast.pdl = True
-    except ValueError as e:
-        pytest.skip(str(e))
+    why = qgemv.engine.pdl_refusal(fast)
+    if why:
+        assert fast.pdl is False
+        pytest.skip(why)
+    assert fast.pdl is True
+    assert Engine(model, max_seq_len=96, megakernel=False, compile_glue=False).pdl is False
+    plain = Engine(model, max_seq_len=96, megakernel=False)
+    plain.pdl = False
     g = torch.Generator().manual_seed(8)
     for lengths in ((13, 5, 30), (9,)):
         prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
