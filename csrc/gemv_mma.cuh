@@ -103,11 +103,20 @@ __device__ __forceinline__ int panel_of(int blk, int rt, int npanels) {
   return kRT == 1 ? blk : min(blk * kRT + rt, npanels - 1);
 }
 
-// Group metadata of one tile for this lane's two rows: up to 4 groups (G = 32).
+// Group metadata of one tile for this lane's two rows: up to 4 groups (G = 32),
+// kept as loaded (fp16 bits, zero points 0..15) and converted where a sub-tile
+// uses them.  Converted at load, the first instruction after the loads read
+// them: every warp stalled there for the loads' round trip (ncu on the H100,
+// int4 g128 + zeros at 16 tokens: 17-27% of the stall samples), although the
+// loads run a tile ahead.
 struct TileMeta {
-  float s0[4], s1[4];       // scales of rows r0, r1
-  uint32_t z0[4], z1[4];    // (magic + zero) pairs in the activation type
+  uint32_t s0[4], s1[4];    // scale bits (fp16) of rows r0, r1
+  uint32_t z0[4], z1[4];    // zero points of rows r0, r1
 };
+
+__device__ __forceinline__ float scale_of(uint32_t bits) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+}
 
 // kGroup: 0 = one scale per output channel, else the group size (32, 64,
 // 128); kZeros: group-wise zero points.  Both are template parameters, not
@@ -212,11 +221,11 @@ struct GemvMma {
         if (i % kSubPerGroup == 0) {
           int gi = tile * kGroupsPerTile + i / kSubPerGroup;
           if (kChecked) gi = min(gi, ngroups - 1);
-          m.s0[i] = __half2float(srow0[rt][gi]);
-          m.s1[i] = __half2float(srow1[rt][gi]);
+          m.s0[i] = __half_as_ushort(srow0[rt][gi]);
+          m.s1[i] = __half_as_ushort(srow1[rt][gi]);
           if constexpr (kHasZeros) {
-            m.z0[i] = magic_zero_pair<T>(zrow0[rt][gi]);
-            m.z1[i] = magic_zero_pair<T>(zrow1[rt][gi]);
+            m.z0[i] = zrow0[rt][gi];
+            m.z1[i] = zrow1[rt][gi];
           }
         } else {
           m.s0[i] = m.s0[i - 1];
@@ -245,8 +254,8 @@ struct GemvMma {
     for (int rt = 0; rt < kRT; ++rt) {
       uint32_t z0 = sym_z, z1 = sym_z, y0 = sym_y, y1 = sym_y;
       if constexpr (kHasZeros) {
-        z0 = ms[rt].z0[j];
-        z1 = ms[rt].z1[j];
+        z0 = magic_zero_pair<T>(ms[rt].z0[j]);
+        z1 = magic_zero_pair<T>(ms[rt].z1[j]);
         // (magic/16 + z) = (magic + z) - 15 magic / 16: one exact subtraction
         // instead of a second register array per group.
         y0 = magic_zero_pair_16<T>(z0);
@@ -270,10 +279,11 @@ struct GemvMma {
 #pragma unroll
         for (int n = 0; n < kNT; ++n) {
           float(&a)[4] = acc[B % kBanks][rt][n];
-          a[0] += part[rt][n][0] * ms[rt].s0[j];
-          a[1] += part[rt][n][1] * ms[rt].s0[j];
-          a[2] += part[rt][n][2] * ms[rt].s1[j];
-          a[3] += part[rt][n][3] * ms[rt].s1[j];
+          const float s0 = scale_of(ms[rt].s0[j]), s1 = scale_of(ms[rt].s1[j]);
+          a[0] += part[rt][n][0] * s0;
+          a[1] += part[rt][n][1] * s0;
+          a[2] += part[rt][n][2] * s1;
+          a[3] += part[rt][n][3] * s1;
 #pragma unroll
           for (int i = 0; i < 4; ++i) part[rt][n][i] = 0.f;
         }
@@ -534,7 +544,9 @@ __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvPa
       issue();
       TileMeta meta_b[kRT];
       if (grouped) s.template load_meta<false>(tile_b, meta_b);
-      if (grouped && j + 2 < count) s.template load_meta<false>(tile_b + nwarps, meta_next);
+      // (the next pair's first tile; past the warp's last tile, the last clean tile's again, unused: no branch
+      // splits the loop's block, so ptxas can place the loads' readers a tile later)
+      if (grouped) s.template load_meta<false>(min(tile_b + nwarps, nclean - 1), meta_next);
       s.template tile<0, false>(tile_a, wa0, wa1, meta_cur);
       s.template tile<1, false>(tile_b, wb0, wb1, meta_b);
 #pragma unroll
@@ -555,7 +567,7 @@ __global__ void QGEMV_REGISTER_CAP(kBits, kNT, kRT) gemv_mma_kernel(const GemvPa
       cp_async_wait<kStages - 2>();
       read_slot(w0, w1);
       issue();
-      if (grouped && j + 1 < count) s.template load_meta<false>(tile_a + nwarps, meta_next);
+      if (grouped) s.template load_meta<false>(min(tile_a + nwarps, nclean - 1), meta_next);  // (as above)
       s.template tile<0, false>(tile_a, w0, w1, meta_cur);
 #pragma unroll
       for (int rt = 0; rt < kRT; ++rt) meta_cur[rt] = meta_next[rt];
