@@ -241,22 +241,9 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int bits, int group, 
     if (a.per_warp < 0 || a.per_warp > 64)
       return pl.error = where + str("per_warp must be 0 (2) or 1..64, got ", a.per_warp), pl;
     c.per_warp = a.per_warp ? a.per_warp : kChainAttnPerWarp;
-    if (a.bufs != 0 && (a.bufs < 2 || a.bufs > kChainAttnMaxBufs))
-      return pl.error = where + "bufs must be 0 (as many as fit) or 2.." + std::to_string(kChainAttnMaxBufs) +
-                        ", got " + std::to_string(a.bufs), pl;
-    c.bufs = a.bufs ? a.bufs : 2;  // auto: grown below while shared memory holds them
+    // the attention's scratch lives in the input buffer (x_cap fp16)
+    pl.x_cap = std::max(pl.x_cap, (2 * chain_attn_floats(H / Hk, D, warps) + 127) / 128 * 128);
   }
-  const int x_lin = pl.x_cap;  // the linears' inputs; the attention's scratch lives in the same buffer
-  auto attn_x_cap = [&](int grow) {  // x_cap with each auto attention at `grow` buffers
-    int x = x_lin;
-    for (int k = 0; k < na; ++k) {
-      const int nb = attns[k].bufs ? attns[k].bufs : grow;
-      x = std::max(x, (2 * chain_attn_floats(attns[k].heads / attns[k].kv_heads, attns[k].head_dim, warps, nb) +
-                       127) / 128 * 128);
-    }
-    return x;
-  };
-  pl.x_cap = attn_x_cap(2);
   if (na > 0) {
     pl.attn.resize(sizeof(ChainAttn) * na);
     std::memcpy(pl.attn.data(), at.data(), pl.attn.size());
@@ -273,32 +260,6 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int bits, int group, 
   std::memcpy(pl.ops.data(), ops.data(), pl.ops.size());
   ChainShape sh = persist_shape(pl, group, zeros, stages, nullptr);
   pl.smem = chain_smem_bytes(sh, warps);
-  // More K / V chunk buffers for the auto attentions, as many as the block's shared memory holds beside the
-  // ring (a unit's later chunks then fly while the first are summed): the largest count that fits the device's
-  // opt-in limit (227 KB on sm_90 when no device answers) less a reserve for the kernel's static shared memory.
-  bool any_auto = false;
-  for (int k = 0; k < na; ++k) any_auto = any_auto || attns[k].bufs == 0;
-  if (any_auto) {
-    int dev = 0, optin = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess || optin <= 0) {
-      (void)cudaGetLastError();
-      optin = 227 * 1024;
-    }
-    const size_t budget = static_cast<size_t>(optin) - kChainStaticSmemReserve;
-    for (int nb = kChainAttnMaxBufs; nb > 2; --nb) {
-      PersistPlan trial = pl;
-      trial.x_cap = attn_x_cap(nb);
-      const size_t smem = chain_smem_bytes(persist_shape(trial, group, zeros, stages, nullptr), warps);
-      if (smem > std::max(budget, pl.smem)) continue;  // (growth that costs nothing is taken)
-      for (int k = 0; k < na; ++k)
-        if (attns[k].bufs == 0) at[k].bufs = nb;
-      pl.x_cap = trial.x_cap;
-      pl.smem = smem;
-      std::memcpy(pl.attn.data(), at.data(), pl.attn.size());
-      break;
-    }
-  }
   return pl;
 }
 

@@ -70,7 +70,6 @@ struct PersistAttn {
   unsigned* count = nullptr;    // [kv_heads], zeroed once before the first launch
   int heads = 0, kv_heads = 0, head_dim = 0, max_seq = 0, splits = 0;
   int per_warp = 0;             // positions a warp before a context is split across blocks, 1..64; 0: 2
-  int bufs = 0;                 // K / V chunk buffers (2..8); 0: as many as the block's shared memory holds
   float scale = 0.f;
 };
 

@@ -1140,7 +1140,6 @@ struct ChainAttn {
   unsigned* count;            // [Hkv]: splits done; zero before the first launch, left zero
   int ldq, H, Hkv, D, S, splits;
   int per_warp;               // positions a warp before a context is split across blocks (1..64)
-  int bufs;                   // K / V chunk buffers in shared memory (2..kChainAttnMaxBufs): bufs - 1 in flight
   float scale;                // the scores' scale (D^-1/2)
 };
 
@@ -1163,17 +1162,15 @@ __device__ __forceinline__ void chain_decode_prologue(const ChainAttn* attn, con
 }  // (the kernel's next block barrier publishes them)
 
 // Attention's shared memory (floats, inside the input buffer xs): the
-// group's queries and the token's k and v; then either `bufs` buffers of a
+// group's queries and the token's k and v; then either two buffers of a
 // chunk's K and V rows (fp16, cp.async) or, for the block's merge, each warp's
 // (max, sum) and values.
 constexpr int kChainAttnChunk = 32;   // cache positions a chunk
-constexpr int kChainAttnMaxBufs = 8;  // chunk buffers at most (the plan gives what shared memory holds)
-constexpr int kChainStaticSmemReserve = 4096;  // the plan's room for the kernel's static shared memory (~1.2 KB)
 // ChainAttn::per_warp's default: 2 a warp (32 positions a unit of 16 warps) against 8 (128), H200 2026-12-05,
 // attention µs a layer (Llama-3-8B): +6.6 / +8.3 against +10.9 / +11.6 at contexts 256 / 768, +6.4 / +5.9 at 64
 constexpr int kChainAttnPerWarp = 2;
-__host__ __device__ inline int chain_attn_floats(int gq, int D, int W, int bufs) {
-  const int rows = bufs * 2 * kChainAttnChunk * D / 2;  // fp16 K and V, `bufs` buffers
+__host__ __device__ inline int chain_attn_floats(int gq, int D, int W) {
+  const int rows = 2 * 2 * kChainAttnChunk * D / 2;  // fp16 K and V, two buffers
   const int merge = W * D + 2 * W;
   return gq * D + 2 * D + (rows > merge ? rows : merge);
 }
@@ -1302,9 +1299,8 @@ __device__ __forceinline__ void chain_ld_dims(const A* p, float (&o)[kDpl]) {
 // context is split across blocks only when it is long: splits = min(a.splits,
 // ceil(L / (W a.per_warp))), one unit a block (one split: no merge
 // across blocks).  A unit's K and V rows come through shared memory in chunks
-// (cp.async, a.bufs buffers: the next bufs - 1 chunks' copies fly while one is
-// summed, the first bufs - 1 issued before the wait for q/k/v: the cache rows
-// before the token's do not depend on it).  Warp w takes query
+// (cp.async, two buffers: the next chunk's copy flies while this one is
+// summed; the first is issued before the wait for q/k/v).  Warp w takes query
 // head w % gq and every (W / gq)-th position of each chunk from slice w / gq,
 // with its own online softmax (lanes over the dims, kDpl = D / 32 each; the
 // score all-reduced by shuffles; two positions at a time): few registers (the
@@ -1312,19 +1308,6 @@ __device__ __forceinline__ void chain_ld_dims(const A* p, float (&o)[kDpl]) {
 // inside a chunk.  Then the head's warps merge in shared memory, and a split's
 // result goes to the scratch, where the kv head's last split merges them (as
 // flash-decoding does), or with one split straight into o's input.
-// cp.async.wait_group with a run-time count (0..kChainAttnMaxBufs - 2).
-__device__ __forceinline__ void chain_cp_async_wait_upto(int pending) {
-  switch (pending) {
-    case 1: cp_async_wait<1>(); break;
-    case 2: cp_async_wait<2>(); break;
-    case 3: cp_async_wait<3>(); break;
-    case 4: cp_async_wait<4>(); break;
-    case 5: cp_async_wait<5>(); break;
-    case 6: cp_async_wait<6>(); break;
-    default: cp_async_wait<0>(); break;
-  }
-}
-
 template <int kDpl, typename A, typename Sync>
 __device__ __forceinline__ void chain_attention(const ChainAttn& a, int par, int nthreads, Sync&& csync, float* sm) {
   __shared__ int last;
@@ -1338,8 +1321,7 @@ __device__ __forceinline__ void chain_attention(const ChainAttn& a, int par, int
   float* qf = sm;                // [gq][kD] queries x scale
   float* kv = qf + pairs;        // [2][kD] the token's k, v
   float* big = kv + 2 * kD;      // the chunks' rows, or the merge's buffers
-  A* rows = reinterpret_cast<A*>(big);  // [bufs][K, V][kChainAttnChunk][kD]
-  const int nb = a.bufs;
+  A* rows = reinterpret_cast<A*>(big);  // [2][K, V][kChainAttnChunk][kD]
   const unsigned short* src = a.qkv + static_cast<size_t>(par) * a.ldq;
   for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
     const int h = unit / splits, s = unit % splits;
@@ -1358,12 +1340,7 @@ __device__ __forceinline__ void chain_attention(const ChainAttn& a, int par, int
         cp_async_16_shared_data(c < words ? ks4 + c : vs4 + (c - words), c < words ? k4 + c : v4 + (c - words));
       cp_async_commit();
     };
-    // chunks 0 .. nb - 2 into buffers 0 .. nb - 2, a commit group each (an empty group past the unit's end, so
-    // that chunk i's group is always the oldest but nb - 2 at its turn); p0 < p1: every unit has a position
-    for (int j = 0; j + 1 < nb; ++j) {
-      if (p0 + j * kChainAttnChunk < p1) fetch(p0 + j * kChainAttnChunk, j);
-      else cp_async_commit();
-    }
+    fetch(p0, 0);  // p0 < p1: every unit has a position (splits <= L)
     for (int c = threadIdx.x; c < pairs / 8; c += nthreads) chain_poll8<A>(src + h * pairs + 8 * c, qf + 8 * c, a.scale);
     if (p1 == L)
       for (int c = threadIdx.x; c < kD / 4; c += nthreads) {
@@ -1389,17 +1366,15 @@ __device__ __forceinline__ void chain_attention(const ChainAttn& a, int par, int
       for (int e = 0; e < kDpl; ++e) acc[e] = fmaf(acc[e], r, e1 * v[e]);
       m = mx;
     };
-    for (int c0 = p0, b = 0; c0 < p1; c0 += kChainAttnChunk, b = b + 1 == nb ? 0 : b + 1) {
+    for (int c0 = p0, b = 0; c0 < p1; c0 += kChainAttnChunk, b ^= 1) {
       const int n = min(kChainAttnChunk, p1 - c0);
-      chain_cp_async_wait_upto(nb - 2);  // this thread's copies of the chunk (the later nb - 2 may still fly)
-      // Every thread's copies of the chunk are in, and every warp is past the previous chunk's buffer's last
-      // use (its sums): only now may chunk + nb - 1's copies go into it.  Issued before this barrier, a warp
-      // with no query head (gq not dividing W) ran ahead and overwrote the rows the others were still summing
-      // once a context had three chunks or more.
+      cp_async_wait<0>();  // this thread's copies of the chunk (the only ones in flight)
+      // Every thread's copies of the chunk are in, and every warp is past the other buffer's last use (the
+      // previous chunk's sums): only now may the next chunk's copies go into it.  Issued before this barrier,
+      // a warp with no query head (gq not dividing W) ran ahead and overwrote the rows the others were still
+      // summing once a context had three chunks or more.
       csync();
-      const int cn = c0 + (nb - 1) * kChainAttnChunk;
-      if (cn < p1) fetch(cn, b == 0 ? nb - 1 : b - 1);  // flies while the chunks before it are summed
-      else cp_async_commit();
+      if (c0 + kChainAttnChunk < p1) fetch(c0 + kChainAttnChunk, b ^ 1);  // flies while this chunk is summed
       const A* ks = rows + static_cast<size_t>(2 * b) * kChainAttnChunk * kD;
       const A* vs = ks + kChainAttnChunk * kD;
       if (busy)

@@ -561,12 +561,12 @@ void register_cuda_kernels() {
 // classes, sums, x_cap, stage, smem, attention table uint8); ops: (x, res, y, weight, scales, N, K, out,
 // x_plain, res_plain, y_plain, ldx, role, attn, perm (0: none), Kp (0: K)); attns: (k_cache, v_cache, cos, sin, part, count, heads, kv_heads,
 // head_dim, max_seq, splits, scale, bias (0: none), q_norm, k_norm, qk_ss, qk_count (0: none), qk_eps, per_warp
-// (0: 2), bufs (0: as many as fit)).
+// (0: 2)).
 using PersistOpTuple =
     std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, bool, bool, bool, int, int, int, int64_t, int>;
 using PersistAttnTuple =
     std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, int, int, double, int64_t, int64_t,
-               int64_t, int64_t, int64_t, double, int, int>;
+               int64_t, int64_t, int64_t, double, int>;
 
 PersistPlan persist_plan_of(const std::vector<PersistOpTuple>& in, int bits, int group, bool zeros, int blocks, int warps,
                             int stages, const std::vector<PersistAttnTuple>& attn_in) {
@@ -605,7 +605,6 @@ PersistPlan persist_plan_of(const std::vector<PersistOpTuple>& in, int bits, int
     a.qk_count = reinterpret_cast<unsigned*>(std::get<16>(t));
     a.qk_eps = static_cast<float>(std::get<17>(t));
     a.per_warp = std::get<18>(t);
-    a.bufs = std::get<19>(t);
     attns.push_back(a);
   }
   return persist_plan(ops, bits, group, zeros, blocks, warps, stages, attns);

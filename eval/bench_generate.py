@@ -73,8 +73,7 @@ VARIANTS = {"fp16": None, "bf16": None, "int8": (8, None, True), "int4": (4, Non
             "bf16_mk": None, "int4g128a_bf16": (4, 128, False), "int4g128a_bf16_mk": (4, 128, False),
             "int4g128a_sdpa": (4, 128, False), "int4g128a_da2": (4, 128, False), "int4g128a_da3": (4, 128, False),
             "int4g128a_da4": (4, 128, False), "int4g128a_norope": (4, 128, False), "int4g128a_nopdl": (4, 128, False),
-            "int4g128a_pdlg": (4, 128, False), "int4g128a_pdl5": (4, 128, False), "int4g128a_mk_kv2": (4, 128, False),
-            "int8_mk_kv2": (8, None, True)}
+            "int4g128a_pdlg": (4, 128, False), "int4g128a_pdl5": (4, 128, False)}
 # int4g128a_sdpa: the per-op decode step's attention through SDPA over the whole cache (engine.decode_attention
 # off), the path before qgemv.ops.decode_attention
 # int4g128a_da2 / _da3 / _da4: decode_attention with 2 / 3 / 4 K-V tiles a block forced, not its rule's count
@@ -86,8 +85,7 @@ VARIANTS = {"fp16": None, "bf16": None, "int8": (8, None, True), "int4": (4, Non
 # (the GEMVs' and decode_attention's set_gemv_pdl mode 0); int4g128a_pdl5: their mode 5 (no L2 prefetch before
 # the wait) in place of 7
 # *_mk: the same weights with Engine(megakernel=True): each batch-1 decode step as one persistent launch
-# (qgemv.persist, issue 35); other batches run per-op.  *_mk_kv2: the launch's attention with two K / V chunk
-# buffers a unit (persist.Attention.bufs = 2, the count before 2026-12-07) in place of as many as fit
+# (qgemv.persist, issue 35); other batches run per-op
 # int4g128a_act: int4 g128a with act-order input permutations as an imported GPTQ checkpoint has them after
 # qgemv.importers (one random perm shared by q/k/v, one by o, one by gate/up; down_proj's folded into gate/up's
 # rows); the engine gathers q/k/v's and gate/up's inputs inside its RMSNorm glue, and o_proj's GEMV gathers its
@@ -223,13 +221,11 @@ def run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown
 def _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown) -> list:
     rows = []
     wb = weight_bytes(model)
-    engine = Engine(model, max_seq_len=prompt + gen + 8, megakernel=variant.endswith(("_mk", "_mk_kv2")))
+    engine = Engine(model, max_seq_len=prompt + gen + 8, megakernel=variant.endswith("_mk"))
     if variant.endswith("_sdpa"):
         engine.decode_attention = False
     if variant.endswith("_norope"):
         engine.rope_attention = False
-    if variant.endswith("_mk_kv2"):  # the launch's attention with two K / V chunk buffers (before 2026-12-07)
-        engine._attn_bufs = 2
     if variant.endswith("_nopdl"):
         engine.pdl = False
     elif variant.endswith(("_pdlg", "_pdl5")):

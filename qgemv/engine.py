@@ -448,7 +448,6 @@ class Engine:
         # on where it can run, with the glue compiled (beside eager torch kernels it cost ~3%: the pdl property)
         self._pdl = self.compile_glue and not pdl_refusal(self)
         self._pdl_mode = 7  # the GEMVs' and decode_attention's set_gemv_pdl mode while pdl is on (0: the glue only)
-        self._attn_bufs = None  # the launch's K / V chunk buffers (persist.Attention.bufs; None: as many as fit)
         self._glue = _compiled_glue(self._pdl) if self.compile_glue else EAGER_GLUE
         self._decode_attention = not decode_attention_refusal(self)
         self._rope_attention = self._decode_attention and not self._rope_refusal()
@@ -591,8 +590,7 @@ class Engine:
                     qn = torch.stack([L.q_norm for L in self.layers]).to(self.dtype).contiguous()
                     kn = torch.stack([L.k_norm for L in self.layers]).to(self.dtype).contiguous()
                 att = persist.Attention(self.heads, self.kv_heads, self.head_dim, self.cos, self.sin, k[:, 0], v[:, 0],
-                                        scale=self.scale, qkv_bias=bias, q_norm=qn, k_norm=kn, qk_eps=self.eps,
-                                        bufs=self._attn_bufs)
+                                        scale=self.scale, qkv_bias=bias, q_norm=qn, k_norm=kn, qk_eps=self.eps)
                 self._chain = persist.PersistentChain(
                     [tuple(weight(m) for m in (L.qkv.fused, L.o_proj, L.gate_up.fused, L.down_proj))
                      for L in self.layers],

@@ -100,9 +100,7 @@ class Attention:
     adds it.  q_norm / k_norm: A [layers, head_dim], contiguous, or None (both): each layer's RMSNorm gain of
     every q / k head (Qwen3), applied before the rotation with epsilon ``qk_eps``.  per_warp: cache positions a
     warp of a unit before the launch splits a context across blocks (1..64, default 2): fewer split shorter
-    contexts sooner, at the cost of the splits' merge.  bufs: the K / V chunk buffers of a unit (32 cache
-    positions each) in shared memory, 2..8 (bufs - 1 chunks in flight); default: as many as the block's shared
-    memory holds beside the weight ring.
+    contexts sooner, at the cost of the splits' merge.
     The token's slot is its rotary position (one sequence, no padding).
     """
 
@@ -120,7 +118,6 @@ class Attention:
     k_norm: Optional[torch.Tensor] = None
     qk_eps: float = 1e-6
     per_warp: Optional[int] = None
-    bufs: Optional[int] = None
 
     @property
     def max_seq(self) -> int:
@@ -513,7 +510,7 @@ class PersistentChain:
                               at.qkv_bias[li].data_ptr() if at.qkv_bias is not None else 0,
                               *((at.q_norm[li].data_ptr(), at.k_norm[li].data_ptr(), qk[0].data_ptr(),
                                  qk[1].data_ptr()) if at.q_norm is not None else (0, 0, 0, 0)), float(at.qk_eps),
-                              int(at.per_warp or 0), int(at.bufs or 0)))
+                              int(at.per_warp or 0)))
             ops.append((hh.data_ptr(), 0, a.data_ptr(), *ws[2], 2 * i, h, 2, False, False, False, h, 0, -1, pp[2],
                         kp[2]))
             ops.append((a.data_ptr(), hh.data_ptr(), nxt.data_ptr(), *ws[3], h, i, 1, False, False, plain_out, i, 0,
@@ -593,8 +590,6 @@ class PersistentChain:
             raise PersistError(f"attention: splits must be positive, got {at.splits}")
         if at.per_warp is not None and not 1 <= at.per_warp <= 64:
             raise PersistError(f"attention: per_warp must be None or 1..64, got {at.per_warp}")
-        if at.bufs is not None and not 2 <= at.bufs <= 8:
-            raise PersistError(f"attention: bufs must be None (as many as fit) or 2..8, got {at.bufs}")
 
     @staticmethod
     def _check_head(hd: Head, hidden: int, dev, dtype: torch.dtype) -> None:

@@ -549,9 +549,9 @@ def attn_ops(h, hk, d, inter=640, roles=((1, 0), (2, 0))):
     return ops
 
 
-def attn_tuple(h, hk, d, s=64, splits=4, per_warp=0, bufs=2):
+def attn_tuple(h, hk, d, s=64, splits=4, per_warp=0):
     return (8192, 8192 * 2, 8192 * 3, 8192 * 4, 8192 * 5, 8192 * 6, h, hk, d, s, splits, d ** -0.5, 0, 0, 0, 0, 0, 1e-6,
-            per_warp, bufs)
+            per_warp)
 
 
 def reference_layer(seed, h, hk, d, s, inter=256):
@@ -636,37 +636,6 @@ def test_plan_checks_the_attention():
         ps.plan(attn_ops(8, 2, 64), 0, False, 8, 16, 8, [attn_tuple(8, 2, 64, splits=0)])[0]
     assert "per_warp must be 0 (2) or 1..64, got 65" in \
         ps.plan(attn_ops(8, 2, 64), 0, False, 8, 16, 8, [attn_tuple(8, 2, 64, per_warp=65)])[0]
-    for bad in (1, 9):
-        assert f"attention 0: bufs must be 0 (as many as fit) or 2..8, got {bad}" in \
-            ps.plan(attn_ops(8, 2, 64), 0, False, 8, 16, 8, [attn_tuple(8, 2, 64, bufs=bad)])[0]
-
-
-def attn_x_cap(gq, d, warps, bufs, linears):
-    """The input buffer's length (fp16) that the attention's scratch needs: queries, the token's k / v, then bufs
-    K / V chunk buffers of 32 positions or the block's merge (floats, two fp16 each)."""
-    floats = gq * d + 2 * d + max(bufs * 32 * d, warps * d + 2 * warps)
-    return max(linears, -(-2 * floats // 128) * 128)
-
-
-@needs_ext
-def test_plan_sizes_the_attention_chunk_buffers():
-    ps = qgemv._ext.MODULE.persist
-    budget = 227 * 1024 - 4096  # sm_90's opt-in limit less the static shared memory's reserve
-    for bufs in (2, 3, 8):  # asked: exactly that many
-        got = ps.plan(attn_ops(8, 2, 64), 0, False, 8, 16, 8, [attn_tuple(8, 2, 64, bufs=bufs)])
-        assert got[0] == "" and got[6] == attn_x_cap(4, 64, 16, bufs, 640)
-    roomy = ps.plan(attn_ops(8, 2, 64), 0, False, 8, 16, 8, [attn_tuple(8, 2, 64, bufs=0)])
-    assert roomy[0] == "" and roomy[6] == attn_x_cap(4, 64, 16, 8, 640) and roomy[8] <= budget
-    # a 16-slot ring (256 KB) leaves no room to grow: the default two buffers, the plan unchanged
-    two = ps.plan(attn_ops(8, 2, 64), 0, False, 8, 16, 16, [attn_tuple(8, 2, 64, bufs=2)])
-    auto = ps.plan(attn_ops(8, 2, 64), 0, False, 8, 16, 16, [attn_tuple(8, 2, 64, bufs=0)])
-    assert auto[6] == two[6] and auto[8] == two[8] > budget
-    # head_dim 128 beside a 10-slot ring: more than two buffers, as many as fit
-    tight = ps.plan(attn_ops(4, 4, 128), 0, False, 8, 16, 10, [attn_tuple(4, 4, 128, bufs=0)])
-    fits = [b for b in range(2, 9) if tight[6] == attn_x_cap(1, 128, 16, b, 640)]
-    assert tight[0] == "" and fits and 2 < fits[0] < 8 and tight[8] <= budget
-    more = ps.plan(attn_ops(4, 4, 128), 0, False, 8, 16, 10, [attn_tuple(4, 4, 128, bufs=fits[0] + 1)])
-    assert more[8] > budget
 
 
 def rope_tables(s, d, device, dt=torch.float16):
@@ -717,16 +686,12 @@ def assert_close_cache(got, ref, what):
     # odd grid (10 positions a unit, a chunk cut short)
     dict(h=8, hk=2, d=128, inter=1024, nl=2, s=260, splits=None, grid={}, per_warp=1),
     dict(h=4, hk=2, d=64, inter=640, nl=2, s=130, splits=8, grid=dict(blocks=7, warps=5, stages=4), per_warp=2),
-    # K / V chunk buffers asked for (the others take as many as fit: 8 on these shapes): 2 on GQA 5's contexts of
-    # up to 5 chunks; 3 cycling over one split of up to 10 chunks, GQA 7 (warps without a query head)
-    dict(h=5, hk=1, d=64, inter=832, nl=2, s=160, splits=None, grid={}, bufs=2),
-    dict(h=7, hk=1, d=128, inter=1024, nl=2, s=300, splits=1, grid={}, bufs=3),
 ])
 def test_decode_chain_matches_the_per_op_chain(name, dt, cfg):
     torch.manual_seed(7)
     skip_if_group_cuts(name, cfg["h"] * cfg["d"], cfg["inter"])
     layers, norms, at = decode_setup(name, cfg["h"], cfg["hk"], cfg["d"], cfg["inter"], cfg["nl"], cfg["s"], dt=dt)
-    at.splits, at.per_warp, at.bufs = cfg["splits"], cfg.get("per_warp"), cfg.get("bufs")
+    at.splits, at.per_warp = cfg["splits"], cfg.get("per_warp")
     if cfg.get("bias"):
         at.qkv_bias = (torch.randn(cfg["nl"], (cfg["h"] + 2 * cfg["hk"]) * cfg["d"], device="cuda") * 0.5).to(dt)
     if cfg.get("qk_norm"):
