@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|decomp|slices|b16|m16|e16|pdl16|xring|da|stage2|attn|attnncu|attnstages|diag|bf16|gen|gen70|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|decomp|slices|b16|m16|e16|pdl16|da|stage2|attn|attnncu|attnstages|diag|bf16|gen|gen70|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -263,27 +263,6 @@ launch__registers_per_thread,launch__grid_size,launch__block_size \
         --batches ${PDL_BATCHES:-1,16} --no-hf --no-breakdown \
         --variants int4g128a,int4g128a_nopdl,int4g128a_pdlg,int4g128a_pdl5,int4g128a,int4g128a_nopdl,int4g128a_pdlg,int4g128a_pdl5 \
         --out "$OUT/generate_pdl" 2>&1 | grep -v -i warn | grep "b=" ;;
-    xring)
-      # LAB: x through a per-warp shared-memory ring at 9..16 tokens (dev/xring.patch on a copy of csrc/), 2 and 3
-      # slots against csrc/, 16 tokens, warps 0 (the launcher's) / 2 / 4, every result checked against the lab's
-      # reference (odd shapes at M = 1 / 3 / 16 too); one line a (format, shape, warps): base / x2 / x3 us
-      rm -rf /tmp/lab_xr && cp -r csrc /tmp/lab_xr && patch -s -p1 -d /tmp/lab_xr < dev/xring.patch || exit 1
-      VARIANTS="base=csrc: x2=/tmp/lab_xr:-DQGEMV_LAB_XSLOTS=2 x3=/tmp/lab_xr:-DQGEMV_LAB_XSLOTS=3" timeout 420 \
-        bash dev/lab_ab.sh --ms 16 --warps 0,2,4 \
-        --shapes "${XR_SHAPES:-12288x4096,4096x4096,22016x4096,4096x11008,28672x4096,4096x14336}" > /dev/null 2>&1
-      grep -h FAIL "$OUT"/lab_base.txt "$OUT"/lab_x2.txt "$OUT"/lab_x3.txt | head
-      python3 - "$OUT" <<'PY'
-import sys
-rows = {}
-for v in ("base", "x2", "x3"):
-    for line in open(f"{sys.argv[1]}/lab_{v}.txt"):
-        f = line.split()
-        if len(f) >= 6 and f[0].startswith("int") and f[5] != "FAIL":
-            rows.setdefault((f[0], f[1], f[2], f[4]), {})[v] = float(f[5])
-for (name, n, k, w), t in rows.items():
-    print(f"{name:13s} {n}x{k} W{w}: " + " / ".join(f"{t.get(v, float('nan')):.1f}" for v in ("base", "x2", "x3")))
-PY
-      ;;
     da)
       # decode_attention's stage counts: one layer's call with 2 (today), 3 and 4 K / V tiles a block at the
       # chosen and forced split counts, outputs compared bit for bit (dev/decode_attn_probe.py --stages)
