@@ -8,6 +8,7 @@
 #include "persist.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "persist_chain.cuh"
@@ -68,6 +69,17 @@ ChainShape persist_shape(const PersistPlan& plan, int group, bool zeros, int sta
 std::string str(const char* a, long long v) { return std::string(a) + std::to_string(v); }
 
 }  // namespace
+
+namespace {
+std::atomic<int> chain_attn_form{-1};
+}  // namespace
+
+bool set_chain_attention_form(int form) {
+  if (form < -1 || form > 1) return false;
+  chain_attn_form.store(form);
+  return true;
+}
+int chain_attention_form() { return chain_attn_form.load(); }
 
 int persist_op_bytes() { return static_cast<int>(sizeof(ChainOp)); }
 
@@ -241,6 +253,7 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int bits, int group, 
     if (a.per_warp < 0 || a.per_warp > 64)
       return pl.error = where + str("per_warp must be 0 (2) or 1..64, got ", a.per_warp), pl;
     c.per_warp = a.per_warp ? a.per_warp : kChainAttnPerWarp;
+    c.form = chain_attn_form.load();
     // the attention's scratch lives in the input buffer (x_cap fp16)
     pl.x_cap = std::max(pl.x_cap, (2 * chain_attn_floats(H / Hk, D, warps) + 127) / 128 * 128);
   }

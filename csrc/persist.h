@@ -101,6 +101,13 @@ long long persist_attn_part(int heads, int kv_heads, int head_dim, int splits);
 // perm[i] of the natural one (q and k heads' rows in rotation pairs, v as is).
 std::vector<int32_t> persist_rope_rows(int heads, int kv_heads, int head_dim);
 
+// The launch's attention form for the chains planned from now on: -1 (the default) the rule (octets where a kv
+// head has 4 query heads or more and a unit 128 cache positions or more; persist_chain.cuh, chain_oct_dim),
+// 1 an octet of lanes a position everywhere, 0 a warp a position everywhere (the form before 2026-12-07).
+// Returns false, changing nothing, for another value.  Process-wide, for the A/B.
+bool set_chain_attention_form(int form);
+int chain_attention_form();
+
 // The launch's tables, built on the host once per chain.
 struct PersistPlan {
   std::string error;             // empty when the chain is supported

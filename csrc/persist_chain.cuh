@@ -1140,6 +1140,7 @@ struct ChainAttn {
   unsigned* count;            // [Hkv]: splits done; zero before the first launch, left zero
   int ldq, H, Hkv, D, S, splits;
   int per_warp;               // positions a warp before a context is split across blocks (1..64)
+  int form;                   // -1: the rule (chain_attn_octets), 1: an octet of lanes a position, 0: a warp a position
   float scale;                // the scores' scale (D^-1/2)
 };
 
@@ -1294,13 +1295,45 @@ __device__ __forceinline__ void chain_ld_dims(const A* p, float (&o)[kDpl]) {
   }
 }
 
+// The octet form of a unit's positions (ChainAttn::form 1).  Lane 8 g + r of a
+// warp: octet g takes one position at a time, lane r its 4 kDpl dims (a
+// row's 8-value pieces r and r + 8 for head size 128: each octet's loads of a
+// row cover contiguous 128-byte runs, no bank conflicts).  A score is the
+// lanes' partial dot products summed over the octet (3 shuffles, where a warp
+// a position took 5 for each of its positions), each octet runs its own online
+// softmax, and the warp's four merge at the end.  Measured on the H100 (2026-12-07, dev/attn_probe.py, µs a
+// layer over the norms-only chain, a warp a position -> octets, two rounds): Llama-3-8B (GQA 4) at 4096
+// +20.0 / +19.2 -> +16.8 / +16.2, at 768 (48 positions a unit) +10.0 / +9.9 -> +9.8 / +10.0; Llama-2-7B (no GQA:
+// half the warps without a position of a 32-position chunk) at 640 +11.6 -> +12.3, at 2048 +21.5 / +21.2 ->
+// +22.4 / +22.0.  Hence the rule: octets where a kv head has 4 query heads or more and the unit 128 positions or
+// more (ChainAttn::form -1), else a warp a position.  Its dims' index:
+template <int kDpl>
+__device__ __forceinline__ int chain_oct_dim(int r, int i) {
+  return kDpl == 1 ? 4 * r + i : (i / 8) * 64 + 8 * r + (i % 8);
+}
+// The lane's 4 kDpl values (A) of a shared-memory row, as 16-bit pairs.
+template <int kDpl, typename A>
+__device__ __forceinline__ void chain_oct_load(const A* row, int r, uint32_t (&u)[2 * kDpl]) {
+  if constexpr (kDpl == 1) {
+    const uint2 v = *reinterpret_cast<const uint2*>(row + 4 * r);
+    u[0] = v.x, u[1] = v.y;
+  } else {
+#pragma unroll
+    for (int j = 0; j < kDpl / 2; ++j) {
+      const uint4 v = *reinterpret_cast<const uint4*>(row + 64 * j + 8 * r);
+      u[4 * j] = v.x, u[4 * j + 1] = v.y, u[4 * j + 2] = v.z, u[4 * j + 3] = v.w;
+    }
+  }
+}
+
 // The block's units of one layer's attention (every consumer thread; csync
 // the block barrier; sm: chain_attn_floats floats of shared memory).  The
 // context is split across blocks only when it is long: splits = min(a.splits,
 // ceil(L / (W a.per_warp))), one unit a block (one split: no merge
 // across blocks).  A unit's K and V rows come through shared memory in chunks
 // (cp.async, two buffers: the next chunk's copy flies while this one is
-// summed; the first is issued before the wait for q/k/v).  Warp w takes query
+// summed; the first is issued before the wait for q/k/v).  In form 0
+// (the octet form above where its rule takes a unit) warp w takes query
 // head w % gq and every (W / gq)-th position of each chunk from slice w / gq,
 // with its own online softmax (lanes over the dims, kDpl = D / 32 each; the
 // score all-reduced by shuffles; two positions at a time): few registers (the
@@ -1348,6 +1381,76 @@ __device__ __forceinline__ void chain_attention(const ChainAttn& a, int par, int
         chain_poll8<A>(src + at, kv + 8 * c, 1.f);
       }
     csync();  // the queries and the token's k / v
+    if (a.form == 1 || (a.form < 0 && gq >= 4 && p1 - p0 >= 4 * kChainAttnChunk)) {  // the rule: above
+      constexpr int kE = 4 * kDpl;  // dims a lane
+      const int g = lane >> 3, r = lane & 7;
+      const unsigned omask = 0xffu << (lane & 24);
+      float q[kE], acc[kE], m = -INFINITY, l = 0.f;
+#pragma unroll
+      for (int i = 0; i < kE; ++i) q[i] = qf[hj * kD + chain_oct_dim<kDpl>(r, i)], acc[i] = 0.f;
+      for (int c0 = p0, b = 0; c0 < p1; c0 += kChainAttnChunk, b ^= 1) {
+        const int n = min(kChainAttnChunk, p1 - c0);
+        cp_async_wait<0>();  // as below
+        csync();
+        if (c0 + kChainAttnChunk < p1) fetch(c0 + kChainAttnChunk, b ^ 1);
+        const A* ks = rows + static_cast<size_t>(2 * b) * kChainAttnChunk * kD;
+        const A* vs = ks + kChainAttnChunk * kD;
+        if (busy)
+          for (int pl = 4 * slice + g; pl < n; pl += 4 * slices) {
+            const bool tok = c0 + pl == pos;  // the token's own k / v: from kv (not yet in the cache)
+            float s0 = 0.f, s1 = 0.f;
+            if (!tok) {
+              uint32_t u[2 * kDpl];
+              chain_oct_load<kDpl>(ks + pl * kD, r, u);
+#pragma unroll
+              for (int w = 0; w < 2 * kDpl; ++w) {
+                const float2 f = chain_pair<A>(u[w]);
+                s0 = fmaf(q[2 * w], f.x, s0), s1 = fmaf(q[2 * w + 1], f.y, s1);
+              }
+            } else {
+#pragma unroll
+              for (int i = 0; i < kE; i += 2)
+                s0 = fmaf(q[i], kv[chain_oct_dim<kDpl>(r, i)], s0),
+                s1 = fmaf(q[i + 1], kv[chain_oct_dim<kDpl>(r, i + 1)], s1);
+            }
+            float sc = s0 + s1;
+            sc += __shfl_xor_sync(omask, sc, 1);
+            sc += __shfl_xor_sync(omask, sc, 2);
+            sc += __shfl_xor_sync(omask, sc, 4);
+            const float mx = fmaxf(m, sc), rs = __expf(m - mx), e1 = __expf(sc - mx);
+            l = fmaf(l, rs, e1);
+            m = mx;
+            if (!tok) {
+              uint32_t u[2 * kDpl];
+              chain_oct_load<kDpl>(vs + pl * kD, r, u);
+#pragma unroll
+              for (int w = 0; w < 2 * kDpl; ++w) {
+                const float2 f = chain_pair<A>(u[w]);
+                acc[2 * w] = fmaf(acc[2 * w], rs, e1 * f.x), acc[2 * w + 1] = fmaf(acc[2 * w + 1], rs, e1 * f.y);
+              }
+            } else {
+#pragma unroll
+              for (int i = 0; i < kE; ++i) acc[i] = fmaf(acc[i], rs, e1 * kv[kD + chain_oct_dim<kDpl>(r, i)]);
+            }
+          }
+      }
+      // the warp's four octets into one (an octet without positions: max -inf, sum and values 0)
+#pragma unroll
+      for (int o = 8; o < 32; o <<= 1) {
+        const float mo = __shfl_xor_sync(0xffffffffu, m, o), lo = __shfl_xor_sync(0xffffffffu, l, o);
+        const float mx = fmaxf(m, mo);
+        const float f0 = m == -INFINITY ? 0.f : __expf(m - mx), f1 = mo == -INFINITY ? 0.f : __expf(mo - mx);
+        l = l * f0 + lo * f1;
+#pragma unroll
+        for (int i = 0; i < kE; ++i) acc[i] = acc[i] * f0 + __shfl_xor_sync(0xffffffffu, acc[i], o) * f1;
+        m = mx;
+      }
+      csync();  // every warp is past the last chunk's rows (the merge's buffers overlay them)
+      if (lane == 0) big[warp] = m, big[W + warp] = l;
+      if (g == 0)
+#pragma unroll
+        for (int i = 0; i < kE; ++i) big[2 * W + warp * kD + chain_oct_dim<kDpl>(r, i)] = acc[i];
+    } else {
     float q[kDpl], acc[kDpl], m = -INFINITY, l = 0.f;
 #pragma unroll
     for (int e = 0; e < kDpl; ++e) q[e] = qf[hj * kD + lane * kDpl + e], acc[e] = 0.f;
@@ -1398,12 +1501,13 @@ __device__ __forceinline__ void chain_attention(const ChainAttn& a, int par, int
     }
     // the block's merge: each warp's (max, sum) and values, then (head, dim) threads over the head's warps
     csync();  // every warp is past the last chunk's rows (the merge's buffers overlay them)
+    if (lane == 0) big[warp] = m, big[W + warp] = l;
+#pragma unroll
+    for (int e = 0; e < kDpl; ++e) big[2 * W + warp * kD + lane * kDpl + e] = acc[e];
+    }  // (form 0)
     float* wm = big;          // [W] maxima
     float* wl = wm + W;       // [W] sums
     float* wv = wl + W;       // [W][kD] values
-    if (lane == 0) wm[warp] = m, wl[warp] = l;
-#pragma unroll
-    for (int e = 0; e < kDpl; ++e) wv[warp * kD + lane * kDpl + e] = acc[e];
     csync();
     float* ps = a.part + (static_cast<size_t>(h) * a.splits + s) * gq * (kD + 2);
     for (int t = threadIdx.x; t < pairs; t += nthreads) {

@@ -777,6 +777,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(more in flight, fewer blocks an SM); the split count chosen for splits=0 follows the blocks an SM holds.",
         pybind11::arg("stages"));
   t.def("decode_attention_stages", &qgemv::decode_attention_stages);
+  t.def("set_chain_attention_form", [](int v) {
+          if (!qgemv::set_chain_attention_form(v))
+            throw pybind11::value_error("qgemv.set_chain_attention_form: form must be -1, 0 or 1, got " +
+                                        std::to_string(v));
+        },
+        "The persistent launch's attention for the chains planned from now on: -1 (the default) the rule (an octet "
+        "of lanes a cache position where a kv head has 4 query heads or more and a unit 128 positions or more, "
+        "else a warp a position), 1 octets everywhere, 0 a warp a position everywhere.", pybind11::arg("form"));
+  t.def("chain_attention_form", &qgemv::chain_attention_form);
   t.def("decode_attention_stage_rule", &qgemv::decode_attention_stage_rule,
         "decode_attention's stage count for (sequence, kv head) pairs when `slots3` of its 3-stage blocks fit on "
         "the GPU at once (host only).", pybind11::arg("pairs"), pybind11::arg("slots3"));

@@ -1,12 +1,15 @@
 """Where the decode chain's attention time goes (issue 35, stage 2; lab, not installed).
 
-    python dev/attn_probe.py [--layers 16] [--model llama3-8b|llama2-7b] [--cases CTX:SPLITS[:PER_WARP],...]
+    python dev/attn_probe.py [--layers 16] [--model llama3-8b|llama2-7b]
+                             [--cases CTX:SPLITS[:PER_WARP[:FORM]],...]
                              [--no-base] [--stages 8[,4,...]]
 
 Llama-3-8B (GQA 4) or Llama-2-7B (32 kv heads) shapes, int4 g128 + zeros: the
 persistent chain with its norms only, then with attention at several
 contexts, cache splits and positions a warp before a context is split
-(PER_WARP, default 2, the launch's); µs per layer (CUDA graph replays,
+(PER_WARP, default 2, the launch's) and the attention's form (FORM: -1, the
+default, the launch's rule; 1 an octet of lanes a position, 0 a warp a
+position: testing.set_chain_attention_form); µs per layer (CUDA graph replays,
 median), each row the extra over the norms-only chain.  The launch splits a
 context only past PER_WARP positions a warp: the effective splits are printed.
 --stages: the same for each ring depth (slots a warp): does attention's
@@ -18,6 +21,7 @@ import argparse
 
 import torch
 
+import qgemv._ext
 from qgemv import persist
 from qgemv.eval.bench_chain import HEADS, MODELS, attention_for, dep_layers
 from qgemv.eval.bench_gemv import graph_time
@@ -51,15 +55,17 @@ def main() -> None:
             del base
             print(f"{stages} stages, norms only: {t0:.1f} us/layer")
         for case in args.cases.split(","):
-            ctx, splits, per_warp = (int(v) for v in (case + ":2").split(":")[:3])
+            parts = [int(v) for v in case.split(":")]
+            ctx, splits, per_warp, form = parts + [2, -1][len(parts) - 2:] if len(parts) < 4 else parts[:4]
             at = attention_for(heads, args.layers, ctx)
             at.splits, at.per_warp = splits, per_warp
+            qgemv._ext.MODULE.testing.set_chain_attention_form(form)
             chain = persist.PersistentChain(lay, norms=gains, attention=at, stages=stages)
             chain(x, position=ctx - 1)
             t = graph_time(chain.run, replays=20) * 1e3 / args.layers
             eff = min(splits, -(-ctx // (chain.warps * per_warp)))  # as the kernel caps them
             print(f"{args.model} context {ctx:5d}, {eff:2d} splits a kv head ({-(-ctx // eff):4d} positions a "
-                  f"unit), {per_warp} a warp, {stages} stages: {t:.1f} us/layer, +{t - t0:.1f}", flush=True)
+                  f"unit), {per_warp} a warp, form {form}, {stages} stages: {t:.1f} us/layer, +{t - t0:.1f}", flush=True)
             del chain, at
 
 

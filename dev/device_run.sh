@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|decomp|slices|b16|m16|e16|pdl16|da|stage2|attn|attnncu|attnstages|diag|bf16|gen|gen70|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|decomp|slices|b16|m16|e16|pdl16|octets|da|stage2|attn|attnncu|attnstages|diag|bf16|gen|gen70|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -263,6 +263,27 @@ launch__registers_per_thread,launch__grid_size,launch__block_size \
         --batches ${PDL_BATCHES:-1,16} --no-hf --no-breakdown \
         --variants int4g128a,int4g128a_nopdl,int4g128a_pdlg,int4g128a_pdl5,int4g128a,int4g128a_nopdl,int4g128a_pdlg,int4g128a_pdl5 \
         --out "$OUT/generate_pdl" 2>&1 | grep -v -i warn | grep "b=" ;;
+    octets)
+      # the launch's attention by the rule (octets of lanes a cache position where a kv head has 4 query heads or
+      # more and a unit 128 positions or more; 2026-12-07) against a warp a position everywhere (form 0): the
+      # decode tests (both forms and the rule), racecheck and memcheck on octets, then the engine at batch 1 at a
+      # ~4000-token context (prompt 3832, 248 new: Llama-3-8B's max_seq 4096; its units of ~250 positions take
+      # octets), two rounds
+      OMP_NUM_THREADS=2 timeout 200 python3 -m pytest -n 16 -q -p no:cacheprovider tests/test_persist.py \
+        tests/test_engine.py -k "persist or megakernel or Persist or plan or form" > "$OUT/oct_tests.log" 2>&1
+      echo "octet tests: exit $?"; grep -E "passed|failed" "$OUT/oct_tests.log" | tail -1
+      grep -E "^(FAILED|ERROR)" "$OUT/oct_tests.log" | head -10
+      timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_persist.py -k "decode_chain_matches and fp16 and (cfg2 or cfg11 or cfg12)" > "$OUT/oct_race.log" 2>&1
+      echo "racecheck: exit $?"; tail -1 "$OUT/oct_race.log"
+      timeout 100 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_persist.py -k "decode_chain_matches and int4g128a and (cfg2 or cfg11 or cfg12)" \
+        > "$OUT/oct_mem.log" 2>&1
+      echo "memcheck: exit $?"; tail -1 "$OUT/oct_mem.log"
+      timeout "${GEN_LIMIT:-200}" python3 -m qgemv.eval.bench_generate --models "${GEN_MODELS:-llama3-8b}" \
+        --prompt 3832 --gen 248 --batches 1 --no-hf --no-breakdown \
+        --variants int4g128a_mk_f0,int4g128a_mk,int4g128a_mk_f0,int4g128a_mk \
+        --out "$OUT/generate_oct" 2>&1 | grep -v -i warn | grep "b=" ;;
     da)
       # decode_attention's stage counts: one layer's call with 2 (today), 3 and 4 K / V tiles a block at the
       # chosen and forced split counts, outputs compared bit for bit (dev/decode_attn_probe.py --stages)

@@ -73,7 +73,8 @@ VARIANTS = {"fp16": None, "bf16": None, "int8": (8, None, True), "int4": (4, Non
             "bf16_mk": None, "int4g128a_bf16": (4, 128, False), "int4g128a_bf16_mk": (4, 128, False),
             "int4g128a_sdpa": (4, 128, False), "int4g128a_da2": (4, 128, False), "int4g128a_da3": (4, 128, False),
             "int4g128a_da4": (4, 128, False), "int4g128a_norope": (4, 128, False), "int4g128a_nopdl": (4, 128, False),
-            "int4g128a_pdlg": (4, 128, False), "int4g128a_pdl5": (4, 128, False)}
+            "int4g128a_pdlg": (4, 128, False), "int4g128a_pdl5": (4, 128, False), "int4g128a_mk_f0": (4, 128, False),
+            "int8_mk_f0": (8, None, True)}
 # int4g128a_sdpa: the per-op decode step's attention through SDPA over the whole cache (engine.decode_attention
 # off), the path before qgemv.ops.decode_attention
 # int4g128a_da2 / _da3 / _da4: decode_attention with 2 / 3 / 4 K-V tiles a block forced, not its rule's count
@@ -85,7 +86,9 @@ VARIANTS = {"fp16": None, "bf16": None, "int8": (8, None, True), "int4": (4, Non
 # (the GEMVs' and decode_attention's set_gemv_pdl mode 0); int4g128a_pdl5: their mode 5 (no L2 prefetch before
 # the wait) in place of 7
 # *_mk: the same weights with Engine(megakernel=True): each batch-1 decode step as one persistent launch
-# (qgemv.persist, issue 35); other batches run per-op
+# (qgemv.persist, issue 35); other batches run per-op.  *_mk_f0: the launch's attention a warp a cache position
+# everywhere (testing.set_chain_attention_form(0), the form before 2026-12-07) in place of its rule (an octet of
+# lanes a position where a kv head has 4 query heads or more and a unit 128 positions or more)
 # int4g128a_act: int4 g128a with act-order input permutations as an imported GPTQ checkpoint has them after
 # qgemv.importers (one random perm shared by q/k/v, one by o, one by gate/up; down_proj's folded into gate/up's
 # rows); the engine gathers q/k/v's and gate/up's inputs inside its RMSNorm glue, and o_proj's GEMV gathers its
@@ -213,6 +216,7 @@ def run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown
     """One engine's rows, a row a batch size; breakdown: the batch sizes whose step is also profiled."""
     ctx = (gemv_gather_off() if variant == "int4g128a_act_first"
            else testing_knob("decode_attention_stages", int(variant[-1])) if variant[:-1].endswith("_da")
+           else testing_knob("chain_attention_form", 0) if variant.endswith("_mk_f0")
            else contextlib.nullcontext())
     with ctx:
         return _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown)
@@ -221,7 +225,7 @@ def run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown
 def _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown) -> list:
     rows = []
     wb = weight_bytes(model)
-    engine = Engine(model, max_seq_len=prompt + gen + 8, megakernel=variant.endswith("_mk"))
+    engine = Engine(model, max_seq_len=prompt + gen + 8, megakernel=variant.endswith(("_mk", "_mk_f0")))
     if variant.endswith("_sdpa"):
         engine.decode_attention = False
     if variant.endswith("_norope"):

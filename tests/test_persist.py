@@ -638,6 +638,23 @@ def test_plan_checks_the_attention():
         ps.plan(attn_ops(8, 2, 64), 0, False, 8, 16, 8, [attn_tuple(8, 2, 64, per_warp=65)])[0]
 
 
+@needs_ext
+def test_chain_attention_form_knob():
+    testing = qgemv._ext.MODULE.testing
+    before = testing.chain_attention_form()
+    assert before == -1  # the rule by default
+    for bad in (2, -2):
+        with pytest.raises(ValueError, match=f"form must be -1, 0 or 1, got {bad}"):
+            testing.set_chain_attention_form(bad)
+        assert testing.chain_attention_form() == before
+    try:
+        for form in (0, 1):
+            testing.set_chain_attention_form(form)
+            assert testing.chain_attention_form() == form
+    finally:
+        testing.set_chain_attention_form(before)
+
+
 def rope_tables(s, d, device, dt=torch.float16):
     """cos / sin [s, d] (dt) as transformers' rotary modules make them (the halves repeated)."""
     inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
@@ -686,8 +703,27 @@ def assert_close_cache(got, ref, what):
     # odd grid (10 positions a unit, a chunk cut short)
     dict(h=8, hk=2, d=128, inter=1024, nl=2, s=260, splits=None, grid={}, per_warp=1),
     dict(h=4, hk=2, d=64, inter=640, nl=2, s=130, splits=8, grid=dict(blocks=7, warps=5, stages=4), per_warp=2),
+    # no GQA at head_dim 32, one split of up to 7 chunks (the rule: a warp a position)
+    dict(h=8, hk=8, d=32, inter=512, nl=2, s=200, splits=1, grid={}),
+    # either form forced (testing.set_chain_attention_form; the rule takes octets where a kv head has 4 query
+    # heads or more and a unit 128 positions or more: cfg2 past position 127): octets without GQA at head_dim 128
+    # (Llama-2-7B's heads: half the warps without a position of a chunk) and at head_dim 32 (a lane's 4 dims in
+    # one 8-byte load); a warp a position on GQA 5's contexts of up to 5 chunks
+    dict(h=4, hk=4, d=128, inter=1024, nl=2, s=300, splits=2, grid={}, form=1),
+    dict(h=8, hk=8, d=32, inter=512, nl=2, s=200, splits=1, grid={}, form=1),
+    dict(h=5, hk=1, d=64, inter=832, nl=2, s=160, splits=None, grid={}, form=0),
 ])
 def test_decode_chain_matches_the_per_op_chain(name, dt, cfg):
+    testing = qgemv._ext.MODULE.testing
+    before = testing.chain_attention_form()
+    testing.set_chain_attention_form(cfg.get("form", -1))
+    try:
+        decode_chain_matches(name, dt, cfg)
+    finally:
+        testing.set_chain_attention_form(before)
+
+
+def decode_chain_matches(name, dt, cfg):
     torch.manual_seed(7)
     skip_if_group_cuts(name, cfg["h"] * cfg["d"], cfg["inter"])
     layers, norms, at = decode_setup(name, cfg["h"], cfg["hk"], cfg["d"], cfg["inter"], cfg["nl"], cfg["s"], dt=dt)
