@@ -712,6 +712,8 @@ def assert_close_cache(got, ref, what):
     dict(h=4, hk=4, d=128, inter=1024, nl=2, s=300, splits=2, grid={}, form=1),
     dict(h=8, hk=8, d=32, inter=512, nl=2, s=200, splits=1, grid={}, form=1),
     dict(h=5, hk=1, d=64, inter=832, nl=2, s=160, splits=None, grid={}, form=0),
+    # GQA 7 under the rule: one split, the old form up to 127 positions, octets from 128 (two warps of 16 idle)
+    dict(h=7, hk=1, d=128, inter=1024, nl=2, s=200, splits=1, grid={}),
 ])
 def test_decode_chain_matches_the_per_op_chain(name, dt, cfg):
     testing = qgemv._ext.MODULE.testing
