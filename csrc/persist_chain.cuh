@@ -1140,7 +1140,7 @@ struct ChainAttn {
   unsigned* count;            // [Hkv]: splits done; zero before the first launch, left zero
   int ldq, H, Hkv, D, S, splits;
   int per_warp;               // positions a warp before a context is split across blocks (1..64)
-  int form;                   // -1: the rule (chain_attn_octets), 1: an octet of lanes a position, 0: a warp a position
+  int form;                   // -1: the rule (at chain_oct_dim), 1: an octet of lanes a position, 0: a warp a position
   float scale;                // the scores' scale (D^-1/2)
 };
 
@@ -1390,7 +1390,7 @@ __device__ __forceinline__ void chain_attention(const ChainAttn& a, int par, int
       for (int i = 0; i < kE; ++i) q[i] = qf[hj * kD + chain_oct_dim<kDpl>(r, i)], acc[i] = 0.f;
       for (int c0 = p0, b = 0; c0 < p1; c0 += kChainAttnChunk, b ^= 1) {
         const int n = min(kChainAttnChunk, p1 - c0);
-        cp_async_wait<0>();  // as below
+        cp_async_wait<0>();  // the chunk's copies, then the barrier: form 0's loop below says why
         csync();
         if (c0 + kChainAttnChunk < p1) fetch(c0 + kChainAttnChunk, b ^ 1);
         const A* ks = rows + static_cast<size_t>(2 * b) * kChainAttnChunk * kD;
