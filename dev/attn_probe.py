@@ -65,7 +65,8 @@ def main() -> None:
             t = graph_time(chain.run, replays=20) * 1e3 / args.layers
             eff = min(splits, -(-ctx // (chain.warps * per_warp)))  # as the kernel caps them
             print(f"{args.model} context {ctx:5d}, {eff:2d} splits a kv head ({-(-ctx // eff):4d} positions a "
-                  f"unit), {per_warp} a warp, form {form}, {stages} stages: {t:.1f} us/layer, +{t - t0:.1f}", flush=True)
+                  f"unit), {per_warp} a warp, form {form}, {stages} stages: {t:.1f} us/layer, +{t - t0:.1f}",
+                  flush=True)
             del chain, at
 
 

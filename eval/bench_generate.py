@@ -73,8 +73,7 @@ VARIANTS = {"fp16": None, "bf16": None, "int8": (8, None, True), "int4": (4, Non
             "bf16_mk": None, "int4g128a_bf16": (4, 128, False), "int4g128a_bf16_mk": (4, 128, False),
             "int4g128a_sdpa": (4, 128, False), "int4g128a_da2": (4, 128, False), "int4g128a_da3": (4, 128, False),
             "int4g128a_da4": (4, 128, False), "int4g128a_norope": (4, 128, False), "int4g128a_nopdl": (4, 128, False),
-            "int4g128a_pdlg": (4, 128, False), "int4g128a_pdl5": (4, 128, False), "int4g128a_mk_f0": (4, 128, False),
-            "int8_mk_f0": (8, None, True)}
+            "int4g128a_pdlg": (4, 128, False), "int4g128a_pdl5": (4, 128, False), "int4g128a_mk_f0": (4, 128, False)}
 # int4g128a_sdpa: the per-op decode step's attention through SDPA over the whole cache (engine.decode_attention
 # off), the path before qgemv.ops.decode_attention
 # int4g128a_da2 / _da3 / _da4: decode_attention with 2 / 3 / 4 K-V tiles a block forced, not its rule's count
