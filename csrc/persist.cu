@@ -68,10 +68,10 @@ ChainShape persist_shape(const PersistPlan& plan, int group, bool zeros, int sta
 
 std::string str(const char* a, long long v) { return std::string(a) + std::to_string(v); }
 
-}  // namespace
 
-namespace {
 std::atomic<int> chain_attn_form{-1};
+std::atomic<int> chain_attn_prefetch{kChainAttnPrefetchRule};
+
 }  // namespace
 
 bool set_chain_attention_form(int form) {
@@ -80,6 +80,14 @@ bool set_chain_attention_form(int form) {
   return true;
 }
 int chain_attention_form() { return chain_attn_form.load(); }
+
+bool set_chain_attention_prefetch(int tiles) {
+  if (tiles != kChainAttnPrefetchRule && (tiles < -kChainAttnMaxPrefetch || tiles > kChainAttnMaxPrefetch))
+    return false;
+  chain_attn_prefetch.store(tiles);
+  return true;
+}
+int chain_attention_prefetch() { return chain_attn_prefetch.load(); }
 
 int persist_op_bytes() { return static_cast<int>(sizeof(ChainOp)); }
 
@@ -254,6 +262,8 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int bits, int group, 
       return pl.error = where + str("per_warp must be 0 (2) or 1..64, got ", a.per_warp), pl;
     c.per_warp = a.per_warp ? a.per_warp : kChainAttnPerWarp;
     c.form = chain_attn_form.load();
+    const int pf = chain_attn_prefetch.load();
+    c.prefetch = pf != kChainAttnPrefetchRule ? pf : chain_attn_prefetch_rule(H / Hk);
     // the attention's scratch lives in the input buffer (x_cap fp16)
     pl.x_cap = std::max(pl.x_cap, (2 * chain_attn_floats(H / Hk, D, warps) + 127) / 128 * 128);
   }

@@ -108,6 +108,18 @@ std::vector<int32_t> persist_rope_rows(int heads, int kv_heads, int head_dim);
 bool set_chain_attention_form(int form);
 int chain_attention_form();
 
+// Tiles of its walk past its full ring that each warp of the launch asks into L2 at a layer's attention, for the
+// chains planned from now on: kChainAttnPrefetchRule (the default) the rule below; else n forced (0 none, n > 0
+// before the block's attention units, n < 0 after them, before o's input; |n| <= kChainAttnMaxPrefetch).  Returns
+// false, changing nothing, for another value.  Process-wide, for the A/B.
+constexpr int kChainAttnMaxPrefetch = 64;
+constexpr int kChainAttnPrefetchRule = -1000;
+bool set_chain_attention_prefetch(int tiles);
+int chain_attention_prefetch();
+// The rule, by the query heads a kv head has: 16 tiles after the units without GQA, none with it (measured on the
+// H100, 2026-12-07: Llama-2-7B's step -2.1%, Llama-3-8B's level at 8 tiles and +1% at 16; dev/PERSISTENT.md).
+inline int chain_attn_prefetch_rule(int gq) { return gq == 1 ? -16 : 0; }
+
 // The launch's tables, built on the host once per chain.
 struct PersistPlan {
   std::string error;             // empty when the chain is supported

@@ -846,10 +846,30 @@ __device__ __forceinline__ void chain_consume(const ChainRing& rg, const ChainOp
     src += n * kChainTileBytes;
     if ((wk.left -= n) == 0) aim();
   };
+  // Lane 0: the walk's next n tiles past the ring (and their meta) asked into L2, across its segments (the
+  // boundary calls it where HBM would idle: ChainAttn::prefetch).
+  auto ahead = [&](int n) {
+    if (lane != 0 || wk.left == 0) return;
+    ChainWalk w2 = wk;
+    const char* s = src;
+    const char* ms = msrc;
+    for (;;) {
+      const int k = min(n, w2.left);
+      pdl_prefetch_l2(s, k * kChainTileBytes);
+      if constexpr (kMb > 0) pdl_prefetch_l2(ms, k * kMb);
+      if ((n -= k) == 0) return;
+      w2.left = 0;
+      w2.aim();
+      if (w2.left == 0) return;
+      const GemvParams& p = ops[w2.i_op].p;
+      s = static_cast<const char*>(p.qweight) + w2.tile * kChainTileBytes;
+      if constexpr (kMb > 0) ms = static_cast<const char*>(p.scales) + w2.tile * kMb;
+    }
+  };
   aim();
   for (int q = 0; q < rg.C && wk.left > 0; ++q) fill(q);
   for (;;) {
-    if (seg.left == 0 && !boundary()) return;
+    if (seg.left == 0 && !boundary(ahead)) return;
 #if QGEMV_CHAIN_STAMPS
     if (!(skip & 16) || waits < rg.C) ring.wait(c, phase, timed, waited);
     ++waits;
@@ -1141,6 +1161,7 @@ struct ChainAttn {
   int ldq, H, Hkv, D, S, splits;
   int per_warp;               // positions a warp before a context is split across blocks (1..64)
   int form;                   // -1: the rule (at chain_oct_dim), 1: an octet of lanes a position, 0: a warp a position
+  int prefetch;               // tiles a warp asked into L2 past its full ring: > 0 before the block's units, < 0 after
   float scale;                // the scores' scale (D^-1/2)
 };
 
@@ -1895,7 +1916,8 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
   };
 
   // Past a segment's last tile (or before the first): the next segment, through op ends.  false: done.
-  auto boundary = [&]() -> bool {
+  // ahead(n): lane 0 of each warp asks L2 for its walk's next n tiles past its ring (chain_consume).
+  auto boundary = [&](auto&& ahead) -> bool {
     seg.close(cur, seg_flush);
     while (cur.pos >= cur.end) {
 #if QGEMV_CHAIN_STAMPS
@@ -1910,8 +1932,12 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
       if constexpr (kDecode) {
         if (ops[i].flags & kChainAttnIn) {  // stage 2: the layer's attention writes this op's input
           const long long a0 = timed ? clock64() : 0;
+          const ChainAttn& at = sh.attn[ops[i].attn];
+          // HBM idles while the rings are full and the blocks attend: the walks' next tiles into L2 meanwhile
+          if (at.prefetch > 0) ahead(at.prefetch);
           csync();  // every warp is past the last op's reads of xs, the attention's scratch
-          chain_attention_any<A>(sh.attn[ops[i].attn], par, nthreads, csync, reinterpret_cast<float*>(xs));
+          chain_attention_any<A>(at, par, nthreads, csync, reinterpret_cast<float*>(xs));
+          if (at.prefetch < 0) ahead(-at.prefetch);
           if (timed) t_prep += clock64() - a0;
         }
       }

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -786,6 +787,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "of lanes a cache position where a kv head has 4 query heads or more and a unit 128 positions or more, "
         "else a warp a position), 1 octets everywhere, 0 a warp a position everywhere.", pybind11::arg("form"));
   t.def("chain_attention_form", &qgemv::chain_attention_form);
+  t.def("set_chain_attention_prefetch", [](std::optional<int> v) {
+          const int tiles = v ? *v : qgemv::kChainAttnPrefetchRule;
+          if ((v && *v == qgemv::kChainAttnPrefetchRule) || !qgemv::set_chain_attention_prefetch(tiles))
+            throw pybind11::value_error("qgemv.set_chain_attention_prefetch: tiles must be None (the rule) or in [-" +
+                                        std::to_string(qgemv::kChainAttnMaxPrefetch) + ", " +
+                                        std::to_string(qgemv::kChainAttnMaxPrefetch) + "], got " + std::to_string(*v));
+        },
+        "Tiles of its walk past its full ring that each warp of the persistent launch asks into L2 at a layer's "
+        "attention, for the chains planned from now on: None (the default) the rule (16 after the block's units "
+        "where a kv head has one query head, else none), else n forced: 0 none, n > 0 before the block's attention "
+        "units, n < 0 after them.", pybind11::arg("tiles"));
+  t.def("chain_attention_prefetch", []() -> std::optional<int> {
+          const int v = qgemv::chain_attention_prefetch();
+          return v == qgemv::kChainAttnPrefetchRule ? std::nullopt : std::optional<int>(v);
+        },
+        "The persistent launch's attention prefetch: None (the rule) or the forced tiles (set_chain_attention_prefetch).");
   t.def("decode_attention_stage_rule", &qgemv::decode_attention_stage_rule,
         "decode_attention's stage count for (sequence, kv head) pairs when `slots3` of its 3-stage blocks fit on "
         "the GPU at once (host only).", pybind11::arg("pairs"), pybind11::arg("slots3"));

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|decomp|slices|b16|m16|e16|pdl16|octets|da|stage2|attn|attnncu|attnstages|diag|bf16|gen|gen70|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|decomp|slices|b16|m16|e16|pdl16|octets|dchecks|pfgen|da|stage2|attn|attnncu|attnstages|diag|bf16|gen|gen70|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -265,25 +265,49 @@ launch__registers_per_thread,launch__grid_size,launch__block_size \
         --out "$OUT/generate_pdl" 2>&1 | grep -v -i warn | grep "b=" ;;
     octets)
       # the launch's attention by the rule (octets of lanes a cache position where a kv head has 4 query heads or
-      # more and a unit 128 positions or more; 2026-12-07) against a warp a position everywhere (form 0): the
-      # decode tests (both forms and the rule), racecheck and memcheck on octets, then the engine at batch 1 at a
-      # ~4000-token context (prompt 3832, 248 new: Llama-3-8B's max_seq 4096; its units of ~250 positions take
-      # octets), two rounds
-      OMP_NUM_THREADS=2 timeout 200 python3 -m pytest -n 16 -q -p no:cacheprovider tests/test_persist.py \
-        tests/test_engine.py -k "persist or megakernel or Persist or plan or form" > "$OUT/oct_tests.log" 2>&1
-      echo "octet tests: exit $?"; grep -E "passed|failed" "$OUT/oct_tests.log" | tail -1
-      grep -E "^(FAILED|ERROR)" "$OUT/oct_tests.log" | head -10
-      timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
-        tests/test_persist.py -k "decode_chain_matches and fp16 and (cfg2 or cfg11 or cfg12)" > "$OUT/oct_race.log" 2>&1
-      echo "racecheck: exit $?"; tail -1 "$OUT/oct_race.log"
-      timeout 100 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
-        tests/test_persist.py -k "decode_chain_matches and int4g128a and (cfg2 or cfg11 or cfg12)" \
-        > "$OUT/oct_mem.log" 2>&1
-      echo "memcheck: exit $?"; tail -1 "$OUT/oct_mem.log"
+      # more and a unit 128 positions or more; 2026-12-07) against a warp a position everywhere (form 0), the engine
+      # at batch 1 at a ~4000-token context (prompt 3832, 248 new: Llama-3-8B's max_seq 4096; its units of ~250
+      # positions take octets), two rounds (its tests: DECODE_CFGS="cfg2 or cfg11 or cfg12" dchecks)
       timeout "${GEN_LIMIT:-200}" python3 -m qgemv.eval.bench_generate --models "${GEN_MODELS:-llama3-8b}" \
         --prompt 3832 --gen 248 --batches 1 --no-hf --no-breakdown \
         --variants int4g128a_mk_f0,int4g128a_mk,int4g128a_mk_f0,int4g128a_mk \
         --out "$OUT/generate_oct" 2>&1 | grep -v -i warn | grep "b=" ;;
+    dchecks)
+      # the launch's decode tests (test_persist, test_engine's launch tests), then racecheck and memcheck on the
+      # decode chains DECODE_CFGS (default: cfg14 GQA 7 under the octet rule, cfg15 / cfg16 the attention's L2
+      # prefetch forced before / after the units); racecheck also flags the reference's cuBLAS kernels (nvjet)
+      cfgs=${DECODE_CFGS:-cfg14 or cfg15 or cfg16}
+      OMP_NUM_THREADS=2 timeout 200 python3 -m pytest -n 16 -q -p no:cacheprovider tests/test_persist.py \
+        tests/test_engine.py -k "persist or megakernel or Persist or plan or form or prefetch" > "$OUT/dchecks.log" 2>&1
+      echo "tests: exit $?"; grep -E "passed|failed" "$OUT/dchecks.log" | tail -1
+      grep -E "^(FAILED|ERROR)" "$OUT/dchecks.log" | head -10
+      timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_persist.py -k "decode_chain_matches and fp16 and ($cfgs)" > "$OUT/dchecks_race.log" 2>&1
+      echo "racecheck: exit $?"; grep -E "Race reported between" "$OUT/dchecks_race.log" | sort | uniq -c | head -5
+      tail -1 "$OUT/dchecks_race.log"
+      timeout 100 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_persist.py -k "decode_chain_matches and int4g128a and ($cfgs)" > "$OUT/dchecks_mem.log" 2>&1
+      echo "memcheck: exit $?"; tail -1 "$OUT/dchecks_mem.log" ;;
+    pfgen)
+      # the attention's L2 prefetch (testing.set_chain_attention_prefetch): the probe (Llama-2-7B at 640 / 2048,
+      # Llama-3-8B at 768; PF tiles a warp forced, > 0 before the block's units, < 0 after), then the engine at batch
+      # 1 (prompt 512, 256 new; _mk_p0 none, _mk the rule), two rounds; with BASE_SO (an extension built from an
+      # earlier tree) its rows of int4g128a_mk after
+      timeout 150 python3 dev/attn_probe.py --model llama2-7b --cases \
+        ${PF_CASES:-640:4:2:-1:0,640:4:2:-1:8,640:4:2:-1:16,640:4:2:-1:32,640:4:2:-1:-8,640:4:2:-1:-16,640:4:2:-1:-32,640:4:2:-1:0,2048:4:2:-1:0,2048:4:2:-1:16,2048:4:2:-1:-16} \
+        2>&1 | grep -v -i warn | tee "$OUT/pf_probe.txt"
+      timeout 100 python3 dev/attn_probe.py --cases 768:16:2:-1:0,768:16:2:-1:16,768:16:2:-1:-16,768:16:2:-1:0 2>&1 \
+        | grep -v -i warn | tee -a "$OUT/pf_probe.txt"
+      timeout "${GEN_LIMIT:-240}" python3 -m qgemv.eval.bench_generate --models "${GEN_MODELS:-llama2-7b}" --batches 1 \
+        --no-hf --no-breakdown --variants "${PF_VARIANTS:-int4g128a_mk_p0,int4g128a_mk_p16,int4g128a_mk_pm16,int4g128a_mk_p0,int4g128a_mk_p16,int4g128a_mk_pm16}" \
+        --out "$OUT/generate_pf" 2>&1 | grep -v -i warn | grep "b="
+      if [ -n "${BASE_SO:-}" ]; then
+        so=$(ls qgemv/_C*.so) && cp "$so" /tmp/new_C.so && cp "$BASE_SO" "$so" || exit 1
+        timeout "${GEN_LIMIT:-240}" python3 -m qgemv.eval.bench_generate --models "${GEN_MODELS:-llama2-7b}" --batches 1 \
+          --no-hf --no-breakdown --variants int4g128a_mk,int4g128a_mk --out "$OUT/generate_pf_base" 2>&1 \
+          | grep -v -i warn | grep "b=" | sed "s/^/base /"
+        cp /tmp/new_C.so "$so"
+      fi ;;
     da)
       # decode_attention's stage counts: one layer's call with 2 (today), 3 and 4 K / V tiles a block at the
       # chosen and forced split counts, outputs compared bit for bit (dev/decode_attn_probe.py --stages)

@@ -43,6 +43,7 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import sys
 import time
 
@@ -73,7 +74,10 @@ VARIANTS = {"fp16": None, "bf16": None, "int8": (8, None, True), "int4": (4, Non
             "bf16_mk": None, "int4g128a_bf16": (4, 128, False), "int4g128a_bf16_mk": (4, 128, False),
             "int4g128a_sdpa": (4, 128, False), "int4g128a_da2": (4, 128, False), "int4g128a_da3": (4, 128, False),
             "int4g128a_da4": (4, 128, False), "int4g128a_norope": (4, 128, False), "int4g128a_nopdl": (4, 128, False),
-            "int4g128a_pdlg": (4, 128, False), "int4g128a_pdl5": (4, 128, False), "int4g128a_mk_f0": (4, 128, False)}
+            "int4g128a_pdlg": (4, 128, False), "int4g128a_pdl5": (4, 128, False), "int4g128a_mk_f0": (4, 128, False),
+            **{f"{b}_mk_p{s}{n}": spec for b, spec in (("int4g128a", (4, 128, False)), ("int4", (4, None, True)),
+                                                       ("int8", (8, None, True)), ("fp16", None))
+               for n in (0, 4, 8, 16, 24, 32) for s in ("", "m") if n or not s}}
 # int4g128a_sdpa: the per-op decode step's attention through SDPA over the whole cache (engine.decode_attention
 # off), the path before qgemv.ops.decode_attention
 # int4g128a_da2 / _da3 / _da4: decode_attention with 2 / 3 / 4 K-V tiles a block forced, not its rule's count
@@ -88,6 +92,9 @@ VARIANTS = {"fp16": None, "bf16": None, "int8": (8, None, True), "int4": (4, Non
 # (qgemv.persist, issue 35); other batches run per-op.  *_mk_f0: the launch's attention a warp a cache position
 # everywhere (testing.set_chain_attention_form(0), the form before 2026-12-07) in place of its rule (an octet of
 # lanes a position where a kv head has 4 query heads or more and a unit 128 positions or more)
+# *_mk_pN / *_mk_pmN: each warp of the launch asks L2 for its walk's next N tiles past its ring at every layer's
+# attention, before the block's units (pN) or after them (pmN): testing.set_chain_attention_prefetch(N / -N) in
+# place of its rule (16 after the units where a kv head has one query head, else none); *_mk_p0: none
 # int4g128a_act: int4 g128a with act-order input permutations as an imported GPTQ checkpoint has them after
 # qgemv.importers (one random perm shared by q/k/v, one by o, one by gate/up; down_proj's folded into gate/up's
 # rows); the engine gathers q/k/v's and gate/up's inputs inside its RMSNorm glue, and o_proj's GEMV gathers its
@@ -211,11 +218,18 @@ def testing_knob(name: str, value: int):
         getattr(mod.testing, "set_" + name)(before)
 
 
+def mk_prefetch(variant: str) -> int | None:
+    """The launch's attention prefetch a variant forces: N of *_mk_pN, -N of *_mk_pmN, else None (the rule)."""
+    m = re.search(r"_mk_p(m?)(\d+)$", variant)
+    return None if m is None else (-1 if m.group(1) else 1) * int(m.group(2))
+
+
 def run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown) -> list:
     """One engine's rows, a row a batch size; breakdown: the batch sizes whose step is also profiled."""
     ctx = (gemv_gather_off() if variant == "int4g128a_act_first"
            else testing_knob("decode_attention_stages", int(variant[-1])) if variant[:-1].endswith("_da")
            else testing_knob("chain_attention_form", 0) if variant.endswith("_mk_f0")
+           else testing_knob("chain_attention_prefetch", mk_prefetch(variant)) if mk_prefetch(variant) is not None
            else contextlib.nullcontext())
     with ctx:
         return _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown)
@@ -224,7 +238,7 @@ def run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown
 def _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown) -> list:
     rows = []
     wb = weight_bytes(model)
-    engine = Engine(model, max_seq_len=prompt + gen + 8, megakernel=variant.endswith(("_mk", "_mk_f0")))
+    engine = Engine(model, max_seq_len=prompt + gen + 8, megakernel=re.search(r"_mk(_f0|_pm?\d+)?$", variant) is not None)
     if variant.endswith("_sdpa"):
         engine.decode_attention = False
     if variant.endswith("_norope"):

@@ -655,6 +655,25 @@ def test_chain_attention_form_knob():
         testing.set_chain_attention_form(before)
 
 
+@needs_ext
+def test_chain_attention_prefetch_knob():
+    testing = qgemv._ext.MODULE.testing
+    before = testing.chain_attention_prefetch()
+    assert before is None  # the rule by default
+    for bad in (65, -65, -1000):
+        with pytest.raises(ValueError, match=rf"tiles must be None \(the rule\) or in \[-64, 64\], got {bad}"):
+            testing.set_chain_attention_prefetch(bad)
+        assert testing.chain_attention_prefetch() is None
+    try:
+        for tiles in (-64, 0, 8, 64):
+            testing.set_chain_attention_prefetch(tiles)
+            assert testing.chain_attention_prefetch() == tiles
+        testing.set_chain_attention_prefetch(None)
+        assert testing.chain_attention_prefetch() is None
+    finally:
+        testing.set_chain_attention_prefetch(before)
+
+
 def rope_tables(s, d, device, dt=torch.float16):
     """cos / sin [s, d] (dt) as transformers' rotary modules make them (the halves repeated)."""
     inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
@@ -714,15 +733,21 @@ def assert_close_cache(got, ref, what):
     dict(h=5, hk=1, d=64, inter=832, nl=2, s=160, splits=None, grid={}, form=0),
     # GQA 7 under the rule: one split, the old form up to 127 positions, octets from 128 (two warps of 16 idle)
     dict(h=7, hk=1, d=128, inter=1024, nl=2, s=200, splits=1, grid={}),
+    # the walks' next tiles asked into L2 at each attention (testing.set_chain_attention_prefetch), a hint that
+    # must change no value: 16 a warp before the units; 64 after them (at the last layer past the walk's end)
+    dict(h=8, hk=2, d=128, inter=1536, nl=2, s=192, splits=None, grid={}, prefetch=16),
+    dict(h=4, hk=4, d=64, inter=640, nl=2, s=130, splits=2, grid=dict(blocks=7, warps=5, stages=4), prefetch=-64),
 ])
 def test_decode_chain_matches_the_per_op_chain(name, dt, cfg):
     testing = qgemv._ext.MODULE.testing
-    before = testing.chain_attention_form()
+    before = testing.chain_attention_form(), testing.chain_attention_prefetch()
     testing.set_chain_attention_form(cfg.get("form", -1))
+    testing.set_chain_attention_prefetch(cfg.get("prefetch"))  # None: the rule (16 after the units at GQA 1)
     try:
         decode_chain_matches(name, dt, cfg)
     finally:
-        testing.set_chain_attention_form(before)
+        testing.set_chain_attention_form(before[0])
+        testing.set_chain_attention_prefetch(before[1])
 
 
 def decode_chain_matches(name, dt, cfg):
