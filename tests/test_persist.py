@@ -742,7 +742,7 @@ def test_decode_chain_matches_the_per_op_chain(name, dt, cfg):
     testing = qgemv._ext.MODULE.testing
     before = testing.chain_attention_form(), testing.chain_attention_prefetch()
     testing.set_chain_attention_form(cfg.get("form", -1))
-    testing.set_chain_attention_prefetch(cfg.get("prefetch"))  # None: the rule (16 after the units at GQA 1)
+    testing.set_chain_attention_prefetch(cfg.get("prefetch"))  # None: the rule (persist.h)
     try:
         decode_chain_matches(name, dt, cfg)
     finally:
