@@ -68,7 +68,6 @@ ChainShape persist_shape(const PersistPlan& plan, int group, bool zeros, int sta
 
 std::string str(const char* a, long long v) { return std::string(a) + std::to_string(v); }
 
-
 std::atomic<int> chain_attn_form{-1};
 std::atomic<int> chain_attn_prefetch{kChainAttnPrefetchRule};
 

@@ -10,9 +10,9 @@ contexts, cache splits and positions a warp before a context is split
 (PER_WARP, default 2, the launch's) and the attention's form (FORM: -1, the
 default, the launch's rule; 1 an octet of lanes a position, 0 a warp a
 position: testing.set_chain_attention_form) and the L2 prefetch at the attention
-(PF: tiles a warp asks past its ring, > 0 before the block's units, < 0 after
-them: testing.set_chain_attention_prefetch); µs per layer (CUDA graph replays,
-median), each row the extra over the norms-only chain.  The launch splits a
+(PF: tiles a warp asks past its ring, forced; default 0, none; > 0 before the
+block's units, < 0 after them: testing.set_chain_attention_prefetch); µs per
+layer (CUDA graph replays, median), each row the extra over the norms-only chain.  The launch splits a
 context only past PER_WARP positions a warp: the effective splits are printed.
 --stages: the same for each ring depth (slots a warp): does attention's
 cost a position fall when fewer weight bytes are in flight beside the

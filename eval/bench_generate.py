@@ -205,7 +205,7 @@ def kv_bytes_per_step(engine, batch: int, context: float) -> float:
 
 
 @contextlib.contextmanager
-def testing_knob(name: str, value: int):
+def testing_knob(name: str, value: int | None):
     """qgemv._C.testing's set_<name>(value) inside the with block, the value <name>() had before after it (e.g.
     set_decode_attention_stages: K / V tiles a decode_attention block)."""
     mod = qgemv._ext.MODULE
@@ -217,6 +217,9 @@ def testing_knob(name: str, value: int):
         yield
     finally:
         getattr(mod.testing, "set_" + name)(before)
+
+
+MK_VARIANT = re.compile(r"_mk(_f0|_pm?\d+)?$")  # the variants that decode through the launch
 
 
 def mk_prefetch(variant: str) -> int | None:
@@ -239,7 +242,7 @@ def run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown
 def _run_engine(model, mname, variant, batches, prompt, gen, read_gbps, breakdown) -> list:
     rows = []
     wb = weight_bytes(model)
-    engine = Engine(model, max_seq_len=prompt + gen + 8, megakernel=re.search(r"_mk(_f0|_pm?\d+)?$", variant) is not None)
+    engine = Engine(model, max_seq_len=prompt + gen + 8, megakernel=MK_VARIANT.search(variant) is not None)
     if variant.endswith("_sdpa"):
         engine.decode_attention = False
     if variant.endswith("_norope"):
