@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the lent GPU: build the extension for sm_90, run the
 # tests, run the kernel benchmark.  Logs go to $OUT (or runs/device).
-#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|decomp|slices|b16|m16|e16|pdl16|octets|dchecks|pfgen|da|stage2|attn|attnncu|attnstages|diag|bf16|gen|gen70|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
+#   bash dev/device_run.sh [tests|bench|prefill|sanitize|decode|lab|labchain|linears|persist|oplayout|decomp|slices|b16|m16|e16|pdl16|octets|dchecks|pfgen|patchab|da|stage2|attn|attnncu|attnstages|diag|bf16|gen|gen70|chain|gptqab|genact|import|glue|overlap|tpbench|all]...
 #   (DECODE_ARGS: extra arguments for qgemv.eval.bench_decode; PYTEST_K: a
 #   pytest -k expression for the tests step)
 set -o pipefail
@@ -288,6 +288,24 @@ launch__registers_per_thread,launch__grid_size,launch__block_size \
       timeout 100 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
         tests/test_persist.py -k "decode_chain_matches and int4g128a and ($cfgs)" > "$OUT/dchecks_mem.log" 2>&1
       echo "memcheck: exit $?"; tail -1 "$OUT/dchecks_mem.log" ;;
+    patchab)
+      # the engine against the tree before a patch: AB_PATCH (a unified diff from the repository root, already
+      # applied here) is reversed in a copy of the tree (its build directory too, so only what the patch touched
+      # recompiles), then bench_generate runs AB_VARIANTS on AB_MODELS from each tree in turn, two rounds each
+      # (python -m takes the package from the working directory)
+      [ -f "${AB_PATCH:-}" ] || { echo "patchab: AB_PATCH must name a patch file, got '${AB_PATCH:-}'"; exit 2; }
+      rm -rf /tmp/ab_base && mkdir /tmp/ab_base && cp -a . /tmp/ab_base/ && rm -rf /tmp/ab_base/runs || exit 1
+      (cd /tmp/ab_base && patch -s -R -p1 < "$OLDPWD/$AB_PATCH" && python3 setup.py build_ext --inplace \
+        > "$OUT/ab_base_build.log" 2>&1) || { echo "patchab: the base tree did not build"; tail -20 "$OUT/ab_base_build.log"; exit 1; }
+      out=$(cd "$OUT" && pwd)
+      for round in 1 2; do
+        for side in new base; do
+          dir=.; [ "$side" = base ] && dir=/tmp/ab_base
+          (cd "$dir" && timeout "${GEN_LIMIT:-200}" python3 -m qgemv.eval.bench_generate --models "${AB_MODELS:-llama2-7b}" \
+            --batches 1 --no-hf --no-breakdown --variants "${AB_VARIANTS:-int4g128a_mk}" ${AB_ARGS:-} \
+            --out "$out/ab_${side}_$round" 2>&1 | grep -v -i warn | grep "b=" | sed "s/^/$side $round /")
+        done
+      done ;;
     pfgen)
       # the attention's L2 prefetch (testing.set_chain_attention_prefetch): the probe (Llama-2-7B at 640 / 2048,
       # Llama-3-8B at 768; PF tiles a warp forced, > 0 before the block's units, < 0 after), then the engine at batch
