@@ -116,11 +116,10 @@ constexpr int kChainAttnMaxPrefetch = 64;
 constexpr int kChainAttnPrefetchRule = -1000;
 bool set_chain_attention_prefetch(int tiles);
 int chain_attention_prefetch();
-// The rule, by the query heads a kv head has (gq): none for now.  Measured on the H100 (2026-12-07,
-// dev/PERSISTENT.md): 16 tiles after the units took Llama-2-7B's step (gq 1) 1.5-2.1% faster, Llama-3-8B's (gq 4)
-// level at 8 tiles and 1% slower at 16; the rule becomes 16 after the units where gq == 1 once the GPU suite has
-// run with it on (the engine's tests did not run with it before this session's device time ran out).
-inline int chain_attn_prefetch_rule(int /*gq*/) { return 0; }
+// The rule, by the query heads a kv head has (gq): 16 tiles after the units where gq == 1, else none.  Measured on
+// the H100 (2026-12-07, dev/PERSISTENT.md): 16 after the units took Llama-2-7B's step (gq 1) 1.5-2.5% faster
+// (int4, int8; fp16 level), Llama-3-8B's (gq 4) level at 8 tiles and 1% slower at 16.
+inline int chain_attn_prefetch_rule(int gq) { return gq == 1 ? -16 : 0; }
 
 // The launch's tables, built on the host once per chain.
 struct PersistPlan {

@@ -94,8 +94,7 @@ VARIANTS = {"fp16": None, "bf16": None, "int8": (8, None, True), "int4": (4, Non
 # lanes a position where a kv head has 4 query heads or more and a unit 128 positions or more)
 # *_mk_pN / *_mk_pmN: each warp of the launch asks L2 for its walk's next N tiles past its ring at every layer's
 # attention, before the block's units (pN) or after them (pmN): testing.set_chain_attention_prefetch(N / -N) in
-# place of its rule (persist.h: none for now; 16 after the units where a kv head has one query head once the GPU
-# suite has run with it); *_mk_p0: none
+# place of its rule (persist.h: 16 after the units where a kv head has one query head, else none); *_mk_p0: none
 # int4g128a_act: int4 g128a with act-order input permutations as an imported GPTQ checkpoint has them after
 # qgemv.importers (one random perm shared by q/k/v, one by o, one by gate/up; down_proj's folded into gate/up's
 # rows); the engine gathers q/k/v's and gate/up's inputs inside its RMSNorm glue, and o_proj's GEMV gathers its
