@@ -795,8 +795,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                         std::to_string(qgemv::kChainAttnMaxPrefetch) + "], got " + std::to_string(*v));
         },
         "Tiles of its walk past its full ring that each warp of the persistent launch asks into L2 at a layer's "
-        "attention, for the chains planned from now on: None (the default) the rule (persist.h: 16 after the units where a kv head has one query head, else none), else "
-        "n forced: 0 none, n > 0 before the block's attention units, n < 0 after them.", pybind11::arg("tiles"));
+        "attention, for the chains planned from now on: None (the default) the rule (persist.h: 16 after the units "
+        "where a kv head has one query head, else none), else n forced: 0 none, n > 0 before the block's attention "
+        "units, n < 0 after them.", pybind11::arg("tiles"));
   t.def("chain_attention_prefetch", []() -> std::optional<int> {
           const int v = qgemv::chain_attention_prefetch();
           return v == qgemv::kChainAttnPrefetchRule ? std::nullopt : std::optional<int>(v);

@@ -309,8 +309,7 @@ launch__registers_per_thread,launch__grid_size,launch__block_size \
     pfgen)
       # the attention's L2 prefetch (testing.set_chain_attention_prefetch): the probe (Llama-2-7B at 640 / 2048,
       # Llama-3-8B at 768; PF tiles a warp forced, > 0 before the block's units, < 0 after), then the engine at batch
-      # 1 (prompt 512, 256 new; _mk_p0 none, _mk the rule), two rounds; with BASE_SO (an extension built from an
-      # earlier tree) its rows of int4g128a_mk after
+      # 1 (prompt 512, 256 new; _mk_p0 none, _mk the rule), two rounds (against an earlier tree: patchab)
       timeout 150 python3 dev/attn_probe.py --model llama2-7b --cases \
         ${PF_CASES:-640:4:2:-1:0,640:4:2:-1:8,640:4:2:-1:16,640:4:2:-1:32,640:4:2:-1:-8,640:4:2:-1:-16,640:4:2:-1:-32,640:4:2:-1:0,2048:4:2:-1:0,2048:4:2:-1:16,2048:4:2:-1:-16} \
         2>&1 | grep -v -i warn | tee "$OUT/pf_probe.txt"
@@ -318,14 +317,7 @@ launch__registers_per_thread,launch__grid_size,launch__block_size \
         | grep -v -i warn | tee -a "$OUT/pf_probe.txt"
       timeout "${GEN_LIMIT:-240}" python3 -m qgemv.eval.bench_generate --models "${GEN_MODELS:-llama2-7b}" --batches 1 \
         --no-hf --no-breakdown --variants "${PF_VARIANTS:-int4g128a_mk_p0,int4g128a_mk_p16,int4g128a_mk_pm16,int4g128a_mk_p0,int4g128a_mk_p16,int4g128a_mk_pm16}" \
-        --out "$OUT/generate_pf" 2>&1 | grep -v -i warn | grep "b="
-      if [ -n "${BASE_SO:-}" ]; then
-        so=$(ls qgemv/_C*.so) && cp "$so" /tmp/new_C.so && cp "$BASE_SO" "$so" || exit 1
-        timeout "${GEN_LIMIT:-240}" python3 -m qgemv.eval.bench_generate --models "${GEN_MODELS:-llama2-7b}" --batches 1 \
-          --no-hf --no-breakdown --variants int4g128a_mk,int4g128a_mk --out "$OUT/generate_pf_base" 2>&1 \
-          | grep -v -i warn | grep "b=" | sed "s/^/base /"
-        cp /tmp/new_C.so "$so"
-      fi ;;
+        --out "$OUT/generate_pf" 2>&1 | grep -v -i warn | grep "b=" ;;
     da)
       # decode_attention's stage counts: one layer's call with 2 (today), 3 and 4 K / V tiles a block at the
       # chosen and forced split counts, outputs compared bit for bit (dev/decode_attn_probe.py --stages)
