@@ -11,6 +11,11 @@ opcodes, and how much of their order agrees (difflib's ratio over opcode sequenc
 Two kernels with the same multiset and another order differ only in ptxas's schedule, which on 2026-12-05
 cost the int4 chain ~3 us a layer (dev/PERSISTENT.md).
 
+--base FILE2: the spill screen, before device time: for every kernel of FILE whose name holds PATTERN_A (any
+number of them), its local-memory instructions (LDL / STL: register spills at the 128-register cap) against the
+same kernel's in FILE2, the build before a change.  The octet K / V fold of 2026-12-07 moved the chunk loop by one
+instruction and spilled 40 more values beside it (LDL 7 -> 47): the engine ran 9-14% slower.
+
 cuobjdump: --cuobjdump, else $CUOBJDUMP, else on PATH (this machine's nvcc has none; PyPI's
 nvidia-cuda-cuobjdump wheel holds one in nvidia/cu13/bin).  Exit 2 for bad input.
 """
@@ -66,20 +71,49 @@ def stalls(hi: int) -> int:
     return (hi >> 41) & 0xF
 
 
+def spills(ins: list) -> tuple:
+    """(LDL count, STL count) of a kernel: its loads from and stores to local memory."""
+    ops = collections.Counter(opcode(t) for _, t, _ in ins)
+    return (sum(v for k, v in ops.items() if k.startswith("LDL")), sum(v for k, v in ops.items() if k.startswith("STL")))
+
+
+def spill_screen(new: dict, base: dict, pattern: str, new_file: str, base_file: str) -> int:
+    """Print each kernel's spills in both builds; 1 when any kernel spills more in the new one, 2 when none
+    matches."""
+    names = sorted(n for n in new if pattern in n)
+    if not names:
+        print(f"sass_loop: pattern {pattern!r} matches no kernel of {new_file}", file=sys.stderr)
+        return 2
+    grew = 0
+    print(f"LDL / STL, {base_file} -> {new_file}")
+    for n in names:
+        a = spills(base[n]) if n in base else None
+        b = spills(new[n])
+        flag = "" if a is None or sum(b) <= sum(a) else "  MORE"
+        grew += bool(flag)
+        print(f"  {'-' if a is None else f'{a[0]} / {a[1]}':>9} -> {b[0]} / {b[1]}{flag}  {n[:110]}")
+    print(f"{grew} of {len(names)} kernels spill more")
+    return 1 if grew else 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("file")
     ap.add_argument("patterns", nargs="+", metavar="PATTERN")
     ap.add_argument("--cuobjdump", default=os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump"))
     ap.add_argument("--show", type=int, default=0, help="print the first N instructions of each loop")
+    ap.add_argument("--base", metavar="FILE2", help="compare every matching kernel's spills with FILE2's")
     args = ap.parse_args(argv)
     if len(args.patterns) > 2:
         ap.error("at most two patterns")
-    if not os.path.isfile(args.file):
-        ap.error(f"{args.file}: no such file")
+    for f in [args.file] + ([args.base] if args.base else []):
+        if not os.path.isfile(f):
+            ap.error(f"{f}: no such file")
     if not args.cuobjdump:
         ap.error("no cuobjdump: pass --cuobjdump or set $CUOBJDUMP (pip download nvidia-cuda-cuobjdump has one)")
     funcs = functions(args.file, args.cuobjdump)
+    if args.base:
+        return spill_screen(funcs, functions(args.base, args.cuobjdump), args.patterns[0], args.file, args.base)
     loops = []
     for pat in args.patterns:
         names = [n for n in funcs if pat in n]
