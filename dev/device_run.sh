@@ -293,17 +293,23 @@ launch__registers_per_thread,launch__grid_size,launch__block_size \
       # applied here) is reversed in a copy of the tree (its build directory too, so only what the patch touched
       # recompiles), then bench_generate runs AB_VARIANTS on AB_MODELS from each tree in turn, two rounds each
       # (python -m takes the package from the working directory)
+      # (a second patchab on the same machine with the same patch reuses the base: AB_ARGS may change between them;
+      # AB_TAG prefixes its files)
       [ -f "${AB_PATCH:-}" ] || { echo "patchab: AB_PATCH must name a patch file, got '${AB_PATCH:-}'"; exit 2; }
-      rm -rf /tmp/ab_base && mkdir /tmp/ab_base && cp -a . /tmp/ab_base/ && rm -rf /tmp/ab_base/runs || exit 1
-      (cd /tmp/ab_base && patch -s -R -p1 < "$OLDPWD/$AB_PATCH" && python3 setup.py build_ext --inplace \
-        > "$OUT/ab_base_build.log" 2>&1) || { echo "patchab: the base tree did not build"; tail -20 "$OUT/ab_base_build.log"; exit 1; }
+      sum=$(sha1sum < "$AB_PATCH")
+      if [ "$(cat /tmp/ab_base/.ab_patch 2>/dev/null)" != "$sum" ]; then
+        rm -rf /tmp/ab_base && mkdir /tmp/ab_base && cp -a . /tmp/ab_base/ && rm -rf /tmp/ab_base/runs || exit 1
+        (cd /tmp/ab_base && patch -s -R -p1 < "$OLDPWD/$AB_PATCH" && python3 setup.py build_ext --inplace \
+          > "$OUT/ab_base_build.log" 2>&1) || { echo "patchab: the base tree did not build"; tail -20 "$OUT/ab_base_build.log"; exit 1; }
+        echo "$sum" > /tmp/ab_base/.ab_patch
+      fi
       out=$(cd "$OUT" && pwd)
       for round in 1 2; do
         for side in new base; do
           dir=.; [ "$side" = base ] && dir=/tmp/ab_base
           (cd "$dir" && timeout "${GEN_LIMIT:-200}" python3 -m qgemv.eval.bench_generate --models "${AB_MODELS:-llama2-7b}" \
             --batches 1 --no-hf --no-breakdown --variants "${AB_VARIANTS:-int4g128a_mk}" ${AB_ARGS:-} \
-            --out "$out/ab_${side}_$round" 2>&1 | grep -v -i warn | grep "b=" | sed "s/^/$side $round /")
+            --out "$out/ab_${AB_TAG:-}${side}_$round" 2>&1 | grep -v -i warn | grep "b=" | sed "s/^/$side $round /")
         done
       done ;;
     pfgen)
