@@ -73,8 +73,8 @@ def stalls(hi: int) -> int:
 
 def spills(ins: list) -> tuple:
     """(LDL count, STL count) of a kernel: its loads from and stores to local memory."""
-    ops = collections.Counter(opcode(t) for _, t, _ in ins)
-    return (sum(v for k, v in ops.items() if k.startswith("LDL")), sum(v for k, v in ops.items() if k.startswith("STL")))
+    ops = collections.Counter(opcode(t).split(".")[0] for _, t, _ in ins)
+    return ops["LDL"], ops["STL"]
 
 
 def spill_screen(new: dict, base: dict, pattern: str, new_file: str, base_file: str) -> int:
