@@ -19,35 +19,37 @@ namespace {
 // kNorm: each op's input through its RMSNorm gain on the way in (ChainShape::norms); kDecode (with kNorm):
 // the layers' rotary embedding, cache write and attention (ChainShape::attn); A: the activations' type
 // (__half, or __nv_bfloat16 with bf16 weights for bits 16).
-template <int kBits, int kGroup, bool kZeros, bool kNorm, bool kDecode, typename A>
-constexpr auto persist_kernel = chain_kernel<kBits, kGroup, kZeros, kNorm, kDecode, A>;
+template <int kBits, int kGroup, bool kZeros, bool kNorm, bool kDecode, typename A, bool kOct>
+constexpr auto persist_kernel = chain_kernel<kBits, kGroup, kZeros, kNorm, kDecode, A, kOct>;
 
-template <bool kNorm, bool kDecode, typename A, typename F>
+template <bool kNorm, bool kDecode, typename A, bool kOct, typename F>
 bool persist_dispatch_n(int bits, int group, bool zeros, F&& f) {
-  if (bits == 16) return group == 0 && !zeros && (f(persist_kernel<16, 0, false, kNorm, kDecode, A>), true);
-  if (bits == 8) return group == 0 && !zeros && (f(persist_kernel<8, 0, false, kNorm, kDecode, A>), true);
+  if (bits == 16) return group == 0 && !zeros && (f(persist_kernel<16, 0, false, kNorm, kDecode, A, kOct>), true);
+  if (bits == 8) return group == 0 && !zeros && (f(persist_kernel<8, 0, false, kNorm, kDecode, A, kOct>), true);
   if (bits != 4) return false;
-  if (group == 0 && !zeros) return f(persist_kernel<4, 0, false, kNorm, kDecode, A>), true;
-  if (group == 128 && !zeros) return f(persist_kernel<4, 128, false, kNorm, kDecode, A>), true;
-  if (group == 128 && zeros) return f(persist_kernel<4, 128, true, kNorm, kDecode, A>), true;
-  if (group == 64 && !zeros) return f(persist_kernel<4, 64, false, kNorm, kDecode, A>), true;
-  if (group == 64 && zeros) return f(persist_kernel<4, 64, true, kNorm, kDecode, A>), true;
-  if (group == 32 && !zeros) return f(persist_kernel<4, 32, false, kNorm, kDecode, A>), true;
-  if (group == 32 && zeros) return f(persist_kernel<4, 32, true, kNorm, kDecode, A>), true;
+  if (group == 0 && !zeros) return f(persist_kernel<4, 0, false, kNorm, kDecode, A, kOct>), true;
+  if (group == 128 && !zeros) return f(persist_kernel<4, 128, false, kNorm, kDecode, A, kOct>), true;
+  if (group == 128 && zeros) return f(persist_kernel<4, 128, true, kNorm, kDecode, A, kOct>), true;
+  if (group == 64 && !zeros) return f(persist_kernel<4, 64, false, kNorm, kDecode, A, kOct>), true;
+  if (group == 64 && zeros) return f(persist_kernel<4, 64, true, kNorm, kDecode, A, kOct>), true;
+  if (group == 32 && !zeros) return f(persist_kernel<4, 32, false, kNorm, kDecode, A, kOct>), true;
+  if (group == 32 && zeros) return f(persist_kernel<4, 32, true, kNorm, kDecode, A, kOct>), true;
   return false;
 }
 template <typename A, typename F>
-bool persist_dispatch_a(int bits, int group, bool zeros, bool norm, bool decode, F&& f) {
-  if (decode) return norm && persist_dispatch_n<true, true, A>(bits, group, zeros, f);
-  return norm ? persist_dispatch_n<true, false, A>(bits, group, zeros, f)
-              : persist_dispatch_n<false, false, A>(bits, group, zeros, f);
+bool persist_dispatch_a(int bits, int group, bool zeros, bool norm, bool decode, bool oct, F&& f) {
+  if (decode)
+    return norm && (oct ? persist_dispatch_n<true, true, A, true>(bits, group, zeros, f)
+                        : persist_dispatch_n<true, true, A, false>(bits, group, zeros, f));
+  return norm ? persist_dispatch_n<true, false, A, false>(bits, group, zeros, f)
+              : persist_dispatch_n<false, false, A, false>(bits, group, zeros, f);
 }
-// f(kernel) for the format (with the RMSNorms or not, with the attention or not, fp16 or bf16 activations);
-// false when there is none.
+// f(kernel) for the format (with the RMSNorms or not, with the attention or not and its octet form or not, fp16
+// or bf16 activations); false when there is none.
 template <typename F>
-bool persist_dispatch(int bits, int group, bool zeros, bool norm, bool decode, bool bf16, F&& f) {
-  return bf16 ? persist_dispatch_a<__nv_bfloat16>(bits, group, zeros, norm, decode, f)
-              : persist_dispatch_a<__half>(bits, group, zeros, norm, decode, f);
+bool persist_dispatch(int bits, int group, bool zeros, bool norm, bool decode, bool oct, bool bf16, F&& f) {
+  return bf16 ? persist_dispatch_a<__nv_bfloat16>(bits, group, zeros, norm, decode, oct, f)
+              : persist_dispatch_a<__half>(bits, group, zeros, norm, decode, oct, f);
 }
 
 ChainShape persist_shape(const PersistPlan& plan, int group, bool zeros, int stages, const int32_t* d_schedule,
@@ -261,6 +263,7 @@ PersistPlan persist_plan(const std::vector<PersistOp>& in, int bits, int group, 
       return pl.error = where + str("per_warp must be 0 (2) or 1..64, got ", a.per_warp), pl;
     c.per_warp = a.per_warp ? a.per_warp : kChainAttnPerWarp;
     c.form = chain_attn_form.load();
+    if (c.form == 1 || (c.form < 0 && chain_attn_octets_rule(H / Hk))) pl.octets = true;
     const int pf = chain_attn_prefetch.load();
     c.prefetch = pf != kChainAttnPrefetchRule ? pf : chain_attn_prefetch_rule(H / Hk);
     // the attention's scratch lives in the input buffer (x_cap fp16)
@@ -297,7 +300,7 @@ std::string persist_refusal(const PersistPlan& plan, int bits, int group, bool z
   }
   if (major != 9) return str("needs compute capability 9.x (bulk copies, mbarriers), this GPU has ", major);
   std::string why;
-  const bool known = persist_dispatch(bits, group, zeros, norm, decode, bf16, [&](auto kernel) {
+  const bool known = persist_dispatch(bits, group, zeros, norm, decode, plan.octets, bf16, [&](auto kernel) {
     cudaFuncAttributes fa{};
     if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess || fa.binaryVersion < 90) {
       (void)cudaGetLastError();
@@ -331,7 +334,7 @@ cudaError_t persist_launch(const PersistPlan& plan, const void* d_ops, int nops,
     return cudaErrorInvalidValue;
   const ChainShape sh = persist_shape(plan, group, zeros, stages, d_schedule, d_norms, eps, d_attn, d_pos, d_head);
   cudaError_t err = cudaErrorInvalidValue;
-  persist_dispatch(bits, group, zeros, d_norms != nullptr, d_attn != nullptr, bf16, [&](auto kernel) {
+  persist_dispatch(bits, group, zeros, d_norms != nullptr, d_attn != nullptr, plan.octets, bf16, [&](auto kernel) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan.smem));
     if (err != cudaSuccess) return;
     cudaLaunchConfig_t cfg{};

@@ -130,6 +130,8 @@ struct PersistPlan {
   std::vector<uint8_t> attn;     // stage 2: the attention table (device layout), empty without
   int classes = 0, sums = 0, x_cap = 0;
   int stage = 0;                 // 1: some op has an input perm (a second input buffer in shared memory)
+  bool octets = false;           // stage 2: the attention's octet form may run (its rule, or forced): the
+                                 // decode kernel with it, else the one without (which spills nothing)
   size_t smem = 0;               // dynamic shared memory a block
 };
 

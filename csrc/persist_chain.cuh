@@ -1327,7 +1327,9 @@ __device__ __forceinline__ void chain_ld_dims(const A* p, float (&o)[kDpl]) {
 // +20.0 / +19.2 -> +16.8 / +16.2, at 768 (48 positions a unit) +10.0 / +9.9 -> +9.8 / +10.0; Llama-2-7B (no GQA:
 // half the warps without a position of a 32-position chunk) at 640 +11.6 -> +12.3, at 2048 +21.5 / +21.2 ->
 // +22.4 / +22.0.  Hence the rule: octets where a kv head has 4 query heads or more and the unit 128 positions or
-// more (ChainAttn::form -1), else a warp a position.  Its dims' index:
+// more (ChainAttn::form -1), else a warp a position.  The rule's heads half (the host's plan reads it too):
+__host__ __device__ constexpr bool chain_attn_octets_rule(int gq) { return gq >= 4; }
+// Its dims' index:
 template <int kDpl>
 __device__ __forceinline__ int chain_oct_dim(int r, int i) {
   return kDpl == 1 ? 4 * r + i : (i / 8) * 64 + 8 * r + (i % 8);
@@ -1362,7 +1364,9 @@ __device__ __forceinline__ void chain_oct_load(const A* row, int r, uint32_t (&u
 // inside a chunk.  Then the head's warps merge in shared memory, and a split's
 // result goes to the scratch, where the kv head's last split merges them (as
 // flash-decoding does), or with one split straight into o's input.
-template <int kDpl, typename A, typename Sync>
+// kOct: the octet form compiled in (its 4 kDpl dims a lane spill the decode kernels at the 128-register cap;
+// without it every decode kernel spills nothing: chain_kernel's kOct).
+template <int kDpl, typename A, bool kOct, typename Sync>
 __device__ __forceinline__ void chain_attention(const ChainAttn& a, int par, int nthreads, Sync&& csync, float* sm) {
   __shared__ int last;
   constexpr int kD = 32 * kDpl;
@@ -1402,7 +1406,7 @@ __device__ __forceinline__ void chain_attention(const ChainAttn& a, int par, int
         chain_poll8<A>(src + at, kv + 8 * c, 1.f);
       }
     csync();  // the queries and the token's k / v
-    if (a.form == 1 || (a.form < 0 && gq >= 4 && p1 - p0 >= 4 * kChainAttnChunk)) {  // the rule: above
+    if (kOct && (a.form == 1 || (a.form < 0 && chain_attn_octets_rule(gq) && p1 - p0 >= 4 * kChainAttnChunk))) {
       constexpr int kE = 4 * kDpl;  // dims a lane
       const int g = lane >> 3, r = lane & 7;
       const unsigned omask = 0xffu << (lane & 24);
@@ -1580,12 +1584,12 @@ __device__ __forceinline__ void chain_attention(const ChainAttn& a, int par, int
 }
 
 // chain_attention for the layer's head size (32, 64 or 128: the plan refuses others).
-template <typename A = __half, typename Sync>
+template <typename A = __half, bool kOct = true, typename Sync>
 __device__ __forceinline__ void chain_attention_any(const ChainAttn& a, int par, int nthreads, Sync&& csync,
                                                  float* sm) {
-  if (a.D == 128) chain_attention<4, A>(a, par, nthreads, csync, sm);
-  else if (a.D == 64) chain_attention<2, A>(a, par, nthreads, csync, sm);
-  else chain_attention<1, A>(a, par, nthreads, csync, sm);
+  if (a.D == 128) chain_attention<4, A, kOct>(a, par, nthreads, csync, sm);
+  else if (a.D == 64) chain_attention<2, A, kOct>(a, par, nthreads, csync, sm);
+  else chain_attention<1, A, kOct>(a, par, nthreads, csync, sm);
 }
 
 // ---- The head: the final RMSNorm, lm_head and the greedy argmax (kNorm; M = 1)
@@ -1717,7 +1721,10 @@ __device__ __noinline__ void chain_head(const ChainHead& hd, int par, int nthrea
 // (the launch's parity picks one), so a hand-off is a poll of the input, not
 // a grid-wide count (prep_input, chain_async_input).  M = 1 (sh.M).  kNorm:
 // the ops' input RMSNorms in the hand-offs (sh.norms); kDecode (with kNorm):
-// each layer's RoPE, KV-cache write and attention (sh.attn, sh.pos).
+// each layer's RoPE, KV-cache write and attention (sh.attn, sh.pos); kOct
+// (with kDecode): the attention's octet form compiled in, which spills 2-7
+// values in every decode kernel (2026-12-07), so the launch takes the kernel
+// without it where the plan's rule never picks it (PersistPlan::octets).
 // Every op-boundary function is inlined: with the norm, the rotation and the
 // attention as calls (noinline), the calls inside the consume loop made the
 // call ABI keep the loop's state in local memory, 6-10 local loads and stores
@@ -1727,7 +1734,8 @@ __device__ __noinline__ void chain_head(const ChainHead& hd, int par, int nthrea
 // the launches: their parity).  wait_cycles: nullptr, or the lab's cycle
 // counts (ChainCycles, then per op class); compiled in the lab's builds only
 // (QGEMV_CHAIN_STAMPS), so the extension's kernels carry no timing code.
-template <int kBits, int kGroup, bool kZeros, bool kNorm = false, bool kDecode = false, typename A = __half>
+template <int kBits, int kGroup, bool kZeros, bool kNorm = false, bool kDecode = false, typename A = __half,
+          bool kOct = true>
 __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
     chain_kernel(const ChainOp* __restrict__ ops, int nops, ChainShape sh, unsigned* sync,
                  unsigned long long* wait_cycles) {
@@ -1936,7 +1944,7 @@ __global__ void __launch_bounds__(kChainMaxWarps * 32, 1)
           // HBM idles while the rings are full and the blocks attend: the walks' next tiles into L2 meanwhile
           if (at.prefetch > 0) ahead(at.prefetch);
           csync();  // every warp is past the last op's reads of xs, the attention's scratch
-          chain_attention_any<A>(at, par, nthreads, csync, reinterpret_cast<float*>(xs));
+          chain_attention_any<A, kOct>(at, par, nthreads, csync, reinterpret_cast<float*>(xs));
           if (at.prefetch < 0) ahead(-at.prefetch);
           if (timed) t_prep += clock64() - a0;
         }

@@ -622,12 +622,13 @@ pybind11::tuple persist_plan_py(const std::vector<PersistOpTuple>& in, int group
   at::Tensor attn = at::empty({static_cast<int64_t>(pl.attn.size())}, at::kByte);
   if (!pl.attn.empty()) std::memcpy(attn.data_ptr(), pl.attn.data(), pl.attn.size());
   return pybind11::make_tuple(pl.error, ops, sched, pl.op_class, pl.classes, pl.sums, pl.x_cap, pl.stage,
-                              static_cast<int64_t>(pl.smem), attn);
+                              static_cast<int64_t>(pl.smem), attn, pl.octets);
 }
 
-PersistPlan persist_plan_from(int classes, int sums, int x_cap, int64_t smem, int stage = 0) {
+PersistPlan persist_plan_from(int classes, int sums, int x_cap, int64_t smem, int stage = 0, bool octets = true) {
   PersistPlan pl;
   pl.classes = classes, pl.sums = sums, pl.x_cap = x_cap, pl.smem = static_cast<size_t>(smem), pl.stage = stage;
+  pl.octets = octets;
   return pl;
 }
 
@@ -684,11 +685,12 @@ at::Tensor persist_fuse_py(const at::Tensor& qweight, const at::Tensor& scales, 
 // "" when launched, else why not (returned, not thrown: on torch 2.11 an
 // exception out of the extension ends the process, see ops._precheck_cuda).
 // norms: 0, or the device address of nops pointers (each op's RMSNorm gain or 0; qgemv/persist.py keeps them).
-// bf16: bfloat16 activations (and tables; bits 16: weights), else float16.
+// bf16: bfloat16 activations (and tables; bits 16: weights), else float16.  octets: the plan's (the decode
+// kernel with the attention's octet form, or the one without).
 std::string persist_launch_py(const at::Tensor& ops, const at::Tensor& schedule, const at::Tensor& sync, int group,
                               bool zeros, int blocks, int warps, int stages, int classes, int sums, int x_cap,
                               int64_t smem, int64_t norms, double eps, int64_t attn, int64_t pos, int bits,
-                              int stage, bool bf16, int64_t head) {
+                              int stage, bool bf16, int64_t head, bool octets) {
   if (!ops.is_cuda() || !schedule.is_cuda() || !sync.is_cuda() || ops.device() != sync.device() ||
       schedule.device() != sync.device())
     return "ops, schedule and sync must be CUDA tensors on one device";
@@ -697,7 +699,7 @@ std::string persist_launch_py(const at::Tensor& ops, const at::Tensor& schedule,
   const int64_t nops = ops.numel() / static_cast<int64_t>(persist_op_bytes());
   if (nops < 1 || sync.numel() != nops + 1) return c10::str("sync must hold nops + 1 = ", nops + 1, " counters");
   c10::cuda::CUDAGuard guard(ops.device());
-  const cudaError_t err = persist_launch(persist_plan_from(classes, sums, x_cap, smem, stage), ops.data_ptr(),
+  const cudaError_t err = persist_launch(persist_plan_from(classes, sums, x_cap, smem, stage, octets), ops.data_ptr(),
                                          static_cast<int>(nops), schedule.data_ptr<int32_t>(),
                                          reinterpret_cast<unsigned*>(sync.data_ptr<int32_t>()), bits, group, zeros, blocks,
                                          warps, stages, c10::cuda::getCurrentCUDAStream(),
@@ -833,14 +835,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("splits"));
   ps.def("op_bytes", &qgemv::persist_op_bytes, "Bytes of one op in the plan's op table.");
   ps.def("refusal", [](int64_t smem, int group, bool zeros, int blocks, int warps, bool norm, bool decode, int bits,
-                       bool bf16) {
-           return qgemv::persist_refusal(qgemv::persist_plan_from(0, 0, 0, smem), bits, group, zeros, blocks, warps,
-                                         norm, decode, bf16);
+                       bool bf16, bool octets) {
+           return qgemv::persist_refusal(qgemv::persist_plan_from(0, 0, 0, smem, 0, octets), bits, group, zeros,
+                                         blocks, warps, norm, decode, bf16);
          },
          "Why a grid of a plan (its shared memory a block) cannot run on the current device, or ''.",
          pybind11::arg("smem"), pybind11::arg("group"), pybind11::arg("zeros"), pybind11::arg("blocks"),
          pybind11::arg("warps"), pybind11::arg("norm") = false, pybind11::arg("decode") = false,
-         pybind11::arg("bits") = 4, pybind11::arg("bf16") = false);
+         pybind11::arg("bits") = 4, pybind11::arg("bf16") = false, pybind11::arg("octets") = true);
   ps.def("launch", &qgemv::persist_launch_py,
          "One launch of the chain on the current stream: '' when launched, else why not (never raises).",
          pybind11::arg("ops"), pybind11::arg("schedule"), pybind11::arg("sync"), pybind11::arg("group"),
@@ -848,7 +850,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          pybind11::arg("classes"), pybind11::arg("sums"), pybind11::arg("x_cap"), pybind11::arg("smem"),
          pybind11::arg("norms") = 0, pybind11::arg("eps") = 0.0, pybind11::arg("attn") = 0, pybind11::arg("pos") = 0,
          pybind11::arg("bits") = 4, pybind11::arg("stage") = 0, pybind11::arg("bf16") = false,
-         pybind11::arg("head") = 0);
+         pybind11::arg("head") = 0, pybind11::arg("octets") = true);
   ps.def("head_record", &qgemv::persist_head_py,
          "The head's record (the final RMSNorm, lm_head, the greedy argmax) in the device layout; empty if invalid.",
          pybind11::arg("x"), pybind11::arg("ldx"), pybind11::arg("gain"), pybind11::arg("eps"), pybind11::arg("weight"),

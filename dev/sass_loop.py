@@ -4,7 +4,8 @@
 
 FILE: a cubin, an object or the extension's .so (sm_90a code); PATTERN: a substring of a kernel's mangled
 name, e.g. ``chain_kernelILi4ELi128ELb1ELb1ELb0E6__half`` (int4 G = 128 with zero points, norms, fp16
-activations) against ``...ELb0E13__nv_bfloat16``.  For each kernel: the chunk loop (from the header of the
+activations) against ``...ELb0E13__nv_bfloat16`` (a decode kernel's name ends in ``Lb0E`` without the attention's
+octet form, ``Lb1E`` with it).  For each kernel: the chunk loop (from the header of the
 innermost loop holding every HMMA of the kernel to the first SYNCS.ARRIVE after it: the tile math and the
 ring's refill) and its instruction count; with two kernels, whether the loops hold the same multiset of
 opcodes, and how much of their order agrees (difflib's ratio over opcode sequences; 1.0 the same order).

@@ -538,13 +538,13 @@ class PersistentChain:
             if rec.numel() == 0:
                 raise PersistError(f"head: the record was refused (lm_head {list(w.shape)}, H = {h})")
             self._head = rec.to(dev)
-        err, table, sched, self.op_class, self.classes, self.sums, self.x_cap, self.stage, self.smem, attn = ps.plan(
-            ops, self.group, self.zeros, blocks, warps, stages, attns, self.bits)
+        (err, table, sched, self.op_class, self.classes, self.sums, self.x_cap, self.stage, self.smem, attn,
+         self.octets) = ps.plan(ops, self.group, self.zeros, blocks, warps, stages, attns, self.bits)
         if err:
             raise PersistError(f"PersistentChain: {err}")
         with torch.cuda.device(dev):  # the weights' GPU, not the current one
             why = ps.refusal(self.smem, self.group, self.zeros, blocks, warps, self.has_norms, at is not None,
-                             self.bits, dtype == torch.bfloat16)
+                             self.bits, dtype == torch.bfloat16, self.octets)
         if why:
             raise PersistError(f"PersistentChain: {why}")
         self._table = table.to(dev)
@@ -654,7 +654,8 @@ class PersistentChain:
                                self._norms.data_ptr() if self._norms is not None else 0, self.eps,
                                self._attn.data_ptr() if self._attn is not None else 0,
                                self.position.data_ptr() if self._attn is not None else 0, self.bits, self.stage,
-                               self.dtype == torch.bfloat16, self._head.data_ptr() if self._head is not None else 0)
+                               self.dtype == torch.bfloat16, self._head.data_ptr() if self._head is not None else 0,
+                               self.octets)
         if why:
             raise PersistError(f"PersistentChain: launch refused: {why}")
 

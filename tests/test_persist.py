@@ -59,9 +59,9 @@ def test_schedule_assigns_every_tile_once(shapes, outs, blocks, warps, bits):
     ps = qgemv._ext.MODULE.persist
     ops = fake_ops(shapes * 2, outs * 2)  # two layers: the second reuses the first's classes
     group, zeros = (128, True) if bits == 4 else (0, False)
-    err, table, sched, op_class, classes, sums, x_cap, stage, smem, attn = ps.plan(ops, group, zeros, blocks, warps, 8,
-                                                                            bits=bits)
-    assert attn.numel() == 0
+    err, table, sched, op_class, classes, sums, x_cap, stage, smem, attn, octets = ps.plan(
+        ops, group, zeros, blocks, warps, 8, bits=bits)
+    assert attn.numel() == 0 and not octets  # no attention: no octet form
     assert err == ""
     assert classes == 4 and op_class == [0, 1, 2, 3] * 2
     assert table.numel() == len(ops) * ps.op_bytes()
@@ -651,6 +651,23 @@ def test_chain_attention_form_knob():
         for form in (0, 1):
             testing.set_chain_attention_form(form)
             assert testing.chain_attention_form() == form
+    finally:
+        testing.set_chain_attention_form(before)
+
+
+@needs_ext
+def test_plan_takes_the_octet_kernel_only_where_the_form_can_run():
+    # the decode kernel with the octet form spills (dev/PERSISTENT.md); the plan asks for it only where the rule
+    # (4 or more query heads a kv head) or a forced form 1 can take octets, and for the one without where form 0
+    ps, testing = qgemv._ext.MODULE.persist, qgemv._ext.MODULE.testing
+    before = testing.chain_attention_form()
+    want = {(-1, 8, 8): False, (-1, 8, 2): True, (-1, 8, 1): True, (-1, 12, 3): True, (-1, 6, 2): False,
+            (1, 8, 8): True, (0, 8, 2): False}
+    try:
+        for (form, heads, kv), octets in want.items():
+            testing.set_chain_attention_form(form)
+            out = ps.plan(attn_ops(heads, kv, 64), 0, False, 8, 16, 8, [attn_tuple(heads, kv, 64)])
+            assert out[0] == "" and out[10] is octets, (form, heads, kv)
     finally:
         testing.set_chain_attention_form(before)
 
