@@ -662,7 +662,8 @@ class PersistentChain:
         kernel with it: the plan asked for that kernel (:attr:`octets`) and the form is forced, or under its rule a
         unit of the position + 1 cache positions reaches 128 of them (persist_chain.cuh, chain_attention: a unit
         holds at most ceil(L / splits) positions, splits = min(the chain's splits, ceil(L / (warps x per_warp)))).
-        Where it is False the kernel without the form gives the same outputs, bit for bit, and spills nothing."""
+        Where it is False the form cannot run, so the kernel without it does the same arithmetic and spills
+        nothing."""
         if not self.octets:
             return False
         if self._form == 1:

@@ -677,7 +677,7 @@ def test_megakernel_runs_act_order_weights(fmt):
 @needs_sm90
 def test_megakernel_picks_the_kernel_without_the_octet_form_below_the_rule():
     """GQA 4: the batch-1 steps take the launch's kernel without the octet form (it spills nothing; the same
-    outputs there) until a unit reaches the form's 128 positions, then the one with it: a CUDA graph each."""
+    arithmetic there) until a unit reaches the form's 128 positions, then the one with it: a CUDA graph each."""
     model = megakernel_model("llama", 4, 1, (4, 128, False)).half().cuda()
     engine = Engine(model, max_seq_len=128, megakernel=True)
     engine.generate([list(range(1, 10))], max_new_tokens=6)

@@ -822,35 +822,28 @@ def test_decode_chain_replays_in_a_cuda_graph_at_moving_positions():
 
 
 @needs_sm90
-def test_kernel_without_the_octet_form_is_the_same_below_the_rule():
-    """octets_at: below the rule's 128 positions a unit the kernel without the octet form (the engine's pick there:
-    it spills nothing) gives the octet kernel's outputs bit for bit; from there the form runs (the outputs differ in
-    rounding), both close to the reference.  GQA 4, head_dim 128, one split: a unit is the whole context."""
+def test_both_decode_kernels_match_the_reference_either_side_of_the_octet_rule():
+    """octets_at's switch (a unit reaching the rule's 128 positions), and both kernels close to the reference at
+    positions either side of it: step_octets False (the kernel without the octet form, the engine's pick below the
+    rule, where the form could not run anyway) and True.  Not compared with each other bit for bit: the launch's
+    panel sums are not deterministic run to run (persist_chain.cuh).  GQA 4, head_dim 128, one split: a unit is the
+    whole context."""
     torch.manual_seed(9)
     s = 300
     layers, norms, at = decode_setup("int4g128a", 8, 2, 128, 1024, 2, s)
     at.splits = 1
     chain = persist.PersistentChain(layers, norms=norms, eps=1e-5, attention=at)
     assert chain.octets and [chain.octets_at(p) for p in (0, 126, 127, s - 1)] == [False, False, True, True]
-    differs = []
     for pos in (3, 126, 127, s - 1):
         x = torch.randn(1, 1024, device="cuda").half()
         caches = at.k_cache.clone(), at.v_cache.clone()
-        ys = []
+        ref_at = persist.Attention(8, 2, 128, at.cos, at.sin, caches[0].clone(), caches[1].clone())
+        ref = persist.reference(layers, x, norms, 1e-5, attention=ref_at, position=pos)
         for octets in (False, True):
             at.k_cache.copy_(caches[0]), at.v_cache.copy_(caches[1])
             chain.step_octets = octets
             chain.output.fill_(float("nan"))
-            ys.append(chain(x, position=pos))
-        ref_at = persist.Attention(8, 2, 128, at.cos, at.sin, caches[0].clone(), caches[1].clone())
-        ref = persist.reference(layers, x, norms, 1e-5, attention=ref_at, position=pos)
-        for y, octets in zip(ys, (False, True)):
-            assert_close_chain(y, ref, x, f"position {pos}, octet kernel {octets}")
-        if not chain.octets_at(pos):
-            assert torch.equal(ys[0], ys[1]), f"position {pos}: the kernels differ below the rule"
-        else:
-            differs.append(not torch.equal(ys[0], ys[1]))
-    assert any(differs), "the octet form never ran: step_octets did not pick the kernel"
+            assert_close_chain(chain(x, position=pos), ref, x, f"position {pos}, octet kernel {octets}")
 
 
 @needs_sm90
