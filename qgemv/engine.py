@@ -462,7 +462,7 @@ class Engine:
         else:
             self.megakernel_reason = "megakernel=False"
         self._cache = {}  # batch -> (k [L, B, Hkv, S, D], v)
-        self._graphs = {}  # batch -> (graph, static inputs, static logits)
+        self._graphs = {}  # batch (or (1, octets): _step_key) -> (graph, static inputs, static logits)
         self._pool = None
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         if eos is None:
@@ -700,13 +700,28 @@ class Engine:
             return ops.add_rms_gather(x, delta, w, perm, self.eps, checked=True)  # perm: checked at prefill
         return glue_add_rms_gather(x, delta, w, perm, self.eps)
 
-    def _decode(self, ids: torch.Tensor, slot: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
-        """One decode step (ids [B, 1]); through the batch size's CUDA graph where graphs are on."""
+    def _decode(self, ids: torch.Tensor, slot: torch.Tensor, pad: torch.Tensor,
+                position: Optional[int] = None) -> torch.Tensor:
+        """One decode step (ids [B, 1]); through the batch size's CUDA graph where graphs are on.  position: the
+        step's cache slot as a host int (slot's value), which picks the persistent launch's kernel at batch 1: the
+        one without the attention's octet form (it spills nothing) until the form's rule can take a unit, then the
+        one with it (a graph each); None takes the one with it wherever the plan built it."""
         with self._launch_mode():
-            return self._decode_step(ids, slot, pad)
+            return self._decode_step(ids, slot, pad, position)
 
-    def _decode_step(self, ids: torch.Tensor, slot: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
-        if self._glue is not EAGER_GLUE and ids.shape[0] not in self._graphs:
+    def _step_key(self, B: int, position: Optional[int]):
+        """The graph's key: B, or (1, octets) where the batch-1 launch has a kernel with the octet form; sets the
+        launch's kernel for this step."""
+        chain = self._megachain() if B == 1 and self.megakernel else None  # (built here on the first step)
+        if chain is None or not chain.octets:
+            return B
+        chain.step_octets = True if position is None else chain.octets_at(position)
+        return (B, chain.step_octets)
+
+    def _decode_step(self, ids: torch.Tensor, slot: torch.Tensor, pad: torch.Tensor,
+                     position: Optional[int] = None) -> torch.Tensor:
+        key = self._step_key(ids.shape[0], position)
+        if self._glue is not EAGER_GLUE and key not in self._graphs:
             try:  # the first call per batch size compiles the glue
                 self.forward(ids, slot, pad)
             except Exception as e:  # no working compiler here: eager glue, same results up to rounding
@@ -719,8 +734,7 @@ class Engine:
                     _ext.set_gemv_pdl(-1)  # (for this call too; _launch_mode restores the mode after it)
         if not self.cuda_graphs:
             return self.forward(ids, slot, pad)
-        B = ids.shape[0]
-        if B not in self._graphs:
+        if key not in self._graphs:
             static = (ids.clone(), slot.clone(), pad.clone())
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -733,8 +747,8 @@ class Engine:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 logits = self.forward(*static)
-            self._graphs[B] = (graph, static, logits)
-        graph, static, logits = self._graphs[B]
+            self._graphs[key] = (graph, static, logits)
+        graph, static, logits = self._graphs[key]
         for dst, src in zip(static, (ids, slot, pad)):
             dst.copy_(src)
         graph.replay()
@@ -825,7 +839,7 @@ class Engine:
                 ready.record()
             last = step == max_new_tokens - 1
             if not last:
-                logits = self._decode(nxt[:, None], slots[step:step + 1], pad)
+                logits = self._decode(nxt[:, None], slots[step:step + 1], pad, T + step)
                 # greedy through the launch: its argmax (stream order keeps each step's token until its copies
                 # below and in the next _decode have read it)
                 following = self._launch_token(logits) if temperature == 0 else None

@@ -207,6 +207,12 @@ def attend(at: Attention, layer: int, qkv: torch.Tensor, position: int) -> torch
     return torch.einsum("hgl,hld->hgd", scores.softmax(-1), vals).reshape(1, h * d).to(dt)
 
 
+# persist_chain.cuh's kChainAttnChunk (cache positions a chunk; the octet rule takes units of 4 chunks or more) and
+# kChainAttnPerWarp (a unit's positions a warp by default)
+_CHAIN_ATTN_CHUNK = 32
+_CHAIN_ATTN_PER_WARP = 2
+
+
 def _module():
     mod = _ext.MODULE
     if mod is None or not hasattr(mod, "persist"):
@@ -547,6 +553,10 @@ class PersistentChain:
                              self.bits, dtype == torch.bfloat16, self.octets)
         if why:
             raise PersistError(f"PersistentChain: {why}")
+        # the kernel run() launches: with the octet form (self.octets: the plan's rule can take it) or without it,
+        # which spills nothing (the engine picks per step: octets_at); the form knob as the plan read it
+        self.step_octets = self.octets
+        self._form = _ext.MODULE.testing.chain_attention_form() if at is not None else 0
         self._table = table.to(dev)
         self._schedule = sched.to(dev)
         self._sync = torch.zeros(len(ops) + 1, dtype=torch.int32, device=dev)
@@ -647,15 +657,34 @@ class PersistentChain:
         self.weight_bytes += qw.numel() * qw.element_size() + meta.numel()
         return qw.data_ptr(), meta.data_ptr()
 
+    def octets_at(self, position: int) -> bool:
+        """Whether a launch at cache slot ``position`` (int) may take the attention's octet form, so needs the
+        kernel with it: the plan asked for that kernel (:attr:`octets`) and the form is forced, or under its rule a
+        unit of the position + 1 cache positions reaches 128 of them (persist_chain.cuh, chain_attention: a unit
+        holds at most ceil(L / splits) positions, splits = min(the chain's splits, ceil(L / (warps x per_warp)))).
+        Where it is False the form cannot run, so the kernel without it does the same arithmetic and spills
+        nothing."""
+        if not self.octets:
+            return False
+        if self._form == 1:
+            return True
+        L = int(position) + 1
+        per = self.warps * (self.attention.per_warp or _CHAIN_ATTN_PER_WARP)
+        splits = min(self.splits, -(-L // per))
+        return -(-L // splits) >= 4 * _CHAIN_ATTN_CHUNK
+
     def run(self) -> None:
-        """One launch on the current stream: :attr:`input` -> :attr:`output` (capturable in a CUDA graph)."""
+        """One launch on the current stream: :attr:`input` -> :attr:`output` (capturable in a CUDA graph); the
+        kernel with the octet form where :attr:`step_octets` (set it from :meth:`octets_at`), else the one without."""
+        if self.step_octets and not self.octets:
+            raise PersistError("PersistentChain: step_octets is set, but the plan built no octet attention")
         why = _module().launch(self._table, self._schedule, self._sync, self.group, self.zeros, self.blocks,
                                self.warps, self.stages, self.classes, self.sums, self.x_cap, self.smem,
                                self._norms.data_ptr() if self._norms is not None else 0, self.eps,
                                self._attn.data_ptr() if self._attn is not None else 0,
                                self.position.data_ptr() if self._attn is not None else 0, self.bits, self.stage,
                                self.dtype == torch.bfloat16, self._head.data_ptr() if self._head is not None else 0,
-                               self.octets)
+                               bool(self.step_octets))
         if why:
             raise PersistError(f"PersistentChain: launch refused: {why}")
 

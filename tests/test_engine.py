@@ -675,6 +675,22 @@ def test_megakernel_runs_act_order_weights(fmt):
 
 
 @needs_sm90
+def test_megakernel_picks_the_kernel_without_the_octet_form_below_the_rule():
+    """GQA 4: the batch-1 steps take the launch's kernel without the octet form (it spills nothing; the same
+    arithmetic there) until a unit reaches the form's 128 positions, then the one with it: a CUDA graph each."""
+    model = megakernel_model("llama", 4, 1, (4, 128, False)).half().cuda()
+    engine = Engine(model, max_seq_len=128, megakernel=True)
+    engine.generate([list(range(1, 10))], max_new_tokens=6)
+    chain = engine._chain
+    assert chain is not None and chain.octets, engine.megakernel_reason
+    assert set(engine._graphs) == {(1, False)} and not chain.step_octets
+    far = 128 * chain.splits  # every unit of the context holds 128 positions or more
+    assert engine._step_key(1, far) == (1, True) and chain.step_octets
+    assert engine._step_key(1, 100) == (1, False) and not chain.step_octets
+    assert engine._step_key(1, None) == (1, True)  # no position: the kernel the plan built
+
+
+@needs_sm90
 def test_megakernel_engine_leaves_batches_to_the_per_op_path():
     model = tiny("llama", seed=2, hidden_size=256, intermediate_size=512, vocab_size=512, initializer_range=0.02)
     qgemv.quantize_model(model, bits=4, group_size=128, symmetric=False)

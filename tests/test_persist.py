@@ -821,6 +821,42 @@ def test_decode_chain_replays_in_a_cuda_graph_at_moving_positions():
         x = chain.output.clone()
 
 
+@needs_sm90
+def test_both_decode_kernels_match_the_reference_either_side_of_the_octet_rule():
+    """octets_at's switch (a unit reaching the rule's 128 positions), and both kernels close to the reference at
+    positions either side of it: step_octets False (the kernel without the octet form, the engine's pick below the
+    rule, where the form could not run anyway) and True.  Not compared with each other bit for bit: the launch's
+    panel sums are not deterministic run to run (persist_chain.cuh).  GQA 4, head_dim 128, one split: a unit is the
+    whole context."""
+    torch.manual_seed(9)
+    s = 300
+    layers, norms, at = decode_setup("int4g128a", 8, 2, 128, 1024, 2, s)
+    at.splits = 1
+    chain = persist.PersistentChain(layers, norms=norms, eps=1e-5, attention=at)
+    assert chain.octets and [chain.octets_at(p) for p in (0, 126, 127, s - 1)] == [False, False, True, True]
+    for pos in (3, 126, 127, s - 1):
+        x = torch.randn(1, 1024, device="cuda").half()
+        caches = at.k_cache.clone(), at.v_cache.clone()
+        ref_at = persist.Attention(8, 2, 128, at.cos, at.sin, caches[0].clone(), caches[1].clone())
+        ref = persist.reference(layers, x, norms, 1e-5, attention=ref_at, position=pos)
+        for octets in (False, True):
+            at.k_cache.copy_(caches[0]), at.v_cache.copy_(caches[1])
+            chain.step_octets = octets
+            chain.output.fill_(float("nan"))
+            assert_close_chain(chain(x, position=pos), ref, x, f"position {pos}, octet kernel {octets}")
+
+
+@needs_sm90
+def test_step_octets_needs_a_plan_with_the_octet_form():
+    torch.manual_seed(10)
+    layers, norms, at = decode_setup("int4g128a", 4, 4, 64, 640, 2, 64)  # no GQA: the plan builds no octets
+    chain = persist.PersistentChain(layers, norms=norms, eps=1e-5, attention=at)
+    assert not chain.octets and not chain.octets_at(63)
+    chain.step_octets = True
+    with pytest.raises(persist.PersistError, match="step_octets is set, but the plan built no octet attention"):
+        chain.run()
+
+
 @needs_ext
 def test_head_record_refuses_a_missing_pointer_or_a_k_the_loads_cannot_take():
     """The head's record (what the launch trusts): empty, so refused by the chain, for a missing pointer, K not
