@@ -659,12 +659,12 @@ class PersistentChain:
 
     def octets_at(self, position: int) -> bool:
         """Whether a launch at cache slot ``position`` (int) may take the attention's octet form, so needs the
-        kernel with it: the plan asked for that kernel (:attr:`octets`) and the form is forced, or under its rule a
+        kernel with it: the plan asked for that kernel (:attr:`octets`) and the form is forced on, or under its rule a
         unit of the position + 1 cache positions reaches 128 of them (persist_chain.cuh, chain_attention: a unit
         holds at most ceil(L / splits) positions, splits = min(the chain's splits, ceil(L / (warps x per_warp)))).
         Where it is False the form cannot run, so the kernel without it does the same arithmetic and spills
         nothing."""
-        if not self.octets:
+        if not self.octets or self._form == 0:  # (0: the form forced off, testing.set_chain_attention_form)
             return False
         if self._form == 1:
             return True

@@ -857,6 +857,26 @@ def test_step_octets_needs_a_plan_with_the_octet_form():
         chain.run()
 
 
+def test_octets_at_switches_where_a_unit_can_reach_128_positions():
+    """octets_at's arithmetic (no GPU): the first cache slot at which a unit can hold the rule's 128 positions, as
+    chain_attention cuts a context of L = slot + 1 into min(splits, ceil(L / (warps x per_warp))) units of at most
+    ceil(L / that) positions; the form forced on or off, and a plan without octets."""
+    from types import SimpleNamespace
+
+    chain = persist.PersistentChain.__new__(persist.PersistentChain)  # only the fields octets_at reads
+    chain.octets, chain._form, chain.warps = True, -1, 16
+    for splits, per_warp, first in ((1, None, 127), (16, None, 2032), (33, None, 4191), (16, 64, 127), (16, 4, 2032)):
+        chain.splits, chain.attention = splits, SimpleNamespace(per_warp=per_warp)
+        assert [chain.octets_at(p) for p in (first - 1, first, first + 1000)] == [False, True, True], \
+            (splits, per_warp, first)
+    chain._form = 1
+    assert chain.octets_at(0)
+    chain._form = 0
+    assert not chain.octets_at(10**6)
+    chain._form, chain.octets = -1, False
+    assert not chain.octets_at(10**6)
+
+
 @needs_ext
 def test_head_record_refuses_a_missing_pointer_or_a_k_the_loads_cannot_take():
     """The head's record (what the launch trusts): empty, so refused by the chain, for a missing pointer, K not
